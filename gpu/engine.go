@@ -1,0 +1,255 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"time"
+)
+
+// Sentinel errors. Every error returned by this package wraps one of them
+// (or os.ErrClosed), usually inside a *CopyError.
+var (
+	// ErrInvalidRegion: a Region failed Validate.
+	ErrInvalidRegion = errors.New("gpu: invalid region")
+	// ErrUnknownRegion: the Handle is not (or no longer) registered.
+	ErrUnknownRegion = errors.New("gpu: unknown region")
+	// ErrOutOfBounds: a page index or pool offset lies outside the region
+	// or the pool, or an offset computation would overflow.
+	ErrOutOfBounds = errors.New("gpu: out of bounds")
+	// ErrInvalidOp: the Op is malformed (bad direction, mismatched slices).
+	ErrInvalidOp = errors.New("gpu: invalid op")
+	// ErrUnsupported: the backend cannot serve this region kind.
+	ErrUnsupported = errors.New("gpu: unsupported")
+	// ErrTransfer: the copy itself failed (fault, dead process, permission).
+	ErrTransfer = errors.New("gpu: transfer failed")
+)
+
+// Kind says how the engine memory of a Region is reached.
+type Kind uint8
+
+const (
+	_ Kind = iota
+	// HostProcess is ordinary host memory of another process, addressed by
+	// PID and virtual address (vLLM's CPU backend). The host backend uses
+	// process_vm_readv/process_vm_writev.
+	HostProcess
+	// HostShared is memory also mapped in the sidecar (another shm file);
+	// Region.Mapped is the sidecar's mapping and Base an offset into it.
+	HostShared
+	// CUDAIPC is device memory imported through CUDA IPC; reserved for the
+	// CUDA backend. The host backend rejects it with ErrUnsupported.
+	CUDAIPC
+)
+
+func (k Kind) String() string {
+	switch k {
+	case HostProcess:
+		return "host-process"
+	case HostShared:
+		return "host-shared"
+	case CUDAIPC:
+		return "cuda-ipc"
+	}
+	return fmt.Sprintf("Kind(%d)", uint8(k))
+}
+
+// Direction of a copy.
+type Direction uint8
+
+const (
+	_ Direction = iota
+	// PoolToEngine loads pool blocks into engine pages.
+	PoolToEngine
+	// EngineToPool stores engine pages into pool blocks.
+	EngineToPool
+)
+
+func (d Direction) String() string {
+	switch d {
+	case PoolToEngine:
+		return "load"
+	case EngineToPool:
+		return "store"
+	}
+	return fmt.Sprintf("Direction(%d)", uint8(d))
+}
+
+// Segment is one contiguous piece of every page in a layered layout.
+// Segment i of page p lives at Base + Offset + p*Stride and is Length bytes
+// long. In the pool block the segments of a page are stored back to back,
+// in slice order.
+type Segment struct {
+	Offset uint64
+	Stride uint64
+	Length uint64
+}
+
+// Region describes engine KV memory. All addresses are in the engine's
+// address space: for HostProcess, virtual addresses in process PID; for
+// HostShared, offsets into Mapped; for CUDAIPC, device addresses.
+//
+// Without Segments, page p is the single range [Base+p*PageSize, +PageSize).
+// With Segments, page p is one range per segment and PageSize must equal
+// the sum of the segment lengths: it is always the size of a pool block.
+type Region struct {
+	Kind      Kind
+	PID       int    // HostProcess (and CUDAIPC exporter)
+	Base      uint64 // start of the region
+	Length    uint64 // bytes from Base that pages may touch
+	PageSize  uint64 // bytes per page, = pool bytes per page
+	PageCount uint32
+	Segments  []Segment
+	Mapped    []byte // HostShared only: the sidecar's mapping
+}
+
+// Validate checks the region's geometry: non-zero sizes, every page and
+// segment inside [Base, Base+Length), and no uint64 overflow anywhere. It
+// reports every problem found, each wrapping ErrInvalidRegion.
+func (r *Region) Validate() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidRegion}, args...)...))
+	}
+	switch r.Kind {
+	case HostProcess:
+		if r.PID <= 0 {
+			bad("host-process region needs a pid, got %d", r.PID)
+		}
+		if r.Mapped != nil {
+			bad("host-process region must not set Mapped")
+		}
+	case HostShared:
+		if r.Mapped == nil {
+			bad("host-shared region needs Mapped")
+		} else if end, c := bits.Add64(r.Base, r.Length, 0); c != 0 || end > uint64(len(r.Mapped)) {
+			bad("host-shared region [%d,+%d) outside mapping of %d bytes", r.Base, r.Length, len(r.Mapped))
+		}
+	case CUDAIPC:
+	default:
+		bad("unknown kind %d", uint8(r.Kind))
+	}
+	if r.Length == 0 {
+		bad("zero length")
+	}
+	if r.PageSize == 0 {
+		bad("zero page size")
+	}
+	if r.PageCount == 0 {
+		bad("zero page count")
+	}
+	if _, c := bits.Add64(r.Base, r.Length, 0); c != 0 {
+		bad("base %#x + length %d overflows", r.Base, r.Length)
+	}
+	if hi, lo := bits.Mul64(r.PageSize, uint64(r.PageCount)); hi != 0 || lo > r.Length {
+		bad("page size %d * page count %d exceeds length %d", r.PageSize, r.PageCount, r.Length)
+	}
+	if len(r.Segments) > 0 && r.PageCount > 0 {
+		var sum uint64
+		last := uint64(r.PageCount - 1)
+		for i, s := range r.Segments {
+			if s.Length == 0 {
+				bad("segment %d: zero length", i)
+				continue
+			}
+			var c uint64
+			if sum, c = bits.Add64(sum, s.Length, 0); c != 0 {
+				bad("segment %d: lengths overflow", i)
+				sum = math.MaxUint64
+			}
+			if r.PageCount > 1 && s.Stride < s.Length {
+				bad("segment %d: stride %d < length %d: pages overlap", i, s.Stride, s.Length)
+			}
+			hi, span := bits.Mul64(last, s.Stride)
+			end, c1 := bits.Add64(span, s.Offset, 0)
+			end, c2 := bits.Add64(end, s.Length, 0)
+			if hi != 0 || c1 != 0 || c2 != 0 || end > r.Length {
+				bad("segment %d: offset %d + %d*stride %d + length %d exceeds region length %d",
+					i, s.Offset, last, s.Stride, s.Length, r.Length)
+			}
+		}
+		if sum != r.PageSize {
+			bad("segment lengths sum to %d, page size is %d", sum, r.PageSize)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Handle names a registered region within one Engine. The zero Handle is
+// never issued.
+type Handle uint32
+
+// Op is one request: copy len(Pages) pages between the registered region
+// and the pool. Pages[i] is an engine page index and PoolOffsets[i] the
+// byte offset of its pool block (PageSize bytes). An engine reads the
+// slices only during Submit; the caller may reuse them afterwards.
+type Op struct {
+	Dir         Direction
+	Region      Handle
+	Pages       []uint32
+	PoolOffsets []uint64
+}
+
+// Result reports a completed Op.
+type Result struct {
+	Bytes   int64         // bytes copied (on error: before the failure)
+	Ranges  int           // ranges after merging
+	Calls   int           // backend calls (syscalls, driver calls) issued
+	Queued  time.Duration // from Submit until the copy started
+	Elapsed time.Duration // copy time
+	Err     error         // nil on success; a *CopyError otherwise
+}
+
+// Engine moves bytes between the pool and registered engine regions.
+// All methods are safe for concurrent use.
+type Engine interface {
+	// Name identifies the backend ("host", "cuda").
+	Name() string
+	// Register validates r and makes it addressable by the returned Handle.
+	// The engine keeps r (including Mapped) until Unregister.
+	Register(r Region) (Handle, error)
+	// Unregister forgets h. It waits for ops already submitted on h to
+	// complete, so the region's memory may be released once it returns.
+	// It must not be called from a done callback.
+	Unregister(h Handle) error
+	// Submit bounds-checks op completely and, if it is valid, queues it and
+	// later calls done exactly once with the outcome. If Submit returns an
+	// error, nothing was copied and done is never called. done runs on a
+	// backend goroutine and must not block; it must not call Unregister or
+	// Close. Submit may block while the queue is full.
+	Submit(op Op, done func(Result)) error
+	// Close stops accepting ops, completes the ones already accepted (their
+	// done callbacks run) and releases the backend. It is idempotent.
+	Close() error
+}
+
+// Do submits op and waits for it to complete. There is deliberately no
+// context: an accepted copy cannot be abandoned while it may still touch
+// the pool block, so the caller must wait for it either way.
+func Do(e Engine, op Op) (Result, error) {
+	ch := make(chan Result, 1)
+	if err := e.Submit(op, func(r Result) { ch <- r }); err != nil {
+		return Result{Err: err}, err
+	}
+	r := <-ch
+	return r, r.Err
+}
+
+// CopyError is the error of a rejected or failed Op.
+type CopyError struct {
+	Dir    Direction
+	Region Handle
+	Index  int    // index into Op.Pages, -1 if the error is not about one page
+	Page   uint32 // Op.Pages[Index] when Index >= 0
+	Err    error  // wraps a sentinel; transfer errors name pid and address
+}
+
+func (e *CopyError) Error() string {
+	if e.Index >= 0 {
+		return fmt.Sprintf("gpu: %v region %d page %d (op index %d): %v", e.Dir, e.Region, e.Page, e.Index, e.Err)
+	}
+	return fmt.Sprintf("gpu: %v region %d: %v", e.Dir, e.Region, e.Err)
+}
+
+func (e *CopyError) Unwrap() error { return e.Err }

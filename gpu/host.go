@@ -1,0 +1,220 @@
+package gpu
+
+import (
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu/internal/procmem"
+)
+
+// HostOptions configures NewHost. The zero value is usable.
+type HostOptions struct {
+	// Workers is the number of copy goroutines (default 2).
+	Workers int
+	// Queue is the number of accepted ops that may wait for a worker
+	// before Submit blocks (default 64).
+	Queue int
+}
+
+// Host is the CPU backend: HostShared regions are copied with copy(),
+// HostProcess regions with process_vm_readv/process_vm_writev, batching all
+// ranges of one op into as few system calls as possible. CUDAIPC regions
+// are rejected with ErrUnsupported.
+type Host struct {
+	pool []byte
+
+	mu      sync.RWMutex
+	regions map[Handle]*hostRegion
+	next    Handle
+	closed  bool
+	jobs    chan hostJob
+
+	workers sync.WaitGroup
+	noMerge bool // tests and benchmarks: skip MergeRanges
+}
+
+var _ Engine = (*Host)(nil)
+
+type hostRegion struct {
+	r        Region
+	inflight sync.WaitGroup
+}
+
+type hostJob struct {
+	dir       Direction
+	h         Handle
+	reg       *hostRegion
+	ranges    []Range
+	submitted time.Time
+	done      func(Result)
+}
+
+// NewHost returns a host backend copying to and from pool (the sidecar's
+// mapping of the block pool). pool must stay mapped until Close returns.
+func NewHost(pool []byte, opts HostOptions) (*Host, error) {
+	if len(pool) == 0 {
+		return nil, fmt.Errorf("%w: empty pool", ErrInvalidOp)
+	}
+	if opts.Workers <= 0 {
+		opts.Workers = 2
+	}
+	if opts.Queue <= 0 {
+		opts.Queue = 64
+	}
+	h := &Host{
+		pool:    pool,
+		regions: make(map[Handle]*hostRegion),
+		jobs:    make(chan hostJob, opts.Queue),
+	}
+	h.workers.Add(opts.Workers)
+	for range opts.Workers {
+		go h.worker()
+	}
+	return h, nil
+}
+
+// Name returns "host".
+func (h *Host) Name() string { return "host" }
+
+// Register validates r and registers it. CUDAIPC regions fail with an error
+// wrapping ErrUnsupported.
+func (h *Host) Register(r Region) (Handle, error) {
+	if err := r.Validate(); err != nil {
+		return 0, err
+	}
+	if r.Kind == CUDAIPC {
+		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", ErrUnsupported, r.Kind)
+	}
+	r.Segments = append([]Segment(nil), r.Segments...) // caller may reuse theirs
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
+	}
+	for {
+		h.next++
+		if _, used := h.regions[h.next]; h.next != 0 && !used {
+			break
+		}
+	}
+	h.regions[h.next] = &hostRegion{r: r}
+	return h.next, nil
+}
+
+// Unregister removes the region and waits for its in-flight ops.
+func (h *Host) Unregister(hd Handle) error {
+	h.mu.Lock()
+	reg, ok := h.regions[hd]
+	delete(h.regions, hd)
+	h.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: handle %d", ErrUnknownRegion, hd)
+	}
+	reg.inflight.Wait()
+	return nil
+}
+
+// Submit bounds-checks and plans op, then queues it for a worker.
+func (h *Host) Submit(op Op, done func(Result)) error {
+	fail := func(err error) error {
+		if ce, ok := err.(*CopyError); ok {
+			ce.Dir, ce.Region = op.Dir, op.Region
+			return ce
+		}
+		return &CopyError{Dir: op.Dir, Region: op.Region, Index: -1, Err: err}
+	}
+	if op.Dir != PoolToEngine && op.Dir != EngineToPool {
+		return fail(fmt.Errorf("%w: direction %d", ErrInvalidOp, uint8(op.Dir)))
+	}
+	if done == nil {
+		return fail(fmt.Errorf("%w: nil done callback", ErrInvalidOp))
+	}
+	now := time.Now()
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.closed {
+		return fail(os.ErrClosed)
+	}
+	reg, ok := h.regions[op.Region]
+	if !ok {
+		return fail(ErrUnknownRegion)
+	}
+	ranges, err := PlanRanges(nil, &reg.r, uint64(len(h.pool)), op.Pages, op.PoolOffsets)
+	if err != nil {
+		return fail(err)
+	}
+	if !h.noMerge {
+		ranges = MergeRanges(ranges)
+	}
+	reg.inflight.Add(1)
+	// Sending under the read lock keeps Close from closing the channel
+	// under us; workers never take the lock, so this cannot deadlock.
+	h.jobs <- hostJob{dir: op.Dir, h: op.Region, reg: reg, ranges: ranges, submitted: now, done: done}
+	return nil
+}
+
+// Close stops accepting ops, runs the accepted ones and waits for the
+// workers. It is idempotent.
+func (h *Host) Close() error {
+	h.mu.Lock()
+	if !h.closed {
+		h.closed = true
+		close(h.jobs)
+	}
+	h.mu.Unlock()
+	h.workers.Wait()
+	return nil
+}
+
+func (h *Host) worker() {
+	defer h.workers.Done()
+	for j := range h.jobs {
+		start := time.Now()
+		res := h.run(j)
+		res.Queued = start.Sub(j.submitted)
+		res.Elapsed = time.Since(start)
+		res.Ranges = len(j.ranges)
+		j.reg.inflight.Done()
+		j.done(res)
+	}
+}
+
+func (h *Host) run(j hostJob) Result {
+	r := &j.reg.r
+	switch r.Kind {
+	case HostShared:
+		var n int64
+		for _, rg := range j.ranges {
+			p := h.pool[rg.Pool : rg.Pool+rg.Len]
+			e := r.Mapped[rg.Engine : rg.Engine+rg.Len]
+			if j.dir == PoolToEngine {
+				copy(e, p)
+			} else {
+				copy(p, e)
+			}
+			n += int64(rg.Len)
+		}
+		return Result{Bytes: n, Calls: len(j.ranges)}
+	case HostProcess:
+		prs := make([]procmem.Range, len(j.ranges))
+		for i, rg := range j.ranges {
+			prs[i] = procmem.Range{Local: rg.Pool, Remote: rg.Engine, Len: rg.Len}
+		}
+		var st procmem.Stats
+		var err error
+		if j.dir == PoolToEngine {
+			st, err = procmem.Write(r.PID, h.pool, prs)
+		} else {
+			st, err = procmem.Read(r.PID, h.pool, prs)
+		}
+		res := Result{Bytes: st.Bytes, Calls: st.Calls}
+		if err != nil {
+			res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: %w", ErrTransfer, err)}
+		}
+		return res
+	}
+	// Register rejects every other kind.
+	return Result{Err: &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: kind %v", ErrUnsupported, r.Kind)}}
+}

@@ -1,0 +1,66 @@
+// Package cli defines ringside's command line: flags (each with a RINGSIDE_
+// environment variable), subcommands, and the wiring from flags to the
+// sidecar, the benchmarks and the inspector.
+package cli
+
+import (
+	"strings"
+
+	"github.com/rs/zerolog"
+	"github.com/urfave/cli/v2"
+
+	"github.com/ringside-kv/ringside/internal/logx"
+)
+
+// Version is set at build time with -ldflags "-X ...cli.Version=...".
+var Version = "dev"
+
+// App returns the ringside command-line application.
+func App() *cli.App {
+	return &cli.App{
+		Name:    "ringside",
+		Usage:   "KV-cache connector sidecar for LLM inference engines",
+		Version: Version,
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "log.format", Value: "json", Usage: "log format: json or console", EnvVars: env("log.format")},
+			&cli.StringFlag{Name: "log.level", Value: "info", Usage: "log level: trace, debug, info, warn, error", EnvVars: env("log.level")},
+		},
+		Commands: []*cli.Command{
+			serveCommand(),
+			benchCommand(),
+			inspectCommand(),
+			{
+				Name:  "version",
+				Usage: "print the version",
+				Action: func(c *cli.Context) error {
+					_, err := c.App.Writer.Write([]byte("ringside " + Version + "\n"))
+					return err
+				},
+			},
+		},
+	}
+}
+
+// env names the environment variable of a flag: RINGSIDE_ and the flag name
+// in upper case with dots and dashes as underscores.
+func env(flag string) []string {
+	r := strings.NewReplacer(".", "_", "-", "_")
+	return []string{"RINGSIDE_" + strings.ToUpper(r.Replace(flag))}
+}
+
+// logger builds the logger from the global flags.
+func logger(c *cli.Context) (zerolog.Logger, error) {
+	return logx.New(c.App.ErrWriter, c.String("log.format"), c.String("log.level"))
+}
+
+// benchCommand groups the benchmarks; each lives in its own file.
+func benchCommand() *cli.Command {
+	return &cli.Command{
+		Name:        "bench",
+		Usage:       "run a benchmark against real rings and a live sidecar",
+		Subcommands: benchSubcommands,
+	}
+}
+
+// benchSubcommands is filled by the bench_*.go files' init functions.
+var benchSubcommands []*cli.Command

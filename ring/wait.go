@@ -1,0 +1,116 @@
+package ring
+
+import (
+	"os"
+	"runtime"
+	"sync/atomic"
+	"time"
+
+	"github.com/ringside-kv/ringside/internal/shm"
+)
+
+// WaitConfig is the waiting strategy of one side: spin, then yield, then
+// park on a futex in the shared header. A parked side costs nothing until the
+// peer publishes; the peer pays for a wake system call only while this side
+// is parked.
+type WaitConfig struct {
+	// Spin is how long to busy-poll before yielding. Zero means do not spin.
+	Spin time.Duration
+	// Yield is how long to poll with runtime.Gosched between checks after
+	// spinning. Zero means do not yield.
+	Yield time.Duration
+	// Park is the longest single futex sleep. Between sleeps the waiter
+	// checks that the peer is alive, so Park bounds how long a dead peer or
+	// a lost wake-up goes unnoticed. Default 10ms.
+	Park time.Duration
+}
+
+// DefaultWait spins for 50 µs, yields for 50 µs, then parks.
+var DefaultWait = WaitConfig{Spin: 50 * time.Microsecond, Yield: 50 * time.Microsecond, Park: 10 * time.Millisecond}
+
+// ParkWait parks at once: lowest CPU, highest latency.
+var ParkWait = WaitConfig{Park: 10 * time.Millisecond}
+
+func (w WaitConfig) withDefaults() WaitConfig {
+	if w.Park <= 0 {
+		w.Park = 10 * time.Millisecond
+	}
+	return w
+}
+
+// WaitStats counts how a side waited.
+type WaitStats struct {
+	Waits  uint64        // calls that had to wait at all
+	Parks  uint64        // futex sleeps
+	Waited time.Duration // total time spent waiting
+}
+
+// wait runs the spin, yield, park strategy until cond holds, peer reports an
+// error, check fails, or deadline passes.
+func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *atomic.Uint32, deadline time.Time, check func() error, st *WaitStats) error {
+	if cond() {
+		return nil
+	}
+	start := time.Now()
+	st.Waits++
+	defer func() { st.Waited += time.Since(start) }()
+	if w.Spin > 0 {
+		end := start.Add(w.Spin)
+		for i := 0; ; i++ {
+			if cond() {
+				return nil
+			}
+			if i&127 == 127 && time.Now().After(end) {
+				break
+			}
+		}
+	}
+	if w.Yield > 0 {
+		end := time.Now().Add(w.Yield)
+		for i := 0; ; i++ {
+			runtime.Gosched()
+			if cond() {
+				return nil
+			}
+			if i&7 == 7 && time.Now().After(end) {
+				break
+			}
+		}
+	}
+	for {
+		if err := peer(); err != nil {
+			return err
+		}
+		if check != nil {
+			if err := check(); err != nil {
+				return err
+			}
+		}
+		sleep := w.Park
+		if !deadline.IsZero() {
+			left := time.Until(deadline)
+			if left <= 0 {
+				if cond() {
+					return nil
+				}
+				return os.ErrDeadlineExceeded
+			}
+			sleep = min(sleep, left)
+		}
+		seq := futex.Load()
+		parked.Store(1) // sequentially consistent: ordered before the re-check
+		if cond() {
+			parked.Store(0)
+			return nil
+		}
+		st.Parks++
+		if err := shm.FutexWait(futex, seq, sleep); err != nil {
+			parked.Store(0)
+			return err
+		}
+		parked.Store(0)
+		if cond() {
+			return nil
+		}
+	}
+}
