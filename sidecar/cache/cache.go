@@ -1,0 +1,437 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+)
+
+// Limits and defaults.
+const (
+	// MaxDigestLen is the widest digest a namespace may use.
+	MaxDigestLen = 32
+	// MaxWorldSize is the largest tensor-parallel world size (ranks 0..63).
+	MaxWorldSize = 64
+	// MaxCapacity is the largest number of slots a Cache may manage.
+	MaxCapacity = 1 << 31
+	// NoSlot is the "no slot" value of a slot index.
+	NoSlot uint32 = math.MaxUint32
+
+	// DefaultDeltaLogSize is the default number of entries in each
+	// namespace's delta ring.
+	DefaultDeltaLogSize = 1 << 16
+	// DefaultWriteTimeout is the default writer deadline of a pending block.
+	DefaultWriteTimeout = 30 * time.Second
+
+	maxNamespaces = math.MaxUint16 // IDs 1..65535
+)
+
+// Errors. All are sentinels so callers can use errors.Is; most are wrapped
+// with the offending value.
+var (
+	ErrUnknownNamespace = errors.New("cache: unknown namespace")
+	ErrUnknownLease     = errors.New("cache: unknown lease")
+	ErrStaleTicket      = errors.New("cache: stale or unknown write ticket")
+	ErrBadRank          = errors.New("cache: rank out of range")
+	ErrBadDigest        = errors.New("cache: digest length does not match namespace width")
+	ErrBadTTL           = errors.New("cache: ttl must be positive")
+	ErrResync           = errors.New("cache: delta cursor invalid, resync from snapshot")
+	ErrTooManyNS        = errors.New("cache: too many namespaces")
+	ErrBadNamespaceKey  = errors.New("cache: invalid namespace key")
+	ErrTooManyPins      = errors.New("cache: pin count overflow")
+	ErrBadConfig        = errors.New("cache: invalid config")
+	ErrBudget           = errors.New("cache: budget accounting error")
+)
+
+// NamespaceID identifies a namespace inside one Cache. IDs start at 1; the
+// zero value is never a valid namespace.
+type NamespaceID uint16
+
+// SessionID identifies an owner (an engine connection / instance).
+type SessionID uint64
+
+// NamespaceKey is the identity of a namespace. Two keys that differ in any
+// field never share blocks.
+type NamespaceKey struct {
+	Model       string // model id (including weight lineage)
+	Layout      uint64 // KV layout fingerprint (dtype, block tokens, heads, ...)
+	TenantSalt  uint64 // tenant isolation salt
+	DigestWidth int    // 8, 16 or 32 bytes
+	WorldSize   int    // tensor-parallel ranks, 1..64
+}
+
+// Config configures a Cache. The zero value of every field except Capacity
+// and Epoch means "default".
+type Config struct {
+	// Capacity is the number of pool slots (0..Capacity-1). Required.
+	Capacity int
+	// DeltaLogSize is the number of entries of each namespace's delta ring;
+	// a power of two. Default DefaultDeltaLogSize.
+	DeltaLogSize int
+	// WriteTimeout bounds how long a logical block may stay incomplete
+	// (some rank reserved or writing). Default DefaultWriteTimeout.
+	WriteTimeout time.Duration
+	// Epoch identifies this cache instance in delta cursors. It must be
+	// non-zero and must differ between processes (e.g. random 64 bits or
+	// the wall clock at boot); the package itself has no randomness.
+	Epoch uint64
+}
+
+// EnsureDefaults fills zero fields with defaults.
+func (c *Config) EnsureDefaults() {
+	if c.DeltaLogSize == 0 {
+		c.DeltaLogSize = DefaultDeltaLogSize
+	}
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = DefaultWriteTimeout
+	}
+}
+
+// Validate reports every problem of the config.
+func (c *Config) Validate() error {
+	var errs []error
+	if c.Capacity <= 0 || c.Capacity > MaxCapacity {
+		errs = append(errs, fmt.Errorf("%w: capacity %d not in 1..%d", ErrBadConfig, c.Capacity, MaxCapacity))
+	}
+	if c.DeltaLogSize <= 0 || c.DeltaLogSize&(c.DeltaLogSize-1) != 0 {
+		errs = append(errs, fmt.Errorf("%w: delta log size %d is not a positive power of two", ErrBadConfig, c.DeltaLogSize))
+	}
+	if c.WriteTimeout < 0 {
+		errs = append(errs, fmt.Errorf("%w: negative write timeout", ErrBadConfig))
+	}
+	if c.Epoch == 0 {
+		errs = append(errs, fmt.Errorf("%w: epoch must be non-zero", ErrBadConfig))
+	}
+	return errors.Join(errs...)
+}
+
+// Slot states (low 2 bits of meta; the high 6 bits hold the rank).
+const (
+	stFree uint8 = iota
+	stReserved
+	stWriting
+	stStored
+)
+
+type namespace struct {
+	key     NamespaceKey
+	width   int
+	world   int
+	blocks  int // present logical blocks
+	pending int // incomplete logical blocks
+	log     deltaLog
+}
+
+// Cache is the in-memory state machine of the KV block pool. It is NOT
+// safe for concurrent use: the sidecar serialises all calls with a mutex.
+type Cache struct {
+	cfg      Config
+	capacity uint32
+	sentinel uint32 // index of the LRU sentinel in prev/next (== capacity)
+
+	// Per-slot struct of arrays (see doc.go for the byte budget).
+	digest [][MaxDigestLen]byte
+	prev   []uint32 // len capacity+1
+	next   []uint32 // len capacity+1
+	ring   []uint32
+	aux    []uint32
+	nsOf   []uint16
+	meta   []uint8
+	done   []uint8
+
+	// Open-addressing index of logical blocks: entries are head slot+1,
+	// 0 means empty.
+	table   []uint32
+	tags    []uint8 // hash tag per table entry
+	entries int
+
+	freeHead  uint32
+	nFree     int
+	nReserved int
+	nWriting  int
+	nStored   int
+	lruLen    int // present, unpinned logical blocks
+	evictable int // slots of present, unpinned logical blocks
+	pinned    int // present, pinned logical blocks
+
+	nsList  []*namespace
+	nsByKey map[NamespaceKey]NamespaceID
+
+	writers    []writerRec
+	writerFree int32
+	liveWriter int
+
+	leases    []leaseRec
+	leaseFree int32
+	leaseByID map[uint64]int32
+
+	owners    map[SessionID]*owner
+	ownerPool []*owner
+	timers    []timer
+	timerSeq  uint64
+
+	nextLeaseID  uint64
+	nextWriterID uint64
+
+	scratch []uint32
+	st      counters
+}
+
+type counters struct {
+	lookups, lookupBlocks, hitBlocks         uint64
+	acquires, acquiredBlocks                 uint64
+	stores, aborts, noSpace                  uint64
+	evictions, cleared                       uint64
+	reapedLeases, reapedWrites, expiry       uint64
+	releasedOwnerLeases, releasedOwnerWrites uint64
+}
+
+// New returns an empty Cache.
+func New(cfg Config) (*Cache, error) {
+	cfg.EnsureDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	n := uint32(cfg.Capacity)
+	c := &Cache{
+		cfg:        cfg,
+		capacity:   n,
+		sentinel:   n,
+		digest:     make([][MaxDigestLen]byte, n),
+		prev:       make([]uint32, n+1),
+		next:       make([]uint32, n+1),
+		ring:       make([]uint32, n),
+		aux:        make([]uint32, n),
+		nsOf:       make([]uint16, n),
+		meta:       make([]uint8, n),
+		done:       make([]uint8, n),
+		table:      make([]uint32, tableSize(cfg.Capacity)),
+		tags:       make([]uint8, tableSize(cfg.Capacity)),
+		nsByKey:    make(map[NamespaceKey]NamespaceID),
+		leaseByID:  make(map[uint64]int32),
+		owners:     make(map[SessionID]*owner),
+		writerFree: -1,
+		leaseFree:  -1,
+	}
+	// Free list threaded through next, in ascending slot order.
+	for i := uint32(0); i < n; i++ {
+		c.next[i] = i + 1
+		c.prev[i] = NoSlot
+		c.ring[i] = NoSlot
+	}
+	c.next[n-1] = NoSlot
+	c.freeHead = 0
+	c.nFree = int(n)
+	c.prev[n], c.next[n] = n, n // empty LRU
+	return c, nil
+}
+
+// tableSize keeps the index load factor at or below 0.6 even when every
+// slot is its own logical block (world size 1).
+func tableSize(capacity int) int { return capacity + capacity*2/3 + 8 }
+
+// Capacity returns the number of slots.
+func (c *Cache) Capacity() int { return int(c.capacity) }
+
+// AddNamespace returns the namespace for key, creating it on first use.
+// It is idempotent: the same key always yields the same ID.
+func (c *Cache) AddNamespace(key NamespaceKey) (NamespaceID, error) {
+	if id, ok := c.nsByKey[key]; ok {
+		return id, nil
+	}
+	switch key.DigestWidth {
+	case 8, 16, 32:
+	default:
+		return 0, fmt.Errorf("%w: digest width %d not 8|16|32", ErrBadNamespaceKey, key.DigestWidth)
+	}
+	if key.WorldSize < 1 || key.WorldSize > MaxWorldSize {
+		return 0, fmt.Errorf("%w: world size %d not in 1..%d", ErrBadNamespaceKey, key.WorldSize, MaxWorldSize)
+	}
+	if key.WorldSize > int(c.capacity) {
+		return 0, fmt.Errorf("%w: world size %d exceeds capacity %d", ErrBadNamespaceKey, key.WorldSize, c.capacity)
+	}
+	if len(c.nsList) >= maxNamespaces {
+		return 0, ErrTooManyNS
+	}
+	ns := &namespace{key: key, width: key.DigestWidth, world: key.WorldSize}
+	ns.log.init(c.cfg.DeltaLogSize, c.cfg.Epoch)
+	c.nsList = append(c.nsList, ns)
+	id := NamespaceID(len(c.nsList))
+	c.nsByKey[key] = id
+	return id, nil
+}
+
+// Namespace returns the key of ns.
+func (c *Cache) Namespace(ns NamespaceID) (NamespaceKey, error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return NamespaceKey{}, err
+	}
+	return n.key, nil
+}
+
+func (c *Cache) ns(id NamespaceID) (*namespace, error) {
+	if id == 0 || int(id) > len(c.nsList) {
+		return nil, fmt.Errorf("%w: %d", ErrUnknownNamespace, id)
+	}
+	return c.nsList[id-1], nil
+}
+
+// Len returns the number of present (fully stored, all ranks) logical
+// blocks of ns; 0 for an unknown namespace.
+func (c *Cache) Len(ns NamespaceID) int {
+	n, err := c.ns(ns)
+	if err != nil {
+		return 0
+	}
+	return n.blocks
+}
+
+// MemoryBytes returns the bytes of the per-slot arrays and the index: the
+// memory that scales with capacity. Side tables (leases, writers, timers)
+// scale with in-flight work and delta logs with namespaces; see LogBytes.
+func (c *Cache) MemoryBytes() int64 {
+	b := int64(len(c.digest)) * MaxDigestLen
+	b += int64(len(c.prev)+len(c.next)+len(c.ring)+len(c.aux)) * 4
+	b += int64(len(c.nsOf)) * 2
+	b += int64(len(c.meta) + len(c.done))
+	b += int64(len(c.table))*4 + int64(len(c.tags))
+	return b
+}
+
+// BytesPerBlock returns MemoryBytes divided by capacity.
+func (c *Cache) BytesPerBlock() float64 { return float64(c.MemoryBytes()) / float64(c.capacity) }
+
+// LogBytes returns the bytes held by all namespaces' delta rings.
+func (c *Cache) LogBytes() int64 {
+	var b int64
+	for _, n := range c.nsList {
+		b += int64(len(n.log.ents)) * logEntrySize
+	}
+	return b
+}
+
+// Stats is a point-in-time accounting snapshot. Slot counts always satisfy
+// Free+Used == Capacity and Used == Reserved+Writing+Stored.
+type Stats struct {
+	Capacity int
+	Free     int // free slots
+	Used     int // Reserved + Writing + Stored slots
+	Reserved int // slots of incomplete blocks whose rank has not begun writing
+	Writing  int // slots being written (invisible, not evictable)
+	Stored   int // committed slots (of present or still-incomplete blocks)
+
+	Blocks        int // present logical blocks
+	PendingBlocks int // incomplete logical blocks
+	PinnedBlocks  int // present blocks with at least one lease
+	Evictable     int // slots that eviction could free now
+	Leases        int // live leases
+	Writers       int // live write tickets
+	Namespaces    int
+
+	Lookups        uint64 // Lookup calls
+	LookupBlocks   uint64 // digests asked by Lookup
+	HitBlocks      uint64 // leading blocks found by Lookup
+	Acquires       uint64 // Acquire calls that pinned something
+	AcquiredBlocks uint64
+	Stores         uint64 // logical blocks that became present
+	Aborts         uint64 // AbortStore calls (explicit or via ReleaseOwner)
+	NoSpace        uint64 // BeginStore answered NoSpace
+	Evictions      uint64 // logical blocks evicted for space
+	Cleared        uint64 // logical blocks dropped by Clear
+	ExpiredLeases  uint64 // leases reclaimed by Reap
+	ExpiredWrites  uint64 // write tickets reclaimed by Reap
+	ExpiredBlocks  uint64 // incomplete logical blocks reclaimed by Reap
+}
+
+// Stats returns the current accounting.
+func (c *Cache) Stats() Stats {
+	pending := 0
+	for _, n := range c.nsList {
+		pending += n.pending
+	}
+	used := c.nReserved + c.nWriting + c.nStored
+	return Stats{
+		Capacity: int(c.capacity), Free: c.nFree, Used: used,
+		Reserved: c.nReserved, Writing: c.nWriting, Stored: c.nStored,
+		Blocks: c.lruLen + c.pinned, PendingBlocks: pending, PinnedBlocks: c.pinned,
+		Evictable: c.evictable, Leases: len(c.leaseByID), Writers: c.liveWriter,
+		Namespaces: len(c.nsList),
+		Lookups:    c.st.lookups, LookupBlocks: c.st.lookupBlocks, HitBlocks: c.st.hitBlocks,
+		Acquires: c.st.acquires, AcquiredBlocks: c.st.acquiredBlocks,
+		Stores: c.st.stores, Aborts: c.st.aborts, NoSpace: c.st.noSpace,
+		Evictions: c.st.evictions, Cleared: c.st.cleared,
+		ExpiredLeases: c.st.reapedLeases, ExpiredWrites: c.st.reapedWrites, ExpiredBlocks: c.st.expiry,
+	}
+}
+
+// --- per-slot helpers ---
+
+func (c *Cache) state(s uint32) uint8 { return c.meta[s] & 3 }
+func (c *Cache) rank(s uint32) int    { return int(c.meta[s] >> 2) }
+func (c *Cache) setState(s uint32, st uint8) {
+	c.meta[s] = c.meta[s]&^3 | st
+}
+
+// headOf returns the head (rank 0) slot of the logical block owning s.
+func (c *Cache) headOf(s uint32) uint32 {
+	if c.rank(s) == 0 {
+		return s
+	}
+	return c.prev[s]
+}
+
+// member returns the slot of rank r of the logical block headed by head.
+func (c *Cache) member(head uint32, r int) uint32 {
+	s := head
+	for ; r > 0; r-- {
+		s = c.ring[s]
+	}
+	return s
+}
+
+func (c *Cache) worldOf(head uint32) int { return c.nsList[c.nsOf[head]-1].world }
+
+func (c *Cache) present(head uint32) bool {
+	return c.state(head) == stStored && int(c.done[head]) == c.worldOf(head)
+}
+
+// --- LRU (doubly linked through prev/next, sentinel at index capacity) ---
+
+func (c *Cache) lruPushFront(s uint32) {
+	f := c.next[c.sentinel]
+	c.prev[s], c.next[s] = c.sentinel, f
+	c.prev[f] = s
+	c.next[c.sentinel] = s
+	c.lruLen++
+}
+
+func (c *Cache) lruRemove(s uint32) {
+	p, n := c.prev[s], c.next[s]
+	c.next[p] = n
+	c.prev[n] = p
+	c.prev[s], c.next[s] = NoSlot, NoSlot
+	c.lruLen--
+}
+
+func (c *Cache) lruTouch(s uint32) {
+	if c.next[c.sentinel] == s {
+		return
+	}
+	p, n := c.prev[s], c.next[s]
+	c.next[p] = n
+	c.prev[n] = p
+	f := c.next[c.sentinel]
+	c.prev[s], c.next[s] = c.sentinel, f
+	c.prev[f] = s
+	c.next[c.sentinel] = s
+}
+
+// touch marks a present block recently used (no-op for pinned blocks,
+// which are outside the LRU until their last lease is released).
+func (c *Cache) touch(head uint32) {
+	if c.aux[head] == 0 {
+		c.lruTouch(head)
+	}
+}

@@ -1,0 +1,184 @@
+package cache
+
+import (
+	"fmt"
+	"strconv"
+)
+
+// Op is the kind of a delta-log change.
+type Op uint8
+
+const (
+	// OpStored: the block became present (all ranks committed).
+	OpStored Op = iota + 1
+	// OpEvicted: the block was evicted to make room.
+	OpEvicted
+	// OpCleared: Clear dropped every block of the namespace; the consumer
+	// must forget all of them. Pinned blocks that survived Clear follow
+	// as OpStored changes.
+	OpCleared
+)
+
+func (o Op) String() string {
+	switch o {
+	case OpStored:
+		return "Stored"
+	case OpEvicted:
+		return "Evicted"
+	case OpCleared:
+		return "Cleared"
+	}
+	return "Op(" + strconv.Itoa(int(o)) + ")"
+}
+
+// Cursor is a position in one namespace's delta log: the epoch of the
+// cache instance and the sequence number of the next change to read.
+// The zero Cursor is never valid; start from Snapshot or Head.
+type Cursor struct {
+	Epoch uint64
+	Seq   uint64
+}
+
+// Change is one delta-log entry. The digest is a copy taken when the
+// change was logged, so it stays right even if the slot is reused later.
+type Change struct {
+	Seq   uint64
+	Slot  uint32 // head (rank 0) slot at the time of the change; NoSlot for OpCleared
+	Op    Op
+	Width uint8
+	Raw   [MaxDigestLen]byte
+}
+
+// Digest returns the change's digest (empty for OpCleared).
+func (c *Change) Digest() []byte { return c.Raw[:c.Width] }
+
+// logEntry is one ring entry: 8 (seq) + 4 (slot) + 1 (op) + 32 (digest),
+// padded to 48 bytes.
+type logEntry struct {
+	seq    uint64
+	slot   uint32
+	op     Op
+	digest [MaxDigestLen]byte
+}
+
+const logEntrySize = 48
+
+type deltaLog struct {
+	epoch uint64
+	head  uint64 // seq of the next change; entries [head-len(ents), head) are readable
+	mask  uint64
+	ents  []logEntry
+}
+
+func (l *deltaLog) init(size int, epoch uint64) {
+	l.epoch = epoch
+	l.ents = make([]logEntry, size)
+	l.mask = uint64(size - 1)
+}
+
+func (l *deltaLog) append(op Op, slot uint32, d []byte) {
+	e := &l.ents[l.head&l.mask]
+	e.seq, e.slot, e.op = l.head, slot, op
+	e.digest = [MaxDigestLen]byte{}
+	copy(e.digest[:], d)
+	l.head++
+}
+
+// Head returns the cursor just past the newest change of ns.
+func (c *Cache) Head(ns NamespaceID) (Cursor, error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return Cursor{}, err
+	}
+	return Cursor{Epoch: n.log.epoch, Seq: n.log.head}, nil
+}
+
+// ChangesSince appends to buf[:0] up to max (< 0: all) changes of ns from cur
+// and returns them with the cursor to pass next time. It returns
+// ErrResync if cur belongs to another epoch, lies in the future, or points
+// at changes the ring has already overwritten; the consumer must then
+// rebuild from Snapshot. Cost is proportional to the changes returned.
+func (c *Cache) ChangesSince(ns NamespaceID, cur Cursor, max int, buf []Change) ([]Change, Cursor, error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return buf[:0], cur, err
+	}
+	l := &n.log
+	if cur.Epoch != l.epoch {
+		return buf[:0], cur, fmt.Errorf("%w: epoch %d, want %d", ErrResync, cur.Epoch, l.epoch)
+	}
+	if cur.Seq > l.head {
+		return buf[:0], cur, fmt.Errorf("%w: seq %d is past head %d", ErrResync, cur.Seq, l.head)
+	}
+	if l.head-cur.Seq > uint64(len(l.ents)) {
+		return buf[:0], cur, fmt.Errorf("%w: seq %d overwritten (oldest %d)", ErrResync, cur.Seq, l.head-uint64(len(l.ents)))
+	}
+	out := buf[:0]
+	end := l.head
+	if max >= 0 && end-cur.Seq > uint64(max) {
+		end = cur.Seq + uint64(max)
+	}
+	for s := cur.Seq; s < end; s++ {
+		e := &l.ents[s&l.mask]
+		ch := Change{Seq: e.seq, Slot: e.slot, Op: e.op, Raw: e.digest}
+		if e.op != OpCleared {
+			ch.Width = uint8(n.width)
+		}
+		out = append(out, ch)
+	}
+	return out, Cursor{Epoch: l.epoch, Seq: end}, nil
+}
+
+// Snapshot calls fn with the digest of every present block of ns (until fn
+// returns false) and returns the cursor from which ChangesSince continues
+// the snapshot. The digest slice is only valid during the call and fn must
+// not call into the Cache. Cost is proportional to capacity.
+func (c *Cache) Snapshot(ns NamespaceID, fn func(digest []byte) bool) (Cursor, error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return Cursor{}, err
+	}
+	cur := Cursor{Epoch: n.log.epoch, Seq: n.log.head}
+	id := uint16(ns)
+	for s := uint32(0); s < c.capacity; s++ {
+		if c.nsOf[s] != id || c.meta[s] != stStored || int(c.done[s]) != n.world {
+			continue // meta == stStored means rank 0 and stored
+		}
+		if !fn(c.digest[s][:n.width]) {
+			break
+		}
+	}
+	return cur, nil
+}
+
+// Clear drops every present, unpinned block of ns and logs OpCleared,
+// followed by OpStored for each pinned block that survived. Incomplete
+// blocks (writes in flight) are left alone and may become present later.
+// It returns the number of blocks dropped. Cost is proportional to
+// capacity.
+func (c *Cache) Clear(ns NamespaceID) (int, error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return 0, err
+	}
+	id := uint16(ns)
+	dropped := 0
+	for s := c.prev[c.sentinel]; s != c.sentinel; {
+		p := c.prev[s]
+		if c.nsOf[s] == id {
+			c.evictBlock(s, false)
+			dropped++
+		}
+		s = p
+	}
+	c.st.cleared += uint64(dropped)
+	n.log.append(OpCleared, NoSlot, nil)
+	if n.blocks > 0 { // pinned survivors
+		for s := uint32(0); s < c.capacity; s++ {
+			if c.nsOf[s] == id && c.meta[s] == stStored && int(c.done[s]) == n.world {
+				n.log.append(OpStored, s, c.digest[s][:n.width])
+			}
+		}
+	}
+	return dropped, nil
+}

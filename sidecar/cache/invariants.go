@@ -1,0 +1,319 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+)
+
+// CheckInvariants verifies every structural invariant of the Cache and
+// returns all violations found (nil if none). It is O(capacity + side
+// tables) and meant for tests and debug builds.
+func (c *Cache) CheckInvariants() error {
+	var errs []error
+	bad := func(format string, args ...any) {
+		if len(errs) < 20 {
+			errs = append(errs, fmt.Errorf(format, args...))
+		}
+	}
+	n := c.capacity
+	if c.nFree+c.nReserved+c.nWriting+c.nStored != int(n) {
+		bad("free %d + reserved %d + writing %d + stored %d != capacity %d", c.nFree, c.nReserved, c.nWriting, c.nStored, n)
+	}
+
+	// Free list.
+	free := 0
+	for s := c.freeHead; s != NoSlot; s = c.next[s] {
+		if s >= n {
+			bad("free list: slot %d out of range", s)
+			break
+		}
+		if free++; free > int(n) {
+			bad("free list: cycle")
+			break
+		}
+		if c.meta[s] != stFree || c.nsOf[s] != 0 || c.ring[s] != NoSlot {
+			bad("free list: slot %d meta %d ns %d ring %d", s, c.meta[s], c.nsOf[s], c.ring[s])
+		}
+	}
+	if free != c.nFree {
+		bad("free list length %d != nFree %d", free, c.nFree)
+	}
+
+	// Slot scan.
+	var cnt [4]int
+	heads, present, pinnedBlocks, evictable := 0, 0, 0, 0
+	nsBlocks := make([]int, len(c.nsList))
+	nsPending := make([]int, len(c.nsList))
+	groupTimers := 0
+	for s := uint32(0); s < n; s++ {
+		cnt[c.state(s)]++
+		if c.state(s) == stFree {
+			if c.meta[s] != stFree {
+				bad("slot %d: free with rank bits", s)
+			}
+			continue
+		}
+		if c.rank(s) != 0 {
+			continue // checked from its head
+		}
+		heads++
+		id := c.nsOf[s]
+		if id == 0 || int(id) > len(c.nsList) {
+			bad("head %d: bad namespace %d", s, id)
+			continue
+		}
+		ns := c.nsList[id-1]
+		// Ring: ranks 0..W-1 in order, members point at head.
+		stored, writing, m, r := 0, 0, s, 0
+		for {
+			if c.state(m) == stFree || c.rank(m) != r || c.nsOf[m] != id {
+				bad("block %d: member %d state %d rank %d (want %d) ns %d", s, m, c.state(m), c.rank(m), r, c.nsOf[m])
+				break
+			}
+			if r > 0 && c.prev[m] != s {
+				bad("block %d: member %d prev %d", s, m, c.prev[m])
+			}
+			switch c.state(m) {
+			case stStored:
+				stored++
+			case stWriting:
+				writing++
+				wi := c.aux[m]
+				if int(wi) >= len(c.writers) || !c.writers[wi].live || c.writers[wi].slot != m {
+					bad("slot %d: writing without matching writer %d", m, wi)
+				}
+			}
+			r++
+			if m = c.ring[m]; m == s || m >= n || r > MaxWorldSize {
+				break
+			}
+		}
+		if r != ns.world || m != s {
+			bad("block %d: ring length %d, world %d", s, r, ns.world)
+		}
+		if int(c.done[s]) != stored {
+			bad("block %d: done %d, stored members %d", s, c.done[s], stored)
+		}
+		if w := ns.width; w < MaxDigestLen {
+			for _, b := range c.digest[s][w:] {
+				if b != 0 {
+					bad("block %d: digest padding not zero", s)
+					break
+				}
+			}
+		}
+		if got := c.find(id, c.digest[s][:ns.width]); got != s {
+			bad("block %d: index finds %d", s, got)
+		}
+		if stored == ns.world {
+			present++
+			nsBlocks[id-1]++
+			if c.aux[s] == 0 {
+				evictable += ns.world
+				if c.prev[s] == NoSlot || c.next[s] == NoSlot {
+					bad("block %d: unpinned present block not in LRU", s)
+				}
+			} else {
+				pinnedBlocks++
+				if c.prev[s] != NoSlot || c.next[s] != NoSlot {
+					bad("block %d: pinned block in LRU", s)
+				}
+			}
+		} else {
+			nsPending[id-1]++
+			groupTimers++
+			ti := c.next[s]
+			if int(ti) >= len(c.timers) || c.timers[ti].kind != timerGroup || c.timers[ti].idx != s {
+				bad("pending block %d: timer back-pointer %d broken", s, ti)
+			}
+			if c.prev[s] != NoSlot {
+				bad("pending block %d: prev %d", s, c.prev[s])
+			}
+			if writing == 0 && stored == 0 {
+				bad("pending block %d: nothing written nor writing", s)
+			}
+		}
+	}
+	if cnt[stFree] != c.nFree || cnt[stReserved] != c.nReserved || cnt[stWriting] != c.nWriting || cnt[stStored] != c.nStored {
+		bad("state counts %v != free %d reserved %d writing %d stored %d", cnt, c.nFree, c.nReserved, c.nWriting, c.nStored)
+	}
+	for i, ns := range c.nsList {
+		if ns.blocks != nsBlocks[i] || ns.pending != nsPending[i] {
+			bad("namespace %d: blocks %d/%d pending %d/%d", i+1, ns.blocks, nsBlocks[i], ns.pending, nsPending[i])
+		}
+		l := &ns.log
+		lo := uint64(0)
+		if l.head > uint64(len(l.ents)) {
+			lo = l.head - uint64(len(l.ents))
+		}
+		for q := lo; q < l.head; q++ {
+			if l.ents[q&l.mask].seq != q {
+				bad("namespace %d: log entry %d has seq %d", i+1, q, l.ents[q&l.mask].seq)
+				break
+			}
+		}
+	}
+	if heads != c.entries {
+		bad("heads %d != index entries %d", heads, c.entries)
+	}
+	if evictable != c.evictable {
+		bad("evictable %d != computed %d", c.evictable, evictable)
+	}
+	if pinnedBlocks != c.pinned {
+		bad("pinned %d != computed %d", c.pinned, pinnedBlocks)
+	}
+
+	// Index table.
+	entries := 0
+	tn := uint32(len(c.table))
+	for i, e := range c.table {
+		if e == 0 {
+			continue
+		}
+		entries++
+		s := e - 1
+		if s >= n || c.state(s) == stFree || c.rank(s) != 0 {
+			bad("index[%d]: slot %d is not a head", i, s)
+			continue
+		}
+		w := c.nsList[c.nsOf[s]-1].width
+		h := hashKey(c.nsOf[s], c.digest[s][:w])
+		if c.tags[i] != tagOf(h) {
+			bad("index[%d]: tag %d, want %d", i, c.tags[i], tagOf(h))
+		}
+		for j := c.home(h); j != uint32(i); {
+			if c.table[j] == 0 {
+				bad("index[%d]: empty bucket %d on probe path", i, j)
+				break
+			}
+			if j++; j == tn {
+				j = 0
+			}
+		}
+	}
+	if entries != c.entries {
+		bad("index: %d entries, counter %d", entries, c.entries)
+	}
+
+	// LRU list.
+	lru := 0
+	for s := c.next[c.sentinel]; s != c.sentinel; s = c.next[s] {
+		if s >= n {
+			bad("lru: slot %d out of range", s)
+			break
+		}
+		if lru++; lru > int(n) {
+			bad("lru: cycle")
+			break
+		}
+		if c.prev[c.next[s]] != s {
+			bad("lru: next(%d).prev != %d", s, s)
+		}
+		if c.rank(s) != 0 || !c.present(s) || c.aux[s] != 0 {
+			bad("lru: slot %d not an unpinned present head", s)
+		}
+	}
+	if lru != c.lruLen || lru+pinnedBlocks != present {
+		bad("lru length %d, counter %d, pinned %d, present %d", lru, c.lruLen, pinnedBlocks, present)
+	}
+
+	// Leases and pins.
+	pins := make(map[uint32]uint32)
+	leaseTimers := 0
+	for id, li := range c.leaseByID {
+		l := &c.leases[li]
+		if l.id != id {
+			bad("lease %d: record %d has id %d", id, li, l.id)
+		}
+		if len(l.heads) == 0 {
+			bad("lease %d: no blocks", id)
+		}
+		for _, h := range l.heads {
+			pins[h]++
+		}
+		if hi := l.heapIdx; hi < 0 || int(hi) >= len(c.timers) || c.timers[hi].kind != timerLease || c.timers[hi].idx != uint32(li) {
+			bad("lease %d: timer back-pointer %d broken", id, hi)
+		} else {
+			leaseTimers++
+		}
+		if id > c.nextLeaseID {
+			bad("lease %d: id beyond counter %d", id, c.nextLeaseID)
+		}
+	}
+	for h, p := range pins {
+		if h >= n || c.rank(h) != 0 || !c.present(h) || c.aux[h] != p {
+			bad("block %d: pins %d, leases hold %d", h, c.aux[h], p)
+		}
+	}
+	if len(pins) != pinnedBlocks {
+		bad("%d blocks leased, %d pinned", len(pins), pinnedBlocks)
+	}
+
+	// Writers.
+	live := 0
+	for i := range c.writers {
+		w := &c.writers[i]
+		if !w.live {
+			continue
+		}
+		live++
+		if c.state(w.slot) != stWriting || c.aux[w.slot] != uint32(i) {
+			bad("writer %d: slot %d not writing with it", i, w.slot)
+		}
+	}
+	if live != c.liveWriter || live != c.nWriting {
+		bad("live writers %d, counter %d, writing slots %d", live, c.liveWriter, c.nWriting)
+	}
+
+	// Timers.
+	if len(c.timers) != leaseTimers+groupTimers {
+		bad("timers %d != leases %d + pending blocks %d", len(c.timers), leaseTimers, groupTimers)
+	}
+	for i := 1; i < len(c.timers); i++ {
+		if c.timers[i].less(&c.timers[(i-1)/2]) {
+			bad("timer heap order broken at %d", i)
+			break
+		}
+	}
+
+	// Owners.
+	ol, ow := 0, 0
+	for id, o := range c.owners {
+		if o.leases < 0 && o.writers < 0 {
+			bad("owner %d: empty but kept", id)
+		}
+		prev := int32(-1)
+		for li := o.leases; li >= 0; li = c.leases[li].next {
+			l := &c.leases[li]
+			if l.owner != id || l.prev != prev {
+				bad("owner %d: lease list broken at %d", id, li)
+				break
+			}
+			if _, ok := c.leaseByID[l.id]; !ok {
+				bad("owner %d: dead lease %d in list", id, l.id)
+			}
+			prev = li
+			if ol++; ol > len(c.leases) {
+				bad("owner lease lists cycle")
+				break
+			}
+		}
+		prev = -1
+		for wi := o.writers; wi >= 0; wi = c.writers[wi].next {
+			w := &c.writers[wi]
+			if w.owner != id || w.prev != prev || !w.live {
+				bad("owner %d: writer list broken at %d", id, wi)
+				break
+			}
+			prev = wi
+			if ow++; ow > len(c.writers) {
+				bad("owner writer lists cycle")
+				break
+			}
+		}
+	}
+	if ol != len(c.leaseByID) || ow != live {
+		bad("owner lists hold %d leases/%d writers, live %d/%d", ol, ow, len(c.leaseByID), live)
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,538 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"testing"
+	"time"
+)
+
+// Reference model: maps and linear scans, no cleverness.
+
+type mKey struct {
+	ns NamespaceID
+	d  string
+}
+
+const (
+	rReserved = iota
+	rWriting
+	rStored
+)
+
+type mBlock struct {
+	ranks    []int
+	writers  []uint64 // ticket id per rank while writing
+	pins     int
+	recency  uint64
+	deadline int64
+	tseq     uint64 // timer creation order (tie-break)
+}
+
+type mLease struct {
+	owner    SessionID
+	keys     []mKey
+	deadline int64
+	tseq     uint64
+}
+
+type mTicket struct {
+	key   mKey
+	rank  int
+	owner SessionID
+	tk    Ticket
+}
+
+type model struct {
+	capacity int
+	world    map[NamespaceID]int
+	blocks   map[mKey]*mBlock
+	leases   map[uint64]*mLease
+	order    []uint64 // lease ids in creation order
+	tickets  map[uint64]*mTicket
+	clock    uint64
+	tseq     uint64
+	wt       int64
+}
+
+func (m *model) present(b *mBlock) bool {
+	for _, r := range b.ranks {
+		if r != rStored {
+			return false
+		}
+	}
+	return true
+}
+
+func (m *model) used() int {
+	u := 0
+	for k := range m.blocks {
+		u += m.world[k.ns]
+	}
+	return u
+}
+
+func (m *model) evictable() int {
+	e := 0
+	for k, b := range m.blocks {
+		if m.present(b) && b.pins == 0 {
+			e += m.world[k.ns]
+		}
+	}
+	return e
+}
+
+func (m *model) touch(b *mBlock) {
+	if m.present(b) && b.pins == 0 {
+		m.clock++
+		b.recency = m.clock
+	}
+}
+
+// evictOne removes the least recent present unpinned block and returns it.
+func (m *model) evictOne() mKey {
+	var best mKey
+	var bb *mBlock
+	for k, b := range m.blocks {
+		if m.present(b) && b.pins == 0 && (bb == nil || b.recency < bb.recency) {
+			best, bb = k, b
+		}
+	}
+	delete(m.blocks, best)
+	return best
+}
+
+func (m *model) begin(k mKey, rank int, owner SessionID, now int64) (Status, []mKey) {
+	w := m.world[k.ns]
+	if b, ok := m.blocks[k]; ok {
+		switch b.ranks[rank] {
+		case rStored:
+			if m.present(b) {
+				m.touch(b)
+			}
+			return AlreadyPresent, nil
+		case rWriting:
+			return InFlight, nil
+		}
+		b.ranks[rank] = rWriting
+		if d := now + m.wt; d > b.deadline {
+			b.deadline = d
+		}
+		return Allocated, nil
+	}
+	if m.capacity-m.used()+m.evictable() < w {
+		return NoSpace, nil
+	}
+	var evicted []mKey
+	for m.capacity-m.used() < w {
+		evicted = append(evicted, m.evictOne())
+	}
+	m.tseq++
+	b := &mBlock{ranks: make([]int, w), writers: make([]uint64, w), deadline: now + m.wt, tseq: m.tseq}
+	b.ranks[rank] = rWriting
+	m.blocks[k] = b
+	return Allocated, evicted
+}
+
+func (m *model) leading(k mKey, ds []string) []mKey {
+	var out []mKey
+	for _, d := range ds {
+		kk := mKey{k.ns, d}
+		b, ok := m.blocks[kk]
+		if !ok || !m.present(b) {
+			break
+		}
+		out = append(out, kk)
+	}
+	return out
+}
+
+func (m *model) unpinLease(l *mLease) {
+	for i := len(l.keys) - 1; i >= 0; i-- {
+		b := m.blocks[l.keys[i]]
+		b.pins--
+		m.touch(b)
+	}
+}
+
+func (m *model) dropLease(id uint64) {
+	m.unpinLease(m.leases[id])
+	delete(m.leases, id)
+}
+
+func (m *model) abort(tid uint64) {
+	t := m.tickets[tid]
+	delete(m.tickets, tid)
+	b := m.blocks[t.key]
+	b.ranks[t.rank] = rReserved
+	for _, r := range b.ranks {
+		if r != rReserved {
+			return
+		}
+	}
+	delete(m.blocks, t.key)
+}
+
+func (m *model) dropBlockTickets(k mKey) {
+	for id, t := range m.tickets {
+		if t.key == k {
+			delete(m.tickets, id)
+		}
+	}
+}
+
+func TestModelRandomized(t *testing.T) {
+	ops := 100_000
+	if testing.Short() {
+		ops = 30_000
+	}
+	for _, seed := range []uint64{1, 2} {
+		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) { runModel(t, seed, ops/2) })
+	}
+}
+
+func runModel(t *testing.T, seed uint64, ops int) {
+	rng := rand.New(rand.NewPCG(seed, 0x5eed))
+	const capacity = 24
+	c, err := New(Config{Capacity: capacity, DeltaLogSize: 16, WriteTimeout: 50 * time.Millisecond, Epoch: 99})
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := &tc{t: t, c: c}
+	type nsDef struct {
+		id    NamespaceID
+		width int
+		world int
+		ds    []string
+	}
+	var nss []nsDef
+	for i, def := range []struct{ width, world int }{{8, 1}, {8, 1}, {16, 2}, {32, 3}} {
+		id := x.ns(def.width, def.world, uint64(i))
+		n := nsDef{id: id, width: def.width, world: def.world}
+		for j := 0; j < 12; j++ {
+			n.ds = append(n.ds, string(dig(j, def.width))) // identical low bytes across namespaces
+		}
+		nss = append(nss, n)
+	}
+	m := &model{capacity: capacity, world: map[NamespaceID]int{}, blocks: map[mKey]*mBlock{},
+		leases: map[uint64]*mLease{}, tickets: map[uint64]*mTicket{}, wt: int64(50 * time.Millisecond)}
+	for _, n := range nss {
+		m.world[n.id] = n.world
+	}
+	// Delta consumers, one per namespace.
+	type consumer struct {
+		cur     Cursor
+		set     map[string]bool
+		resyncs int
+	}
+	cons := make([]*consumer, len(nss))
+	for i := range cons {
+		cons[i] = &consumer{set: map[string]bool{}}
+	}
+	var dead []Ticket
+	var deadLeases []uint64
+	now := int64(0)
+	owners := []SessionID{1, 2, 3}
+	var buf []Change
+
+	for op := 0; op < ops; op++ {
+		now += rng.Int64N(int64(3 * time.Millisecond))
+		n := nss[rng.IntN(len(nss))]
+		owner := owners[rng.IntN(len(owners))]
+		query := func() ([]string, []byte) {
+			start, l := rng.IntN(len(n.ds)), 1+rng.IntN(5)
+			var ds []string
+			var flat []byte
+			for i := 0; i < l && start+i < len(n.ds); i++ {
+				ds = append(ds, n.ds[start+i])
+				flat = append(flat, n.ds[start+i]...)
+			}
+			return ds, flat
+		}
+		switch p := rng.IntN(100); {
+		case p < 30: // BeginStore
+			d := n.ds[rng.IntN(len(n.ds))]
+			rank := rng.IntN(n.world)
+			k := mKey{n.id, d}
+			want, _ := m.begin(k, rank, owner, now)
+			tk, got, err := c.BeginStore(n.id, rank, []byte(d), owner, now)
+			if err != nil || got != want {
+				t.Fatalf("op %d: BeginStore = %v %v, model %v", op, got, err, want)
+			}
+			if got == Allocated {
+				m.blocks[k].writers[rank] = tk.ID
+				m.tickets[tk.ID] = &mTicket{key: k, rank: rank, owner: owner, tk: tk}
+			}
+		case p < 48: // CommitStore
+			if len(m.tickets) == 0 {
+				continue
+			}
+			id := pickTicket(rng, m)
+			mt := m.tickets[id]
+			if err := c.CommitStore(mt.tk); err != nil {
+				t.Fatalf("op %d: commit: %v", op, err)
+			}
+			delete(m.tickets, id)
+			b := m.blocks[mt.key]
+			b.ranks[mt.rank] = rStored
+			if m.present(b) {
+				m.touch(b)
+			}
+			dead = append(dead, mt.tk)
+		case p < 53: // AbortStore
+			if len(m.tickets) == 0 {
+				continue
+			}
+			id := pickTicket(rng, m)
+			mt := m.tickets[id]
+			if err := c.AbortStore(mt.tk); err != nil {
+				t.Fatalf("op %d: abort: %v", op, err)
+			}
+			m.abort(id)
+			dead = append(dead, mt.tk)
+		case p < 55: // stale ticket
+			if len(dead) == 0 {
+				continue
+			}
+			tk := dead[rng.IntN(len(dead))]
+			if err := c.CommitStore(tk); !errors.Is(err, ErrStaleTicket) {
+				t.Fatalf("op %d: stale commit err %v", op, err)
+			}
+		case p < 70: // Lookup
+			ds, flat := query()
+			want := m.leading(mKey{ns: n.id}, ds)
+			got, err := c.Lookup(n.id, flat)
+			if err != nil || got != len(want) {
+				t.Fatalf("op %d: Lookup = %d %v, model %d", op, got, err, len(want))
+			}
+			for i := len(want) - 1; i >= 0; i-- {
+				m.touch(m.blocks[want[i]])
+			}
+		case p < 80: // Acquire
+			ds, flat := query()
+			want := m.leading(mKey{ns: n.id}, ds)
+			ttl := time.Duration(1+rng.IntN(100)) * time.Millisecond
+			rank := rng.IntN(n.world)
+			l, err := c.Acquire(n.id, rank, flat, owner, ttl, now)
+			if err != nil || l.Blocks != len(want) || len(l.Slots) != len(want) {
+				t.Fatalf("op %d: Acquire = %+v %v, model %d", op, l, err, len(want))
+			}
+			for _, s := range l.Slots {
+				if c.rank(s) != rank {
+					t.Fatalf("op %d: lease slot %d has rank %d, want %d", op, s, c.rank(s), rank)
+				}
+			}
+			if l.ID == 0 {
+				continue
+			}
+			if _, dup := m.leases[l.ID]; dup {
+				t.Fatalf("lease id %d reused", l.ID)
+			}
+			m.tseq++
+			ml := &mLease{owner: owner, keys: want, deadline: now + int64(ttl), tseq: m.tseq}
+			for _, k := range want {
+				m.blocks[k].pins++
+			}
+			m.leases[l.ID] = ml
+			m.order = append(m.order, l.ID)
+		case p < 88: // Release (sometimes a dead id)
+			if len(deadLeases) > 0 && rng.IntN(4) == 0 {
+				id := deadLeases[rng.IntN(len(deadLeases))]
+				if err := c.Release(id); !errors.Is(err, ErrUnknownLease) {
+					t.Fatalf("op %d: release of dead lease: %v", op, err)
+				}
+				continue
+			}
+			if len(m.leases) == 0 {
+				continue
+			}
+			id := pickLease(rng, m)
+			if err := c.Release(id); err != nil {
+				t.Fatalf("op %d: release: %v", op, err)
+			}
+			m.dropLease(id)
+			deadLeases = append(deadLeases, id)
+		case p < 90: // Renew
+			if len(m.leases) == 0 {
+				continue
+			}
+			id := pickLease(rng, m)
+			ttl := time.Duration(1+rng.IntN(100)) * time.Millisecond
+			if err := c.Renew(id, ttl, now); err != nil {
+				t.Fatal(err)
+			}
+			m.leases[id].deadline = now + int64(ttl)
+		case p < 92: // ReleaseOwner
+			r := c.ReleaseOwner(owner)
+			nl := 0
+			for i := len(m.order) - 1; i >= 0; i-- { // newest first
+				id := m.order[i]
+				if l, ok := m.leases[id]; ok && l.owner == owner {
+					m.dropLease(id)
+					deadLeases = append(deadLeases, id)
+					nl++
+				}
+			}
+			nw := 0
+			var ids []uint64
+			for id, mt := range m.tickets {
+				if mt.owner == owner {
+					ids = append(ids, id)
+				}
+			}
+			for _, id := range ids {
+				dead = append(dead, m.tickets[id].tk)
+				m.abort(id)
+				nw++
+			}
+			if r.Leases != nl || r.Writes != nw {
+				t.Fatalf("op %d: ReleaseOwner = %+v, model %d/%d", op, r, nl, nw)
+			}
+		case p < 97: // Reap
+			type exp struct {
+				deadline int64
+				tseq     uint64
+				lease    uint64
+				key      mKey
+			}
+			var es []exp
+			for id, l := range m.leases {
+				if l.deadline <= now {
+					es = append(es, exp{l.deadline, l.tseq, id, mKey{}})
+				}
+			}
+			for k, b := range m.blocks {
+				if !m.present(b) && b.deadline <= now {
+					es = append(es, exp{b.deadline, b.tseq, 0, k})
+				}
+			}
+			sort.Slice(es, func(i, j int) bool {
+				return es[i].deadline < es[j].deadline || es[i].deadline == es[j].deadline && es[i].tseq < es[j].tseq
+			})
+			var want ReapResult
+			for _, e := range es {
+				if e.lease != 0 {
+					m.dropLease(e.lease)
+					deadLeases = append(deadLeases, e.lease)
+					want.Leases++
+					continue
+				}
+				for _, r := range m.blocks[e.key].ranks {
+					if r == rWriting {
+						want.Writes++
+					}
+				}
+				for id, mt := range m.tickets {
+					if mt.key == e.key {
+						dead = append(dead, mt.tk)
+						delete(m.tickets, id)
+					}
+				}
+				delete(m.blocks, e.key)
+				want.Blocks++
+			}
+			if got := c.Reap(now); got != want {
+				t.Fatalf("op %d: Reap = %+v, model %+v", op, got, want)
+			}
+		case p < 98: // Clear
+			got, err := c.Clear(n.id)
+			want := 0
+			for k, b := range m.blocks {
+				if k.ns == n.id && m.present(b) && b.pins == 0 {
+					delete(m.blocks, k)
+					want++
+				}
+			}
+			if err != nil || got != want {
+				t.Fatalf("op %d: Clear = %d %v, model %d", op, got, err, want)
+			}
+		default: // delta consumer catch-up
+			i := rng.IntN(len(nss))
+			cn := cons[i]
+			for {
+				var err error
+				buf, cn.cur, err = c.ChangesSince(nss[i].id, cn.cur, 1+rng.IntN(8), buf)
+				if errors.Is(err, ErrResync) {
+					cn.resyncs++
+					clear(cn.set)
+					cn.cur, _ = c.Snapshot(nss[i].id, func(d []byte) bool { cn.set[string(d)] = true; return true })
+					continue
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(buf) == 0 {
+					break
+				}
+				for _, ch := range buf {
+					switch ch.Op {
+					case OpStored:
+						cn.set[string(ch.Digest())] = true
+					case OpEvicted:
+						delete(cn.set, string(ch.Digest()))
+					case OpCleared:
+						clear(cn.set)
+					}
+				}
+			}
+			want := 0
+			for k, b := range m.blocks {
+				if k.ns == nss[i].id && m.present(b) {
+					want++
+					if !cn.set[k.d] {
+						t.Fatalf("op %d: consumer misses %x", op, k.d)
+					}
+				}
+			}
+			if len(cn.set) != want {
+				t.Fatalf("op %d: consumer has %d blocks, model %d", op, len(cn.set), want)
+			}
+		}
+		x.check()
+		// Cross-check accounting with the model.
+		s := c.Stats()
+		present, pinned := 0, 0
+		for _, b := range m.blocks {
+			if m.present(b) {
+				present++
+				if b.pins > 0 {
+					pinned++
+				}
+			}
+		}
+		if s.Used != m.used() || s.Blocks != present || s.PinnedBlocks != pinned ||
+			s.Leases != len(m.leases) || s.Writers != len(m.tickets) || s.PendingBlocks != len(m.blocks)-present {
+			t.Fatalf("op %d: stats %+v; model used %d present %d pinned %d leases %d writers %d",
+				op, s, m.used(), present, pinned, len(m.leases), len(m.tickets))
+		}
+	}
+	s := c.Stats()
+	t.Logf("seed %d: %+v", seed, s)
+	resyncs := 0
+	for _, cn := range cons {
+		resyncs += cn.resyncs
+	}
+	if s.Evictions == 0 || s.NoSpace == 0 || s.ExpiredLeases == 0 || s.ExpiredBlocks == 0 || s.Stores == 0 || resyncs == 0 {
+		t.Fatalf("random walk did not cover enough: %+v resyncs %d", s, resyncs)
+	}
+}
+
+func pickTicket(rng *rand.Rand, m *model) uint64 {
+	ids := make([]uint64, 0, len(m.tickets))
+	for id := range m.tickets {
+		ids = append(ids, id)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	return ids[rng.IntN(len(ids))]
+}
+
+func pickLease(rng *rand.Rand, m *model) uint64 {
+	ids := make([]uint64, 0, len(m.leases))
+	for id := range m.leases {
+		ids = append(ids, id)
+	}
+	sort.Slice(ids, func(i, j int) bool { return ids[i] < ids[j] })
+	return ids[rng.IntN(len(ids))]
+}
