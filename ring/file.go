@@ -76,6 +76,16 @@ func Create(path string, o Options) (*File, error) {
 		shm.Unlink(path)
 		return nil, err
 	}
+	// The creator claims its role at once, so that a concurrent Create never
+	// takes a fresh ring for one left behind by a dead process.
+	pid, start := shm.Self()
+	if o.CreatorProducer {
+		r.prodStart.Store(start)
+		r.prodPID.Store(uint32(pid))
+	} else {
+		r.consStart.Store(start)
+		r.consPID.Store(uint32(pid))
+	}
 	f := &File{Ring: r, m: m}
 	r.check = f.checkSize
 	return f, nil

@@ -5,17 +5,19 @@
 //
 // A ring file is one header page followed by a power-of-two data area:
 //
-//	 0        4096                                   4096+capacity
-//	 +--------+---------------------------------------+
-//	 | header | data: records, 8-byte aligned, wrapping |
-//	 +--------+---------------------------------------+
+//	0        4096                                   4096+capacity
+//	+--------+---------------------------------------+
+//	| header | data: records, 8-byte aligned, wrapping |
+//	+--------+---------------------------------------+
 //
 // Header page (all integers little-endian, every word naturally aligned and
-// inside one cache line; hot words each own a 128-byte block so that the two
-// sides never write the same pair of cache lines):
+// inside one cache line; the positions each own a 128-byte block so that
+// the hot path of the two sides never writes the same pair of cache lines;
+// the parked flags and futex words share a block per direction, which only
+// the slow path touches):
 //
 //	off  size  field
-//	  0     8  magic "RSRING01" (0x31304749_52535352), written last at creation
+//	  0     8  magic "RSRING01" (0x3130474e49525352), written last at creation
 //	  8     4  layout version (1)
 //	 12     4  header size (4096)
 //	 16     8  data capacity in bytes (power of two, 4 KiB .. 1 GiB)
@@ -44,11 +46,11 @@
 //
 // # Records
 //
-//	 0      4      6      8             16
-//	 +------+------+------+-------------+------------------------+
-//	 | len  | type | flags| seq         | payload (len bytes),   |
-//	 | u32  | u16  | u16  | u64         | zero-padded to 8 bytes |
-//	 +------+------+------+-------------+------------------------+
+//	0      4      6      8             16
+//	+------+------+------+-------------+------------------------+
+//	| len  | type | flags| seq         | payload (len bytes),   |
+//	| u32  | u16  | u16  | u64         | zero-padded to 8 bytes |
+//	+------+------+------+-------------+------------------------+
 //
 // A record occupies 16 + align8(len) bytes and never wraps: when it does not
 // fit before the end of the data area the producer first writes a pad record

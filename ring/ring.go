@@ -19,13 +19,13 @@ type Ring struct {
 	cap  uint64
 	max  uint32
 
-	tail, head             *atomic.Uint64
-	consParked, consFutex  *atomic.Uint32
-	prodParked, prodFutex  *atomic.Uint32
-	prodState, consState   *atomic.Uint32
-	prodPID, consPID       *atomic.Uint32
-	prodStart, consStart   *atomic.Uint64
-	check                  func() error // extra liveness check while waiting (file size)
+	tail, head            *atomic.Uint64
+	consParked, consFutex *atomic.Uint32
+	prodParked, prodFutex *atomic.Uint32
+	prodState, consState  *atomic.Uint32
+	prodPID, consPID      *atomic.Uint32
+	prodStart, consStart  *atomic.Uint64
+	check                 func() error // extra liveness check while waiting (file size)
 }
 
 // Format initialises mem as a new ring: it zeroes the header, writes the
