@@ -21,10 +21,7 @@ func App() *cli.App {
 		Name:    "ringside",
 		Usage:   "KV-cache connector sidecar for LLM inference engines",
 		Version: Version,
-		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "log.format", Value: "json", Usage: "log format: json or console", EnvVars: env("log.format")},
-			&cli.StringFlag{Name: "log.level", Value: "info", Usage: "log level: trace, debug, info, warn, error", EnvVars: env("log.level")},
-		},
+		Flags:   logFlags(),
 		Commands: []*cli.Command{
 			serveCommand(),
 			benchCommand(),
@@ -38,6 +35,14 @@ func App() *cli.App {
 				},
 			},
 		},
+	}
+}
+
+// logFlags are accepted before the subcommand and on serve.
+func logFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "log.format", Value: "json", Usage: "log format: json or console", EnvVars: env("log.format")},
+		&cli.StringFlag{Name: "log.level", Value: "info", Usage: "log level: trace, debug, info, warn, error", EnvVars: env("log.level")},
 	}
 }
 

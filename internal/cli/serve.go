@@ -1,77 +1,144 @@
 package cli
 
 import (
-	"errors"
+	"context"
 	"fmt"
-	"os"
 	"os/signal"
-	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
-	"time"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/ringside-kv/ringside/ring"
+	"github.com/ringside-kv/ringside/sidecar"
 )
 
-// serveCommand runs the ring demo until the sidecar lands: it creates a
-// request and a response ring in --dir and echoes every record back.
+func serveFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "dir", Value: ring.DefaultDir, Usage: "directory for the socket, the rings and the pool (a memory-backed mount)", EnvVars: env("dir")},
+		&cli.StringFlag{Name: "socket", Usage: "attach socket path (default DIR/ringside.sock)", EnvVars: env("socket")},
+		&cli.StringFlag{Name: "pool.bytes", Value: "1GiB", Usage: "size of the shared-memory block pool (e.g. 512MiB, 16GiB)", EnvVars: env("pool.bytes")},
+		&cli.StringFlag{Name: "pool.slot-bytes", Value: "256KiB", Usage: "bytes per pool slot: one tensor-parallel rank's shard of one block; engine pages must not be larger", EnvVars: env("pool.slot-bytes")},
+		&cli.StringFlag{Name: "budget", Value: "64MiB", Usage: "bytes an engine instance may have admitted for loading at once", EnvVars: env("budget")},
+		&cli.DurationFlag{Name: "lease.ttl", Value: sidecar.DefaultLeaseTTL, Usage: "default lease time-to-live", EnvVars: env("lease.ttl")},
+		&cli.DurationFlag{Name: "lease.max-ttl", Value: sidecar.DefaultMaxLeaseTTL, Usage: "longest lease a client may ask for", EnvVars: env("lease.max-ttl")},
+		&cli.DurationFlag{Name: "write-timeout", Value: sidecar.DefaultWriteTimeout, Usage: "how long a block may stay half-written before it is reclaimed", EnvVars: env("write-timeout")},
+		&cli.StringFlag{Name: "ring.capacity", Value: "1MiB", Usage: "data capacity of each session ring (power of two)", EnvVars: env("ring.capacity")},
+		&cli.DurationFlag{Name: "ring.spin", Value: ring.DefaultWait.Spin, Usage: "how long a session loop busy-polls before yielding and parking", EnvVars: env("ring.spin")},
+		&cli.DurationFlag{Name: "ring.yield", Value: ring.DefaultWait.Yield, Usage: "how long it yields after spinning, before parking on the futex", EnvVars: env("ring.yield")},
+		&cli.StringFlag{Name: "copy.backend", Value: "auto", Usage: "copy engine: auto or host", EnvVars: env("copy.backend")},
+		&cli.IntFlag{Name: "copy.workers", Value: 2, Usage: "host copy goroutines", EnvVars: env("copy.workers")},
+		&cli.StringFlag{Name: "metrics.addr", Value: sidecar.DefaultMetricsAddr, Usage: "address for /metrics, /healthz, /readyz and /debug/state (empty: off)", EnvVars: env("metrics.addr")},
+		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the sidecar's own", EnvVars: env("allow-uid")},
+		&cli.BoolFlag{Name: "group-access", Usage: "make rings and the pool group read-write (0660) for an engine running under another uid of the same group", EnvVars: env("group-access")},
+		&cli.IntFlag{Name: "max-sessions", Value: 256, Usage: "most concurrent sessions", EnvVars: env("max-sessions")},
+	}
+}
+
 func serveCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "serve",
-		Usage: "run the sidecar (for now: a ring echo demo in --dir)",
-		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "dir", Value: ring.DefaultDir, Usage: "directory for rings and the socket", EnvVars: env("dir")},
-		},
+		Usage: "run the sidecar: a KV block pool in shared memory served through rings",
+		Flags: append(serveFlags(), logFlags()...),
 		Action: func(c *cli.Context) error {
 			log, err := logger(c)
 			if err != nil {
 				return err
 			}
-			dir := c.String("dir")
-			if err := ring.EnsureDir(dir, 0o700); err != nil {
-				return err
-			}
-			req, err := ring.Create(filepath.Join(dir, "demo.req"), ring.Options{})
+			cfg, err := sidecarConfig(c)
 			if err != nil {
 				return err
 			}
-			defer req.Remove()
-			resp, err := ring.Create(filepath.Join(dir, "demo.resp"), ring.Options{CreatorProducer: true})
+			log.Info().Str("version", Version).Msg("starting ringside")
+			srv, err := sidecar.New(cfg, log)
 			if err != nil {
 				return err
 			}
-			defer resp.Remove()
-			cons, _ := ring.NewConsumer(req.Ring, ring.DefaultWait)
-			prod, _ := ring.NewProducer(resp.Ring, ring.DefaultWait)
-			log.Info().Str("request", req.Path()).Str("response", resp.Path()).Msg("ring echo demo ready")
-			stop := make(chan os.Signal, 1)
-			signal.Notify(stop, syscall.SIGINT, syscall.SIGTERM)
-			for {
-				select {
-				case <-stop:
-					log.Info().Msg("stopping")
-					return nil
-				default:
-				}
-				err := cons.Wait(time.Now().Add(200 * time.Millisecond))
-				if errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, ring.ErrPeerDead) || errors.Is(err, ring.ErrPeerClosed) {
-					continue
-				}
-				if err != nil {
-					return err
-				}
-				for {
-					rec, err := cons.Next()
-					if err != nil {
-						break
-					}
-					if err := prod.Write(rec.Type, rec.Flags, rec.Seq, rec.Payload, time.Now().Add(time.Second)); err != nil {
-						return fmt.Errorf("echo: %w", err)
-					}
-				}
-				cons.Commit()
-			}
+			ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			return srv.Serve(ctx)
 		},
 	}
 }
+
+// sidecarConfig collects the flags into a Config and reports every bad
+// setting at once.
+func sidecarConfig(c *cli.Context) (sidecar.Config, error) {
+	var errs []string
+	size := func(flag string) uint64 {
+		v, err := ParseBytes(c.String(flag))
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("--%s: %v", flag, err))
+		}
+		return v
+	}
+	cfg := sidecar.Config{
+		Dir:          c.String("dir"),
+		Socket:       c.String("socket"),
+		PoolBytes:    size("pool.bytes"),
+		SlotBytes:    size("pool.slot-bytes"),
+		Budget:       int64(size("budget")),
+		LeaseTTL:     c.Duration("lease.ttl"),
+		MaxLeaseTTL:  c.Duration("lease.max-ttl"),
+		WriteTimeout: c.Duration("write-timeout"),
+		RingCapacity: size("ring.capacity"),
+		Spin:         c.Duration("ring.spin"),
+		Yield:        c.Duration("ring.yield"),
+		CopyBackend:  c.String("copy.backend"),
+		CopyWorkers:  c.Int("copy.workers"),
+		MetricsAddr:  c.String("metrics.addr"),
+		GroupAccess:  c.Bool("group-access"),
+		MaxSessions:  c.Int("max-sessions"),
+	}
+	if s := c.String("allow-uid"); s != "" {
+		for _, f := range strings.Split(s, ",") {
+			u, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)
+			if err != nil {
+				errs = append(errs, fmt.Sprintf("--allow-uid: %q is not a uid", f))
+				continue
+			}
+			cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))
+		}
+	}
+	cfg.EnsureDefaults()
+	if err := cfg.Validate(); err != nil {
+		errs = append(errs, strings.Split(err.Error(), "\n")...)
+	}
+	if len(errs) > 0 {
+		return cfg, fmt.Errorf("invalid settings:\n  %s", strings.Join(errs, "\n  "))
+	}
+	return cfg, nil
+}
+
+// ParseBytes parses sizes like 4096, 64KiB, 1.5GiB, 16GB (powers of 1000)
+// or 16G (powers of 1024).
+func ParseBytes(s string) (uint64, error) {
+	s = strings.TrimSpace(s)
+	i := len(s)
+	for i > 0 && (s[i-1] < '0' || s[i-1] > '9') && s[i-1] != '.' {
+		i--
+	}
+	num, unit := s[:i], strings.ToLower(strings.TrimSpace(s[i:]))
+	f, err := strconv.ParseFloat(num, 64)
+	if err != nil || f < 0 {
+		return 0, fmt.Errorf("%q is not a size", s)
+	}
+	mult := map[string]float64{
+		"": 1, "b": 1,
+		"k": 1 << 10, "kib": 1 << 10, "kb": 1e3,
+		"m": 1 << 20, "mib": 1 << 20, "mb": 1e6,
+		"g": 1 << 30, "gib": 1 << 30, "gb": 1e9,
+		"t": 1 << 40, "tib": 1 << 40, "tb": 1e12,
+	}[unit]
+	if mult == 0 {
+		return 0, fmt.Errorf("%q: unknown unit %q", s, unit)
+	}
+	v := f * mult
+	if v > 1<<62 {
+		return 0, fmt.Errorf("%q is too large", s)
+	}
+	return uint64(v), nil
+}
+
+var _ = context.Background

@@ -1,0 +1,62 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ringside-kv/ringside/sidecar"
+)
+
+func init() {
+	inspectSubcommands = append(inspectSubcommands, &cli.Command{
+		Name:  "sidecar",
+		Usage: "print the live state of a running sidecar (sessions, rings, pool usage)",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "metrics.addr", Value: "127.0.0.1" + sidecar.DefaultMetricsAddr, Usage: "the sidecar's metrics address", EnvVars: env("metrics.addr")},
+			&cli.BoolFlag{Name: "json", Usage: "print the raw JSON"},
+		},
+		Action: func(c *cli.Context) error {
+			addr := c.String("metrics.addr")
+			if strings.HasPrefix(addr, ":") {
+				addr = "127.0.0.1" + addr
+			}
+			hc := http.Client{Timeout: 5 * time.Second}
+			resp, err := hc.Get("http://" + addr + "/debug/state")
+			if err != nil {
+				return fmt.Errorf("inspect sidecar: %w (is `ringside serve` running with --metrics.addr %s?)", err, addr)
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+			if err != nil {
+				return err
+			}
+			if c.Bool("json") {
+				_, err := c.App.Writer.Write(body)
+				return err
+			}
+			var st sidecar.State
+			if err := json.Unmarshal(body, &st); err != nil {
+				return err
+			}
+			w := c.App.Writer
+			p := st.Pool
+			fmt.Fprintf(w, "sidecar epoch %s  dir %s  ready %v\n", st.Epoch, st.Dir, st.Ready)
+			fmt.Fprintf(w, "pool: %d slots of %d bytes: %d free, %d used (%d stored, %d writing)  blocks %d (pinned %d)  leases %d\n",
+				p.Capacity, st.SlotBytes, p.Free, p.Used, p.Stored, p.Writing, p.Blocks, p.PinnedBlocks, p.Leases)
+			fmt.Fprintf(w, "lookups %d  hit blocks %d of %d  stores %d  evictions %d  expired leases %d\n",
+				p.Lookups, p.HitBlocks, p.LookupBlocks, p.Stores, p.Evictions, p.ExpiredLeases)
+			fmt.Fprintf(w, "sessions: %d\n", len(st.Sessions))
+			for _, s := range st.Sessions {
+				fmt.Fprintf(w, "  #%d %s role %d rank %d pid %d regions %d  rings %s (%d B queued), %s (%d B queued)\n",
+					s.ID, s.Instance, s.Role, s.Rank, s.PID, s.Regions, s.SubmissionRing, s.SubmissionUsed, s.CompletionRing, s.CompletionUsed)
+			}
+			return nil
+		},
+	})
+}

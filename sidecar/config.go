@@ -1,0 +1,205 @@
+// Package sidecar is ringside's server: it owns the KV block pool in shared
+// memory and serves engines through per-session ring pairs. See
+// docs/architecture.md for the whole picture and docs/protocol.md for the
+// wire format.
+package sidecar
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ringside-kv/ringside/ring"
+)
+
+// Config configures a Server. The zero value of each field means its
+// default; EnsureDefaults fills them in and Validate reports every bad
+// setting at once.
+type Config struct {
+	// Dir holds the socket, the rings and the pool file.
+	Dir string
+	// Socket is the attach socket's path. Default Dir/ringside.sock.
+	Socket string
+	// PoolBytes is the size of the shared-memory block pool.
+	PoolBytes uint64
+	// SlotBytes is the size of one pool slot: one rank's shard of one
+	// block. An engine page must not be larger.
+	SlotBytes uint64
+	// Budget is the bytes an engine instance may have admitted for loading
+	// at once; queries over it wait in state Waiting.
+	Budget int64
+	// LeaseTTL is the default lease time-to-live; MaxLeaseTTL bounds what a
+	// client may ask for.
+	LeaseTTL    time.Duration
+	MaxLeaseTTL time.Duration
+	// WriteTimeout bounds how long a block may stay half-written.
+	WriteTimeout time.Duration
+	// RingCapacity is the data capacity of each session ring.
+	RingCapacity uint64
+	// Spin is the ring wait spin budget; Yield follows it.
+	Spin  time.Duration
+	Yield time.Duration
+	// CopyBackend: "auto" or "host".
+	CopyBackend string
+	// CopyWorkers is the number of host copy goroutines.
+	CopyWorkers int
+	// MetricsAddr serves /metrics, /healthz, /readyz and /debug/state;
+	// empty disables it.
+	MetricsAddr string
+	// AllowUIDs may attach besides the sidecar's own uid.
+	AllowUIDs []uint32
+	// GroupAccess makes rings and the pool group read-write (mode 0660).
+	GroupAccess bool
+	// MaxSessions bounds concurrent sessions.
+	MaxSessions int
+	// MaxBatches bounds the hash batches of one engine instance, and
+	// MaxBatchHashes the length of one batch.
+	MaxBatches     int
+	MaxBatchHashes int
+	// DeltaLogSize is each namespace's change-log length (power of two).
+	DeltaLogSize int
+	// ReapInterval is how often expired leases and writes are reclaimed.
+	ReapInterval time.Duration
+	// ReplyTimeout bounds how long the sidecar waits for room in a
+	// session's completion ring before it drops the session.
+	ReplyTimeout time.Duration
+}
+
+// Defaults.
+const (
+	DefaultPoolBytes    = 1 << 30
+	DefaultSlotBytes    = 256 << 10
+	DefaultBudget       = 64 << 20
+	DefaultLeaseTTL     = 30 * time.Second
+	DefaultMaxLeaseTTL  = 5 * time.Minute
+	DefaultWriteTimeout = 30 * time.Second
+	DefaultRingCapacity = 1 << 20
+	DefaultMetricsAddr  = ":9477"
+)
+
+// EnsureDefaults fills zero fields with defaults.
+func (c *Config) EnsureDefaults() {
+	if c.Dir == "" {
+		c.Dir = ring.DefaultDir
+	}
+	if c.Socket == "" {
+		c.Socket = filepath.Join(c.Dir, "ringside.sock")
+	}
+	if c.PoolBytes == 0 {
+		c.PoolBytes = DefaultPoolBytes
+	}
+	if c.SlotBytes == 0 {
+		c.SlotBytes = DefaultSlotBytes
+	}
+	if c.Budget == 0 {
+		c.Budget = DefaultBudget
+	}
+	if c.LeaseTTL == 0 {
+		c.LeaseTTL = DefaultLeaseTTL
+	}
+	if c.MaxLeaseTTL == 0 {
+		c.MaxLeaseTTL = DefaultMaxLeaseTTL
+	}
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = DefaultWriteTimeout
+	}
+	if c.RingCapacity == 0 {
+		c.RingCapacity = DefaultRingCapacity
+	}
+	if c.CopyBackend == "" {
+		c.CopyBackend = "auto"
+	}
+	if c.CopyWorkers == 0 {
+		c.CopyWorkers = 2
+	}
+	if c.MaxSessions == 0 {
+		c.MaxSessions = 256
+	}
+	if c.MaxBatches == 0 {
+		c.MaxBatches = 1 << 16
+	}
+	if c.MaxBatchHashes == 0 {
+		c.MaxBatchHashes = 1 << 20
+	}
+	if c.DeltaLogSize == 0 {
+		c.DeltaLogSize = 1 << 16
+	}
+	if c.ReapInterval == 0 {
+		c.ReapInterval = 100 * time.Millisecond
+	}
+	if c.ReplyTimeout == 0 {
+		c.ReplyTimeout = 2 * time.Second
+	}
+}
+
+// Validate reports every bad setting, each naming its flag.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(flag, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("--%s: %s", flag, fmt.Sprintf(format, args...)))
+	}
+	if !filepath.IsAbs(c.Dir) {
+		bad("dir", "%q must be an absolute path", c.Dir)
+	}
+	if len(c.Socket) > 100 {
+		bad("socket", "path %q is longer than a Unix socket path may be", c.Socket)
+	}
+	if c.SlotBytes < 4096 || c.SlotBytes > 1<<30 || c.SlotBytes%64 != 0 {
+		bad("pool.slot-bytes", "%d must be a multiple of 64 in [4 KiB, 1 GiB]", c.SlotBytes)
+	}
+	if c.SlotBytes > 0 && c.PoolBytes/max(c.SlotBytes, 1) < 16 {
+		bad("pool.bytes", "%d holds fewer than 16 slots of %d bytes", c.PoolBytes, c.SlotBytes)
+	}
+	if c.PoolBytes > 1<<40 {
+		bad("pool.bytes", "%d is over 1 TiB", c.PoolBytes)
+	}
+	if c.Budget <= 0 {
+		bad("budget", "%d must be positive", c.Budget)
+	}
+	if c.LeaseTTL <= 0 || c.LeaseTTL > c.MaxLeaseTTL {
+		bad("lease.ttl", "%v must be positive and at most --lease.max-ttl (%v)", c.LeaseTTL, c.MaxLeaseTTL)
+	}
+	if c.WriteTimeout <= 0 {
+		bad("write-timeout", "%v must be positive", c.WriteTimeout)
+	}
+	if c.RingCapacity < 64<<10 || c.RingCapacity > ring.MaxCapacity || c.RingCapacity&(c.RingCapacity-1) != 0 {
+		bad("ring.capacity", "%d must be a power of two in [64 KiB, 1 GiB]", c.RingCapacity)
+	}
+	if c.Spin < 0 || c.Yield < 0 {
+		bad("ring.spin", "spin and yield budgets must not be negative")
+	}
+	switch c.CopyBackend {
+	case "auto", "host":
+	default:
+		bad("copy.backend", "%q: want auto or host", c.CopyBackend)
+	}
+	if c.CopyWorkers < 1 || c.CopyWorkers > 64 {
+		bad("copy.workers", "%d outside [1, 64]", c.CopyWorkers)
+	}
+	if c.MaxSessions < 1 {
+		bad("max-sessions", "%d must be positive", c.MaxSessions)
+	}
+	if c.DeltaLogSize <= 0 || c.DeltaLogSize&(c.DeltaLogSize-1) != 0 {
+		bad("delta-log-size", "%d must be a power of two", c.DeltaLogSize)
+	}
+	if c.ReapInterval <= 0 || c.ReplyTimeout <= 0 {
+		bad("reap-interval", "reap interval and reply timeout must be positive")
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Config) fileMode() os.FileMode {
+	if c.GroupAccess {
+		return 0o660
+	}
+	return 0o600
+}
+
+func (c *Config) dirMode() os.FileMode {
+	if c.GroupAccess {
+		return 0o770
+	}
+	return 0o700
+}
