@@ -319,3 +319,10 @@ func (c *Client) Ping(v uint64) error {
 }
 
 var _ = os.ErrDeadlineExceeded
+
+// Abandon drops the session without detaching, as a crashed engine would:
+// the socket closes and the sidecar reclaims everything the session held.
+func (c *Client) Abandon() {
+	c.closed = true
+	c.closeFiles()
+}

@@ -1,0 +1,806 @@
+"""ringside wire protocol (version 1): the attach handshake and ring records.
+
+A byte-for-byte port of the Go package github.com/ringside-kv/ringside/schema
+(see docs/protocol.md). Golden vectors in testdata/golden/schema/vectors.json
+keep the two identical; tests/test_schema.py checks them.
+
+Every integer is little-endian at a fixed offset. Encoders return ``bytes``
+(the ring record *payload*; the record type and correlation number travel in
+the ring record header). Decoders take any bytes-like object (``bytes``,
+``bytearray``, ``memoryview``), make every check the Go decoders make, and
+raise :class:`SchemaError` (a ``ValueError``) on malformed input. Byte fields
+of decoded values (digests, extra bytes, change entries) are copied out as
+``bytes``, so a decoded value stays valid after the ring slot is reused.
+
+Standard library only; encoders on the hot path (Lookup, Acquire, PutHashes,
+Load, Store, Poll/Release) are one precompiled ``struct`` call plus at most
+one concatenation.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from enum import IntEnum
+from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
+
+# --------------------------------------------------------------------------
+# Constants (mirror schema.go / messages.go; frozen for protocol version 1)
+
+VERSION = 1
+
+TYPE_PUT_HASHES = 0x01
+TYPE_DROP_HASHES = 0x02
+TYPE_LOOKUP = 0x03
+TYPE_ACQUIRE = 0x04
+TYPE_POLL = 0x05
+TYPE_RELEASE = 0x06
+TYPE_REGISTER_REGION = 0x07
+TYPE_LOAD = 0x08
+TYPE_STORE = 0x09
+TYPE_CHANGES = 0x0A
+TYPE_DETACH = 0x0B
+TYPE_PING = 0x0C
+
+REPLY_BIT = 0x8000
+
+TYPE_NAMES = {
+    TYPE_PUT_HASHES: "PutHashes",
+    TYPE_DROP_HASHES: "DropHashes",
+    TYPE_LOOKUP: "Lookup",
+    TYPE_ACQUIRE: "Acquire",
+    TYPE_POLL: "Poll",
+    TYPE_RELEASE: "Release",
+    TYPE_REGISTER_REGION: "RegisterRegion",
+    TYPE_LOAD: "Load",
+    TYPE_STORE: "Store",
+    TYPE_CHANGES: "Changes",
+    TYPE_DETACH: "Detach",
+    TYPE_PING: "Ping",
+}
+
+
+def type_name(t: int) -> str:
+    """Name of a record type, as Go's schema.TypeName ("Lookup", "LookupReply", "type(0xd)")."""
+    n = TYPE_NAMES.get(t & ~REPLY_BIT & 0xFFFF)
+    if n is None:
+        return "type(%#x)" % t
+    return n + "Reply" if t & REPLY_BIT else n
+
+
+class Status(IntEnum):
+    """Reply status codes. ``str(Status.X)`` is the Go name ("unknown lease")."""
+
+    OK = 0
+    MALFORMED = 1
+    UNKNOWN_TYPE = 2
+    UNKNOWN_BATCH = 3
+    UNKNOWN_LEASE = 4
+    UNKNOWN_REGION = 5
+    OUT_OF_RANGE = 6
+    TOO_LARGE = 7
+    NO_SPACE = 8
+    EXPIRED = 9
+    DUPLICATE = 10
+    COPY_FAILED = 11
+    NOT_PERMITTED = 12
+    INTERNAL = 13
+    SHUTTING_DOWN = 14
+    BAD_VERSION = 15
+    BAD_STATE = 16
+
+    def __str__(self) -> str:
+        return STATUS_NAMES[self.value]
+
+
+STATUS_NAMES = (
+    "ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
+    "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
+    "copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
+    "bad state",
+)
+
+
+def status_name(s: int) -> str:
+    """Go's Status.String: the name, or "status(N)" for an unknown code."""
+    if 0 <= s < len(STATUS_NAMES):
+        return STATUS_NAMES[s]
+    return "status(%d)" % s
+
+
+class State(IntEnum):
+    """Query (lease) states reported by Acquire and Poll."""
+
+    WAITING = 1  # admitted, blocks pinned, waiting for load budget ("Loading" to users)
+    READY = 2  # budget granted: Load may run
+    LOADING = 3  # a Load is copying
+    LOADED = 4  # the last Load completed
+    MISS = 5  # resolved as a miss (deadline passed, error, nothing pinned): recompute
+    RELEASED = 6
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+def state_name(s: int) -> str:
+    """Go's State.String: "waiting" ... "released", or "state(N)"."""
+    try:
+        return str(State(s))
+    except ValueError:
+        return "state(%d)" % s
+
+
+ROLE_SCHEDULER = 1  # lookups, leases, the change log
+ROLE_WORKER = 2  # a tensor-parallel worker: memory, loads, stores
+ROLE_CLIENT = 3  # tools and benchmarks: everything
+
+ATTACH_MAGIC = 0x54415352  # "RSAT"
+ATTACH_REPLY_MAGIC = 0x4B415352  # "RSAK"
+
+REGION_HOST_PROCESS = 1  # host memory of the engine process, by pid and address
+REGION_CUDA_IPC = 2  # GPU memory exported with a CUDA IPC handle
+
+FLAG_APPEND = 1  # PutHashes: append to an existing batch
+
+OP_STORED = 1
+OP_EVICTED = 2
+OP_CLEARED = 3  # the whole namespace was cleared; digest is zero
+
+CHANGES_FLAG_RESYNC = 1
+
+DIGEST_WIDTHS = (8, 16, 32)
+
+MAX_HASHES_PER_RECORD = 4096
+MAX_PAGES_PER_RECORD = 8192
+MAX_SEGMENTS = 1024
+MAX_STRING_LEN = 1024
+MAX_CHANGES_PER_REPLY = 4096
+MAX_WORLD_SIZE = 64
+
+VIEW_SIZE = 16
+SEGMENT_SIZE = 24
+CHANGE_HEADER_SIZE = 8  # u8 op, u8[7] zero, then the digest
+CUDA_IPC_EXTRA_SIZE = 88  # 64-byte handle, 16-byte GPU UUID, u64 offset
+
+
+class SchemaError(ValueError):
+    """A record that does not decode (Go: an error wrapping schema.ErrMalformed),
+    or arguments an encoder cannot represent."""
+
+
+class RingsideError(Exception):
+    """A non-OK reply status with the sidecar's message (Go: *schema.Error)."""
+
+    def __init__(self, status: int, message: str = ""):
+        self.status = status
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        if not self.message:
+            return "ringside: " + status_name(self.status)
+        return "ringside: " + status_name(self.status) + ": " + self.message
+
+
+def _err(status: int, message: str) -> Optional[RingsideError]:
+    return None if status == 0 else RingsideError(status, message)
+
+
+# --------------------------------------------------------------------------
+# Precompiled layouts
+
+_ATTACH_REQ = struct.Struct("<IHHIIB3xIHHHH")  # 32 bytes, strings follow
+_ATTACH_REP = struct.Struct("<IHHIIQQQIIHHHH")  # 56 bytes, strings follow
+_PUT_HASHES = struct.Struct("<QII")  # 16: batch, count, flags
+_ID = struct.Struct("<Q")  # 8
+_VIEW = struct.Struct("<QII")  # 16: batch, start, count
+_ACQUIRE = struct.Struct("<QIII")  # 24: view, ttl, flags
+_REGION = struct.Struct("<IB3xQQQQII")  # 48
+_SEGMENT = struct.Struct("<QQQ")  # 24
+_LOAD = struct.Struct("<QIIII")  # 24: lease, region, count, first, zero
+_STORE = struct.Struct("<QIIII")  # 24: view, region, count
+_CHANGES = struct.Struct("<QQII")  # 24
+_REPLY = struct.Struct("<IIQ")  # 16
+_LEASE_REPLY = struct.Struct("<IIQII")  # 24
+_STORE_REPLY = struct.Struct("<IIII")  # 16
+_CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # 32
+_CHANGE_HEAD = struct.Struct("<B7x")  # 8
+_CUDA_IPC_EXTRA = struct.Struct("<64s16sQ")  # 88
+
+_NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
+
+
+def _pack_pages(pages) -> bytes:
+    """u32 page indices, little-endian."""
+    try:
+        if _NATIVE_U32:
+            if isinstance(pages, array) and pages.typecode == "I":
+                return pages.tobytes()
+            return array("I", pages).tobytes()
+        return struct.pack("<%dI" % len(pages), *pages)
+    except (OverflowError, TypeError, struct.error) as e:
+        raise SchemaError("page index out of range for u32: %s" % e) from None
+
+
+def _unpack_pages(b, off: int, n: int) -> Tuple[int, ...]:
+    return struct.unpack_from("<%dI" % n, b, off)
+
+
+def _enc_str(s: str, what: str) -> bytes:
+    try:
+        return s.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise SchemaError("%s: %s" % (what, e)) from None
+
+
+def _dec_str(b) -> str:
+    # Go keeps arbitrary bytes in a string; surrogateescape keeps them too,
+    # so that decode(encode(x)) round-trips even for non-UTF-8 input.
+    return bytes(b).decode("utf-8", "surrogateescape")
+
+
+def _need(what: str, b, off: int, n: int) -> None:
+    if n < 0 or off + n > len(b):
+        raise SchemaError("%s: need %d bytes at offset %d, have %d" % (what, n, off, len(b)))
+
+
+def _done(what: str, b, off: int) -> None:
+    if off != len(b):
+        raise SchemaError("%s: %d trailing bytes" % (what, len(b) - off))
+
+
+def _view(b):
+    return b if isinstance(b, memoryview) else memoryview(b)
+
+
+# --------------------------------------------------------------------------
+# Attach handshake (Unix socket)
+
+
+class AttachRequest(NamedTuple):
+    version: int
+    role: int
+    rank: int
+    world_size: int
+    digest_width: int
+    ring_capacity: int
+    instance: str  # engine instance id: ranks of one engine share it
+    model: str
+    layout: str  # layout fingerprint: dtype, block size, page layout, hash algorithm
+    salt: str = ""  # tenant salt; empty for none
+
+
+def validate_attach_request(m: AttachRequest) -> None:
+    """The semantic rules Go's AttachRequest.Validate enforces."""
+    if not ROLE_SCHEDULER <= m.role <= ROLE_CLIENT:
+        raise SchemaError("attach: role %d" % m.role)
+    if m.world_size == 0 or m.world_size > MAX_WORLD_SIZE:
+        raise SchemaError("attach: world size %d outside [1, %d]" % (m.world_size, MAX_WORLD_SIZE))
+    if m.rank >= m.world_size:
+        raise SchemaError("attach: rank %d not below world size %d" % (m.rank, m.world_size))
+    if m.digest_width not in DIGEST_WIDTHS:
+        raise SchemaError("attach: digest width %d, want 8, 16 or 32" % m.digest_width)
+    if not m.instance or not m.model or not m.layout:
+        raise SchemaError("attach: instance, model and layout must not be empty")
+    for s in (m.instance, m.model, m.layout, m.salt):
+        try:
+            raw = s.encode("utf-8")  # strict: lone surrogates (non-UTF-8 bytes) fail
+        except UnicodeEncodeError:
+            raw = None
+        if raw is None or len(raw) > MAX_STRING_LEN:
+            raise SchemaError("attach: string longer than %d bytes or not UTF-8" % MAX_STRING_LEN)
+
+
+def encode_attach_request(version: int = VERSION, role: int = ROLE_WORKER, rank: int = 0, world_size: int = 1,
+                          digest_width: int = 32, ring_capacity: int = 0, instance: str = "", model: str = "",
+                          layout: str = "", salt: str = "") -> bytes:
+    """The attach request (socket message). Does not validate: see validate_attach_request."""
+    strs = [_enc_str(s, "attach request") for s in (instance, model, layout, salt)]
+    try:
+        head = _ATTACH_REQ.pack(ATTACH_MAGIC, version, role, rank, world_size, digest_width, ring_capacity,
+                                *(len(s) for s in strs))
+    except struct.error as e:
+        raise SchemaError("attach request: %s" % e) from None
+    return head + b"".join(strs)
+
+
+def decode_attach_request(b) -> AttachRequest:
+    """Parse and validate an attach request (Go: AttachRequest.Decode)."""
+    what = "attach request"
+    _need(what, b, 0, _ATTACH_REQ.size)
+    magic, version, role, rank, world, width, cap, n1, n2, n3, n4 = _ATTACH_REQ.unpack_from(b, 0)
+    if magic != ATTACH_MAGIC:
+        raise SchemaError("%s: magic %#x" % (what, magic))
+    off = _ATTACH_REQ.size
+    _need(what, b, off, n1 + n2 + n3 + n4)
+    mv = _view(b)
+    strs = []
+    for n in (n1, n2, n3, n4):
+        strs.append(_dec_str(mv[off:off + n]))
+        off += n
+    _done(what, b, off)
+    m = AttachRequest(version, role, rank, world, width, cap, *strs)
+    validate_attach_request(m)
+    return m
+
+
+class AttachReply(NamedTuple):
+    version: int
+    status: int
+    namespace: int
+    session: int
+    epoch: int  # boot token of both rings
+    pool_slots: int
+    slot_bytes: int
+    max_payload: int
+    submission_ring: str
+    completion_ring: str
+    pool_path: str
+    message: str
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, self.message)
+
+
+def encode_attach_reply(version: int = VERSION, status: int = 0, namespace: int = 0, session: int = 0, epoch: int = 0,
+                        pool_slots: int = 0, slot_bytes: int = 0, max_payload: int = 0, submission_ring: str = "",
+                        completion_ring: str = "", pool_path: str = "", message: str = "") -> bytes:
+    strs = [_enc_str(s, "attach reply") for s in (submission_ring, completion_ring, pool_path, message)]
+    try:
+        head = _ATTACH_REP.pack(ATTACH_REPLY_MAGIC, version, 0, status, namespace, session, epoch, pool_slots,
+                                slot_bytes, max_payload, *(len(s) for s in strs))
+    except struct.error as e:
+        raise SchemaError("attach reply: %s" % e) from None
+    return head + b"".join(strs)
+
+
+def decode_attach_reply(b) -> AttachReply:
+    what = "attach reply"
+    _need(what, b, 0, _ATTACH_REP.size)
+    (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload,
+     n1, n2, n3, n4) = _ATTACH_REP.unpack_from(b, 0)
+    if magic != ATTACH_REPLY_MAGIC:
+        raise SchemaError("%s: magic %#x" % (what, magic))
+    off = _ATTACH_REP.size
+    _need(what, b, off, n1 + n2 + n3 + n4)
+    mv = _view(b)
+    strs = []
+    for n in (n1, n2, n3, n4):
+        strs.append(_dec_str(mv[off:off + n]))
+        off += n
+    _done(what, b, off)
+    return AttachReply(version, status, ns, session, epoch, slots, slot_bytes, max_payload, *strs)
+
+
+# --------------------------------------------------------------------------
+# Requests (submission ring, engine -> sidecar)
+
+
+class PutHashes(NamedTuple):
+    batch: int
+    flags: int
+    digests: bytes  # count x width bytes
+
+
+def encode_put_hashes(batch: int, digests, width: int, flags: int = 0) -> bytes:
+    """PutHashes payload. ``digests`` is the already-joined digest bytes
+    (count x width, any bytes-like object)."""
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("PutHashes: digest width %d, want 8, 16 or 32" % width)
+    n, rem = divmod(len(digests), width)
+    if rem:
+        raise SchemaError("PutHashes: %d digest bytes is not a multiple of width %d" % (len(digests), width))
+    if n > MAX_HASHES_PER_RECORD:
+        raise SchemaError("PutHashes: %d hashes, at most %d per record" % (n, MAX_HASHES_PER_RECORD))
+    try:
+        return _PUT_HASHES.pack(batch, n, flags) + digests
+    except struct.error as e:
+        raise SchemaError("PutHashes: %s" % e) from None
+
+
+def decode_put_hashes(b, width: int) -> PutHashes:
+    """Parse PutHashes for a session with the given digest width."""
+    what = "PutHashes"
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("%s: digest width %d, want 8, 16 or 32" % (what, width))
+    _need(what, b, 0, 16)
+    batch, n, flags = _PUT_HASHES.unpack_from(b, 0)
+    if n > MAX_HASHES_PER_RECORD:
+        raise SchemaError("%s: %d hashes, at most %d per record" % (what, n, MAX_HASHES_PER_RECORD))
+    if flags & ~FLAG_APPEND:
+        raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    _need(what, b, 16, n * width)
+    _done(what, b, 16 + n * width)
+    return PutHashes(batch, flags, bytes(_view(b)[16:]))
+
+
+def encode_id(id_: int) -> bytes:
+    """Payload of DropHashes (batch id), Poll and Release (lease id)."""
+    try:
+        return _ID.pack(id_)
+    except struct.error as e:
+        raise SchemaError("id request: %s" % e) from None
+
+
+encode_drop_hashes = encode_id
+encode_poll = encode_id
+encode_release = encode_id
+
+
+def decode_id(b) -> int:
+    what = "id request"
+    _need(what, b, 0, 8)
+    _done(what, b, 8)
+    return _ID.unpack_from(b, 0)[0]
+
+
+class View(NamedTuple):
+    """A prefix range of a registered hash batch; Lookup's payload."""
+
+    batch: int
+    start: int
+    count: int
+
+
+Lookup = View
+
+
+def encode_lookup(batch: int, start: int, count: int) -> bytes:
+    try:
+        return _VIEW.pack(batch, start, count)
+    except struct.error as e:
+        raise SchemaError("Lookup: %s" % e) from None
+
+
+def decode_lookup(b) -> View:
+    what = "Lookup"
+    _need(what, b, 0, 16)
+    _done(what, b, 16)
+    return View._make(_VIEW.unpack_from(b, 0))
+
+
+class Acquire(NamedTuple):
+    batch: int
+    start: int
+    count: int
+    ttl_ms: int = 0  # 0 = sidecar default
+
+
+def encode_acquire(batch: int, start: int, count: int, ttl_ms: int = 0) -> bytes:
+    try:
+        return _ACQUIRE.pack(batch, start, count, ttl_ms, 0)
+    except struct.error as e:
+        raise SchemaError("Acquire: %s" % e) from None
+
+
+def decode_acquire(b) -> Acquire:
+    what = "Acquire"
+    _need(what, b, 0, 24)
+    batch, start, count, ttl, flags = _ACQUIRE.unpack_from(b, 0)
+    if flags:
+        raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    _done(what, b, 24)
+    return Acquire(batch, start, count, ttl)
+
+
+class Segment(NamedTuple):
+    """One per-layer piece of an engine page."""
+
+    offset: int
+    stride: int
+    length: int
+
+
+class RegisterRegion(NamedTuple):
+    region: int
+    kind: int
+    pid: int
+    base: int
+    length: int
+    page_size: int
+    page_count: int
+    segments: Tuple[Segment, ...]
+    extra: bytes  # kind-specific; CUDA IPC: see encode_cuda_ipc_extra
+
+
+def encode_register_region(region: int, kind: int, pid: int, base: int, length: int, page_size: int,
+                           page_count: int, segments: Sequence[Tuple[int, int, int]] = (), extra=b"") -> bytes:
+    if len(segments) > MAX_SEGMENTS:
+        raise SchemaError("RegisterRegion: %d segments, at most %d" % (len(segments), MAX_SEGMENTS))
+    try:
+        parts = [_REGION.pack(region, kind, pid, base, length, page_size, page_count, len(segments))]
+        parts.extend(_SEGMENT.pack(*s) for s in segments)
+    except (struct.error, TypeError) as e:
+        raise SchemaError("RegisterRegion: %s" % e) from None
+    parts.append(bytes(extra))
+    return b"".join(parts)
+
+
+def decode_register_region(b) -> RegisterRegion:
+    what = "RegisterRegion"
+    _need(what, b, 0, 48)
+    region, kind, pid, base, length, page_size, page_count, n = _REGION.unpack_from(b, 0)
+    if n > MAX_SEGMENTS:
+        raise SchemaError("%s: %d segments, at most %d" % (what, n, MAX_SEGMENTS))
+    if kind not in (REGION_HOST_PROCESS, REGION_CUDA_IPC):
+        raise SchemaError("%s: unknown region kind %d" % (what, kind))
+    _need(what, b, 48, n * SEGMENT_SIZE)
+    off = 48 + n * SEGMENT_SIZE
+    segs = tuple(Segment._make(s) for s in _SEGMENT.iter_unpack(_view(b)[48:off]))
+    return RegisterRegion(region, kind, pid, base, length, page_size, page_count, segs, bytes(_view(b)[off:]))
+
+
+def encode_cuda_ipc_extra(handle: bytes, gpu_uuid: bytes, offset: int) -> bytes:
+    """RegisterRegion extra bytes for REGION_CUDA_IPC: 64-byte cudaIpcMemHandle_t,
+    16-byte GPU UUID, u64 offset of the region inside the exported allocation.
+    (Layout from the comment in messages.go; the Go decoder does not check it.)"""
+    if len(handle) != 64 or len(gpu_uuid) != 16:
+        raise SchemaError("CUDA IPC extra: handle must be 64 bytes and GPU UUID 16 bytes")
+    return _CUDA_IPC_EXTRA.pack(bytes(handle), bytes(gpu_uuid), offset)
+
+
+def decode_cuda_ipc_extra(extra) -> Tuple[bytes, bytes, int]:
+    if len(extra) != CUDA_IPC_EXTRA_SIZE:
+        raise SchemaError("CUDA IPC extra: %d bytes, want %d" % (len(extra), CUDA_IPC_EXTRA_SIZE))
+    return _CUDA_IPC_EXTRA.unpack_from(extra, 0)
+
+
+class Load(NamedTuple):
+    lease: int
+    region: int
+    first: int  # index of the lease's first block to copy
+    pages: Tuple[int, ...]  # destination page per block
+
+
+def encode_load(lease: int, region: int, first: int, pages) -> bytes:
+    """Load blocks first..first+len(pages) of a lease into the given pages."""
+    n = len(pages)
+    if n > MAX_PAGES_PER_RECORD:
+        raise SchemaError("Load: %d pages, at most %d per record" % (n, MAX_PAGES_PER_RECORD))
+    try:
+        return _LOAD.pack(lease, region, n, first, 0) + _pack_pages(pages)
+    except struct.error as e:
+        raise SchemaError("Load: %s" % e) from None
+
+
+def decode_load(b) -> Load:
+    what = "Load"
+    _need(what, b, 0, 24)
+    lease, region, n, first, _zero = _LOAD.unpack_from(b, 0)
+    if n > MAX_PAGES_PER_RECORD:
+        raise SchemaError("%s: %d pages, at most %d per record" % (what, n, MAX_PAGES_PER_RECORD))
+    _need(what, b, 24, 4 * n)
+    _done(what, b, 24 + 4 * n)
+    return Load(lease, region, first, _unpack_pages(b, 24, n))
+
+
+class Store(NamedTuple):
+    batch: int
+    start: int
+    count: int
+    region: int
+    pages: Tuple[int, ...]  # source page per block; len(pages) == count
+
+
+def encode_store(batch: int, start: int, count: int, region: int, pages) -> bytes:
+    """Store pages as blocks start..start+count of a batch (len(pages) must equal count)."""
+    n = len(pages)
+    if n != count:
+        raise SchemaError("Store: %d pages for a view of %d blocks" % (n, count))
+    if n > MAX_PAGES_PER_RECORD:
+        raise SchemaError("Store: %d pages, at most %d per record" % (n, MAX_PAGES_PER_RECORD))
+    try:
+        return _STORE.pack(batch, start, count, region, n) + _pack_pages(pages)
+    except struct.error as e:
+        raise SchemaError("Store: %s" % e) from None
+
+
+def decode_store(b) -> Store:
+    what = "Store"
+    _need(what, b, 0, 24)
+    batch, start, count, region, n = _STORE.unpack_from(b, 0)
+    if n > MAX_PAGES_PER_RECORD:
+        raise SchemaError("%s: %d pages, at most %d per record" % (what, n, MAX_PAGES_PER_RECORD))
+    _need(what, b, 24, 4 * n)
+    if n != count:
+        raise SchemaError("%s: %d pages for a view of %d blocks" % (what, n, count))
+    _done(what, b, 24 + 4 * n)
+    return Store(batch, start, count, region, _unpack_pages(b, 24, n))
+
+
+class Changes(NamedTuple):
+    epoch: int
+    seq: int  # next sequence number to read
+    max: int  # at most this many entries
+
+
+def encode_changes(epoch: int, seq: int, max: int) -> bytes:  # noqa: A002 (mirrors the Go field)
+    try:
+        return _CHANGES.pack(epoch, seq, max, 0)
+    except struct.error as e:
+        raise SchemaError("Changes: %s" % e) from None
+
+
+def decode_changes(b) -> Changes:
+    what = "Changes"
+    _need(what, b, 0, 24)
+    _done(what, b, 24)
+    epoch, seq, mx, _zero = _CHANGES.unpack_from(b, 0)
+    return Changes(epoch, seq, mx)
+
+
+# --------------------------------------------------------------------------
+# Replies (completion ring, sidecar -> engine; record type = request type | REPLY_BIT)
+
+
+class Reply(NamedTuple):
+    """The common reply. value: PutHashes, the batch length after the call;
+    Lookup, leading present blocks; Load, blocks copied; Ping, the echoed
+    value; otherwise 0."""
+
+    status: int
+    value: int
+    message: str
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, self.message)
+
+
+def encode_reply(status: int, value: int = 0, message: str = "") -> bytes:
+    try:
+        return _REPLY.pack(status, 0, value) + _enc_str(message, "reply")
+    except struct.error as e:
+        raise SchemaError("reply: %s" % e) from None
+
+
+def decode_reply(b) -> Reply:
+    _need("reply", b, 0, 16)
+    status, _zero, value = _REPLY.unpack_from(b, 0)
+    return Reply(status, value, _dec_str(_view(b)[16:]))
+
+
+class LeaseReply(NamedTuple):
+    """Answers Acquire and Poll."""
+
+    status: int
+    state: int
+    lease: int
+    blocks: int  # blocks pinned
+    message: str
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, self.message)
+
+
+def encode_lease_reply(status: int, state: int, lease: int, blocks: int, message: str = "") -> bytes:
+    try:
+        return _LEASE_REPLY.pack(status, state, lease, blocks, 0) + _enc_str(message, "lease reply")
+    except struct.error as e:
+        raise SchemaError("lease reply: %s" % e) from None
+
+
+def decode_lease_reply(b) -> LeaseReply:
+    _need("lease reply", b, 0, 24)
+    status, state, lease, blocks, _zero = _LEASE_REPLY.unpack_from(b, 0)
+    return LeaseReply(status, state, lease, blocks, _dec_str(_view(b)[24:]))
+
+
+class StoreReply(NamedTuple):
+    """Answers Store."""
+
+    status: int
+    stored: int
+    present: int  # already present, skipped
+    skipped: int  # not stored (no space)
+    message: str
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, self.message)
+
+
+def encode_store_reply(status: int, stored: int, present: int, skipped: int, message: str = "") -> bytes:
+    try:
+        return _STORE_REPLY.pack(status, stored, present, skipped) + _enc_str(message, "store reply")
+    except struct.error as e:
+        raise SchemaError("store reply: %s" % e) from None
+
+
+def decode_store_reply(b) -> StoreReply:
+    _need("store reply", b, 0, 16)
+    status, stored, present, skipped = _STORE_REPLY.unpack_from(b, 0)
+    return StoreReply(status, stored, present, skipped, _dec_str(_view(b)[16:]))
+
+
+class Change(NamedTuple):
+    op: int
+    digest: bytes
+
+
+class ChangesReply(NamedTuple):
+    """Answers Changes. entries: n x (8 + width) bytes; see changes()."""
+
+    status: int
+    resync: bool
+    epoch: int
+    next: int
+    width: int
+    entries: bytes
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, "")
+
+    @property
+    def n_entries(self) -> int:
+        return len(self.entries) // (8 + self.width) if self.width else 0
+
+    def change_at(self, i: int) -> Change:
+        es = 8 + self.width
+        if not 0 <= i < self.n_entries:
+            raise IndexError(i)
+        return Change(self.entries[i * es], self.entries[i * es + 8:(i + 1) * es])
+
+    def changes(self) -> Iterator[Change]:
+        es = 8 + self.width
+        e = self.entries
+        for off in range(0, self.n_entries * es, es):
+            yield Change(e[off], e[off + 8:off + es])
+
+
+def encode_change(op: int, digest) -> bytes:
+    """One change-log entry (op, 7 zero bytes, digest)."""
+    return _CHANGE_HEAD.pack(op) + bytes(digest)
+
+
+def encode_changes_reply(status: int, resync: bool, epoch: int, next: int, width: int,  # noqa: A002
+                         entries=b"") -> bytes:
+    """entries: joined encode_change() bytes, each 8 + width long."""
+    es = 8 + width
+    n, rem = divmod(len(entries), es)
+    if rem:
+        raise SchemaError("changes reply: %d entry bytes is not a multiple of %d" % (len(entries), es))
+    try:
+        return _CHANGES_REPLY.pack(status, CHANGES_FLAG_RESYNC if resync else 0, epoch, next, n, width) + bytes(entries)
+    except struct.error as e:
+        raise SchemaError("changes reply: %s" % e) from None
+
+
+def decode_changes_reply(b) -> ChangesReply:
+    what = "changes reply"
+    _need(what, b, 0, 32)
+    status, flags, epoch, nxt, n, width = _CHANGES_REPLY.unpack_from(b, 0)
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("%s: digest width %d" % (what, width))
+    if n > MAX_CHANGES_PER_REPLY:
+        raise SchemaError("%s: %d entries, at most %d" % (what, n, MAX_CHANGES_PER_REPLY))
+    size = n * (8 + width)
+    _need(what, b, 32, size)
+    _done(what, b, 32 + size)
+    return ChangesReply(status, bool(flags & CHANGES_FLAG_RESYNC), epoch, nxt, width, bytes(_view(b)[32:]))
+
+
+# Which decoder reads the reply to each request type.
+REPLY_DECODERS = {
+    TYPE_PUT_HASHES: decode_reply,
+    TYPE_DROP_HASHES: decode_reply,
+    TYPE_LOOKUP: decode_reply,
+    TYPE_ACQUIRE: decode_lease_reply,
+    TYPE_POLL: decode_lease_reply,
+    TYPE_RELEASE: decode_reply,
+    TYPE_REGISTER_REGION: decode_reply,
+    TYPE_LOAD: decode_reply,
+    TYPE_STORE: decode_store_reply,
+    TYPE_CHANGES: decode_changes_reply,
+    TYPE_DETACH: decode_reply,
+    TYPE_PING: decode_reply,
+}
+
+
+def reply_status(b) -> int:
+    """The status word every reply payload starts with."""
+    _need("reply", b, 0, 4)
+    return struct.unpack_from("<I", b, 0)[0]
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in (
+    "annotations", "struct", "sys", "array", "IntEnum", "Iterator", "NamedTuple", "Optional", "Sequence", "Tuple")]

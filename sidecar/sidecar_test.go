@@ -1,0 +1,440 @@
+package sidecar_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar"
+)
+
+const slot = 4096
+
+// harness runs a real sidecar (in this process, on real shared memory and
+// a real socket) and dials real clients to it.
+type harness struct {
+	t   *testing.T
+	srv *sidecar.Server
+	cfg sidecar.Config
+}
+
+func newHarness(t *testing.T, mod func(*sidecar.Config)) *harness {
+	t.Helper()
+	base := "/dev/shm"
+	if _, err := os.Stat(base); err != nil {
+		base = os.TempDir()
+	}
+	dir, err := os.MkdirTemp(base, "rs-sc-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg := sidecar.Config{Dir: dir, PoolBytes: 64 * slot, SlotBytes: slot, RingCapacity: 64 << 10, ReapInterval: 5 * time.Millisecond}
+	if mod != nil {
+		mod(&cfg)
+	}
+	srv, err := sidecar.New(cfg, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+		// Shutdown removes every ring, the pool and the socket.
+		if left, _ := os.ReadDir(dir); len(left) != 0 {
+			t.Errorf("files left behind: %v", left)
+		}
+	})
+	return &harness{t: t, srv: srv, cfg: srv.Config()}
+}
+
+func (h *harness) dial(mod func(*connector.Options)) *connector.Client {
+	h.t.Helper()
+	o := connector.Options{Socket: h.cfg.Socket, Instance: "engine-a", Model: "llama", Layout: "bf16/16/HND", Timeout: 5 * time.Second}
+	if mod != nil {
+		mod(&o)
+	}
+	c, err := connector.Dial(o)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// digests returns n chained 32-byte digests (as vLLM's sha256 block hashes).
+func digests(seed string, n int) []byte {
+	out := make([]byte, 0, n*32)
+	prev := sha256.Sum256([]byte(seed))
+	for i := 0; i < n; i++ {
+		prev = sha256.Sum256(append(prev[:], byte(i)))
+		out = append(out, prev[:]...)
+	}
+	return out
+}
+
+// region is engine memory of this process: pages of slot bytes.
+type region struct {
+	buf []byte
+	reg schema.RegisterRegion
+}
+
+func newRegion(id uint32, pages int) *region {
+	buf := make([]byte, pages*slot)
+	return &region{buf: buf, reg: schema.RegisterRegion{
+		Region: id, Kind: schema.RegionHostProcess, PID: uint64(os.Getpid()),
+		Base: uint64(uintptr(unsafe.Pointer(&buf[0]))), Length: uint64(len(buf)), PageSize: slot, PageCount: uint32(pages),
+	}}
+}
+
+func (r *region) fill(page int, seed byte) {
+	p := r.buf[page*slot : (page+1)*slot]
+	for i := range p {
+		p[i] = seed + byte(i*7)
+	}
+}
+
+func (r *region) page(i int) []byte { return r.buf[i*slot : (i+1)*slot] }
+
+func status(err error) schema.Status {
+	var se *schema.Error
+	if errors.As(err, &se) {
+		return se.Status
+	}
+	return 0xFFFF
+}
+
+func TestStoreLookupAcquireLoad(t *testing.T) {
+	h := newHarness(t, nil)
+	c := h.dial(nil)
+	src := newRegion(1, 8)
+	dst := newRegion(2, 8)
+	if err := c.RegisterRegion(src.reg); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.RegisterRegion(dst.reg); err != nil {
+		t.Fatal(err)
+	}
+	d := digests("prompt", 8)
+	if n, err := c.PutHashes(1, d[:5*32], false); err != nil || n != 5 {
+		t.Fatalf("put: %d %v", n, err)
+	}
+	if n, err := c.PutHashes(1, d[5*32:], true); err != nil || n != 8 {
+		t.Fatalf("append: %d %v", n, err)
+	}
+	if n, err := c.Lookup(schema.View{Batch: 1, Count: 8}); err != nil || n != 0 {
+		t.Fatalf("cold lookup: %d %v", n, err)
+	}
+	for i := 0; i < 8; i++ {
+		src.fill(i, byte(i*13))
+	}
+	// Store the first 6 blocks, then again: nothing is stored twice.
+	r, err := c.Store(schema.View{Batch: 1, Count: 6}, 1, []uint32{0, 1, 2, 3, 4, 5})
+	if err != nil || r.Stored != 6 {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	r, err = c.Store(schema.View{Batch: 1, Count: 6}, 1, []uint32{0, 1, 2, 3, 4, 5})
+	if err != nil || r.Stored != 0 || r.Present != 6 {
+		t.Fatalf("second store: %+v %v", r, err)
+	}
+	if n, err := c.Lookup(schema.View{Batch: 1, Count: 8}); err != nil || n != 6 {
+		t.Fatalf("lookup: %d %v", n, err)
+	}
+	if n, err := c.Lookup(schema.View{Batch: 1, Start: 2, Count: 3}); err != nil || n != 3 {
+		t.Fatalf("lookup of a middle view: %d %v", n, err)
+	}
+	l, err := c.Acquire(schema.View{Batch: 1, Count: 8}, time.Minute)
+	if err != nil || l.Blocks != 6 || l.State != schema.StateReady || l.Lease == 0 {
+		t.Fatalf("acquire: %+v %v", l, err)
+	}
+	// Load blocks 1..4 into pages 7,6,5,4 of the destination.
+	if n, err := c.Load(l.Lease, 2, 1, []uint32{7, 6, 5, 4}); err != nil || n != 4 {
+		t.Fatalf("load: %d %v", n, err)
+	}
+	for i, p := range []int{7, 6, 5, 4} {
+		if !bytes.Equal(dst.page(p), src.page(1+i)) {
+			t.Fatalf("page %d does not hold block %d", p, 1+i)
+		}
+	}
+	if p, err := c.Poll(l.Lease); err != nil || p.State != schema.StateLoaded {
+		t.Fatalf("poll: %+v %v", p, err)
+	}
+	// Out of range: blocks past the lease, pages past the region.
+	if _, err := c.Load(l.Lease, 2, 4, []uint32{0, 1, 2}); status(err) != schema.ErrCodeOutOfRange {
+		t.Fatalf("load past lease: %v", err)
+	}
+	if _, err := c.Load(l.Lease, 2, 0, []uint32{8}); status(err) != schema.ErrCodeOutOfRange {
+		t.Fatalf("load past region: %v", err)
+	}
+	if err := c.Release(l.Lease); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Release(l.Lease); status(err) != schema.ErrCodeUnknownLease {
+		t.Fatalf("double release: %v", err)
+	}
+	st := h.srv.State().Pool
+	if st.Free+st.Used != st.Capacity || st.Leases != 0 || st.Blocks != 6 {
+		t.Fatalf("pool accounting: %+v", st)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	h := newHarness(t, nil)
+	c := h.dial(nil)
+	src := newRegion(1, 4)
+	if err := c.RegisterRegion(src.reg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.PutHashes(1, digests("x", 4), false); err != nil {
+		t.Fatal(err)
+	}
+	other := src.reg
+	other.Region = 9
+	other.PID = 1
+	big := src.reg
+	big.Region = 10
+	big.PageSize = 2 * slot
+	overflow := src.reg
+	overflow.Region = 11
+	overflow.PageCount = 1 << 30
+	tests := []struct {
+		name string
+		typ  uint16
+		pay  []byte
+		want schema.Status
+	}{
+		{"unknown type", 0x77, []byte{1, 2, 3}, schema.ErrCodeUnknownType},
+		{"short lookup", schema.TypeLookup, []byte{1, 2}, schema.ErrCodeMalformed},
+		{"unknown batch", schema.TypeLookup, (&schema.Lookup{View: schema.View{Batch: 99, Count: 1}}).Append(nil), schema.ErrCodeUnknownBatch},
+		{"view past batch", schema.TypeLookup, (&schema.Lookup{View: schema.View{Batch: 1, Start: 3, Count: 2}}).Append(nil), schema.ErrCodeOutOfRange},
+		{"view overflow", schema.TypeLookup, (&schema.Lookup{View: schema.View{Batch: 1, Start: 0xFFFFFFFF, Count: 0xFFFFFFFF}}).Append(nil), schema.ErrCodeOutOfRange},
+		{"duplicate batch", schema.TypePutHashes, (&schema.PutHashes{Batch: 1, Digests: digests("y", 1)}).Append(nil, 32), schema.ErrCodeDuplicate},
+		{"append to nothing", schema.TypePutHashes, (&schema.PutHashes{Batch: 5, Flags: schema.FlagAppend, Digests: digests("y", 1)}).Append(nil, 32), schema.ErrCodeUnknownBatch},
+		{"ragged digests", schema.TypePutHashes, append((&schema.PutHashes{Batch: 6, Digests: digests("y", 1)}).Append(nil, 32), 1, 2, 3), schema.ErrCodeMalformed},
+		{"unknown lease poll", schema.TypePoll, schema.IDRequest{ID: 12345}.Append(nil), schema.ErrCodeUnknownLease},
+		{"unknown lease load", schema.TypeLoad, (&schema.Load{Lease: 12345, Region: 1, Pages: []uint32{0}}).Append(nil), schema.ErrCodeUnknownLease},
+		{"unknown region store", schema.TypeStore, (&schema.Store{View: schema.View{Batch: 1, Count: 1}, Region: 42, Pages: []uint32{0}}).Append(nil), schema.ErrCodeUnknownRegion},
+		{"page past region", schema.TypeStore, (&schema.Store{View: schema.View{Batch: 1, Count: 1}, Region: 1, Pages: []uint32{4}}).Append(nil), schema.ErrCodeOutOfRange},
+		{"pages != view", schema.TypeStore, (&schema.Store{View: schema.View{Batch: 1, Count: 2}, Region: 1, Pages: []uint32{0}}).Append(nil), schema.ErrCodeMalformed},
+		{"another process's memory", schema.TypeRegisterRegion, other.Append(nil), schema.ErrCodeNotPermitted},
+		{"page larger than a slot", schema.TypeRegisterRegion, big.Append(nil), schema.ErrCodeTooLarge},
+		{"region overflow", schema.TypeRegisterRegion, overflow.Append(nil), schema.ErrCodeOutOfRange},
+		{"duplicate region", schema.TypeRegisterRegion, src.reg.Append(nil), schema.ErrCodeDuplicate},
+		{"cuda region on host backend", schema.TypeRegisterRegion, (&schema.RegisterRegion{Region: 3, Kind: schema.RegionCUDAIPC, PID: uint64(os.Getpid()), Length: 1, PageSize: 1, PageCount: 1}).Append(nil), schema.ErrCodeNotPermitted},
+		{"garbage acquire", schema.TypeAcquire, bytes.Repeat([]byte{0xFF}, 24), schema.ErrCodeMalformed},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			seq, err := c.Submit(tt.typ, tt.pay)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := c.Await(seq)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Every reply starts with its status.
+			var r schema.Reply
+			if len(b) < 4 {
+				t.Fatalf("reply of %d bytes", len(b))
+			}
+			r.Status = schema.Status(uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24)
+			if r.Status != tt.want {
+				t.Fatalf("status %v (%x), want %v", r.Status, b, tt.want)
+			}
+		})
+	}
+	// The session still serves after all of that.
+	if err := c.Ping(7); err != nil {
+		t.Fatal(err)
+	}
+	st := h.srv.State().Pool
+	if st.Free != st.Capacity || st.Leases != 0 {
+		t.Fatalf("something leaked: %+v", st)
+	}
+}
+
+func TestBudgetWaitingAndExpiry(t *testing.T) {
+	// Budget of 4 slots: a lease of 4 blocks fills it; the next waits.
+	h := newHarness(t, func(c *sidecar.Config) { c.Budget = 4 * slot })
+	c := h.dial(nil)
+	src := newRegion(1, 8)
+	c.RegisterRegion(src.reg)
+	c.PutHashes(1, digests("b", 8), false)
+	if r, err := c.Store(schema.View{Batch: 1, Count: 8}, 1, []uint32{0, 1, 2, 3, 4, 5, 6, 7}); err != nil || r.Stored != 8 {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	l1, err := c.Acquire(schema.View{Batch: 1, Count: 4}, time.Minute)
+	if err != nil || l1.State != schema.StateReady {
+		t.Fatalf("first: %+v %v", l1, err)
+	}
+	l2, err := c.Acquire(schema.View{Batch: 1, Start: 4, Count: 2}, time.Minute)
+	if err != nil || l2.State != schema.StateWaiting {
+		t.Fatalf("second should wait: %+v %v", l2, err)
+	}
+	if _, err := c.Load(l2.Lease, 1, 0, []uint32{0}); status(err) != schema.ErrCodeBadState {
+		t.Fatalf("load while waiting: %v", err)
+	}
+	// A short-lived third query: it waits, then resolves as a miss.
+	l3, err := c.Acquire(schema.View{Batch: 1, Start: 6, Count: 2}, 30*time.Millisecond)
+	if err != nil || l3.State != schema.StateWaiting {
+		t.Fatalf("third: %+v %v", l3, err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p, err := c.Poll(l3.Lease)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.State == schema.StateMiss {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting query never resolved: %+v", p)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := c.Release(l1.Lease); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := c.Poll(l2.Lease); err != nil || p.State != schema.StateReady {
+		t.Fatalf("after release, second: %+v %v", p, err)
+	}
+	c.Release(l2.Lease)
+	c.Release(l3.Lease)
+	st := h.srv.State().Pool
+	if st.Leases != 0 || st.PinnedBlocks != 0 || st.Free+st.Used != st.Capacity {
+		t.Fatalf("accounting: %+v", st)
+	}
+}
+
+func TestTensorParallelAndNamespaces(t *testing.T) {
+	h := newHarness(t, nil)
+	tp := func(rank int) func(*connector.Options) {
+		return func(o *connector.Options) { o.WorldSize = 2; o.Rank = rank; o.Role = schema.RoleWorker; o.Instance = "tp" }
+	}
+	w0, w1 := h.dial(tp(0)), h.dial(tp(1))
+	sched := h.dial(func(o *connector.Options) { o.WorldSize = 2; o.Role = schema.RoleScheduler; o.Instance = "tp" })
+	r0, r1 := newRegion(1, 4), newRegion(1, 4)
+	for i := 0; i < 4; i++ {
+		r0.fill(i, 1)
+		r1.fill(i, 2)
+	}
+	w0.RegisterRegion(r0.reg)
+	w1.RegisterRegion(r1.reg)
+	d := digests("tp", 4)
+	// Batches are per instance: the scheduler registers, workers refer.
+	if _, err := sched.PutHashes(7, d, false); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := w0.Store(schema.View{Batch: 7, Count: 4}, 1, []uint32{0, 1, 2, 3}); err != nil || r.Stored != 4 {
+		t.Fatalf("rank 0 store: %+v %v", r, err)
+	}
+	// Only rank 0 stored: every rank sees a miss.
+	for i, c := range []*connector.Client{sched, w0, w1} {
+		if n, err := c.Lookup(schema.View{Batch: 7, Count: 4}); err != nil || n != 0 {
+			t.Fatalf("client %d sees %d before rank 1 stored (%v)", i, n, err)
+		}
+	}
+	if r, err := w1.Store(schema.View{Batch: 7, Count: 2}, 1, []uint32{0, 1}); err != nil || r.Stored != 2 {
+		t.Fatalf("rank 1 store: %+v %v", r, err)
+	}
+	for i, c := range []*connector.Client{sched, w0, w1} {
+		if n, err := c.Lookup(schema.View{Batch: 7, Count: 4}); err != nil || n != 2 {
+			t.Fatalf("client %d sees %d, want 2 (%v)", i, n, err)
+		}
+	}
+	// The scheduler acquires; each worker loads its own shard.
+	l, err := sched.Acquire(schema.View{Batch: 7, Count: 4}, time.Minute)
+	if err != nil || l.Blocks != 2 {
+		t.Fatalf("acquire: %+v %v", l, err)
+	}
+	o0, o1 := newRegion(2, 2), newRegion(2, 2)
+	w0.RegisterRegion(o0.reg)
+	w1.RegisterRegion(o1.reg)
+	if _, err := w0.Load(l.Lease, 2, 0, []uint32{0, 1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w1.Load(l.Lease, 2, 0, []uint32{0, 1}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(o0.buf, r0.buf[:2*slot]) || !bytes.Equal(o1.buf, r1.buf[:2*slot]) {
+		t.Fatal("a rank loaded another rank's shard")
+	}
+	sched.Release(l.Lease)
+	// Another tenant (salt) with the same digests sees nothing.
+	other := h.dial(func(o *connector.Options) { o.WorldSize = 2; o.Instance = "tp"; o.Salt = "tenant-b" })
+	other.PutHashes(7, d, false)
+	if n, err := other.Lookup(schema.View{Batch: 7, Count: 4}); err != nil || n != 0 {
+		t.Fatalf("another tenant sees %d blocks (%v)", n, err)
+	}
+}
+
+func TestChangesAndPeerDeath(t *testing.T) {
+	h := newHarness(t, nil)
+	c := h.dial(nil)
+	src := newRegion(1, 4)
+	c.RegisterRegion(src.reg)
+	r, err := c.Changes(0, 0, 0)
+	if err != nil || !r.Resync {
+		t.Fatalf("first changes: %+v %v", r, err)
+	}
+	epoch, next := r.Epoch, r.Next
+	d := digests("ch", 3)
+	c.PutHashes(1, d, false)
+	c.Store(schema.View{Batch: 1, Count: 3}, 1, []uint32{0, 1, 2})
+	r, err = c.Changes(epoch, next, 0)
+	if err != nil || r.Resync || r.Len() != 3 {
+		t.Fatalf("changes: %+v %v", r, err)
+	}
+	for i := 0; i < 3; i++ {
+		op, dg := r.ChangeAt(i)
+		if op != schema.OpStored || !bytes.Equal(dg, d[i*32:(i+1)*32]) {
+			t.Fatalf("entry %d: op %d", i, op)
+		}
+	}
+	if r2, err := c.Changes(epoch+1, r.Next, 0); err != nil || !r2.Resync {
+		t.Fatalf("wrong epoch must resync: %+v %v", r2, err)
+	}
+	// A second client takes a lease and vanishes without releasing it.
+	d2 := h.dial(nil)
+	d2.PutHashes(2, d, false)
+	l, err := d2.Acquire(schema.View{Batch: 2, Count: 3}, time.Hour)
+	if err != nil || l.Blocks != 3 {
+		t.Fatalf("acquire: %+v %v", l, err)
+	}
+	if h.srv.State().Pool.Leases != 1 {
+		t.Fatal("lease not held")
+	}
+	dropWithoutDetach(d2)
+	deadline := time.Now().Add(5 * time.Second)
+	for h.srv.State().Pool.Leases != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("lease of a dead session not reclaimed: %+v", h.srv.State().Pool)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := len(h.srv.State().Sessions); n != 1 {
+		t.Fatalf("%d sessions, want 1", n)
+	}
+}
+
+// dropWithoutDetach closes the client's socket as a crashed process would.
+func dropWithoutDetach(c *connector.Client) { c.Abandon() }
+
+var _ = fmt.Sprint
