@@ -2,6 +2,7 @@ package ring
 
 import (
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/ringside-kv/ringside/internal/shm"
@@ -16,6 +17,7 @@ type Consumer struct {
 	tailCache uint64
 	wait      WaitConfig
 	stats     WaitStats
+	stop      atomic.Bool
 }
 
 // NewConsumer takes the consumer role of r for this process and resumes
@@ -134,6 +136,9 @@ func (c *Consumer) Available() bool { return c.r.tail.Load() != c.head }
 func (c *Consumer) Wait(deadline time.Time) error {
 	cond := func() bool { return c.r.tail.Load() != c.head }
 	peer := func() error {
+		if c.stop.Load() {
+			return ErrClosed
+		}
 		if c.r.prodState.Load() != 0 {
 			if cond() {
 				return nil
@@ -149,6 +154,14 @@ func (c *Consumer) Wait(deadline time.Time) error {
 		return nil
 	}
 	return c.wait.wait(cond, peer, c.r.consParked, c.r.consFutex, deadline, c.r.check, &c.stats)
+}
+
+// Interrupt makes a Wait in progress (or the next one) return ErrClosed. It
+// is the one method that may be called from another goroutine.
+func (c *Consumer) Interrupt() {
+	c.stop.Store(true)
+	c.r.consFutex.Add(1)
+	shm.FutexWake(c.r.consFutex, 1)
 }
 
 // Close marks the consumer side closed and wakes the producer if it waits.

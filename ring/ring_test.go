@@ -456,3 +456,19 @@ func ExampleProducer() {
 	// 100 hello
 	// 101 world
 }
+
+func TestInterrupt(t *testing.T) {
+	_, _, c := newHeapRing(t, 4096, 0)
+	done := make(chan error, 1)
+	go func() { done <- c.Wait(time.Now().Add(time.Minute)) }()
+	time.Sleep(20 * time.Millisecond)
+	c.Interrupt()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("got %v, want ErrClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Interrupt did not end the wait")
+	}
+}

@@ -112,5 +112,8 @@ func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *ato
 		if cond() {
 			return nil
 		}
+		if err := peer(); err != nil {
+			return err
+		}
 	}
 }

@@ -38,7 +38,7 @@ type AttachRequest struct {
 	Salt         string // tenant salt; empty for none
 }
 
-// AppendAttachRequest encodes m.
+// Append encodes m.
 func (m *AttachRequest) Append(dst []byte) []byte {
 	w := writer{dst}
 	w.u32(AttachMagic)
@@ -214,11 +214,12 @@ type PutHashes struct {
 // PutHashes flags.
 const FlagAppend uint32 = 1
 
-// Append encodes m; width is the session's digest width.
+// Append encodes m; width is the session's digest width (8, 16 or 32) and
+// len(m.Digests) must be a multiple of it.
 func (m *PutHashes) Append(dst []byte, width int) []byte {
 	w := writer{dst}
 	w.u64(m.Batch)
-	w.u32(uint32(len(m.Digests) / width))
+	w.u32(uint32(len(m.Digests) / max(width, 1)))
 	w.u32(m.Flags)
 	w.raw(m.Digests)
 	return w.b
@@ -227,6 +228,9 @@ func (m *PutHashes) Append(dst []byte, width int) []byte {
 // Decode parses m from b for a session with the given digest width.
 func (m *PutHashes) Decode(b []byte, width int) error {
 	r := reader{b: b, what: "PutHashes"}
+	if width != 8 && width != 16 && width != 32 {
+		r.fail("digest width %d, want 8, 16 or 32", width)
+	}
 	m.Batch = r.u64()
 	n := r.u32()
 	m.Flags = r.u32()
@@ -240,7 +244,7 @@ func (m *PutHashes) Decode(b []byte, width int) error {
 	return r.done()
 }
 
-// BatchRequest is the payload of DropHashes, Poll and Release: one id.
+// IDRequest is the payload of DropHashes, Poll and Release: one id.
 //
 //	0 u64 id
 type IDRequest struct{ ID uint64 }

@@ -11,7 +11,7 @@
 // A request's ring record carries its type and a client-chosen correlation
 // number in the ring's record header (ring.RecordHeader.Seq); the reply
 // carries the request type with ReplyBit set and the same correlation number.
-// Every reply payload starts with a status code (u32) and a reserved u32.
+// Every reply payload starts with a status code (u32).
 package schema
 
 import (
@@ -44,13 +44,7 @@ const (
 
 // TypeName names a record type for logs and errors.
 func TypeName(t uint16) string {
-	names := map[uint16]string{
-		TypePutHashes: "PutHashes", TypeDropHashes: "DropHashes", TypeLookup: "Lookup",
-		TypeAcquire: "Acquire", TypePoll: "Poll", TypeRelease: "Release",
-		TypeRegisterRegion: "RegisterRegion", TypeLoad: "Load", TypeStore: "Store",
-		TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping",
-	}
-	n, ok := names[t&^ReplyBit]
+	n, ok := typeNames[t&^ReplyBit]
 	if !ok {
 		return fmt.Sprintf("type(%#x)", t)
 	}
@@ -58,6 +52,13 @@ func TypeName(t uint16) string {
 		return n + "Reply"
 	}
 	return n
+}
+
+var typeNames = map[uint16]string{
+	TypePutHashes: "PutHashes", TypeDropHashes: "DropHashes", TypeLookup: "Lookup",
+	TypeAcquire: "Acquire", TypePoll: "Poll", TypeRelease: "Release",
+	TypeRegisterRegion: "RegisterRegion", TypeLoad: "Load", TypeStore: "Store",
+	TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping",
 }
 
 // Status is the result code at the start of every reply.

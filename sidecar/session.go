@@ -45,6 +45,9 @@ type session struct {
 	closed  atomic.Bool
 	done    chan struct{}
 
+	lifeMu   sync.Mutex // orders shutdown's wake-up against unmapping the rings
+	unmapped bool
+
 	// scratch for handlers (session goroutine only)
 	slots   []uint32
 	offsets []uint64
@@ -196,7 +199,14 @@ func (s *Server) newSession(conn *net.UnixConn, cred sys.Cred, req *schema.Attac
 }
 
 // shutdown asks the session loop to end; it is safe from any goroutine.
-func (ss *session) shutdown() { ss.closed.Store(true) }
+func (ss *session) shutdown() {
+	ss.closed.Store(true)
+	ss.lifeMu.Lock()
+	if !ss.unmapped {
+		ss.cons.Interrupt()
+	}
+	ss.lifeMu.Unlock()
+}
 
 // run serves the submission ring until the peer goes away.
 func (ss *session) run() {
@@ -215,7 +225,7 @@ func (ss *session) run() {
 		ss.srv.met.ringWait.Add(time.Since(t0).Seconds())
 		switch {
 		case err == nil:
-		case errors.Is(err, os.ErrDeadlineExceeded):
+		case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, ring.ErrClosed):
 			continue
 		case errors.Is(err, ring.ErrPeerDead), errors.Is(err, ring.ErrPeerClosed):
 			ss.log.Info().Err(err).Msg("peer gone")
@@ -274,8 +284,11 @@ func (ss *session) cleanup() {
 	ss.cons.Close()
 	ss.sub.Remove()
 	ss.cmp.Remove()
+	ss.lifeMu.Lock()
+	ss.unmapped = true
 	ss.sub.Close()
 	ss.cmp.Close()
+	ss.lifeMu.Unlock()
 	ss.conn.Close()
 	s.met.detaches.Inc()
 	ss.log.Info().Int("leases_released", r.Leases).Int("writes_aborted", r.Writes).Msg("detached")

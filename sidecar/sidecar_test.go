@@ -23,12 +23,12 @@ const slot = 4096
 // harness runs a real sidecar (in this process, on real shared memory and
 // a real socket) and dials real clients to it.
 type harness struct {
-	t   *testing.T
+	t   testing.TB
 	srv *sidecar.Server
 	cfg sidecar.Config
 }
 
-func newHarness(t *testing.T, mod func(*sidecar.Config)) *harness {
+func newHarness(t testing.TB, mod func(*sidecar.Config)) *harness {
 	t.Helper()
 	base := "/dev/shm"
 	if _, err := os.Stat(base); err != nil {
@@ -326,7 +326,12 @@ func TestBudgetWaitingAndExpiry(t *testing.T) {
 func TestTensorParallelAndNamespaces(t *testing.T) {
 	h := newHarness(t, nil)
 	tp := func(rank int) func(*connector.Options) {
-		return func(o *connector.Options) { o.WorldSize = 2; o.Rank = rank; o.Role = schema.RoleWorker; o.Instance = "tp" }
+		return func(o *connector.Options) {
+			o.WorldSize = 2
+			o.Rank = rank
+			o.Role = schema.RoleWorker
+			o.Instance = "tp"
+		}
 	}
 	w0, w1 := h.dial(tp(0)), h.dial(tp(1))
 	sched := h.dial(func(o *connector.Options) { o.WorldSize = 2; o.Role = schema.RoleScheduler; o.Instance = "tp" })

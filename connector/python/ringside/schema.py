@@ -194,8 +194,9 @@ _ATTACH_REQ = struct.Struct("<IHHIIB3xIHHHH")  # 32 bytes, strings follow
 _ATTACH_REP = struct.Struct("<IHHIIQQQIIHHHH")  # 56 bytes, strings follow
 _PUT_HASHES = struct.Struct("<QII")  # 16: batch, count, flags
 _ID = struct.Struct("<Q")  # 8
+_U32 = struct.Struct("<I")
 _VIEW = struct.Struct("<QII")  # 16: batch, start, count
-_ACQUIRE = struct.Struct("<QIII")  # 24: view, ttl, flags
+_ACQUIRE = struct.Struct("<QIIII")  # 24: view, ttl, flags
 _REGION = struct.Struct("<IB3xQQQQII")  # 48
 _SEGMENT = struct.Struct("<QQQ")  # 24
 _LOAD = struct.Struct("<QIIII")  # 24: lease, region, count, first, zero
@@ -308,10 +309,12 @@ def encode_attach_request(version: int = VERSION, role: int = ROLE_WORKER, rank:
 def decode_attach_request(b) -> AttachRequest:
     """Parse and validate an attach request (Go: AttachRequest.Decode)."""
     what = "attach request"
-    _need(what, b, 0, _ATTACH_REQ.size)
-    magic, version, role, rank, world, width, cap, n1, n2, n3, n4 = _ATTACH_REQ.unpack_from(b, 0)
+    _need(what, b, 0, 4)
+    magic = _U32.unpack_from(b, 0)[0]
     if magic != ATTACH_MAGIC:
         raise SchemaError("%s: magic %#x" % (what, magic))
+    _need(what, b, 4, _ATTACH_REQ.size - 4)
+    magic, version, role, rank, world, width, cap, n1, n2, n3, n4 = _ATTACH_REQ.unpack_from(b, 0)
     off = _ATTACH_REQ.size
     _need(what, b, off, n1 + n2 + n3 + n4)
     mv = _view(b)
@@ -357,11 +360,13 @@ def encode_attach_reply(version: int = VERSION, status: int = 0, namespace: int 
 
 def decode_attach_reply(b) -> AttachReply:
     what = "attach reply"
-    _need(what, b, 0, _ATTACH_REP.size)
-    (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload,
-     n1, n2, n3, n4) = _ATTACH_REP.unpack_from(b, 0)
+    _need(what, b, 0, 4)
+    magic = _U32.unpack_from(b, 0)[0]
     if magic != ATTACH_REPLY_MAGIC:
         raise SchemaError("%s: magic %#x" % (what, magic))
+    _need(what, b, 4, _ATTACH_REP.size - 4)
+    (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload,
+     n1, n2, n3, n4) = _ATTACH_REP.unpack_from(b, 0)
     off = _ATTACH_REP.size
     _need(what, b, off, n1 + n2 + n3 + n4)
     mv = _view(b)
@@ -799,7 +804,7 @@ REPLY_DECODERS = {
 def reply_status(b) -> int:
     """The status word every reply payload starts with."""
     _need("reply", b, 0, 4)
-    return struct.unpack_from("<I", b, 0)[0]
+    return _U32.unpack_from(b, 0)[0]
 
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in (
