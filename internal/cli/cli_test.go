@@ -1,0 +1,61 @@
+package cli
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+func TestParseBytes(t *testing.T) {
+	tests := []struct {
+		in   string
+		want uint64
+		bad  bool
+	}{
+		{"4096", 4096, false},
+		{"64KiB", 64 << 10, false},
+		{"1.5GiB", 3 << 29, false},
+		{"16GB", 16e9, false},
+		{"2g", 2 << 30, false},
+		{" 8 MiB ", 8 << 20, false},
+		{"", 0, true},
+		{"-1", 0, true},
+		{"12parsecs", 0, true},
+		{"1e30", 0, true},
+	}
+	for _, tt := range tests {
+		got, err := ParseBytes(tt.in)
+		if (err != nil) != tt.bad || got != tt.want {
+			t.Errorf("ParseBytes(%q) = %d, %v; want %d (error %v)", tt.in, got, err, tt.want, tt.bad)
+		}
+	}
+}
+
+func TestEveryFlagHasAnEnvVar(t *testing.T) {
+	app := App()
+	for _, f := range append(serveFlags(), logFlags()...) {
+		names := f.Names()
+		var buf bytes.Buffer
+		buf.WriteString(f.String())
+		if !strings.Contains(buf.String(), "$RINGSIDE_") {
+			t.Errorf("flag %v has no RINGSIDE_ environment variable", names)
+		}
+	}
+	_ = app
+}
+
+func TestServeReportsEveryBadSetting(t *testing.T) {
+	app := App()
+	var out bytes.Buffer
+	app.ErrWriter = &out
+	app.Writer = &out
+	err := app.Run([]string{"ringside", "serve", "--pool.bytes", "1x", "--budget", "-1", "--ring.capacity", "1000", "--copy.backend", "magic"})
+	if err == nil {
+		t.Fatal("bad settings accepted")
+	}
+	for _, flag := range []string{"--pool.bytes", "--budget", "--ring.capacity", "--copy.backend"} {
+		if !strings.Contains(err.Error(), flag) {
+			t.Errorf("error does not name %s: %v", flag, err)
+		}
+	}
+}
