@@ -256,17 +256,41 @@ func (ss *session) run() {
 func (ss *session) cleanup() {
 	s := ss.srv
 	ss.closed.Store(true)
+	// First let in-flight copies finish: a store must not land in a slot
+	// that was freed and reused, and a load must not read one. Unregister
+	// waits for the region's copies (their callbacks take s.mu, so it runs
+	// without it).
+	s.mu.Lock()
+	regions := ss.regions
+	ss.regions = map[uint32]gpu.Handle{}
+	s.mu.Unlock()
+	for _, h := range regions {
+		s.copier.Unregister(h)
+	}
+	// Loads by other ranks may still read blocks under this session's
+	// leases (a scheduler acquires, workers load): wait for them, bounded.
+	for deadline := time.Now().Add(s.cfg.ReplyTimeout); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		s.mu.Lock()
+		busy := false
+		for _, q := range s.queries {
+			if q.owner == ss && q.loading > 0 {
+				busy = true
+				break
+			}
+		}
+		s.mu.Unlock()
+		if !busy {
+			break
+		}
+	}
 	s.mu.Lock()
 	r := s.cache.ReleaseOwner(ss.owner)
 	for id, q := range s.queries {
-		// Queries are indexed by lease; only this session's are dropped.
 		if q.owner == ss {
 			s.unbudgetLocked(q)
 			delete(s.queries, id)
 		}
 	}
-	regions := ss.regions
-	ss.regions = nil
 	delete(s.sessions, ss.id)
 	in := ss.inst
 	in.sessions--
@@ -274,10 +298,6 @@ func (ss *session) cleanup() {
 		in.batches = map[uint64][]byte{}
 	}
 	s.mu.Unlock()
-	// Unregister waits for in-flight copies, whose callbacks take s.mu.
-	for _, h := range regions {
-		s.copier.Unregister(h)
-	}
 	ss.prodMu.Lock()
 	ss.prod.Close()
 	ss.prodMu.Unlock()
@@ -625,7 +645,8 @@ func (ss *session) loadBlocks(rec ring.Record) error {
 		s.mu.Unlock()
 		return schema.Errorf(schema.ErrCodeOutOfRange, "blocks [%d, %d) past the %d blocks of lease %d", m.First, uint64(m.First)+uint64(len(m.Pages)), len(ss.slots), m.Lease)
 	}
-	// Keep the lease alive for the copy.
+	// Keep the lease alive for the copy (pinned blocks are never evicted,
+	// and an expired lease would unpin them mid-copy).
 	s.cache.Renew(m.Lease, s.cfg.LeaseTTL, monotonic())
 	q.loading++
 	q.state = schema.StateLoading
