@@ -19,7 +19,7 @@ build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/ringside
 
 run: build
-	./$(BIN) serve --log.format=console
+	./$(BIN) serve --log.format=console $(ARGS)
 
 test: lint gotest pytest
 

@@ -22,7 +22,8 @@ type Config struct {
 	Dir string
 	// Socket is the attach socket's path. Default Dir/ringside.sock.
 	Socket string
-	// PoolBytes is the size of the shared-memory block pool.
+	// PoolBytes is the size of the shared-memory block pool. Zero means
+	// auto: 1 GiB, or half of the free space in Dir if that is less.
 	PoolBytes uint64
 	// SlotBytes is the size of one pool slot: one rank's shard of one
 	// block. An engine page must not be larger.
@@ -87,9 +88,6 @@ func (c *Config) EnsureDefaults() {
 	if c.Socket == "" {
 		c.Socket = filepath.Join(c.Dir, "ringside.sock")
 	}
-	if c.PoolBytes == 0 {
-		c.PoolBytes = DefaultPoolBytes
-	}
 	if c.SlotBytes == 0 {
 		c.SlotBytes = DefaultSlotBytes
 	}
@@ -149,7 +147,7 @@ func (c *Config) Validate() error {
 	if c.SlotBytes < 4096 || c.SlotBytes > 1<<30 || c.SlotBytes%64 != 0 {
 		bad("pool.slot-bytes", "%d must be a multiple of 64 in [4 KiB, 1 GiB]", c.SlotBytes)
 	}
-	if c.SlotBytes > 0 && c.PoolBytes/max(c.SlotBytes, 1) < 16 {
+	if c.PoolBytes != 0 && c.SlotBytes > 0 && c.PoolBytes/max(c.SlotBytes, 1) < 16 {
 		bad("pool.bytes", "%d holds fewer than 16 slots of %d bytes", c.PoolBytes, c.SlotBytes)
 	}
 	if c.PoolBytes > 1<<40 {

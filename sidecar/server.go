@@ -85,15 +85,26 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := ring.EnsureDir(cfg.Dir, cfg.dirMode()); err != nil {
+		return nil, fmt.Errorf("--dir: %w", err)
+	}
+	free, ferr := sys.FreeBytes(cfg.Dir)
+	if cfg.PoolBytes == 0 {
+		cfg.PoolBytes = DefaultPoolBytes
+		if ferr == nil && free/2 < cfg.PoolBytes {
+			cfg.PoolBytes = free / 2 / cfg.SlotBytes * cfg.SlotBytes
+			log.Warn().Uint64("free_bytes", free).Uint64("pool_bytes", cfg.PoolBytes).Msg("small shared-memory mount: pool sized to half of its free space (set --pool.bytes to choose)")
+		}
+		if cfg.PoolBytes/cfg.SlotBytes < 16 {
+			return nil, fmt.Errorf("--pool.bytes: %s has only %d bytes free, not enough for 16 slots of %d bytes", cfg.Dir, free, cfg.SlotBytes)
+		}
+	}
 	s := &Server{
 		cfg: cfg, log: log, epoch: ring.RandomEpoch(),
 		instances: map[string]*instance{}, queries: map[uint64]*query{}, sessions: map[uint64]*session{},
 		stop: make(chan struct{}),
 	}
-	if err := ring.EnsureDir(cfg.Dir, cfg.dirMode()); err != nil {
-		return nil, fmt.Errorf("--dir: %w", err)
-	}
-	if free, err := sys.FreeBytes(cfg.Dir); err == nil && free < cfg.PoolBytes {
+	if ferr == nil && free < cfg.PoolBytes {
 		return nil, fmt.Errorf("--pool.bytes: %s has %d bytes free, the pool needs %d: lower --pool.bytes or raise the size of the shared-memory mount (the emptyDir sizeLimit in Kubernetes)", cfg.Dir, free, cfg.PoolBytes)
 	}
 	slots := cfg.PoolBytes / cfg.SlotBytes

@@ -18,7 +18,7 @@ func serveFlags() []cli.Flag {
 	return []cli.Flag{
 		&cli.StringFlag{Name: "dir", Value: ring.DefaultDir, Usage: "directory for the socket, the rings and the pool (a memory-backed mount)", EnvVars: env("dir")},
 		&cli.StringFlag{Name: "socket", Usage: "attach socket path (default DIR/ringside.sock)", EnvVars: env("socket")},
-		&cli.StringFlag{Name: "pool.bytes", Value: "1GiB", Usage: "size of the shared-memory block pool (e.g. 512MiB, 16GiB)", EnvVars: env("pool.bytes")},
+		&cli.StringFlag{Name: "pool.bytes", Value: "auto", Usage: "size of the shared-memory block pool (e.g. 512MiB, 16GiB); auto: 1GiB, or half the free space of --dir if less", EnvVars: env("pool.bytes")},
 		&cli.StringFlag{Name: "pool.slot-bytes", Value: "256KiB", Usage: "bytes per pool slot: one tensor-parallel rank's shard of one block; engine pages must not be larger", EnvVars: env("pool.slot-bytes")},
 		&cli.StringFlag{Name: "budget", Value: "64MiB", Usage: "bytes an engine instance may have admitted for loading at once", EnvVars: env("budget")},
 		&cli.DurationFlag{Name: "lease.ttl", Value: sidecar.DefaultLeaseTTL, Usage: "default lease time-to-live", EnvVars: env("lease.ttl")},
@@ -67,6 +67,9 @@ func serveCommand() *cli.Command {
 func sidecarConfig(c *cli.Context) (sidecar.Config, error) {
 	var errs []string
 	size := func(flag string) uint64 {
+		if c.String(flag) == "auto" {
+			return 0
+		}
 		v, err := ParseBytes(c.String(flag))
 		if err != nil {
 			errs = append(errs, fmt.Sprintf("--%s: %v", flag, err))
