@@ -417,7 +417,7 @@ func TestPagesLimits(t *testing.T) {
 	}
 
 	// Decode reuses the destination's storage and resets it.
-	l = schema.Load{Pages: make([]uint32, 100, 100)}
+	l = schema.Load{Pages: make([]uint32, 100)}
 	if err := l.Decode(sLoad.Append(nil)); err != nil || !same(l, sLoad) {
 		t.Errorf("load into a used value: %+v, %v", l, err)
 	}

@@ -50,9 +50,7 @@ type session struct {
 
 	// scratch for handlers (session goroutine only)
 	slots   []uint32
-	offsets []uint64
 	tickets []cache.Ticket
-	pages   []uint32
 	changes []cache.Change
 	load    schema.Load
 	store   schema.Store

@@ -41,3 +41,15 @@ func Aligned(n int) []byte {
 	skip := (64 - int(uintptr(unsafe.Pointer(&b[0]))%64)) % 64
 	return b[skip : skip+n : skip+n]
 }
+
+// Addr returns the virtual address of b's first byte, for registering this
+// process's own memory with the sidecar (which copies to and from it by
+// address). b must stay alive and unmoved while registered: use memory
+// that the garbage collector does not move (all Go heap memory today) and
+// keep a reference.
+func Addr(b []byte) uint64 {
+	if len(b) == 0 {
+		return 0
+	}
+	return uint64(uintptr(unsafe.Pointer(&b[0])))
+}

@@ -179,12 +179,11 @@ type Cache struct {
 }
 
 type counters struct {
-	lookups, lookupBlocks, hitBlocks         uint64
-	acquires, acquiredBlocks                 uint64
-	stores, aborts, noSpace                  uint64
-	evictions, cleared                       uint64
-	reapedLeases, reapedWrites, expiry       uint64
-	releasedOwnerLeases, releasedOwnerWrites uint64
+	lookups, lookupBlocks, hitBlocks   uint64
+	acquires, acquiredBlocks           uint64
+	stores, aborts, noSpace            uint64
+	evictions, cleared                 uint64
+	reapedLeases, reapedWrites, expiry uint64
 }
 
 // New returns an empty Cache.

@@ -175,14 +175,6 @@ func (m *model) abort(tid uint64) {
 	delete(m.blocks, t.key)
 }
 
-func (m *model) dropBlockTickets(k mKey) {
-	for id, t := range m.tickets {
-		if t.key == k {
-			delete(m.tickets, id)
-		}
-	}
-}
-
 func TestModelRandomized(t *testing.T) {
 	ops := 100_000
 	if testing.Short() {

@@ -1,0 +1,5 @@
+//go:build race
+
+package deltabench
+
+const raceEnabled = true
