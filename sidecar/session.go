@@ -345,6 +345,11 @@ func (ss *session) fail(typ uint16, seq uint64, err error) {
 		ss.send(typ, seq, (&schema.LeaseReply{Status: se.Status, State: schema.StateMiss, Message: se.Message}).Append)
 		return
 	}
+	if typ == schema.TypeChanges {
+		ss.srv.met.errors.WithLabelValues(se.Status.String()).Inc()
+		ss.send(typ, seq, (&schema.ChangesReply{Status: se.Status, Width: uint8(ss.inst.width)}).Append)
+		return
+	}
 	if typ == schema.TypeStore {
 		ss.srv.met.errors.WithLabelValues(se.Status.String()).Inc()
 		ss.send(typ, seq, (&schema.StoreReply{Status: se.Status, Message: se.Message}).Append)

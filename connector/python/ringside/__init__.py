@@ -42,3 +42,10 @@ from .ring import (  # noqa: F401
     process_start_time,
     record_size,
 )
+from .client import (  # noqa: F401,E402
+    DEFAULT_SOCKET,
+    RingsideError,
+    RingsideTimeout,
+    RingsideUnavailable,
+    Session,
+)

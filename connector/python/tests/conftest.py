@@ -33,3 +33,24 @@ def shm_path():
             os.unlink(p)
         except FileNotFoundError:
             pass
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(PKG_DIR))
+
+
+@pytest.fixture(scope="session")
+def ringside_bin(tmp_path_factory):
+    """The real sidecar binary, built once per test session from this tree
+    (skips the tests that use it when the Go toolchain is missing)."""
+    import shutil
+    import subprocess
+
+    go = shutil.which("go")
+    if go is None:
+        pytest.skip("the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
+    out = str(tmp_path_factory.mktemp("ringside-bin") / "ringside")
+    r = subprocess.run([go, "build", "-o", out, "./cmd/ringside"], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail("go build ./cmd/ringside failed:\n" + r.stdout + r.stderr)
+    return out

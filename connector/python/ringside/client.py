@@ -1,0 +1,491 @@
+"""Python client of the ringside sidecar: one attached session.
+
+The Python twin of the Go package github.com/ringside-kv/ringside/connector
+(connector/client.go): it attaches over the sidecar's Unix socket
+(SOCK_SEQPACKET, one message per datagram), then speaks the ring protocol of
+docs/protocol.md: this process is the producer of the submission ring and the
+consumer of the completion ring. The socket stays open for the life of the
+session; its closing (including by the kernel when the process dies) tells
+the sidecar that the process is gone, and the sidecar then reclaims every
+lease, region and budget the session held.
+
+    with Session.attach(instance="engine-a", model="llama", layout="bf16/16/HND") as s:
+        s.register_region(1, base, length, page_size, page_count)
+        s.put_hashes(1, digests)
+        n = s.lookup(1, 0, count)
+
+Errors
+------
+Every call has a deadline: the session ``timeout`` (seconds, default 5). A
+sidecar that is slow raises :class:`RingsideTimeout`; one that is gone
+(killed, shut down, rings unusable) raises :class:`RingsideUnavailable`. A
+call never hangs. A non-OK reply raises :class:`RingsideError` with the
+reply's ``status`` and ``message``. All three are ``RingsideError``.
+
+**An engine plugin must treat any RingsideError as a cache miss, never as a
+failed request**: the cache is an optimisation, and the request can always be
+served by recomputing the KV blocks. After RingsideUnavailable the session is
+dead (every later call raises it at once): drop it, and attach again later if
+you like. After RingsideTimeout the session stays usable: the late reply is
+discarded when it arrives.
+
+Arguments that cannot be encoded (a page index past u32, digests that are not
+a multiple of the digest width, a payload larger than the ring) raise
+:class:`ringside.schema.SchemaError` or :class:`ringside.ring.RingTooLarge`
+(both ``ValueError``): those are programming errors, not cache misses.
+
+A Session is not thread-safe: one thread drives it, as one engine process
+drives its session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _socket
+import struct
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+from . import ring as _ring
+from . import schema as _schema
+from .schema import (
+    REGION_HOST_PROCESS,
+    ROLE_CLIENT,
+    ROLE_SCHEDULER,
+    ROLE_WORKER,
+    AttachReply,
+    ChangesReply,
+    LeaseReply,
+    RingsideError,
+    State,
+    Status,
+    StoreReply,
+)
+
+DEFAULT_SOCKET = "/dev/shm/ringside/ringside.sock"
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "Session",
+    "RingsideError",
+    "RingsideTimeout",
+    "RingsideUnavailable",
+    "LeaseReply",
+    "StoreReply",
+    "ChangesReply",
+    "AttachReply",
+    "State",
+    "Status",
+    "ROLE_CLIENT",
+    "ROLE_SCHEDULER",
+    "ROLE_WORKER",
+    "REGION_HOST_PROCESS",
+]
+
+
+class RingsideUnavailable(RingsideError):
+    """The sidecar is gone or unusable (socket refused, peer dead or closed,
+    ring corrupt). ``status`` is None: no reply carried it. Treat as a miss."""
+
+    def __init__(self, message: str):
+        super().__init__(None, message)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return "ringside: unavailable: " + self.message
+
+
+class RingsideTimeout(RingsideError, TimeoutError):
+    """The call's deadline passed before the sidecar answered. ``status`` is
+    None. Treat as a miss; the session stays usable."""
+
+    def __init__(self, message: str):
+        super().__init__(None, message)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        return "ringside: timeout: " + self.message
+
+
+# Precompiled reply layouts (shared with schema.py, so they cannot drift).
+_REPLY = _schema._REPLY  # status, zero, value
+_LEASE_REPLY = _schema._LEASE_REPLY  # status, state, lease, blocks, zero
+_STORE_REPLY = _schema._STORE_REPLY  # status, stored, present, skipped
+_REPLY_UNPACK = _REPLY.unpack_from
+_LEASE_UNPACK = _LEASE_REPLY.unpack_from
+_ID_PACK = _schema._ID.pack
+_VIEW_PACK = _schema._VIEW.pack
+
+_T_PUT = _schema.TYPE_PUT_HASHES
+_T_DROP = _schema.TYPE_DROP_HASHES
+_T_LOOKUP = _schema.TYPE_LOOKUP
+_T_ACQUIRE = _schema.TYPE_ACQUIRE
+_T_POLL = _schema.TYPE_POLL
+_T_RELEASE = _schema.TYPE_RELEASE
+_T_REGION = _schema.TYPE_REGISTER_REGION
+_T_LOAD = _schema.TYPE_LOAD
+_T_STORE = _schema.TYPE_STORE
+_T_CHANGES = _schema.TYPE_CHANGES
+_T_DETACH = _schema.TYPE_DETACH
+_T_PING = _schema.TYPE_PING
+
+_MAX_PENDING = 1 << 16  # unclaimed out-of-order replies kept (as Go)
+_MAX_ABANDONED = 1 << 12  # seqs of timed-out calls whose late replies are dropped
+_U32_MAX = 0xFFFFFFFF
+_monotonic = time.monotonic
+
+_UNAVAILABLE = (_ring.RingPeerDead, _ring.RingPeerClosed, _ring.RingCorrupt, _ring.RingClosed,
+                _ring.RingBadHeader)
+
+
+def _msg(mv, off: int) -> str:
+    return bytes(mv[off:]).decode("utf-8", "surrogateescape") if len(mv) > off else ""
+
+
+def _malformed(e: Exception) -> RingsideError:
+    return RingsideError(Status.MALFORMED, "malformed reply from the sidecar: %s" % e)
+
+
+# Decoders applied to the reply payload (a memoryview of ring memory) before
+# the slot is handed back. Each returns the value or raises RingsideError.
+
+def _dec_value(mv) -> int:
+    try:
+        status, _z, value = _REPLY_UNPACK(mv, 0)
+    except struct.error as e:
+        raise _malformed(e) from None
+    if status:
+        raise RingsideError(status, _msg(mv, 16))
+    return value
+
+
+def _dec_lease(mv) -> LeaseReply:
+    try:
+        status, state, lease, blocks, _z = _LEASE_UNPACK(mv, 0)
+    except struct.error as e:
+        raise _malformed(e) from None
+    msg = _msg(mv, 24) if len(mv) > 24 else ""
+    if status:
+        raise RingsideError(status, msg)
+    return LeaseReply(status, state, lease, blocks, msg)
+
+
+def _dec_store(mv) -> StoreReply:
+    try:
+        r = _schema.decode_store_reply(mv)
+    except _schema.SchemaError as e:
+        raise _malformed(e) from None
+    if r.status:
+        raise RingsideError(r.status, r.message)
+    return r
+
+
+def _dec_changes(mv) -> ChangesReply:
+    # A non-OK ChangesReply may be a bare Reply (the sidecar's generic error
+    # path): look at the status word first.
+    try:
+        status = _schema.reply_status(mv)
+        if status:
+            raise RingsideError(status, _msg(mv, 16) if len(mv) >= 16 else "")
+        return _schema.decode_changes_reply(mv)
+    except _schema.SchemaError as e:
+        raise _malformed(e) from None
+
+
+def _dec_bytes(mv) -> bytes:
+    return mv.tobytes()
+
+
+class Session:
+    """One attached session. Create it with :meth:`Session.attach`."""
+
+    def __init__(self, sock: _socket.socket, info: AttachReply, sub, cmp, prod, cons, *,
+                 digest_width: int, timeout: float):
+        self._sock = sock
+        self.info = info  #: the sidecar's AttachReply (session id, epoch, pool geometry)
+        self._sub, self._cmp = sub, cmp
+        self._prod, self._cons = prod, cons
+        self._width = digest_width
+        self.timeout = timeout
+        self._seq = 0
+        self._pending: Dict[int, bytes] = {}
+        self._abandoned: Dict[int, None] = {}
+        self._dead: Optional[str] = None
+        self._closed = False
+
+    # -- attach / detach -------------------------------------------------------
+
+    @classmethod
+    def attach(cls, socket: str = DEFAULT_SOCKET, *, instance: str, model: str, layout: str,
+               salt: str = "", role: int = ROLE_CLIENT, rank: int = 0, world_size: int = 1,
+               digest_width: int = 32, ring_capacity: int = 0, timeout: float = 5.0,
+               wait: Optional[_ring.WaitConfig] = None) -> "Session":
+        """Attach to the sidecar listening on the socket path.
+
+        Raises RingsideError (status and message of the refusal),
+        RingsideUnavailable (no sidecar there) or RingsideTimeout; SchemaError
+        for an invalid request (empty instance, rank >= world size, ...)."""
+        socket_path = socket
+        if timeout is None or timeout <= 0:
+            raise ValueError("timeout must be positive seconds")
+        req = _schema.AttachRequest(_schema.VERSION, role, rank, world_size, digest_width, ring_capacity,
+                                    instance, model, layout, salt)
+        _schema.validate_attach_request(req)
+        msg = _schema.encode_attach_request(*req)
+        deadline = _monotonic() + timeout
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)  # close-on-exec by default
+        try:
+            try:
+                sock.settimeout(timeout)
+                sock.connect(socket_path)
+                sock.settimeout(max(deadline - _monotonic(), 1e-3))
+                sock.send(msg)
+                sock.settimeout(max(deadline - _monotonic(), 1e-3))
+                b = sock.recv(8192)
+            except _socket.timeout:
+                raise RingsideTimeout("attach to %s: no answer within %.3gs" % (socket_path, timeout)) from None
+            except OSError as e:
+                raise RingsideUnavailable("attach to %s: %s" % (socket_path, e)) from None
+            if not b:
+                raise RingsideUnavailable("attach to %s: the sidecar closed the connection" % socket_path)
+            try:
+                info = _schema.decode_attach_reply(b)
+            except _schema.SchemaError as e:
+                raise _malformed(e) from None
+            if info.status != 0:
+                raise RingsideError(info.status, info.message)
+            sub = cmp = prod = cons = None
+            try:
+                sub = _ring.open_ring(info.submission_ring, info.epoch)
+                cmp = _ring.open_ring(info.completion_ring, info.epoch)
+                w = wait if wait is not None else _ring.DEFAULT_WAIT
+                prod = _ring.Producer(sub, w)
+                cons = _ring.Consumer(cmp, w)
+            except (_ring.RingError, OSError) as e:
+                for r in (sub, cmp):
+                    if r is not None:
+                        r.close()
+                raise RingsideUnavailable("opening the session rings: %s" % e) from None
+            sock.setblocking(True)  # only its closing matters from now on
+            return cls(sock, info, sub, cmp, prod, cons, digest_width=digest_width, timeout=timeout)
+        except BaseException:
+            sock.close()
+            raise
+
+    def close(self) -> None:
+        """Detach cleanly; if the sidecar is gone or slow, just drop the
+        session (never raises). Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._dead is None:
+                try:
+                    self._call(_T_DETACH, b"", _dec_bytes, min(self.timeout, 1.0))
+                except Exception:
+                    pass
+        finally:
+            self._closed = True
+            self._release()
+
+    def abandon(self) -> None:
+        """Drop the session without detaching, as a crashed process would:
+        the socket closes and the sidecar reclaims what the session held."""
+        self._closed = True
+        self._dead = self._dead or "session abandoned"
+        self._release()
+
+    def _release(self) -> None:
+        for side in (self._prod, self._cons):
+            try:
+                side.close()
+            except Exception:
+                pass
+        for r in (self._sub, self._cmp):
+            try:
+                r.close()
+            except Exception:
+                pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def max_payload(self) -> int:
+        """The largest request payload the session's rings carry."""
+        return self._sub.max_payload
+
+    @property
+    def digest_width(self) -> int:
+        return self._width
+
+    # -- raw records -----------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise RingsideUnavailable(self._dead)
+        if self._closed:
+            raise RingsideUnavailable("session closed")
+
+    def _fail(self, e: Exception) -> RingsideError:
+        if isinstance(e, _ring.RingTimeout):
+            return RingsideTimeout(str(e) or "deadline passed")
+        self._dead = "%s: %s" % (type(e).__name__, e)
+        return RingsideUnavailable(self._dead)
+
+    def submit(self, type: int, payload=b"") -> int:  # noqa: A002 (mirrors the record field)
+        """Send one request record without waiting; returns its correlation
+        number for :meth:`await_reply`. Waits for ring space at most the
+        session timeout."""
+        self._check()
+        self._seq = seq = self._seq + 1
+        try:
+            self._prod.write(payload, type, 0, seq, _monotonic() + self.timeout)
+        except _UNAVAILABLE + (_ring.RingTimeout,) as e:
+            raise self._fail(e) from None
+        return seq
+
+    def await_reply(self, seq: int, timeout: Optional[float] = None) -> bytes:
+        """The reply payload of request seq (whatever its status), waiting at
+        most timeout seconds (default: the session timeout). Replies to other
+        requests that arrive first are kept for their own await_reply."""
+        p = self._pending.pop(seq, None)
+        if p is not None:
+            return p
+        self._check()
+        if not 0 < seq <= self._seq:
+            raise ValueError("seq %d was never submitted" % seq)
+        return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout)
+
+    def _await(self, seq: int, decode, timeout: float):
+        deadline = _monotonic() + timeout
+        cons = self._cons
+        try:
+            while True:
+                rec = cons.next()
+                if rec is None:
+                    cons.commit()
+                    cons.wait(deadline)
+                    continue
+                rseq = rec[2]
+                if rseq == seq:
+                    try:
+                        return decode(rec[3])
+                    finally:
+                        cons.commit()
+                self._stash(rseq, rec[3])
+        except _UNAVAILABLE as e:
+            raise self._fail(e) from None
+        except _ring.RingTimeout:
+            self._abandon(seq)
+            raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
+
+    def _stash(self, seq: int, payload) -> None:
+        if seq in self._abandoned:
+            del self._abandoned[seq]
+            return
+        if len(self._pending) >= _MAX_PENDING:
+            # Bounded: forget the oldest unclaimed reply (its await_reply times out).
+            del self._pending[next(iter(self._pending))]
+        self._pending[seq] = payload.tobytes()
+
+    def _abandon(self, seq: int) -> None:
+        if len(self._abandoned) >= _MAX_ABANDONED:
+            del self._abandoned[next(iter(self._abandoned))]
+        self._abandoned[seq] = None
+
+    def _call(self, typ: int, payload, decode, timeout: Optional[float] = None):
+        """submit + await with one deadline; decode runs on the ring payload."""
+        if self._dead is not None or self._closed:
+            self._check()
+        self._seq = seq = self._seq + 1
+        t = self.timeout if timeout is None else timeout
+        try:
+            self._prod.write(payload, typ, 0, seq, _monotonic() + t)
+        except _UNAVAILABLE + (_ring.RingTimeout,) as e:
+            raise self._fail(e) from None
+        return self._await(seq, decode, t)
+
+    # -- requests --------------------------------------------------------------
+
+    def put_hashes(self, batch: int, digests, append: bool = False) -> int:
+        """Register digests (joined bytes, a multiple of the digest width) as
+        batch, or append them to it; returns the batch length in hashes."""
+        p = _schema.encode_put_hashes(batch, digests, self._width, _schema.FLAG_APPEND if append else 0)
+        return self._call(_T_PUT, p, _dec_value)
+
+    def drop_hashes(self, batch: int) -> None:
+        """Forget a batch."""
+        self._call(_T_DROP, _schema.encode_id(batch), _dec_value)
+
+    def lookup(self, batch: int, start: int = 0, count: int = 0) -> int:
+        """Number of leading blocks of the view that the sidecar holds."""
+        try:
+            p = _VIEW_PACK(batch, start, count)
+        except struct.error:
+            p = _schema.encode_lookup(batch, start, count)  # raises SchemaError
+        return self._call(_T_LOOKUP, p, _dec_value)
+
+    def acquire(self, batch: int, start: int, count: int, ttl: Optional[float] = None) -> LeaseReply:
+        """Pin the leading present blocks of the view under a lease. ttl in
+        seconds (None: the sidecar default). A LeaseReply with state MISS and
+        lease 0 means nothing could be pinned."""
+        ttl_ms = 0
+        if ttl is not None and ttl > 0:
+            ttl_ms = min(max(int(ttl * 1000), 1), _U32_MAX)
+        return self._call(_T_ACQUIRE, _schema.encode_acquire(batch, start, count, ttl_ms), _dec_lease)
+
+    def poll(self, lease: int) -> LeaseReply:
+        """A lease's current state."""
+        try:
+            p = _ID_PACK(lease)
+        except struct.error:
+            p = _schema.encode_poll(lease)
+        return self._call(_T_POLL, p, _dec_lease)
+
+    def release(self, lease: int) -> None:
+        """End a lease (in any state)."""
+        self._call(_T_RELEASE, _schema.encode_release(lease), _dec_value)
+
+    def register_region(self, region_id: int, base: int, length: int, page_size: int, page_count: int,
+                        segments: Sequence[Tuple[int, int, int]] = (), pid: Optional[int] = None,
+                        kind: int = REGION_HOST_PROCESS, extra=b"") -> None:
+        """Register engine memory (by default host memory of this process)."""
+        p = _schema.encode_register_region(region_id, kind, os.getpid() if pid is None else pid, base, length,
+                                           page_size, page_count, segments, extra)
+        self._call(_T_REGION, p, _dec_value)
+
+    def load(self, lease: int, region: int, first: int, pages) -> int:
+        """Copy lease blocks first.. into the given pages of a region and wait
+        for the copy; returns the blocks copied."""
+        return self._call(_T_LOAD, _schema.encode_load(lease, region, first, pages), _dec_value)
+
+    def store(self, batch: int, start: int, count: int, region: int, pages) -> StoreReply:
+        """Copy pages of a region into the pool as blocks start..start+count
+        of a batch (len(pages) == count) and wait for the copy."""
+        return self._call(_T_STORE, _schema.encode_store(batch, start, count, region, pages), _dec_store)
+
+    def changes(self, epoch: int = 0, seq: int = 0, max: int = 0) -> ChangesReply:  # noqa: A002
+        """Read the change log from a cursor (zero cursor: start at the head,
+        resync set). Iterate ``reply.changes()`` for (op, digest) pairs; the
+        next cursor is (reply.epoch, reply.next)."""
+        return self._call(_T_CHANGES, _schema.encode_changes(epoch, seq, max), _dec_changes)
+
+    def ping(self, v: int = 0) -> int:
+        """Round trip; returns the echoed value."""
+        got = self._call(_T_PING, _schema.encode_id(v), _dec_value)
+        if got != v:
+            raise RingsideError(Status.INTERNAL, "ping answered %d, want %d" % (got, v))
+        return got
+
+    def __repr__(self) -> str:
+        st = "closed" if self._closed else ("dead" if self._dead else "attached")
+        return "<ringside.Session %d %s>" % (self.info.session, st)

@@ -1,0 +1,557 @@
+"""End-to-end tests of ringside.client against the real sidecar binary.
+
+The Python twin of sidecar/sidecar_test.go: each test starts `ringside serve`
+on a fresh directory under /dev/shm, attaches real sessions, and checks on
+teardown that the sidecar removed its rings, pool and socket.
+"""
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from conftest import child_env
+from ringside import schema as S
+from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
+from ringside.schema import State, Status
+
+pytestmark = pytest.mark.skipif(shutil.which("go") is None,
+                                reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
+
+SLOT = 4096
+BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+# Under Yama ptrace_scope=1 the sidecar (our child) may not read our memory
+# with process_vm_readv unless we allow it. Harmless where Yama is absent.
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong((1 << 64) - 1), 0, 0, 0)
+except Exception:  # pragma: no cover
+    pass
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(path):
+    """Whether a Unix socket is bound to path and listening (bind and listen
+    are two steps: a connect between them is refused)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 8 and parts[7] == path and int(parts[3], 16) & 0x10000:
+                    return True
+    except OSError:  # no procfs: the file's existence has to do
+        return True
+    return False
+
+
+def wait_stopped(pid, timeout=5):
+    """SIGSTOP is asynchronous: wait until the process is in state T."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open("/proc/%d/stat" % pid) as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline, "process %d did not stop" % pid
+        time.sleep(0.001)
+
+
+class Sidecar:
+    def __init__(self, binary, budget=None, metrics=False):
+        self.dir = tempfile.mkdtemp(prefix="rs-py-", dir=BASE)
+        self.sock = os.path.join(self.dir, "ringside.sock")
+        self.metrics = "127.0.0.1:%d" % free_port() if metrics else ""
+        args = [binary, "serve", "--dir", self.dir, "--pool.bytes", "4MiB", "--pool.slot-bytes", "4KiB",
+                "--metrics.addr", self.metrics, "--ring.capacity", "64KiB"]
+        if budget:
+            args += ["--budget", budget]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log)
+        self.sessions = []
+        self.killed = False
+        deadline = time.monotonic() + 10
+        while not listening(self.sock):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("sidecar did not start:\n" + self.logs())
+            time.sleep(0.005)
+        if self.metrics:
+            while True:
+                try:
+                    self.state()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+
+    def logs(self):
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def attach(self, **kw):
+        o = dict(instance="engine-a", model="llama", layout="bf16/16/HND", timeout=5.0)
+        o.update(kw)
+        s = Session.attach(self.sock, **o)
+        self.sessions.append(s)
+        return s
+
+    def state(self):
+        with urllib.request.urlopen("http://%s/debug/state" % self.metrics, timeout=2) as r:
+            return json.load(r)
+
+    def kill(self):
+        self.killed = True
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+
+    def stop(self):
+        for s in self.sessions:
+            s.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("sidecar ignored SIGTERM:\n" + self.logs())
+            assert rc == 0, "sidecar exited with %d:\n%s" % (rc, self.logs())
+        left = os.listdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.log.close()
+        if not self.killed:
+            assert left == [], "files left behind: %r" % left
+
+
+@pytest.fixture
+def start_sidecar(ringside_bin):
+    """Factory: start_sidecar(budget="16KiB", metrics=True) -> Sidecar."""
+    started = []
+
+    def start(**kw):
+        sc = Sidecar(ringside_bin, **kw)
+        started.append(sc)
+        return sc
+
+    yield start
+    for sc in started:
+        sc.stop()
+
+
+@pytest.fixture
+def sidecar(start_sidecar):
+    return start_sidecar()
+
+
+def digests(seed, n):
+    """n chained 32-byte digests, as vLLM's sha256 block hashes (same as the Go test)."""
+    out = []
+    prev = hashlib.sha256(seed.encode()).digest()
+    for i in range(n):
+        prev = hashlib.sha256(prev + bytes([i])).digest()
+        out.append(prev)
+    return b"".join(out)
+
+
+class Region:
+    """Engine memory of this process: pages of SLOT bytes in a ctypes buffer."""
+
+    def __init__(self, rid, pages):
+        self.id = rid
+        self.pages = pages
+        self.buf = ctypes.create_string_buffer(pages * SLOT)
+        self.base = ctypes.addressof(self.buf)
+
+    def register(self, s, **kw):
+        s.register_region(self.id, self.base, self.pages * SLOT, SLOT, self.pages, **kw)
+
+    def fill(self, page, seed):
+        data = bytes((seed + i * 7) & 0xFF for i in range(256)) * (SLOT // 256)
+        ctypes.memmove(self.base + page * SLOT, data, SLOT)
+
+    def page(self, i):
+        return ctypes.string_at(self.base + i * SLOT, SLOT)
+
+    def raw(self, a, b):
+        return ctypes.string_at(self.base + a * SLOT, (b - a) * SLOT)
+
+
+def status_of(excinfo):
+    return excinfo.value.status
+
+
+def test_store_lookup_acquire_load(sidecar):
+    c = sidecar.attach()
+    src, dst = Region(1, 8), Region(2, 8)
+    src.register(c)
+    dst.register(c)
+    d = digests("prompt", 8)
+    assert c.put_hashes(1, d[:5 * 32]) == 5
+    assert c.put_hashes(1, d[5 * 32:], append=True) == 8
+    assert c.lookup(1, 0, 8) == 0
+    for i in range(8):
+        src.fill(i, i * 13)
+    r = c.store(1, 0, 6, 1, [0, 1, 2, 3, 4, 5])
+    assert (r.status, r.stored, r.present, r.skipped) == (0, 6, 0, 0)
+    # Store again: present, not stored twice.
+    r = c.store(1, 0, 6, 1, [0, 1, 2, 3, 4, 5])
+    assert (r.stored, r.present) == (0, 6)
+    assert c.lookup(1, 0, 8) == 6
+    assert c.lookup(1, 2, 3) == 3  # a middle view
+    assert c.lookup(1, 5, 3) == 1
+    ls = c.acquire(1, 0, 8, ttl=60)
+    assert ls.state == State.READY and ls.blocks == 6 and ls.lease != 0
+    # Load blocks 1..4 into pages 7, 6, 5, 4 of the destination.
+    assert c.load(ls.lease, 2, 1, [7, 6, 5, 4]) == 4
+    for i, p in enumerate([7, 6, 5, 4]):
+        assert dst.page(p) == src.page(1 + i), "page %d does not hold block %d" % (p, 1 + i)
+    assert dst.raw(0, 4) == bytes(4 * SLOT)  # untouched pages stay zero
+    assert c.poll(ls.lease).state == State.LOADED
+    with pytest.raises(RingsideError) as e:
+        c.load(ls.lease, 2, 4, [0, 1, 2])  # blocks past the lease
+    assert status_of(e) == Status.OUT_OF_RANGE
+    with pytest.raises(RingsideError) as e:
+        c.load(ls.lease, 2, 0, [8])  # page past the region
+    assert status_of(e) == Status.OUT_OF_RANGE
+    c.release(ls.lease)
+    with pytest.raises(RingsideError) as e:
+        c.release(ls.lease)
+    assert status_of(e) == Status.UNKNOWN_LEASE
+    c.drop_hashes(1)
+    with pytest.raises(RingsideError) as e:
+        c.lookup(1, 0, 1)
+    assert status_of(e) == Status.UNKNOWN_BATCH
+    assert c.ping(42) == 42
+
+
+def test_bad_input(sidecar):
+    c = sidecar.attach()
+    src = Region(1, 4)
+    src.register(c)
+    assert c.put_hashes(1, digests("x", 4)) == 4
+    me = os.getpid()
+    reg = dict(region=1, kind=S.REGION_HOST_PROCESS, pid=me, base=src.base, length=4 * SLOT, page_size=SLOT,
+               page_count=4)
+    other = dict(reg, region=9, pid=1)
+    big = dict(reg, region=10, page_size=2 * SLOT)
+    overflow = dict(reg, region=11, page_count=1 << 30)
+    cuda = dict(region=3, kind=S.REGION_CUDA_IPC, pid=me, base=0, length=1, page_size=1, page_count=1)
+    table = [
+        ("unknown type", 0x77, b"\x01\x02\x03", Status.UNKNOWN_TYPE),
+        ("short lookup", S.TYPE_LOOKUP, b"\x01\x02", Status.MALFORMED),
+        ("unknown batch", S.TYPE_LOOKUP, S.encode_lookup(99, 0, 1), Status.UNKNOWN_BATCH),
+        ("view past batch", S.TYPE_LOOKUP, S.encode_lookup(1, 3, 2), Status.OUT_OF_RANGE),
+        ("view overflow", S.TYPE_LOOKUP, S.encode_lookup(1, 0xFFFFFFFF, 0xFFFFFFFF), Status.OUT_OF_RANGE),
+        ("duplicate batch", S.TYPE_PUT_HASHES, S.encode_put_hashes(1, digests("y", 1), 32), Status.DUPLICATE),
+        ("append to nothing", S.TYPE_PUT_HASHES, S.encode_put_hashes(5, digests("y", 1), 32, S.FLAG_APPEND),
+         Status.UNKNOWN_BATCH),
+        ("ragged digests", S.TYPE_PUT_HASHES, S.encode_put_hashes(6, digests("y", 1), 32) + b"\x01\x02\x03",
+         Status.MALFORMED),
+        ("unknown lease poll", S.TYPE_POLL, S.encode_poll(12345), Status.UNKNOWN_LEASE),
+        ("unknown lease release", S.TYPE_RELEASE, S.encode_release(12345), Status.UNKNOWN_LEASE),
+        ("unknown lease load", S.TYPE_LOAD, S.encode_load(12345, 1, 0, [0]), Status.UNKNOWN_LEASE),
+        ("unknown region store", S.TYPE_STORE, S.encode_store(1, 0, 1, 42, [0]), Status.UNKNOWN_REGION),
+        ("page past region", S.TYPE_STORE, S.encode_store(1, 0, 1, 1, [4]), Status.OUT_OF_RANGE),
+        ("pages != view", S.TYPE_STORE, S.encode_store(1, 0, 1, 1, [0])[:12] + b"\x02\x00\x00\x00"
+         + S.encode_store(1, 0, 1, 1, [0])[16:], Status.MALFORMED),  # count 2, one page
+        ("another process's memory", S.TYPE_REGISTER_REGION, S.encode_register_region(**other),
+         Status.NOT_PERMITTED),
+        ("page larger than a slot", S.TYPE_REGISTER_REGION, S.encode_register_region(**big), Status.TOO_LARGE),
+        ("region overflow", S.TYPE_REGISTER_REGION, S.encode_register_region(**overflow), Status.OUT_OF_RANGE),
+        ("duplicate region", S.TYPE_REGISTER_REGION, S.encode_register_region(**reg), Status.DUPLICATE),
+        ("cuda region on host backend", S.TYPE_REGISTER_REGION, S.encode_register_region(**cuda),
+         Status.NOT_PERMITTED),
+        ("short changes", S.TYPE_CHANGES, b"\x01", Status.MALFORMED),
+        ("garbage acquire", S.TYPE_ACQUIRE, b"\xff" * 24, Status.MALFORMED),
+        ("unknown batch acquire", S.TYPE_ACQUIRE, S.encode_acquire(99, 0, 1), Status.UNKNOWN_BATCH),
+    ]
+    for name, typ, payload, want in table:
+        b = c.await_reply(c.submit(typ, payload))
+        assert S.reply_status(b) == want, "%s: status %s (%s), want %s" % (
+            name, S.status_name(S.reply_status(b)), b.hex(), S.status_name(want))
+    # The same refusals through the typed API raise RingsideError with the status.
+    api = [
+        (lambda: c.lookup(99, 0, 1), Status.UNKNOWN_BATCH),
+        (lambda: c.lookup(1, 3, 2), Status.OUT_OF_RANGE),
+        (lambda: c.put_hashes(1, digests("y", 1)), Status.DUPLICATE),
+        (lambda: c.poll(12345), Status.UNKNOWN_LEASE),
+        (lambda: c.load(12345, 1, 0, [0]), Status.UNKNOWN_LEASE),
+        (lambda: c.store(1, 0, 1, 42, [0]), Status.UNKNOWN_REGION),
+        (lambda: c.store(1, 0, 1, 1, [4]), Status.OUT_OF_RANGE),
+        (lambda: c.register_region(9, src.base, 4 * SLOT, SLOT, 4, pid=1), Status.NOT_PERMITTED),
+        (lambda: c.acquire(99, 0, 1), Status.UNKNOWN_BATCH),
+    ]
+    for fn, want in api:
+        with pytest.raises(RingsideError) as e:
+            fn()
+        assert not isinstance(e.value, (RingsideTimeout, RingsideUnavailable))
+        assert e.value.status == want, str(e.value)
+        assert e.value.message
+    # Arguments that cannot be encoded never reach the sidecar.
+    with pytest.raises(S.SchemaError):
+        c.put_hashes(7, b"\x01" * 33)
+    with pytest.raises(S.SchemaError):
+        c.store(1, 0, 2, 1, [0])
+    # The session still serves after all of that; nothing leaked.
+    assert c.ping(7) == 7
+    src.fill(0, 5)
+    assert c.store(1, 0, 1, 1, [0]).stored == 1
+    assert c.lookup(1, 0, 4) == 1
+
+
+def test_out_of_order_replies(sidecar):
+    c = sidecar.attach()
+    src = Region(1, 8)
+    src.register(c)
+    c.put_hashes(1, digests("ooo", 8))
+    for i in range(8):
+        src.fill(i, 3 * i + 1)
+    stores = [c.submit(S.TYPE_STORE, S.encode_store(1, i, 1, 1, [i])) for i in range(8)]
+    pings = [c.submit(S.TYPE_PING, S.encode_id(100 + i)) for i in range(8)]
+    for i, seq in reversed(list(enumerate(pings))):
+        assert S.decode_reply(c.await_reply(seq)).value == 100 + i
+    for seq in reversed(stores):
+        assert S.decode_store_reply(c.await_reply(seq)).stored == 1
+    assert c.lookup(1, 0, 8) == 8
+    with pytest.raises(ValueError):
+        c.await_reply(10 ** 6)
+
+
+def test_budget_waiting_and_expiry(start_sidecar):
+    # Budget of 4 slots: a lease of 4 blocks fills it; the next waits.
+    sc = start_sidecar(budget="16KiB", metrics=True)
+    c = sc.attach()
+    src = Region(1, 8)
+    src.register(c)
+    c.put_hashes(1, digests("b", 8))
+    assert c.store(1, 0, 8, 1, list(range(8))).stored == 8
+    l1 = c.acquire(1, 0, 4, ttl=60)
+    assert l1.state == State.READY
+    l2 = c.acquire(1, 4, 2, ttl=60)
+    assert l2.state == State.WAITING
+    with pytest.raises(RingsideError) as e:
+        c.load(l2.lease, 1, 0, [0])
+    assert status_of(e) == Status.BAD_STATE
+    # A short-lived third query waits, then resolves as a miss.
+    l3 = c.acquire(1, 6, 2, ttl=0.03)
+    assert l3.state == State.WAITING
+    deadline = time.monotonic() + 5
+    while c.poll(l3.lease).state != State.MISS:
+        assert time.monotonic() < deadline, "waiting query never resolved"
+        time.sleep(0.005)
+    with pytest.raises(RingsideError) as e:
+        c.load(l3.lease, 1, 0, [0])
+    assert status_of(e) == Status.EXPIRED
+    c.release(l1.lease)
+    assert c.poll(l2.lease).state == State.READY
+    assert c.load(l2.lease, 1, 0, [0]) == 1
+    c.release(l2.lease)
+    c.release(l3.lease)
+    pool = sc.state()["pool"]
+    assert pool["Leases"] == 0 and pool["PinnedBlocks"] == 0 and pool["Free"] + pool["Used"] == pool["Capacity"]
+
+
+def test_tensor_parallel_and_namespaces(sidecar):
+    def tp(rank):
+        return dict(world_size=2, rank=rank, role=S.ROLE_WORKER, instance="tp")
+
+    w0, w1 = sidecar.attach(**tp(0)), sidecar.attach(**tp(1))
+    sched = sidecar.attach(world_size=2, role=S.ROLE_SCHEDULER, instance="tp")
+    r0, r1 = Region(1, 4), Region(1, 4)
+    for i in range(4):
+        r0.fill(i, 1 + i)
+        r1.fill(i, 101 + i)
+    r0.register(w0)
+    r1.register(w1)
+    d = digests("tp", 4)
+    # Batches are per instance: the scheduler registers, the workers refer to it.
+    assert sched.put_hashes(7, d) == 4
+    assert w0.store(7, 0, 4, 1, [0, 1, 2, 3]).stored == 4
+    for i, c in enumerate((sched, w0, w1)):
+        assert c.lookup(7, 0, 4) == 0, "client %d sees blocks before rank 1 stored" % i
+    assert w1.store(7, 0, 2, 1, [0, 1]).stored == 2
+    for i, c in enumerate((sched, w0, w1)):
+        assert c.lookup(7, 0, 4) == 2, "client %d" % i
+    # The scheduler acquires; each worker loads its own shard.
+    ls = sched.acquire(7, 0, 4, ttl=60)
+    assert ls.blocks == 2 and ls.state == State.READY
+    o0, o1 = Region(2, 2), Region(2, 2)
+    o0.register(w0)
+    o1.register(w1)
+    assert w0.load(ls.lease, 2, 0, [0, 1]) == 2
+    assert w1.load(ls.lease, 2, 0, [1, 0]) == 2
+    assert o0.raw(0, 2) == r0.raw(0, 2), "rank 0 loaded another rank's shard"
+    assert o1.page(1) == r1.page(0) and o1.page(0) == r1.page(1), "rank 1 loaded another rank's shard"
+    assert o0.raw(0, 2) != o1.raw(0, 2)
+    # Workers see the scheduler's lease (same instance), another instance does not.
+    assert w1.poll(ls.lease).lease == ls.lease
+    stranger = sidecar.attach(instance="other")
+    with pytest.raises(RingsideError) as e:
+        stranger.poll(ls.lease)
+    assert status_of(e) == Status.UNKNOWN_LEASE
+    sched.release(ls.lease)
+    # Another tenant (salt) with the same digests sees nothing.
+    other = sidecar.attach(world_size=2, instance="tp", salt="tenant-b")
+    other.put_hashes(7, d)
+    assert other.lookup(7, 0, 4) == 0
+
+
+def test_changes(sidecar):
+    c = sidecar.attach()
+    src = Region(1, 4)
+    src.register(c)
+    r = c.changes()
+    assert r.resync and r.n_entries == 0
+    epoch, nxt = r.epoch, r.next
+    d = digests("ch", 3)
+    c.put_hashes(1, d)
+    assert c.store(1, 0, 3, 1, [0, 1, 2]).stored == 3
+    r = c.changes(epoch, nxt)
+    assert not r.resync and r.n_entries == 3 and r.width == 32
+    got = list(r.changes())
+    assert [(op, bytes(dg)) for op, dg in got] == [(S.OP_STORED, d[i * 32:(i + 1) * 32]) for i in range(3)]
+    # Reading on from the new cursor: nothing new; max bounds the reply.
+    assert c.changes(r.epoch, r.next).n_entries == 0
+    assert c.changes(epoch, nxt, max=2).n_entries == 2
+    # A wrong epoch must resync.
+    r2 = c.changes(epoch + 1, r.next)
+    assert r2.resync
+
+
+CHILD = r"""
+import sys, time
+from ringside.client import Session
+s = Session.attach(sys.argv[1], instance="engine-a", model="llama", layout="bf16/16/HND")
+l = s.acquire(1, 0, 4, ttl=3600)
+print(l.lease, l.state, l.blocks, flush=True)
+time.sleep(60)
+"""
+
+
+def test_dead_session_lease_reclaimed(start_sidecar):
+    sc = start_sidecar(budget="16KiB", metrics=True)
+    c = sc.attach()
+    src = Region(1, 8)
+    src.register(c)
+    c.put_hashes(1, digests("dead", 8))
+    assert c.store(1, 0, 8, 1, list(range(8))).stored == 8
+    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.sock], stdout=subprocess.PIPE, env=child_env(),
+                             text=True)
+    try:
+        line = child.stdout.readline().split()
+        assert len(line) == 3, "child failed"
+        lease, state, blocks = map(int, line)
+        assert state == State.READY and blocks == 4
+        st = sc.state()
+        assert st["pool"]["Leases"] == 1 and len(st["sessions"]) == 2
+        # The child holds the whole budget: our query waits behind it.
+        mine = c.acquire(1, 4, 4, ttl=60)
+        assert mine.state == State.WAITING
+        child.send_signal(signal.SIGKILL)  # dies without detaching
+        child.wait(5)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+    deadline = time.monotonic() + 5
+    while c.poll(mine.lease).state != State.READY:
+        assert time.monotonic() < deadline, "the dead session's budget was not reclaimed"
+        time.sleep(0.005)
+    deadline = time.monotonic() + 5
+    while True:
+        st = sc.state()
+        if st["pool"]["Leases"] == 1 and len(st["sessions"]) == 1:
+            break
+        assert time.monotonic() < deadline, "dead session not reclaimed: %r" % st
+        time.sleep(0.005)
+    with pytest.raises(RingsideError) as e:
+        c.poll(lease)  # the dead session's lease is gone
+    assert status_of(e) == Status.UNKNOWN_LEASE
+    c.release(mine.lease)
+    assert sc.state()["pool"]["Leases"] == 0
+
+
+def test_sidecar_killed_mid_session(sidecar):
+    c = sidecar.attach(timeout=2.0)
+    c.put_hashes(1, digests("k", 2))
+    assert c.lookup(1, 0, 2) == 0
+    sidecar.kill()
+    t = time.monotonic()
+    with pytest.raises((RingsideUnavailable, RingsideTimeout)):
+        c.lookup(1, 0, 2)
+    assert time.monotonic() - t < 2.5
+    # The session is dead now: every call fails at once, close never raises.
+    t = time.monotonic()
+    with pytest.raises(RingsideError):
+        c.ping(1)
+    assert time.monotonic() - t < 2.5
+    c.close()
+    c.close()
+    with pytest.raises(RingsideUnavailable):
+        c.ping(1)
+
+
+def test_sidecar_stopped_then_continued(sidecar):
+    c = sidecar.attach(timeout=0.3)
+    assert c.ping(1) == 1
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(sidecar.proc.pid)
+        t = time.monotonic()
+        with pytest.raises(RingsideTimeout):
+            c.ping(2)
+        assert time.monotonic() - t < 1.0
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+    # The session survives a timeout; the late reply is discarded.
+    assert c.ping(3) == 3
+    assert c.ping(4) == 4
+    assert not c._pending, "the late reply was kept"
+
+
+def test_sidecar_shutdown_mid_session(sidecar):
+    c = sidecar.attach(timeout=2.0)
+    assert c.ping(1) == 1
+    sidecar.proc.send_signal(signal.SIGTERM)
+    assert sidecar.proc.wait(10) == 0
+    t = time.monotonic()
+    with pytest.raises((RingsideUnavailable, RingsideTimeout)):
+        c.ping(2)
+    assert time.monotonic() - t < 2.5
+    c.close()
+
+
+def test_attach_errors(sidecar, tmp_path):
+    with pytest.raises(RingsideUnavailable):
+        Session.attach(str(tmp_path / "nothing.sock"), instance="a", model="m", layout="l", timeout=1)
+    # Refused by the sidecar: the status and message come back.
+    with pytest.raises(RingsideError) as e:
+        sidecar.attach(ring_capacity=12345)
+    assert e.value.status == Status.TOO_LARGE and "ring capacity" in e.value.message
+    with pytest.raises(S.SchemaError):
+        sidecar.attach(instance="")
+    with pytest.raises(S.SchemaError):
+        sidecar.attach(rank=2, world_size=2)
+    # A good attach with a narrower digest width and context-manager use.
+    with Session.attach(sidecar.sock, instance="w8", model="m", layout="l", digest_width=8) as s:
+        assert s.info.session > 0 and s.info.slot_bytes == SLOT
+        assert s.put_hashes(1, b"\x01" * 8 * 3) == 3
+        assert s.lookup(1, 0, 3) == 0
+    assert s.closed
