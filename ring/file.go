@@ -91,6 +91,16 @@ func Create(path string, o Options) (*File, error) {
 	return f, nil
 }
 
+// RemoveStale removes the ring file at path unless a live process uses it,
+// and reports whether it did. A file that is not a valid ring is removed.
+func RemoveStale(path string) (bool, error) {
+	err := replaceStale(path)
+	if errors.Is(err, ErrInUse) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
 // replaceStale removes the file at path if no live process uses it.
 func replaceStale(path string) error {
 	old, err := Open(path, 0)

@@ -114,6 +114,9 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	}
 	s.cache = c
 	s.budget = cache.NewBudget(cfg.Budget)
+	// Rings left behind by an earlier sidecar that crashed are removed
+	// (their epoch is not ours, and nobody may trust them).
+	s.removeStaleRings()
 	// The pool never survives a restart: a pool file left by an earlier
 	// process is removed, so nothing written before a crash is ever served.
 	poolPath := filepath.Join(cfg.Dir, "pool")
@@ -153,6 +156,19 @@ func newCopier(cfg Config, pool []byte, log zerolog.Logger) (gpu.Engine, error) 
 		log.Info().Msg("copy backend auto: using the host backend (no CUDA backend in this build)")
 	}
 	return gpu.NewHost(pool, gpu.HostOptions{Workers: cfg.CopyWorkers})
+}
+
+func (s *Server) removeStaleRings() {
+	for _, pat := range []string{"s*-*.sub", "s*-*.cmp"} {
+		paths, _ := filepath.Glob(filepath.Join(s.cfg.Dir, pat))
+		for _, p := range paths {
+			if removed, err := ring.RemoveStale(p); removed {
+				s.log.Info().Str("ring", p).Msg("removed a ring left by an earlier sidecar")
+			} else if err != nil {
+				s.log.Warn().Err(err).Str("ring", p).Msg("could not remove a stale ring")
+			}
+		}
+	}
 }
 
 // Epoch is this process's boot token: rings and change-log cursors carry it.

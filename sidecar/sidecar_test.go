@@ -443,3 +443,36 @@ func TestChangesAndPeerDeath(t *testing.T) {
 func dropWithoutDetach(c *connector.Client) { c.Abandon() }
 
 var _ = fmt.Sprint
+
+func TestStaleRingsRemovedAtStart(t *testing.T) {
+	base := "/dev/shm"
+	if _, err := os.Stat(base); err != nil {
+		base = os.TempDir()
+	}
+	dir, err := os.MkdirTemp(base, "rs-stale-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	// A ring whose recorded owner is a process that no longer exists, and
+	// a garbage file with a ring's name.
+	stale := dir + "/s1-00000000000000aa.sub"
+	os.WriteFile(stale, bytes.Repeat([]byte{0xEE}, 8192), 0o600)
+	other := dir + "/notes.txt"
+	os.WriteFile(other, []byte("keep"), 0o600)
+	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, SlotBytes: slot}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx) }()
+	cancel()
+	<-done
+	if _, err := os.Stat(stale); !os.IsNotExist(err) {
+		t.Fatalf("stale ring still there: %v", err)
+	}
+	if b, _ := os.ReadFile(other); string(b) != "keep" {
+		t.Fatal("an unrelated file was touched")
+	}
+}
