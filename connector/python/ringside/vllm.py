@@ -1,0 +1,722 @@
+"""vLLM KV connector backed by the ringside sidecar.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "RingsideConnector",
+                           "kv_connector_module_path": "ringside.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/dev/shm/ringside/ringside.sock"}}'
+
+or, once the package is installed, through its ``vllm.general_plugins`` entry
+point, which registers the name ``RingsideConnector`` with vLLM's connector
+factory (then ``kv_connector_module_path`` can be left out).
+
+How it works
+------------
+Scheduler (EngineCore process): attaches to the sidecar as the scheduler of
+this engine instance. For each new request it registers the request's own
+block hashes (``request.block_hashes``: vLLM's digests, joined once, never
+converted one by one) as a hash batch, asks how many leading blocks the
+sidecar holds, and answers with an asynchronous load. After allocation it
+acquires a lease on those blocks; while the lease waits for the sidecar's load
+budget it polls (a few bytes a step). Each step it sends the workers the loads
+that are ready and, per scheduled request, the blocks that become full during
+the step (a per-request cursor; no walk over other requests or the cache).
+
+Worker (each rank): attaches as a worker of the same instance, registers the
+KV cache tensors (host memory by pid and address), starts loads before the
+forward pass (the request waits in WAITING_FOR_REMOTE_KVS meanwhile), and
+stores the step's newly full blocks in ``wait_for_save``, i.e. after the
+forward pass that wrote them has finished, waiting for the copies (bounded)
+so that vLLM never frees or reuses a block that is being copied.
+
+Nothing here may fail or hang a request: every sidecar call has a deadline,
+every error is a miss (0 matched tokens) or a load error that vLLM recomputes
+(the connector sets ``kv_load_failure_policy`` to ``recompute``). Without a
+sidecar, or after it dies, the engine keeps serving and the connector
+re-attaches in the background (at most once per ``reattach_interval``).
+
+Extra config keys (``kv_connector_extra_config``): ``socket``, ``timeout``
+(seconds per call, default 2), ``lease_ttl`` (seconds, default 30),
+``save_timeout`` and ``load_timeout`` (seconds, default 5), ``reattach_interval`` (default 5),
+``tenant`` (tenant salt), ``stats_path`` (write connector counters as JSON at
+shutdown and every ``stats_every`` steps, for tests and operators).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import schema as _s
+from .client import RingsideError, RingsideTimeout, Session
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("ringside.vllm")
+
+DEFAULT_SOCKET = "/dev/shm/ringside/ringside.sock"
+REGION_ID = 1
+_NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+# --------------------------------------------------------------------------
+# Metadata: what the scheduler tells the workers each step.
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    lease: int
+    block_ids: list[int]  # engine blocks to fill from the lease's blocks 0..n-1
+    error_block_ids: list[int]  # promised blocks the lease could not cover
+
+
+@dataclass
+class StoreSpec:
+    req_id: str
+    batch: int
+    start: int  # first block index in the request's hash batch
+    block_ids: list[int]  # engine blocks holding blocks start..start+n-1
+
+
+@dataclass
+class RingsideConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# Shared helpers.
+
+
+def _namespace(vllm_config: "VllmConfig") -> tuple[str, str, int]:
+    """(model, layout fingerprint, world size): everything that changes the
+    bytes of a block, so that two engines share blocks only when the bytes
+    mean the same thing."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    algo = str(getattr(cc, "prefix_caching_hash_algo", "sha256"))
+    model = str(getattr(mc, "model", "")) + "@" + str(getattr(mc, "revision", None) or "")
+    parts = {
+        "dtype": str(getattr(mc, "dtype", "")),
+        "kv_dtype": str(getattr(cc, "cache_dtype", "")),
+        "block": int(cc.block_size),
+        "hash": algo,
+        "layers": _safe(lambda: mc.get_num_layers(pc)),
+        "kv_heads": _safe(lambda: mc.get_num_kv_heads(pc)),
+        "head": _safe(lambda: mc.get_head_size()),
+        "tp": int(pc.tensor_parallel_size),
+        "pp": int(pc.pipeline_parallel_size),
+        "device": str(getattr(vllm_config.device_config, "device_type", "")),
+    }
+    layout = ";".join("%s=%s" % kv for kv in sorted(parts.items()))
+    return model, layout, int(pc.tensor_parallel_size)
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a fingerprint part that cannot be read is left out
+        return "?"
+
+
+def _hash_seed_warning(vllm_config: "VllmConfig") -> Optional[str]:
+    """The setting that makes vLLM's block hashes differ across restarts."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo in _NON_CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        return ("prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block hashes "
+                "randomly per process, so blocks stored by one engine process are never hits for "
+                "another (or after a restart). Set PYTHONHASHSEED to the same value on every engine, "
+                "or use sha256 / sha256_cbor." % algo)
+    return None
+
+
+class _Link:
+    """A sidecar session that is re-attached lazily after a failure. Every
+    method of the connector goes through ``get``; a None answer means
+    "no sidecar now": the caller treats it as a miss."""
+
+    def __init__(self, socket: str, timeout: float, reattach: float, **attach: Any):
+        self.socket, self.timeout, self.reattach, self.attach_args = socket, timeout, reattach, attach
+        self.session: Optional[Session] = None
+        self.generation = 0  # bumped on each new attach: ids from older sessions are void
+        self._next_try = 0.0
+        self._warned = False
+
+    def get(self) -> Optional[Session]:
+        if self.session is not None:
+            return self.session
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.reattach
+        try:
+            self.session = Session.attach(self.socket, timeout=self.timeout, **self.attach_args)
+        except (RingsideError, OSError, ValueError) as e:
+            if not self._warned:
+                logger.warning("ringside: sidecar not available at %s (%s); serving without the cache, "
+                               "retrying every %.0fs", self.socket, e, self.reattach)
+                self._warned = True
+            return None
+        self.generation += 1
+        self._warned = False
+        logger.info("ringside: attached to the sidecar at %s (session %d)", self.socket, self.session.info.session)
+        return self.session
+
+    def drop(self, err: Exception) -> None:
+        """Forget a failed session (the sidecar reclaims whatever it held)."""
+        if self.session is not None:
+            logger.warning("ringside: sidecar session lost (%s); serving without the cache", err)
+            try:
+                self.session.abandon()
+            except Exception:  # noqa: BLE001
+                pass
+        self.session = None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+# --------------------------------------------------------------------------
+# The connector.
+
+
+@dataclass
+class _Req:
+    """Scheduler-side state of one request."""
+
+    request: Any
+    batch: int
+    generation: int  # link generation the batch was registered in
+    registered: int = 0  # hashes registered in the batch
+    stored: int = 0  # cursor: blocks [0, stored) were sent for storing
+    block_ids: list[int] = field(default_factory=list)
+    load: Optional[dict] = None  # pending load: lease, state, ids
+    hit_tokens: int = 0
+
+
+class RingsideConnector(KVConnectorBase_V1):
+    """KV connector whose cache lives in a ringside sidecar."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is only a future miss
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        except TypeError:  # vLLM versions whose base class takes (vllm_config, role)
+            super().__init__(vllm_config, role)  # type: ignore[call-arg]
+        kvt = vllm_config.kv_transfer_config
+        extra = dict(kvt.kv_connector_extra_config or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.socket = str(extra.get("socket", os.environ.get("RINGSIDE_SOCKET", DEFAULT_SOCKET)))
+        self.timeout = float(extra.get("timeout", 2.0))
+        self.lease_ttl = float(extra.get("lease_ttl", 30.0))
+        self.save_timeout = float(extra.get("save_timeout", 5.0))
+        self.load_timeout = float(extra.get("load_timeout", 5.0))
+        self.stats_path = extra.get("stats_path")
+        self.stats_every = int(extra.get("stats_every", 50))
+        model, layout, world = _namespace(vllm_config)
+        self.instance = str(getattr(kvt, "engine_id", None) or extra.get("instance") or "vllm-%d" % os.getppid())
+        attach = dict(instance=self.instance, model=model, layout=layout, salt=str(extra.get("tenant", "")),
+                      world_size=world, digest_width=32)
+        self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
+                      "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
+                      "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0,
+                      "step_ns_total": 0, "step_ns_max": 0}
+        self._steps_since_stats = 0
+        if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
+            # A cache failure must never fail a request: recompute instead.
+            try:
+                kvt.kv_load_failure_policy = "recompute"
+                logger.info("ringside: kv_load_failure_policy set to 'recompute'")
+            except Exception:  # noqa: BLE001
+                logger.warning("ringside: could not set kv_load_failure_policy=recompute; set it in "
+                               "--kv-transfer-config so that a cache failure never fails a request")
+        if role == KVConnectorRole.SCHEDULER:
+            warn = _hash_seed_warning(vllm_config)
+            if warn:
+                logger.warning("ringside: %s", warn)
+            self.link = _Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
+                              role=_s.ROLE_SCHEDULER, rank=0, **attach)
+            self._reqs: dict[str, _Req] = {}
+            self._next_batch = 0
+            self._waiting_loads: dict[str, _Req] = {}
+        else:
+            rank = _tp_rank()
+            self.link = _Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
+                              role=_s.ROLE_WORKER, rank=rank, **attach)
+            self.region: Optional[dict] = None
+            self._region_gen = -1
+            self._inflight: dict[str, list] = {}  # req_id -> [(seq, spec)]
+            self._finished_recving: set[str] = set()
+            self._load_errors: set[int] = set()
+        logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+
+    def _session(self) -> Optional[Session]:
+        return self.link.get()
+
+    def _fail(self, err: Exception) -> None:
+        self.stats["sidecar_errors"] += 1
+        from .client import RingsideTimeout, RingsideUnavailable
+
+        if isinstance(err, (RingsideUnavailable, RingsideTimeout)):
+            self.link.drop(err)
+        else:
+            logger.debug("ringside: %s", err)
+
+    def _tracked(self, request: "Request", s: Session) -> Optional[_Req]:
+        """The request's state with its hashes registered up to now (once per
+        request, then appended as blocks fill)."""
+        rid = request.request_id
+        r = self._reqs.get(rid)
+        if r is None or r.generation != self.link.generation:
+            self._next_batch += 1
+            r = _Req(request=request, batch=self._next_batch, generation=self.link.generation)
+            self._reqs[rid] = r
+        hashes = request.block_hashes
+        if len(hashes) > r.registered:
+            s.put_hashes(r.batch, b"".join(hashes[r.registered:]), append=r.registered > 0)
+            r.registered = len(hashes)
+        return r
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        s = self._session()
+        if s is None:
+            return 0, False
+        try:
+            r = self._tracked(request, s)
+            # Leave at least one token to compute: vLLM needs a forward pass.
+            usable = min(r.registered, (request.num_tokens - 1) // self.block_size)
+            if usable <= 0:
+                return 0, False
+            hits = s.lookup(r.batch, 0, usable)
+        except RingsideError as e:
+            self._fail(e)
+            return 0, False
+        self.stats["lookups"] += 1
+        self.stats["lookup_blocks"] += usable
+        self.stats["hit_blocks"] += hits
+        ext = hits * self.block_size - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        r.hit_tokens = hits * self.block_size
+        return ext, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        rid = request.request_id
+        r = self._reqs.get(rid)
+        if r is None:
+            s = self._session()
+            if s is None:
+                return
+            try:
+                r = self._tracked(request, s)
+            except RingsideError as e:
+                self._fail(e)
+                return
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if ids:
+            r.block_ids = ids
+        if num_external_tokens <= 0:
+            return
+        start = (r.hit_tokens - num_external_tokens) // self.block_size
+        count = num_external_tokens // self.block_size
+        want = r.block_ids[start:start + count]
+        load = {"lease": 0, "state": _s.State.MISS, "block_ids": want, "start": start}
+        r.load = load
+        s = self._session()
+        if s is not None and r.generation == self.link.generation:
+            try:
+                lr = s.acquire(r.batch, start, count, ttl=self.lease_ttl)
+                load["lease"], load["state"], load["blocks"] = lr.lease, lr.state, lr.blocks
+            except RingsideError as e:
+                self._fail(e)
+        self._waiting_loads[rid] = r
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        t0 = time.perf_counter_ns()
+        meta = RingsideConnectorMetadata()
+        s = self._session()
+        # Loads: every waiting load is sent once its lease is ready, or sent
+        # as an error (the worker reports its blocks, vLLM recomputes them).
+        if self._waiting_loads:
+            for rid in list(self._waiting_loads):
+                r = self._waiting_loads[rid]
+                ld = r.load
+                if ld["state"] == _s.State.WAITING and s is not None:
+                    try:
+                        ld["state"] = s.poll(ld["lease"]).state
+                    except RingsideError as e:
+                        self._fail(e)
+                        ld["state"] = _s.State.MISS
+                if ld["state"] == _s.State.WAITING:
+                    continue
+                ids = ld["block_ids"]
+                n = ld.get("blocks", 0) if ld["state"] in (_s.State.READY, _s.State.LOADED, _s.State.LOADING) else 0
+                n = min(n, len(ids))
+                meta.loads.append(LoadSpec(rid, ld["lease"] if n else 0, ids[:n], ids[n:]))
+                del self._waiting_loads[rid]
+        # Stores: per scheduled request, the blocks that become full in this
+        # step (cursor per request: cost follows the scheduled requests).
+        if s is not None:
+            new_reqs = scheduler_output.scheduled_new_reqs
+            for nr in new_reqs:
+                self._plan_store(s, meta, nr.req_id, nr.block_ids[0] if nr.block_ids else None, True,
+                                 nr.num_computed_tokens, scheduler_output)
+            cached = scheduler_output.scheduled_cached_reqs
+            resumed = getattr(cached, "resumed_req_ids", set()) or set()
+            for i, rid in enumerate(cached.req_ids):
+                nb = cached.new_block_ids[i]
+                self._plan_store(s, meta, rid, nb[0] if nb else None, rid in resumed,
+                                 cached.num_computed_tokens[i], scheduler_output)
+        dt = time.perf_counter_ns() - t0
+        st = self.stats
+        st["steps"] += 1
+        st["step_ns_total"] += dt
+        st["step_ns_max"] = max(st["step_ns_max"], dt)
+        self._maybe_write_stats()
+        return meta
+
+    def _plan_store(self, s: Session, meta: RingsideConnectorMetadata, rid: str, new_ids, replace: bool,
+                    num_computed: int, so: "SchedulerOutput") -> None:
+        r = self._reqs.get(rid)
+        if r is None:
+            return
+        if new_ids is not None:
+            if replace:  # a new or resumed request carries its whole block list
+                r.block_ids = list(new_ids)
+            else:
+                r.block_ids.extend(new_ids)
+        if r.generation != self.link.generation:
+            return  # registered with an older sidecar session: skip (a miss)
+        done = num_computed + so.num_scheduled_tokens.get(rid, 0)
+        try:
+            r2 = self._tracked(r.request, s)
+        except RingsideError as e:
+            self._fail(e)
+            return
+        full = min(r2.registered, done // self.block_size, len(r.block_ids))
+        if full > r.stored:
+            meta.stores.append(StoreSpec(rid, r.batch, r.stored, r.block_ids[r.stored:full]))
+            r.stored = full
+
+    def update_connector_output(self, connector_output) -> None:
+        rec = getattr(connector_output, "finished_recving", None) or ()
+        if not rec:
+            return
+        s = self.link.session
+        for rid in rec:
+            r = self._reqs.get(rid)
+            if r is None or r.load is None:
+                continue
+            lease = r.load.get("lease", 0)
+            r.load = None
+            if lease and s is not None and r.generation == self.link.generation:
+                try:
+                    s.release(lease)
+                except RingsideError as e:
+                    self._fail(e)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        rid = request.request_id
+        r = self._reqs.pop(rid, None)
+        self._waiting_loads.pop(rid, None)
+        s = self.link.session
+        if r is not None and s is not None and r.generation == self.link.generation:
+            try:
+                if r.load and r.load.get("lease"):
+                    s.release(r.load["lease"])
+                s.drop_hashes(r.batch)
+            except RingsideError as e:
+                self._fail(e)
+        return False, None
+
+    # ------------------------------------------------------------------
+    # Worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.region = _describe_region(kv_caches)
+        if self.region is None:
+            return
+        self._register()
+
+    def _register(self) -> Optional[Session]:
+        s = self.link.get()
+        if s is None or self.region is None:
+            return None
+        if self._region_gen == self.link.generation:
+            return s
+        g = self.region
+        # The sidecar copies this process's KV memory itself: allow it under
+        # Yama ptrace_scope 1 (no capability needed in the sidecar).
+        s.allow_sidecar_ptrace()
+        try:
+            s.register_region(REGION_ID, g["base"], g["length"], g["page_size"], g["page_count"], g["segments"])
+        except RingsideError as e:
+            logger.warning("ringside: registering the KV cache failed (%s); serving without the cache", e)
+            self._fail(e)
+            self.region = None if getattr(e, "status", None) not in (None,) else self.region
+            return None
+        self._region_gen = self.link.generation
+        logger.info("ringside: registered %d KV pages of %d bytes (%d segments)", g["page_count"],
+                    g["page_size"], len(g["segments"]))
+        return s
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RingsideConnectorMetadata) or not meta.loads:
+            return
+        s = self._register() if self.region is not None else None
+        for spec in meta.loads:
+            self._load_errors.update(spec.error_block_ids)
+            self.stats["load_error_blocks"] += len(spec.error_block_ids)
+            if not spec.block_ids:
+                self._finished_recving.add(spec.req_id)
+                continue
+            if s is None:
+                self._load_errors.update(spec.block_ids)
+                self.stats["load_error_blocks"] += len(spec.block_ids)
+                self._finished_recving.add(spec.req_id)
+                continue
+            try:
+                seq = s.submit(_s.TYPE_LOAD, _s.encode_load(spec.lease, REGION_ID, 0, spec.block_ids))
+                deadline = time.monotonic() + self.load_timeout
+                self._inflight.setdefault(spec.req_id, []).append((seq, spec, deadline))
+                self.stats["loads"] += 1
+            except (RingsideError, ValueError) as e:
+                self._load_errors.update(spec.block_ids)
+                self.stats["load_error_blocks"] += len(spec.block_ids)
+                self._finished_recving.add(spec.req_id)
+                if isinstance(e, RingsideError):
+                    self._fail(e)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous (WAITING_FOR_REMOTE_KVS)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # blocks are stored whole in wait_for_save, after the forward pass
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RingsideConnectorMetadata) or not meta.stores or self.region is None:
+            return
+        s = self._register()
+        if s is None:
+            return
+        seqs = []
+        try:
+            for spec in meta.stores:
+                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(spec.batch, spec.start, len(spec.block_ids),
+                                                                    REGION_ID, spec.block_ids)))
+            deadline = time.monotonic() + self.save_timeout
+            for seq in seqs:
+                left = max(deadline - time.monotonic(), 0.001)
+                rep = _s.decode_store_reply(s.await_reply(seq, timeout=left))
+                self.stats["stores"] += 1
+                if rep.status == _s.Status.OK:
+                    self.stats["stored_blocks"] += rep.stored
+                    self.stats["present_blocks"] += rep.present
+                else:
+                    self.stats["store_errors"] += 1
+        except (RingsideError, _s.SchemaError) as e:
+            # The engine may reuse these blocks after we return: drop the
+            # session so the sidecar stops and discards whatever it holds.
+            self.stats["store_errors"] += 1
+            self._fail(e)
+            if self.link.session is not None:
+                self.link.drop(e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        s = self.link.session
+        if self._inflight:
+            for rid in list(self._inflight):
+                pending = self._inflight[rid]
+                still = []
+                for seq, spec, deadline in pending:
+                    payload = None
+                    failed = s is None
+                    if s is not None:
+                        try:
+                            payload = s.try_reply(seq)
+                        except RingsideError as e:
+                            self._fail(e)
+                            s, failed = None, True
+                    if payload is None and not failed and time.monotonic() > deadline:
+                        # No answer in time: a stuck or dead sidecar. The
+                        # request recomputes; the session is dropped so that
+                        # a late copy cannot land in reused blocks.
+                        failed = True
+                        err = RingsideTimeout("load of %s got no reply in %.1fs" % (spec.req_id, self.load_timeout))
+                        self.stats["sidecar_errors"] += 1
+                        self.link.drop(err)
+                        s = None
+                    if failed:
+                        self._load_errors.update(spec.block_ids)
+                        self.stats["load_error_blocks"] += len(spec.block_ids)
+                        continue
+                    if payload is None:
+                        still.append((seq, spec, deadline))
+                        continue
+                    rep = _s.decode_reply(payload)
+                    if rep.status == _s.Status.OK and rep.value == len(spec.block_ids):
+                        self.stats["loaded_blocks"] += len(spec.block_ids)
+                    else:
+                        self._load_errors.update(spec.block_ids)
+                        self.stats["load_error_blocks"] += len(spec.block_ids)
+                if still:
+                    self._inflight[rid] = still
+                else:
+                    del self._inflight[rid]
+                    self._finished_recving.add(rid)
+        self._maybe_write_stats()
+        if not self._finished_recving:
+            return None, None
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if not self._load_errors:
+            return set()
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self):
+        self._write_stats()
+        self.link.close()
+
+    # ------------------------------------------------------------------
+
+    def _maybe_write_stats(self) -> None:
+        if not self.stats_path:
+            return
+        self._steps_since_stats += 1
+        if self._steps_since_stats >= self.stats_every:
+            self._write_stats()
+
+    def _write_stats(self) -> None:
+        self._steps_since_stats = 0
+        if not self.stats_path:
+            return
+        path = "%s.%s.%d.json" % (self.stats_path, self.stats["role"].lower(), os.getpid())
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.stats, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.debug("ringside: stats: %s", e)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialised: a single worker
+        return 0
+
+
+def _describe_region(kv_caches: dict[str, torch.Tensor]) -> Optional[dict]:
+    """Describe the KV cache as one region of pages: page i is block i of
+    every layer (K and V), each a segment at base + offset + i * stride."""
+    if not kv_caches:
+        return None
+    tensors = []
+    seen = set()
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        if isinstance(t, (list, tuple)):
+            t = t[0]
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in seen:  # layers sharing one tensor are stored once
+            continue
+        seen.add(key)
+        tensors.append((name, t))
+    if any(t.device.type != "cpu" for _, t in tensors):
+        logger.warning("ringside: GPU KV caches need the sidecar's CUDA copy backend, which is not available "
+                       "yet; serving without the cache")
+        return None
+    segments = []
+    num_blocks = None
+    for name, t in tensors:
+        es = t.element_size()
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        # The block dimension: CPU layouts put it first; some layouts put K/V first.
+        if len(shape) >= 2 and shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks) and shape[1] != 2:
+            nb = shape[1]
+            per = _contiguous_bytes(shape[2:], stride[2:], es)
+            for kv in range(2):
+                segments.append((t.data_ptr() + kv * stride[0] * es, stride[1] * es, per))
+        else:
+            nb = shape[0]
+            per = _contiguous_bytes(shape[1:], stride[1:], es)
+            segments.append((t.data_ptr(), stride[0] * es, per))
+        if per is None:
+            logger.warning("ringside: layer %s has a non-contiguous block layout %s/%s; serving without the cache",
+                           name, shape, stride)
+            return None
+        if num_blocks is not None and nb != num_blocks:
+            logger.warning("ringside: layers disagree on the number of blocks; serving without the cache")
+            return None
+        num_blocks = nb
+    base = min(seg[0] for seg in segments)
+    end = max(seg[0] + seg[1] * (num_blocks - 1) + seg[2] for seg in segments)
+    return {
+        "base": base,
+        "length": end - base,
+        "page_count": num_blocks,
+        "page_size": sum(seg[2] for seg in segments),
+        "segments": [(seg[0] - base, seg[1], seg[2]) for seg in segments],
+    }
+
+
+def _contiguous_bytes(shape, stride, es) -> Optional[int]:
+    """Bytes of one block if its elements are contiguous, else None."""
+    n, expect = 1, 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expect:
+            return None
+        expect *= size
+        n *= size
+    return n * es
+
+
+def register_plugin() -> None:
+    """``vllm.general_plugins`` entry point: register RingsideConnector with
+    vLLM's connector factory, so the name alone selects it."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        if "RingsideConnector" not in getattr(KVConnectorFactory, "_registry", {}):
+            KVConnectorFactory.register_connector("RingsideConnector", "ringside.vllm", "RingsideConnector")
+    except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM's start
+        logger.warning("ringside: could not register the vLLM connector: %s", e)
+
+
+# Silence "imported but unused" for names kept for type annotations.
+_ = (hashlib, threading)

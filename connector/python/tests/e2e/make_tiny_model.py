@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Write a tiny, deterministic LlamaForCausalLM + tokenizer that vLLM loads offline.
+
+Usage:  python make_tiny_model.py OUT_DIR [--dtype float32|bfloat16]
+
+Needs: torch, transformers, tokenizers, safetensors (all present in the
+.venv-vllm made by connector/python/scripts/install-vllm.sh). No network.
+
+The model has fixed-seed random weights, so its output is gibberish but is
+reproducible. Same inputs -> byte-identical files on every run (checked by
+``--check``, which builds twice and compares SHA-256 of every file).
+
+Shape choices are dictated by vLLM's CPU attention backend (CPU_ATTN):
+head_dim must be one of 32, 64, 80, ... so hidden=128 with 4 heads -> 32.
+
+Tokenizer: byte-level BPE with no merges: ids 0..3 are specials
+(<pad>, <s>, </s>, <unk>), ids 4..259 are the 256 bytes. Every UTF-8 byte of
+a prompt is exactly one token, and encode() prepends <s>, so a prompt of n
+bytes is n+1 tokens. This makes block-count arithmetic in tests trivial.
+Random weights may emit </s> early: use SamplingParams(ignore_eos=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+VOCAB_SIZE = len(SPECIALS) + 256  # 260
+SEED = 1234
+
+CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def build_tokenizer(out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()  # 256 printable stand-ins
+    # alphabet() is a set in some versions: order it by the byte it stands for.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    assert set(byte_chars) == set(b2u.values())
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for b in range(256):
+        vocab[b2u[b]] = len(SPECIALS) + b
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(out_dir)
+
+
+def build_model(out_dir: str, dtype: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(**CONFIG)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg)
+        # Re-draw every tensor from one generator in sorted-name order, so the
+        # weights do not depend on transformers' init code or module order.
+        gen = torch.Generator().manual_seed(SEED)
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                # std 2/sqrt(fan_in): large enough that greedy output varies.
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p.shape[-1] ** 0.5))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def normalize(out_dir: str) -> None:
+    """Drop run-dependent fields so files are byte-identical across runs."""
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        data.pop("transformers_version", None)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def make(out_dir: str, dtype: str = "float32") -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    build_tokenizer(out_dir)
+    build_model(out_dir, dtype)
+    normalize(out_dir)
+
+
+def digest(out_dir: str) -> dict[str, str]:
+    out = {}
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--check", action="store_true", help="build twice, compare hashes")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    make(args.out_dir, args.dtype)
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            make(tmp, args.dtype)
+            a, b = digest(args.out_dir), digest(tmp)
+            if a != b:
+                print(f"NOT deterministic:\n{a}\n{b}", file=sys.stderr)
+                return 1
+    for name, h in digest(args.out_dir).items():
+        print(f"{h}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

