@@ -59,3 +59,18 @@ func TestServeReportsEveryBadSetting(t *testing.T) {
 		}
 	}
 }
+
+func TestCheckConfig(t *testing.T) {
+	app := App()
+	var out bytes.Buffer
+	app.Writer, app.ErrWriter = &out, &out
+	if err := app.Run([]string{"ringside", "serve", "--check-config", "--pool.bytes", "2GiB", "--dir", "/dev/shm/x"}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "settings ok") {
+		t.Fatalf("output %q", out.String())
+	}
+	if err := app.Run([]string{"ringside", "serve", "--check-config", "--pool.bytes", "zz"}); err == nil {
+		t.Fatal("bad setting passed --check-config")
+	}
+}
