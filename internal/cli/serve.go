@@ -33,7 +33,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the sidecar's own", EnvVars: env("allow-uid")},
 		&cli.BoolFlag{Name: "group-access", Usage: "make rings and the pool group read-write (0660) for an engine running under another uid of the same group", EnvVars: env("group-access")},
 		&cli.IntFlag{Name: "max-sessions", Value: 256, Usage: "most concurrent sessions", EnvVars: env("max-sessions")},
-		&cli.BoolFlag{Name: "check-config", Usage: "parse and validate the settings, print them, and exit without serving"},
+		&cli.BoolFlag{Name: "check-config", Usage: "parse and validate the settings, print them, and exit without serving", EnvVars: env("check-config")},
 	}
 }
 
