@@ -63,6 +63,10 @@ type Config struct {
 	DeltaLogSize int
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration
+	// PrefillBlocks fills the index with this many synthetic blocks of a
+	// private namespace at start (metadata only: no bytes are written), so
+	// that benchmarks can measure per-step costs against a large cache.
+	PrefillBlocks int
 	// ReplyTimeout bounds how long the sidecar waits for room in a
 	// session's completion ring before it drops the session.
 	ReplyTimeout time.Duration

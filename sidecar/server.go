@@ -114,6 +114,11 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	}
 	s.cache = c
 	s.budget = cache.NewBudget(cfg.Budget)
+	if cfg.PrefillBlocks > 0 {
+		if err := s.prefill(cfg.PrefillBlocks); err != nil {
+			return nil, err
+		}
+	}
 	// Rings left behind by an earlier sidecar that crashed are removed
 	// (their epoch is not ours, and nobody may trust them).
 	s.removeStaleRings()
@@ -156,6 +161,33 @@ func newCopier(cfg Config, pool []byte, log zerolog.Logger) (gpu.Engine, error) 
 		log.Info().Msg("copy backend auto: using the host backend (no CUDA backend in this build)")
 	}
 	return gpu.NewHost(pool, gpu.HostOptions{Workers: cfg.CopyWorkers})
+}
+
+// prefill stores n synthetic blocks (random digests, no bytes) in a private
+// namespace that no engine can attach to with the same key.
+func (s *Server) prefill(n int) error {
+	if n > s.cache.Capacity() {
+		return fmt.Errorf("--debug.prefill-blocks: %d blocks do not fit in %d slots", n, s.cache.Capacity())
+	}
+	ns, err := s.cache.AddNamespace(cache.NamespaceKey{Model: "\x00ringside-prefill", Layout: 1, DigestWidth: 32, WorldSize: 1})
+	if err != nil {
+		return err
+	}
+	var d [32]byte
+	binary.LittleEndian.PutUint64(d[24:], s.epoch)
+	t0 := time.Now()
+	for i := 0; i < n; i++ {
+		binary.LittleEndian.PutUint64(d[:8], uint64(i))
+		t, st, err := s.cache.BeginStore(ns, 0, d[:], 0, 0)
+		if err != nil || st != cache.Allocated {
+			return fmt.Errorf("prefill block %d: %v %v", i, st, err)
+		}
+		if err := s.cache.CommitStore(t); err != nil {
+			return err
+		}
+	}
+	s.log.Info().Int("blocks", n).Dur("took", time.Since(t0)).Msg("prefilled the index with synthetic blocks")
+	return nil
 }
 
 func (s *Server) removeStaleRings() {

@@ -476,3 +476,15 @@ func TestStaleRingsRemovedAtStart(t *testing.T) {
 		t.Fatal("an unrelated file was touched")
 	}
 }
+
+func TestPrefillIsInvisibleToEngines(t *testing.T) {
+	h := newHarness(t, func(c *sidecar.Config) { c.PrefillBlocks = 40 })
+	if got := h.srv.State().Pool.Blocks; got != 40 {
+		t.Fatalf("%d blocks after prefill, want 40", got)
+	}
+	c := h.dial(nil)
+	c.PutHashes(1, digests("p", 4), false)
+	if n, err := c.Lookup(schema.View{Batch: 1, Count: 4}); err != nil || n != 0 {
+		t.Fatalf("lookup %d %v", n, err)
+	}
+}

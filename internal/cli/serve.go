@@ -33,6 +33,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the sidecar's own", EnvVars: env("allow-uid")},
 		&cli.BoolFlag{Name: "group-access", Usage: "make rings and the pool group read-write (0660) for an engine running under another uid of the same group", EnvVars: env("group-access")},
 		&cli.IntFlag{Name: "max-sessions", Value: 256, Usage: "most concurrent sessions", EnvVars: env("max-sessions")},
+		&cli.IntFlag{Name: "debug.prefill-blocks", Hidden: true, Usage: "benchmarks: fill the index with N synthetic blocks of a private namespace (no bytes)", EnvVars: env("debug.prefill-blocks")},
 		&cli.BoolFlag{Name: "check-config", Usage: "parse and validate the settings, print them, and exit without serving", EnvVars: env("check-config")},
 	}
 }
@@ -82,22 +83,23 @@ func sidecarConfig(c *cli.Context) (sidecar.Config, error) {
 		return v
 	}
 	cfg := sidecar.Config{
-		Dir:          c.String("dir"),
-		Socket:       c.String("socket"),
-		PoolBytes:    size("pool.bytes"),
-		SlotBytes:    size("pool.slot-bytes"),
-		Budget:       int64(size("budget")),
-		LeaseTTL:     c.Duration("lease.ttl"),
-		MaxLeaseTTL:  c.Duration("lease.max-ttl"),
-		WriteTimeout: c.Duration("write-timeout"),
-		RingCapacity: size("ring.capacity"),
-		Spin:         c.Duration("ring.spin"),
-		Yield:        c.Duration("ring.yield"),
-		CopyBackend:  c.String("copy.backend"),
-		CopyWorkers:  c.Int("copy.workers"),
-		MetricsAddr:  c.String("metrics.addr"),
-		GroupAccess:  c.Bool("group-access"),
-		MaxSessions:  c.Int("max-sessions"),
+		Dir:           c.String("dir"),
+		Socket:        c.String("socket"),
+		PoolBytes:     size("pool.bytes"),
+		SlotBytes:     size("pool.slot-bytes"),
+		Budget:        int64(size("budget")),
+		LeaseTTL:      c.Duration("lease.ttl"),
+		MaxLeaseTTL:   c.Duration("lease.max-ttl"),
+		WriteTimeout:  c.Duration("write-timeout"),
+		RingCapacity:  size("ring.capacity"),
+		Spin:          c.Duration("ring.spin"),
+		Yield:         c.Duration("ring.yield"),
+		CopyBackend:   c.String("copy.backend"),
+		CopyWorkers:   c.Int("copy.workers"),
+		MetricsAddr:   c.String("metrics.addr"),
+		GroupAccess:   c.Bool("group-access"),
+		MaxSessions:   c.Int("max-sessions"),
+		PrefillBlocks: c.Int("debug.prefill-blocks"),
 	}
 	if s := c.String("allow-uid"); s != "" {
 		for _, f := range strings.Split(s, ",") {
