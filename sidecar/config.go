@@ -59,6 +59,11 @@ type Config struct {
 	// MaxBatchHashes the length of one batch.
 	MaxBatches     int
 	MaxBatchHashes int
+	// MaxHashBytes bounds the digest bytes all batches of one engine
+	// instance hold together (default 256 MiB).
+	MaxHashBytes int
+	// MaxLeases bounds the live leases (queries) of one session.
+	MaxLeases int
 	// DeltaLogSize is each namespace's change-log length (power of two).
 	DeltaLogSize int
 	// ReapInterval is how often expired leases and writes are reclaimed.
@@ -124,6 +129,12 @@ func (c *Config) EnsureDefaults() {
 	}
 	if c.MaxBatchHashes == 0 {
 		c.MaxBatchHashes = 1 << 20
+	}
+	if c.MaxHashBytes == 0 {
+		c.MaxHashBytes = 256 << 20
+	}
+	if c.MaxLeases == 0 {
+		c.MaxLeases = 1 << 16
 	}
 	if c.DeltaLogSize == 0 {
 		c.DeltaLogSize = 1 << 16

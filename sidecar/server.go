@@ -57,14 +57,15 @@ type Server struct {
 // instance is one engine instance: all the sessions (scheduler and ranks)
 // that attached with the same instance id and namespace.
 type instance struct {
-	name     string
-	id       cache.SessionID // budget owner
-	ns       cache.NamespaceID
-	width    int
-	world    int
-	sessions int
-	batches  map[uint64][]byte
-	waiting  []*query // FIFO of queries over budget
+	name      string
+	id        cache.SessionID // budget owner
+	ns        cache.NamespaceID
+	width     int
+	world     int
+	sessions  int
+	batches   map[uint64][]byte
+	hashBytes int      // digest bytes held by batches
+	waiting   []*query // FIFO of queries over budget
 }
 
 // query is a lease as the protocol sees it: its state and its budget.

@@ -42,6 +42,7 @@ type session struct {
 	out    []byte
 
 	regions map[uint32]gpu.Handle // guarded by srv.mu
+	leases  int                   // live queries this session owns, guarded by srv.mu
 	closed  atomic.Bool
 	done    chan struct{}
 
@@ -294,6 +295,7 @@ func (ss *session) cleanup() {
 	in.sessions--
 	if in.sessions == 0 {
 		in.batches = map[uint64][]byte{}
+		in.hashBytes = 0
 	}
 	s.mu.Unlock()
 	ss.prodMu.Lock()
@@ -377,8 +379,9 @@ func (ss *session) handle(rec ring.Record) bool {
 			break
 		}
 		s.mu.Lock()
-		_, ok := ss.inst.batches[m.ID]
+		b, ok := ss.inst.batches[m.ID]
 		delete(ss.inst.batches, m.ID)
+		ss.inst.hashBytes -= len(b)
 		s.mu.Unlock()
 		if !ok {
 			err = schema.Errorf(schema.ErrCodeUnknownBatch, "batch %d", m.ID)
@@ -439,9 +442,12 @@ func (ss *session) putHashes(rec ring.Record) error {
 		return schema.Errorf(schema.ErrCodeTooLarge, "%d batches registered, the maximum", len(ss.inst.batches))
 	case (len(b)+len(m.Digests))/ss.inst.width > s.cfg.MaxBatchHashes:
 		return schema.Errorf(schema.ErrCodeTooLarge, "batch %d would hold more than %d hashes", m.Batch, s.cfg.MaxBatchHashes)
+	case ss.inst.hashBytes+len(m.Digests) > s.cfg.MaxHashBytes:
+		return schema.Errorf(schema.ErrCodeTooLarge, "the instance's batches would hold more than %d bytes of hashes: drop finished batches", s.cfg.MaxHashBytes)
 	}
 	b = append(b, m.Digests...) // copies: the payload aliases the ring
 	ss.inst.batches[m.Batch] = b
+	ss.inst.hashBytes += len(m.Digests)
 	ss.sendLocked(rec.Type, rec.Seq, schema.Reply{Value: uint64(len(b) / ss.inst.width)})
 	return nil
 }
@@ -499,6 +505,10 @@ func (ss *session) acquire(rec ring.Record) error {
 		s.mu.Unlock()
 		return err
 	}
+	if ss.leases >= s.cfg.MaxLeases {
+		s.mu.Unlock()
+		return schema.Errorf(schema.ErrCodeTooLarge, "%d live leases in this session, the maximum: release finished ones", ss.leases)
+	}
 	rank := ss.rank
 	l, err := s.cache.Acquire(ss.inst.ns, rank, d, ss.owner, ttl, monotonic())
 	if err != nil {
@@ -516,6 +526,7 @@ func (ss *session) acquire(rec ring.Record) error {
 			ss.inst.waiting = append(ss.inst.waiting, q)
 		}
 		s.queries[l.ID] = q
+		ss.leases++
 		r.State = q.state
 	}
 	s.mu.Unlock()
@@ -568,6 +579,7 @@ func (ss *session) release(rec ring.Record) error {
 		}
 		s.unbudgetLocked(q)
 		delete(s.queries, q.lease)
+		q.owner.leases--
 	}
 	s.mu.Unlock()
 	if err != nil {

@@ -488,3 +488,43 @@ func TestPrefillIsInvisibleToEngines(t *testing.T) {
 		t.Fatalf("lookup %d %v", n, err)
 	}
 }
+
+func TestQuotas(t *testing.T) {
+	h := newHarness(t, func(c *sidecar.Config) { c.MaxLeases = 3; c.MaxHashBytes = 10 * 32 })
+	c := h.dial(nil)
+	other := h.dial(func(o *connector.Options) { o.Instance = "bystander" })
+	src := newRegion(1, 4)
+	c.RegisterRegion(src.reg)
+	if _, err := c.PutHashes(1, digests("q", 4), false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.PutHashes(2, digests("r", 7), false); status(err) != schema.ErrCodeTooLarge {
+		t.Fatalf("hash quota: %v", err)
+	}
+	if _, err := c.PutHashes(2, digests("r", 6), false); err != nil {
+		t.Fatalf("within the hash quota: %v", err)
+	}
+	c.DropHashes(2)
+	if _, err := c.PutHashes(3, digests("s", 6), false); err != nil {
+		t.Fatalf("after a drop the quota is free again: %v", err)
+	}
+	c.Store(schema.View{Batch: 1, Count: 4}, 1, []uint32{0, 1, 2, 3})
+	var leases []uint64
+	for i := 0; i < 3; i++ {
+		l, err := c.Acquire(schema.View{Batch: 1, Count: 1}, time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leases = append(leases, l.Lease)
+	}
+	if _, err := c.Acquire(schema.View{Batch: 1, Count: 1}, time.Minute); status(err) != schema.ErrCodeTooLarge {
+		t.Fatalf("lease quota: %v", err)
+	}
+	if err := other.Ping(1); err != nil {
+		t.Fatalf("another session suffers: %v", err)
+	}
+	c.Release(leases[0])
+	if _, err := c.Acquire(schema.View{Batch: 1, Count: 1}, time.Minute); err != nil {
+		t.Fatalf("after a release: %v", err)
+	}
+}
