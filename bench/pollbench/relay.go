@@ -1,88 +1,51 @@
 package pollbench
 
 import (
-	"errors"
-	"fmt"
-	"github.com/ringside-kv/ringside/internal/sys"
-	"io"
-	"os"
 	"time"
 
-	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/bench/internal/uds"
 	"github.com/ringside-kv/ringside/schema"
 )
 
+// The socket baseline (framing, client and relay) lives in
+// bench/internal/uds, shared with `bench replay`.
+
 // RelayConfig is the command line of the socket front end (the hidden
 // `ringside bench poll-relay`).
-type RelayConfig struct {
-	Sidecar  string // the sidecar's attach socket
-	Listen   string // the Unix socket to serve frames on
-	Instance string // engine instance, model and layout: those of the bench client, so
-	Model    string // that its leases are visible to the relay's session
-	Layout   string
-	Timeout  time.Duration // bound on waiting for the client and on every call
-	Ready    io.Writer     // gets "ready\n" once the socket listens
+type RelayConfig = uds.RelayConfig
+
+// Relay is the socket baseline's front end: see uds.Relay.
+func Relay(rc RelayConfig) error { return uds.Relay(rc) }
+
+// udsClient is the Go client of the socket baseline: the same Poll record
+// and the same reply record as connector.Client.Poll, framed on a socket.
+type udsClient struct {
+	c   *uds.Client
+	req []byte
 }
 
-// Relay is the socket baseline's front end. The sidecar has no socket
-// transport of its own and its request dispatcher is reachable only through
-// a session's rings, so the front end is a relay process: it attaches to
-// the sidecar as a session of the bench client's engine instance, accepts
-// one socket connection and, for every frame, submits the record unchanged
-// on its ring and sends the reply record back unchanged, with the client's
-// correlation number. A socket round trip through the relay therefore costs
-// the ring round trip plus the socket's own round trip; the difference
-// between the uds and the ring rows is the socket's cost.
-func Relay(rc RelayConfig) error {
-	if rc.Timeout <= 0 {
-		rc.Timeout = time.Minute
-	}
-	if rc.Ready == nil {
-		rc.Ready = io.Discard
-	}
-	c, err := connector.Dial(connector.Options{Socket: rc.Sidecar, Instance: rc.Instance, Model: rc.Model, Layout: rc.Layout, Timeout: rc.Timeout})
+func dialUDS(path string, timeout time.Duration) (*udsClient, error) {
+	c, err := uds.Dial(path, timeout)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer c.Close()
-	lfd, err := listenUDS(rc.Listen)
+	return &udsClient{c: c}, nil
+}
+
+func (u *udsClient) close() error { return u.c.Close() }
+
+func (u *udsClient) poll(lease uint64) (schema.LeaseReply, error) {
+	var r schema.LeaseReply
+	u.req = schema.IDRequest{ID: lease}.Append(u.req[:0])
+	p, err := u.c.Call(schema.TypePoll, u.req)
 	if err != nil {
-		return err
+		return r, err
 	}
-	defer os.Remove(rc.Listen)
-	defer sys.Close(lfd)
-	fmt.Fprintln(rc.Ready, "ready")
-	fd, err := acceptUDS(lfd, rc.Timeout)
-	if err != nil {
-		return fmt.Errorf("relay: %w", err)
+	if err := r.Decode(p); err != nil {
+		return r, err
 	}
-	fc, err := newFrameConn(fd, rc.Timeout)
-	if err != nil {
-		sys.Close(fd)
-		return err
+	if r.Status != schema.OK {
+		return r, &schema.Error{Status: r.Status, Message: r.Message}
 	}
-	defer fc.close()
-	for {
-		typ, seq, payload, err := fc.read()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("relay: read: %w", err)
-		}
-		if typ == schema.TypeDetach {
-			return nil // the relay's own session detaches on return
-		}
-		s, err := c.Submit(typ, payload)
-		if err != nil {
-			return fmt.Errorf("relay: submit: %w", err)
-		}
-		reply, err := c.Await(s)
-		if err != nil {
-			return fmt.Errorf("relay: await: %w", err)
-		}
-		if err := fc.write(typ|schema.ReplyBit, 0, seq, reply); err != nil {
-			return fmt.Errorf("relay: write: %w", err)
-		}
-	}
+	return r, nil
 }

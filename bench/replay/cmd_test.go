@@ -1,0 +1,195 @@
+package replay_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ringside-kv/ringside/internal/cli"
+)
+
+// childEnv makes the test binary act as the ringside executable: `bench
+// replay` re-executes os.Executable() (this binary) as the sidecar
+// (`serve`) and as the socket relays, and the child runs the real command
+// line.
+const childEnv = "RINGSIDE_REPLAY_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		if err := cli.App().Run(os.Args); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Setenv(childEnv, "1") // inherited by the child processes only
+	os.Exit(m.Run())
+}
+
+// TestBenchReplayCommand replays the first requests of the shipped trace
+// through the real command line, real sidecar processes (two small
+// capacities, so that eviction and refused stores happen) and the socket
+// relays, one request at a time, and checks that every hit rate equals the
+// offline LRU's exactly, and the shape of every row and file: never
+// timings.
+func TestBenchReplayCommand(t *testing.T) {
+	requests := "300"
+	if raceEnabled || testing.Short() {
+		requests = "120"
+	}
+	dir := fmt.Sprintf("/dev/shm/ringside-replay-test-%d", os.Getpid())
+	if _, err := os.Stat("/dev/shm"); err != nil {
+		dir = filepath.Join(t.TempDir(), "sidecars")
+	}
+	out := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	app := cli.App()
+	app.Writer, app.ErrWriter = &stdout, &stderr
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	err := app.RunContext(ctx, []string{"ringside", "bench", "replay", "--json", "--quiet", "--sequential",
+		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
+		"--capacity-pages", "200", "--capacity-pages", "2000", "--uds-capacity-pages", "200",
+		"--engines", "2", "--dir", dir, "--out", out, "--timeout", "60s"})
+	if err != nil {
+		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("sidecar dir %s left behind (stat: %v)", dir, err)
+	}
+	need := map[string][]string{
+		"replay":         {"capacity_pages", "pages_per_block", "hit_ratio", "oracle_hit_ratio", "transport", "hit_pages", "oracle_hit_pages", "stored_pages", "oracle_stored_pages"},
+		"replay_op":      {"op", "transport", "p50_ns", "p99_ns", "p999_ns", "max_ns", "capacity_pages"},
+		"replay_sidecar": {"cpu_fraction", "peak_rss_bytes", "copy_bytes_per_sec", "capacity_pages", "transport"},
+	}
+	caps := map[string]bool{}
+	ops := map[string]bool{}
+	sidecars := 0
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	for _, line := range lines {
+		var row map[string]any
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatalf("not JSON: %q: %v", line, err)
+		}
+		bench, _ := row["bench"].(string)
+		fields, ok := need[bench]
+		if !ok {
+			t.Errorf("unknown bench %q: %s", bench, line)
+			continue
+		}
+		for _, f := range fields {
+			if _, ok := row[f]; !ok {
+				t.Errorf("%s row without %s: %s", bench, f, line)
+			}
+		}
+		num := func(k string) float64 { v, _ := row[k].(float64); return v }
+		switch bench {
+		case "replay":
+			caps[fmt.Sprint(row["transport"], "/", num("capacity_pages"))] = true
+			if num("pages_per_block") != 32 {
+				t.Errorf("pages_per_block %v, want 32", row["pages_per_block"])
+			}
+			if num("hit_pages") != num("oracle_hit_pages") || num("hit_ratio") != num("oracle_hit_ratio") || row["oracle_match"] != true {
+				t.Errorf("hit rate differs from the offline LRU: %s", line)
+			}
+			if num("stored_pages") != num("oracle_stored_pages") || num("skipped_pages") != num("oracle_skipped_pages") {
+				t.Errorf("stored or refused pages differ from the offline LRU: %s", line)
+			}
+			if num("view_blocks") != num("oracle_resident_pages") {
+				t.Errorf("the change log's view differs from the oracle's resident pages: %s", line)
+			}
+			if num("hit_pages") <= 0 || num("requests") <= 0 {
+				t.Errorf("nothing hit: %s", line)
+			}
+			if num("capacity_pages") == 200 && num("oracle_skipped_pages") == 0 {
+				t.Errorf("200 pages should refuse stores: %s", line)
+			}
+		case "replay_op":
+			key := fmt.Sprint(row["transport"], "/", row["op"], "/", row["method"])
+			ops[key] = true
+			if num("p50_ns") <= 0 || num("p50_ns") > num("p99_ns") || num("p99_ns") > num("p999_ns") || num("p999_ns") > num("max_ns") {
+				t.Errorf("percentiles out of order: %s", line)
+			}
+		case "replay_sidecar":
+			sidecars++
+			if num("cpu_fraction") <= 0 || num("peak_rss_bytes") <= 0 || num("copy_bytes_per_sec") <= 0 {
+				t.Errorf("empty sidecar figures: %s", line)
+			}
+		}
+	}
+	for _, c := range []string{"ring/200", "ring/2000", "uds/200"} {
+		if !caps[c] {
+			t.Errorf("no replay row for %s (have %v)", c, caps)
+		}
+	}
+	for _, tr := range []string{"ring", "uds"} {
+		for _, op := range []string{"lookup/<nil>", "acquire/<nil>", "load/<nil>", "store/<nil>", "step/delta", "step/walk"} {
+			if !ops[tr+"/"+op] {
+				t.Errorf("no replay_op row for %s/%s", tr, op)
+			}
+		}
+	}
+	if sidecars != 3 {
+		t.Errorf("%d replay_sidecar rows, want 3 (one per sidecar process)", sidecars)
+	}
+
+	for _, f := range []string{"hit-rate.png", "latency.png", "step-cost.png"} {
+		b, err := os.ReadFile(filepath.Join(out, f))
+		if err != nil || len(b) < 2000 || !bytes.HasPrefix(b, []byte("\x89PNG\r\n\x1a\n")) {
+			t.Errorf("%s: not a PNG (%d bytes, %v)", f, len(b), err)
+		}
+	}
+	for f, rows := range map[string]int{"capacity.csv": 3, "sidecar.csv": 3, "ops.csv": 10, "steps.csv": 300} {
+		b, err := os.ReadFile(filepath.Join(out, f))
+		if err != nil {
+			t.Errorf("%s: %v", f, err)
+			continue
+		}
+		recs, err := csv.NewReader(bytes.NewReader(b)).ReadAll()
+		if err != nil || len(recs) < 1+min(rows, 3) {
+			t.Errorf("%s: %d records (%v)", f, len(recs), err)
+			continue
+		}
+		if f == "capacity.csv" && (recs[0][0] != "bench" || !strings.Contains(strings.Join(recs[0], ","), "oracle_hit_ratio")) {
+			t.Errorf("%s header: %v", f, recs[0])
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(out, "replay.jsonl"))
+	if err != nil || strings.Count(string(b), "\n") != len(lines) {
+		t.Errorf("replay.jsonl: %d lines, stdout %d (%v)", strings.Count(string(b), "\n"), len(lines), err)
+	}
+}
+
+// TestBenchReplayText checks the human-readable report: the tables, the
+// oracle column and the verdicts, from a short concurrent run.
+func TestBenchReplayText(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a sidecar")
+	}
+	var stdout, stderr bytes.Buffer
+	app := cli.App()
+	app.Writer, app.ErrWriter = &stdout, &stderr
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	err := app.RunContext(ctx, []string{"ringside", "bench", "replay", "--quiet", "--no-uds",
+		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", "60",
+		"--capacity-pages", "500", "--out", "-", "--timeout", "60s"})
+	if err != nil {
+		t.Fatalf("bench replay: %v\n%s\n%s", err, stdout.String(), stderr.String())
+	}
+	s := stdout.String()
+	for _, want := range []string{"hit ratio", "oracle", "step (delta)", "step (walk)", "p99.9",
+		"target lookup p99 < 20 us", "target acquire-and-poll p99 < 50 us", "target sidecar CPU < 25%",
+		"target hit rate equal to the offline LRU", "GiB equiv"} {
+		if !strings.Contains(s, want) {
+			t.Errorf("output lacks %q:\n%s", want, s)
+		}
+	}
+}

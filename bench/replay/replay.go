@@ -1,0 +1,526 @@
+// Package replay is `ringside bench replay`: real traces (the Mooncake
+// conversation trace's JSON Lines format) replayed through a live sidecar
+// process from simulated engine instances, over the real rings, with the
+// page bytes really copied; one sidecar per pool capacity of a sweep, each
+// compared with an exact offline LRU simulation of the same trace and
+// capacity (Oracle), plus a Unix-socket baseline of the same replay and a
+// walk-the-cache baseline of the per-step metadata against the change
+// log. Reports: a table, JSON Lines, CSV, HDR latency percentiles and PNG
+// plots.
+package replay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ringside-kv/ringside/bench/internal/uds"
+	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/internal/shm"
+	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/schema"
+)
+
+// Defaults.
+const (
+	DefaultPageTokens      = 16
+	DefaultKVBytesPerToken = 128 << 10 // Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+	DefaultPageBytes       = 4 << 10   // what a page really copies by default on a small machine
+	DefaultEngines         = 2
+	model                  = "replay-model"
+)
+
+// DefaultCapacityGiB are the pool sizes of a default sweep, in GiB of
+// model KV (at KVBytesPerToken x PageTokens per page).
+var DefaultCapacityGiB = []int{1, 4, 16, 64}
+
+// Config configures a run. Zero fields take defaults.
+type Config struct {
+	Traces          []string
+	PageTokens      int     // tokens per engine page (default 16)
+	BlockTokens     int     // tokens per trace block (default 512)
+	CapacityPages   []int   // pool capacities, in pages (default: DefaultCapacityGiB of model KV)
+	Engines         int     // simulated engine instances (default 2)
+	Sequential      bool    // one request at a time, in trace order: deterministic hit rates
+	Pace            float64 // 0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)
+	PrefillTPS      float64 // modelled prefill, tokens per second (0: none)
+	PageBytes       int     // bytes a page really copies (and pool slot bytes); 0: auto
+	KVBytesPerToken int     // model KV bytes per token, for the GiB equivalents (default 128 KiB)
+	Limit           int     // replay the first Limit requests (0: all)
+	NoUDS           bool    // skip the Unix-socket baseline
+	UDSCapacity     int     // capacity of the socket run (default: the smallest of the sweep)
+	NoWalk          bool    // skip the walk baseline
+	Dir             string  // base directory of the sidecars (default /dev/shm/ringside-replay-<pid>)
+	OutDir          string  // report directory (default ./ringside-replay); "-" writes no files
+	Exe             string  // ringside executable for the sidecar and the relays (default os.Executable())
+	ExeArgs         []string
+	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
+	JSON            bool
+	Quiet           bool
+	Progress        bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
+	Out, Log        io.Writer
+}
+
+func (c *Config) modelPageBytes() int64 { return int64(c.KVBytesPerToken) * int64(c.PageTokens) }
+
+func (c *Config) defaults() error {
+	if c.Exe == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		c.Exe = exe
+	}
+	if c.PageTokens <= 0 {
+		c.PageTokens = DefaultPageTokens
+	}
+	if c.BlockTokens <= 0 {
+		c.BlockTokens = 512
+	}
+	if c.KVBytesPerToken <= 0 {
+		c.KVBytesPerToken = DefaultKVBytesPerToken
+	}
+	if c.PageBytes == 0 {
+		c.PageBytes = int(min(int64(DefaultPageBytes), c.modelPageBytes()))
+		c.PageBytes = max(c.PageBytes, 4096)
+	}
+	if c.PageBytes < 4096 || c.PageBytes%64 != 0 {
+		return fmt.Errorf("--page-bytes %d: want a multiple of 64, at least 4096 (the sidecar's smallest slot)", c.PageBytes)
+	}
+	if len(c.CapacityPages) == 0 {
+		for _, g := range DefaultCapacityGiB {
+			c.CapacityPages = append(c.CapacityPages, int(max(16, (int64(g)<<30)/c.modelPageBytes())))
+		}
+	}
+	for _, p := range c.CapacityPages {
+		if p < 16 {
+			return fmt.Errorf("--capacity-pages %d: the sidecar needs at least 16 slots", p)
+		}
+	}
+	c.CapacityPages = slices.Compact(slices.Sorted(slices.Values(c.CapacityPages)))
+	if c.UDSCapacity == 0 {
+		c.UDSCapacity = c.CapacityPages[0] // the quickest run of the sweep
+	}
+	if c.Engines <= 0 {
+		c.Engines = DefaultEngines
+	}
+	if c.Engines > 64 {
+		return fmt.Errorf("--engines %d: at most 64", c.Engines)
+	}
+	if c.Pace < 0 || c.PrefillTPS < 0 {
+		return errors.New("--pace and --prefill-tps must not be negative")
+	}
+	if c.Timeout <= 0 {
+		c.Timeout = time.Minute
+	}
+	if c.Dir == "" {
+		base := "/dev/shm"
+		if fi, err := os.Stat(base); err != nil || !fi.IsDir() {
+			base = os.TempDir()
+		}
+		c.Dir = filepath.Join(base, fmt.Sprintf("ringside-replay-%d", os.Getpid()))
+	}
+	if c.OutDir == "" {
+		c.OutDir = "ringside-replay"
+	}
+	if c.Out == nil {
+		c.Out = io.Discard
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+	return nil
+}
+
+// Report is everything a run measured.
+type Report struct {
+	Config   Config
+	Workload *Workload
+	Runs     []*RunResult
+	Unbound  float64 // hit ratio of a cache that never evicts
+	// OracleCurve is the offline LRU at the sweep's capacities and at
+	// doublings of the largest up to the trace's distinct pages (cheap:
+	// no sidecar), for the hit-rate plot.
+	OracleCurve []OracleResult
+	Rows        []any // the JSON Lines rows, in order
+	Verdicts    []string
+	Files       []string // written under OutDir
+}
+
+// RunResult is one sidecar process: one capacity, one transport.
+type RunResult struct {
+	CapacityPages int
+	Transport     string // "ring" or "uds"
+	Counts        runCounts
+	Oracle        OracleResult
+	Hists         hists
+	Steps         []stepSample
+	Wall          time.Duration // the replay, from the first request to the last
+	Sidecar       usage
+	ViewBlocks    int // engine 0's view of the cache after the run
+	Resyncs       int
+}
+
+// CopyBytes are the bytes the sidecar copied (loads and stores).
+func (r *RunResult) CopyBytes(pageBytes int) int64 {
+	return (r.Counts.LoadedPages + r.Counts.StoredPages) * int64(pageBytes)
+}
+
+// Run replays the traces and prints the report.
+func Run(ctx context.Context, cfg Config) (*Report, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	logf := func(format string, a ...any) {
+		if !cfg.Quiet {
+			fmt.Fprintf(cfg.Log, "replay: "+format+"\n", a...)
+		}
+	}
+	t0 := time.Now()
+	w, err := Load(cfg.Traces, LoadOptions{PageTokens: cfg.PageTokens, BlockTokens: cfg.BlockTokens, Limit: cfg.Limit})
+	if err != nil {
+		return nil, err
+	}
+	logf("%d requests, %d pages of %d tokens (%d distinct), largest request %d pages; loaded in %v",
+		len(w.Requests), w.TotalPages, w.PageTokens, w.DistinctPages, w.MaxPages, time.Since(t0).Round(time.Millisecond))
+	rep := &Report{Config: cfg, Workload: w, Unbound: w.UnboundedHitRatio()}
+
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, err
+	}
+	created := true
+	defer func() {
+		if created {
+			os.RemoveAll(cfg.Dir)
+		}
+	}()
+	if err := cfg.checkSpace(w); err != nil {
+		return nil, err
+	}
+	type plan struct {
+		capacity  int
+		transport string
+	}
+	var plans []plan
+	for _, c := range cfg.CapacityPages {
+		plans = append(plans, plan{c, "ring"})
+	}
+	if !cfg.NoUDS {
+		plans = append(plans, plan{cfg.UDSCapacity, "uds"})
+	}
+	oracles := map[int]OracleResult{}
+	for _, p := range plans {
+		if _, ok := oracles[p.capacity]; !ok {
+			oracles[p.capacity] = Oracle(w, p.capacity)
+		}
+	}
+	curve := slices.Clone(cfg.CapacityPages)
+	for c := slices.Max(curve) * 2; c < 2*w.DistinctPages; c *= 2 {
+		curve = append(curve, c)
+	}
+	for _, c := range curve {
+		o, ok := oracles[c]
+		if !ok {
+			o = Oracle(w, c)
+		}
+		rep.OracleCurve = append(rep.OracleCurve, o)
+	}
+	prog := newProgress(cfg.Progress && !cfg.Quiet, cfg.Log, int64(len(plans)*len(w.Requests)))
+	defer prog.finish()
+	if prog.bar != nil {
+		logf = func(string, ...any) {} // the bar tells the runs
+	}
+	for k, p := range plans {
+		logf("run %d/%d: %d pages (%s), %s, %d engines", k+1, len(plans), p.capacity, cfg.gibLabel(p.capacity), p.transport, cfg.Engines)
+		prog.describe(fmt.Sprintf("%s %s", cfg.gibLabel(p.capacity), p.transport))
+		r, err := cfg.runOne(ctx, w, p.capacity, p.transport, k, prog)
+		if err != nil {
+			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
+		}
+		r.Oracle = oracles[p.capacity]
+		rep.Runs = append(rep.Runs, r)
+		logf("  hit ratio %.4f (oracle %.4f), %v, sidecar CPU %v", ratio(r.Counts.HitPages, r.Counts.TotalPages), r.Oracle.HitRatio(), r.Wall.Round(time.Millisecond), r.Sidecar.CPU.Round(time.Millisecond))
+	}
+	prog.finish()
+	rep.build()
+	if err := rep.print(); err != nil {
+		return rep, err
+	}
+	if cfg.OutDir != "-" {
+		if err := rep.writeFiles(); err != nil {
+			return rep, err
+		}
+		if !cfg.JSON && !cfg.Quiet {
+			fmt.Fprintf(cfg.Out, "\nreport: %s (%s)\n", cfg.OutDir, strings.Join(rep.Files, ", "))
+		}
+	}
+	return rep, nil
+}
+
+func (c *Config) gibLabel(pages int) string {
+	g := float64(int64(pages)*c.modelPageBytes()) / (1 << 30)
+	switch {
+	case g >= 1024 && g/1024 == float64(int64(g/1024)):
+		return fmt.Sprintf("%d TiB", int64(g/1024))
+	case g >= 1 && g == float64(int64(g)):
+		return fmt.Sprintf("%d GiB", int64(g))
+	case g >= 1:
+		return fmt.Sprintf("%.1f GiB", g)
+	}
+	return fmt.Sprintf("%.0f MiB", g*1024)
+}
+
+// checkSpace checks that the largest pool and the engines' memory fit the
+// shared-memory mount.
+func (c *Config) checkSpace(w *Workload) error {
+	free, err := sys.FreeBytes(c.Dir)
+	if err != nil {
+		return nil // not fatal: the sidecar checks again
+	}
+	largest := slices.Max(c.CapacityPages)
+	need := uint64(largest)*uint64(c.PageBytes) + uint64(c.Engines)*uint64(max(w.MaxPages, 1))*uint64(c.PageBytes) + uint64(4*c.Engines+4)<<20
+	if need > free {
+		return fmt.Errorf("%s has %d MiB free; the largest pool (%d pages of %d bytes) and %d engines' memory (%d pages each) need %d MiB: lower --page-bytes or the largest --capacity-pages",
+			c.Dir, free>>20, largest, c.PageBytes, c.Engines, w.MaxPages, need>>20)
+	}
+	return nil
+}
+
+func (c *Config) layout() string {
+	return fmt.Sprintf("replay/%dtok/%dB", c.PageTokens, c.PageBytes)
+}
+
+// runOne starts a sidecar with capacity slots, replays the workload
+// through it and stops it.
+func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transport string, k int, prog *progress) (res *RunResult, err error) {
+	dir := filepath.Join(c.Dir, fmt.Sprintf("run%d", k))
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, "ringside.sock")
+	budget := max(int64(64<<20), int64(w.MaxPages)*int64(c.PageBytes))
+	args := append(slices.Clone(c.ExeArgs), "serve",
+		"--dir", dir, "--socket", sock, "--metrics.addr", "",
+		"--pool.slot-bytes", strconv.Itoa(c.PageBytes), "--pool.bytes", strconv.FormatInt(int64(capacity)*int64(c.PageBytes), 10),
+		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn")
+	sc, err := start("sidecar", c.Exe, args, false, c.Timeout)
+	if err != nil {
+		return nil, err
+	}
+	res = &RunResult{CapacityPages: capacity, Transport: transport, Hists: newHists()}
+	var engines []*engine
+	var relays []*proc
+	defer func() {
+		for _, e := range engines {
+			if e.rpc.c != nil {
+				e.rpc.c.Close()
+			}
+			if e.mem != nil {
+				e.mem.Close()
+				shm.Unlink(e.mem.Path())
+			}
+		}
+		for _, r := range relays {
+			if rerr := r.wait(c.Timeout); rerr != nil && err == nil {
+				err = rerr
+			}
+		}
+		peak := sc.peakRSS()
+		if serr := sc.stop(c.Timeout); serr != nil && err == nil {
+			err = fmt.Errorf("sidecar did not stop cleanly: %w", serr)
+		}
+		res.Sidecar = sc.usage(peak)
+	}()
+	if err := waitAttachable(ctx, sc, sock, c.Timeout); err != nil {
+		return res, err
+	}
+	for i := 0; i < c.Engines; i++ {
+		e, relay, err := c.newEngine(w, i, dir, sock, transport)
+		if relay != nil {
+			relays = append(relays, relay)
+		}
+		if e != nil {
+			engines = append(engines, e)
+		}
+		if err != nil {
+			return res, fmt.Errorf("engine %d: %w", i, err)
+		}
+	}
+	start := time.Now()
+	if c.Sequential {
+		err = c.replaySequential(ctx, w, engines, start, prog)
+	} else {
+		err = c.replayConcurrent(ctx, w, engines, start, prog)
+	}
+	res.Wall = time.Since(start)
+	if err != nil {
+		return res, err
+	}
+	for _, e := range engines {
+		if _, err := e.syncDelta(); err != nil {
+			return res, fmt.Errorf("engine %d: final changes: %w", e.id, err)
+		}
+		res.Counts.add(e.st)
+		res.Hists.merge(e.h)
+		res.Steps = append(res.Steps, e.steps...)
+		res.Resyncs += e.resyncs
+	}
+	slices.SortStableFunc(res.Steps, func(a, b stepSample) int { return a.Request - b.Request })
+	res.ViewBlocks = len(engines[0].view.keys)
+	return res, nil
+}
+
+func waitAttachable(ctx context.Context, sc *proc, sock string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		c, err := connector.Dial(connector.Options{Socket: sock, Instance: "replay-probe", Model: model, Layout: "probe", Timeout: timeout})
+		if err == nil {
+			return c.Close()
+		}
+		if perr, done := sc.exited(); done {
+			return fmt.Errorf("sidecar exited (%v): %s", perr, sc.stderr())
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("sidecar not attachable in %v: %v: %s", timeout, err, sc.stderr())
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// newEngine attaches engine i over transport, with its memory in a
+// shared-memory file registered as region 1 of its session.
+func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*engine, *proc, error) {
+	pages := max(w.MaxPages, 1)
+	e := &engine{id: i, w: w, pageBytes: c.PageBytes, walk: !c.NoWalk, prefill: c.PrefillTPS, h: newHists()}
+	e.view.reset()
+	path := filepath.Join(dir, fmt.Sprintf("engine%d.kv", i))
+	m, err := shm.Create(path, pages*c.PageBytes, 0o600)
+	if err != nil {
+		return nil, nil, err
+	}
+	e.mem = m
+	e.region = m.Bytes()[:pages*c.PageBytes]
+	instance := fmt.Sprintf("replay-engine-%d", i)
+	switch transport {
+	case "ring":
+		cl, err := connector.Dial(connector.Options{Socket: sock, Instance: instance, Model: model, Layout: c.layout(), Timeout: c.Timeout})
+		if err != nil {
+			return e, nil, err
+		}
+		e.rpc.c = ringCaller{cl}
+		err = e.rpc.registerRegion(schema.RegisterRegion{
+			Region: regionID, Kind: schema.RegionHostProcess, PID: uint64(os.Getpid()),
+			Base: shm.Addr(e.region), Length: uint64(len(e.region)),
+			PageSize: uint64(c.PageBytes), PageCount: uint32(pages),
+		})
+		if err != nil {
+			return e, nil, fmt.Errorf("register region: %w", err)
+		}
+		return e, nil, nil
+	case "uds":
+		listen := filepath.Join(dir, fmt.Sprintf("uds%d.sock", i))
+		region := uds.RegionFile{ID: regionID, Path: path, PageBytes: c.PageBytes, Pages: pages}
+		args := append(slices.Clone(c.ExeArgs), "bench", "replay-relay",
+			"--sidecar", sock, "--listen", listen, "--instance", instance, "--model", model, "--layout", c.layout(),
+			"--timeout", c.Timeout.String(), "--region", region.String())
+		rl, err := start(fmt.Sprintf("relay %d", i), c.Exe, args, true, c.Timeout)
+		if err != nil {
+			return e, nil, err
+		}
+		u, err := uds.Dial(listen, c.Timeout)
+		if err != nil {
+			rl.kill()
+			return e, rl, fmt.Errorf("dial relay: %w", err)
+		}
+		e.rpc.c = udsCaller{u}
+		return e, rl, nil
+	}
+	return e, nil, fmt.Errorf("unknown transport %q", transport)
+}
+
+// pace waits until request idx is due.
+func (c *Config) pace(ctx context.Context, w *Workload, idx int, start time.Time) error {
+	if c.Pace <= 0 {
+		return ctx.Err()
+	}
+	due := start.Add(time.Duration(float64(w.Requests[idx].ArrivalMs) / c.Pace * float64(time.Millisecond)))
+	if d := time.Until(due); d > 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	return ctx.Err()
+}
+
+// replaySequential runs one request at a time in trace order, request i
+// on engine i mod Engines: the sidecar sees exactly the oracle's sequence.
+func (c *Config) replaySequential(ctx context.Context, w *Workload, engines []*engine, start time.Time, prog *progress) error {
+	for i := range w.Requests {
+		if err := c.pace(ctx, w, i, start); err != nil {
+			return err
+		}
+		e := engines[i%len(engines)]
+		if err := e.step(i, start); err != nil {
+			return fmt.Errorf("engine %d, request %d: %w", e.id, i, err)
+		}
+		prog.add(1)
+	}
+	return nil
+}
+
+// replayConcurrent runs the engines side by side: each takes the next
+// request of the trace when it is free (and, when paced, waits for it to
+// arrive), so the trace's order is kept but calls of different engines
+// interleave at the sidecar.
+func (c *Config) replayConcurrent(ctx context.Context, w *Workload, engines []*engine, start time.Time, prog *progress) error {
+	var next atomic.Int64
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	errs := make([]error, len(engines))
+	for k, e := range engines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !stop.Load() {
+				i := int(next.Add(1) - 1)
+				if i >= len(w.Requests) {
+					return
+				}
+				if err := c.pace(ctx, w, i, start); err != nil {
+					errs[k] = err
+					stop.Store(true)
+					return
+				}
+				if err := e.step(i, start); err != nil {
+					errs[k] = fmt.Errorf("engine %d, request %d: %w", e.id, i, err)
+					stop.Store(true)
+					return
+				}
+				prog.add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}

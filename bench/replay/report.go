@@ -1,0 +1,568 @@
+package replay
+
+import (
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+)
+
+// CapacityRow is one run's hit rates beside the oracle's (bench "replay").
+type CapacityRow struct {
+	Bench              string  `json:"bench"` // "replay"
+	CapacityPages      int     `json:"capacity_pages"`
+	CapacityGiBEquiv   float64 `json:"capacity_gib_equiv"` // pool size at the model's page bytes
+	Transport          string  `json:"transport"`          // "ring" or "uds"
+	PageTokens         int     `json:"page_tokens"`
+	PagesPerBlock      int     `json:"pages_per_block"`
+	PageBytes          int     `json:"page_bytes"`       // bytes each page really copies
+	ModelPageBytes     int64   `json:"model_page_bytes"` // KV bytes of a page of the model
+	Engines            int     `json:"engines"`
+	Sequential         bool    `json:"sequential"`
+	Pace               float64 `json:"pace"` // 0: as fast as possible
+	Requests           int64   `json:"requests"`
+	Pages              int64   `json:"pages"`
+	HitPages           int64   `json:"hit_pages"`
+	HitRatio           float64 `json:"hit_ratio"`
+	OracleHitPages     int64   `json:"oracle_hit_pages"`
+	OracleHitRatio     float64 `json:"oracle_hit_ratio"`
+	OracleMatch        bool    `json:"oracle_match"` // hit pages equal (expected with --sequential)
+	StoredPages        int64   `json:"stored_pages"`
+	OracleStoredPages  int64   `json:"oracle_stored_pages"`
+	SkippedPages       int64   `json:"skipped_pages"` // NoSpace
+	OracleSkippedPages int64   `json:"oracle_skipped_pages"`
+	OracleEvictions    int64   `json:"oracle_evictions"`
+	LoadedPages        int64   `json:"loaded_pages"`
+	ViewBlocks         int     `json:"view_blocks"`           // engine 0's view of the cache at the end (change log)
+	OracleResident     int     `json:"oracle_resident_pages"` // pages the oracle holds at the end
+	Resyncs            int     `json:"resyncs"`
+	WallSec            float64 `json:"wall_s"`
+	RequestsPerSec     float64 `json:"requests_per_sec"`
+}
+
+// OpRow is one operation's latency in one run (bench "replay_op").
+type OpRow struct {
+	Bench         string  `json:"bench"` // "replay_op"
+	CapacityPages int     `json:"capacity_pages"`
+	Transport     string  `json:"transport"`
+	Op            string  `json:"op"`               // lookup, acquire, load, store, release, hashes, step, request
+	Method        string  `json:"method,omitempty"` // step only: "delta" or "walk"
+	Count         int64   `json:"count"`
+	P50Ns         int64   `json:"p50_ns"`
+	P90Ns         int64   `json:"p90_ns"`
+	P99Ns         int64   `json:"p99_ns"`
+	P999Ns        int64   `json:"p999_ns"`
+	MaxNs         int64   `json:"max_ns"`
+	MeanNs        float64 `json:"mean_ns"`
+}
+
+// SidecarRow is the sidecar process of one run (bench "replay_sidecar").
+type SidecarRow struct {
+	Bench                string  `json:"bench"` // "replay_sidecar"
+	CapacityPages        int     `json:"capacity_pages"`
+	Transport            string  `json:"transport"`
+	CPUSeconds           float64 `json:"cpu_s"`
+	LifetimeSec          float64 `json:"lifetime_s"`
+	CPUFraction          float64 `json:"cpu_fraction"`            // CPU time / lifetime: cores used during this run
+	TraceSec             float64 `json:"trace_s"`                 // the replayed requests' span in the trace
+	CPUFractionTracePace float64 `json:"cpu_fraction_trace_pace"` // CPU time / trace span: cores at the trace's real pace
+	PeakRSSBytes         int64   `json:"peak_rss_bytes"`          // pool pages touched included (shared memory)
+	CopyBytes            int64   `json:"copy_bytes"`
+	CopyBytesPerSec      float64 `json:"copy_bytes_per_sec"`
+}
+
+func opRow(capacity int, transport, key string, s Summary) OpRow {
+	r := OpRow{Bench: "replay_op", CapacityPages: capacity, Transport: transport, Op: key,
+		Count: s.Count, P50Ns: s.P50, P90Ns: s.P90, P99Ns: s.P99, P999Ns: s.P999, MaxNs: s.Max, MeanNs: s.Mean}
+	switch key {
+	case stepOp:
+		r.Op, r.Method = "step", "delta"
+	case walkOp:
+		r.Op, r.Method = "step", "walk"
+	}
+	return r
+}
+
+// opKeys are the histogram keys in report order.
+func opKeys() []string {
+	var out []string
+	for _, o := range opNames {
+		if o == "step" {
+			out = append(out, stepOp, walkOp)
+			continue
+		}
+		out = append(out, o)
+	}
+	return out
+}
+
+func (rep *Report) build() {
+	c := &rep.Config
+	w := rep.Workload
+	mp := c.modelPageBytes()
+	for _, r := range rep.Runs {
+		cr := CapacityRow{
+			Bench: "replay", CapacityPages: r.CapacityPages, CapacityGiBEquiv: float64(int64(r.CapacityPages)*mp) / (1 << 30),
+			Transport: r.Transport, PageTokens: w.PageTokens, PagesPerBlock: w.PagesPerBlock, PageBytes: c.PageBytes, ModelPageBytes: mp,
+			Engines: c.Engines, Sequential: c.Sequential, Pace: c.Pace,
+			Requests: r.Counts.Requests, Pages: r.Counts.TotalPages,
+			HitPages: r.Counts.HitPages, HitRatio: ratio(r.Counts.HitPages, r.Counts.TotalPages),
+			OracleHitPages: r.Oracle.HitPages, OracleHitRatio: r.Oracle.HitRatio(),
+			OracleMatch: r.Counts.HitPages == r.Oracle.HitPages && r.Counts.TotalPages == r.Oracle.TotalPages,
+			StoredPages: r.Counts.StoredPages, OracleStoredPages: r.Oracle.StoredPages,
+			SkippedPages: r.Counts.SkippedPages, OracleSkippedPages: r.Oracle.SkippedPages,
+			OracleEvictions: r.Oracle.Evictions, LoadedPages: r.Counts.LoadedPages,
+			ViewBlocks: r.ViewBlocks, OracleResident: r.Oracle.Resident, Resyncs: r.Resyncs,
+			WallSec: r.Wall.Seconds(), RequestsPerSec: float64(r.Counts.Requests) / max(r.Wall.Seconds(), 1e-9),
+		}
+		rep.Rows = append(rep.Rows, cr)
+	}
+	for _, r := range rep.Runs {
+		for _, k := range opKeys() {
+			if x, ok := r.Hists[k]; ok {
+				rep.Rows = append(rep.Rows, opRow(r.CapacityPages, r.Transport, k, summarize(x)))
+			}
+		}
+	}
+	for _, r := range rep.Runs {
+		trace := float64(w.SpanMs) / 1000
+		sr := SidecarRow{
+			Bench: "replay_sidecar", CapacityPages: r.CapacityPages, Transport: r.Transport,
+			CPUSeconds: r.Sidecar.CPU.Seconds(), LifetimeSec: r.Sidecar.Elapsed.Seconds(),
+			CPUFraction: r.Sidecar.CPU.Seconds() / max(r.Sidecar.Elapsed.Seconds(), 1e-9),
+			TraceSec:    trace, PeakRSSBytes: r.Sidecar.MaxRSS,
+			CopyBytes: r.CopyBytes(c.PageBytes), CopyBytesPerSec: float64(r.CopyBytes(c.PageBytes)) / max(r.Wall.Seconds(), 1e-9),
+		}
+		if trace > 0 {
+			sr.CPUFractionTracePace = r.Sidecar.CPU.Seconds() / trace
+		}
+		rep.Rows = append(rep.Rows, sr)
+	}
+	rep.Verdicts = rep.verdicts()
+}
+
+// merged returns the histograms of every run of a transport, merged.
+func (rep *Report) merged(transport string) hists {
+	m := newHists()
+	for _, r := range rep.Runs {
+		if r.Transport == transport {
+			m.merge(r.Hists)
+		}
+	}
+	return m
+}
+
+func (rep *Report) runsOf(transport string) []*RunResult {
+	var out []*RunResult
+	for _, r := range rep.Runs {
+		if r.Transport == transport {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+func met(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "MISSED"
+}
+
+func us(ns int64) string {
+	switch {
+	case ns >= 10e6:
+		return fmt.Sprintf("%.0f ms", float64(ns)/1e6)
+	case ns >= 1e6:
+		return fmt.Sprintf("%.2f ms", float64(ns)/1e6)
+	case ns >= 100e3:
+		return fmt.Sprintf("%.0f us", float64(ns)/1e3)
+	}
+	return fmt.Sprintf("%.1f us", float64(ns)/1e3)
+}
+
+func bytesStr(b float64) string {
+	switch {
+	case b >= 1<<30:
+		return fmt.Sprintf("%.2f GiB", b/(1<<30))
+	case b >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", b/(1<<20))
+	case b >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", b/(1<<10))
+	}
+	return fmt.Sprintf("%.0f B", b)
+}
+
+// Verdicts reads the report against the targets of docs/benchmarks.md; it
+// reports, never fails.
+func (rep *Report) verdicts() []string {
+	c := &rep.Config
+	var out []string
+	ring := rep.merged("ring")
+	mode := fmt.Sprintf("%d engines, %s", c.Engines, map[bool]string{true: "sequential", false: "concurrent"}[c.Sequential])
+	if s := summarize(ring["lookup"]); s.Count > 0 {
+		out = append(out, fmt.Sprintf("target lookup p99 < 20 us (ring, %s, all capacities): %s (%s; p50 %s)", mode, met(s.P99 < 20e3), us(s.P99), us(s.P50)))
+	}
+	if s := summarize(ring["acquire"]); s.Count > 0 {
+		out = append(out, fmt.Sprintf("target acquire-and-poll p99 < 50 us (ring, %s, all capacities): %s (%s; p50 %s)", mode, met(s.P99 < 50e3), us(s.P99), us(s.P50)))
+	}
+	if c.Engines != 2 {
+		out = append(out, fmt.Sprintf("note: the latency targets are stated for 2 engine instances; this run had %d", c.Engines))
+	}
+	runs := rep.runsOf("ring")
+	if len(runs) >= 2 {
+		// The delta's cost follows the churn (changes per step), which
+		// differs between capacities (a small pool refuses stores), so
+		// flatness is read per change: cost that does not grow with the
+		// cache. The walk is read per step.
+		var per []string
+		lo, hi := math.Inf(1), 0.0
+		for _, r := range runs {
+			pc := r.deltaPerChange()
+			if pc <= 0 {
+				continue
+			}
+			lo, hi = math.Min(lo, pc), math.Max(hi, pc)
+			per = append(per, fmt.Sprintf("%d: %s p50, %.0f ns/change", r.CapacityPages, us(summarize(r.Hists[stepOp]).P50), pc))
+		}
+		if hi > 0 {
+			out = append(out, fmt.Sprintf("target per-step delta cost flat as the cache grows (ns per change, max <= 1.5x min over capacities): %s (%.2fx; %s)",
+				met(hi/lo <= 1.5), hi/lo, strings.Join(per, "; ")))
+		}
+		first, last := runs[0], runs[len(runs)-1]
+		wl, wh := summarize(first.Hists[walkOp]), summarize(last.Hists[walkOp])
+		dh := summarize(last.Hists[stepOp])
+		if wl.P50 > 0 && dh.P50 > 0 {
+			out = append(out, fmt.Sprintf("target walk baseline grows with the cache: %s (p50 %s at %d pages, %s at %d pages, %.1fx); walk/delta p50 at %d pages: %.2fx",
+				met(wh.P50 > 2*wl.P50), us(wl.P50), first.CapacityPages, us(wh.P50), last.CapacityPages, float64(wh.P50)/float64(wl.P50), last.CapacityPages, float64(wh.P50)/float64(dh.P50)))
+		}
+	}
+	worst := 0.0
+	var worstRun *RunResult
+	for _, r := range rep.Runs {
+		if t := float64(rep.Workload.SpanMs) / 1000; t > 0 {
+			if f := r.Sidecar.CPU.Seconds() / t; f >= worst {
+				worst, worstRun = f, r
+			}
+		}
+	}
+	if worstRun != nil {
+		how := "CPU time of the whole replay over the trace's real span"
+		if c.Pace == 1 {
+			how = "measured at the trace's real pace"
+		}
+		out = append(out, fmt.Sprintf("target sidecar CPU < 25%% of one core at the trace's real pace: %s (%.1f%% at %d pages, %s; %s: %.1f s CPU over %.0f s of trace)",
+			met(worst < 0.25), worst*100, worstRun.CapacityPages, worstRun.Transport, how, worstRun.Sidecar.CPU.Seconds(), float64(rep.Workload.SpanMs)/1000))
+	}
+	all, maxDiff := true, 0.0
+	for _, r := range rep.Runs {
+		if r.Counts.HitPages != r.Oracle.HitPages || r.Counts.TotalPages != r.Oracle.TotalPages {
+			all = false
+		}
+		maxDiff = max(maxDiff, abs(ratio(r.Counts.HitPages, r.Counts.TotalPages)-r.Oracle.HitRatio()))
+	}
+	if len(rep.Runs) > 0 {
+		if c.Sequential {
+			out = append(out, fmt.Sprintf("target hit rate equal to the offline LRU at every capacity (sequential, exact page counts): %s", met(all)))
+		} else {
+			out = append(out, fmt.Sprintf("target hit rate equal to the offline LRU at every capacity: not checkable exactly with concurrent engines (their calls interleave); largest difference %.3f points%s; --sequential checks it exactly",
+				maxDiff*100, map[bool]string{true: " (equal anyway)", false: ""}[all]))
+		}
+	}
+	if u := rep.runsOf("uds"); len(u) > 0 {
+		uh := u[0].Hists
+		for _, r := range runs {
+			if r.CapacityPages != u[0].CapacityPages {
+				continue
+			}
+			var parts []string
+			for _, op := range []string{"lookup", "acquire", "store", "request"} {
+				a, b := summarize(r.Hists[op]), summarize(uh[op])
+				if a.P50 > 0 && b.P50 > 0 {
+					parts = append(parts, fmt.Sprintf("%s %s vs %s (%.1fx)", op, us(b.P50), us(a.P50), float64(b.P50)/float64(a.P50)))
+				}
+			}
+			out = append(out, fmt.Sprintf("socket baseline at %d pages, p50 uds vs ring: %s (the uds path also carries one ring round trip through the relay)", r.CapacityPages, strings.Join(parts, ", ")))
+		}
+	}
+	for _, r := range rep.Runs {
+		if c.Sequential && r.Resyncs == 0 && r.ViewBlocks != r.Oracle.Resident {
+			out = append(out, fmt.Sprintf("check: at %d pages (%s) the change log's view holds %d blocks, the oracle %d", r.CapacityPages, r.Transport, r.ViewBlocks, r.Oracle.Resident))
+		}
+		if r.Resyncs > 0 {
+			out = append(out, fmt.Sprintf("note: at %d pages (%s) engines resynchronised %d times (the change log overran a cursor)", r.CapacityPages, r.Transport, r.Resyncs))
+		}
+	}
+	return out
+}
+
+// deltaPerChange is the delta method's cost per change-log entry read, in
+// ns (steps that read nothing are left out).
+func (r *RunResult) deltaPerChange() float64 {
+	var ns, n int64
+	for _, s := range r.Steps {
+		if s.Changes > 0 {
+			ns += s.DeltaNs
+			n += int64(s.Changes)
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return float64(ns) / float64(n)
+}
+
+func abs(x float64) float64 {
+	if x < 0 {
+		return -x
+	}
+	return x
+}
+
+func (rep *Report) print() error {
+	c := &rep.Config
+	out := c.Out
+	if c.JSON {
+		enc := json.NewEncoder(out)
+		for _, r := range rep.Rows {
+			if err := enc.Encode(r); err != nil {
+				return err
+			}
+		}
+		if !c.Quiet {
+			for _, v := range rep.Verdicts {
+				fmt.Fprintln(c.Log, v)
+			}
+		}
+		return nil
+	}
+	w := rep.Workload
+	fmt.Fprintf(out, "ringside bench replay: %s\n", strings.Join(w.Files, ", "))
+	fmt.Fprintf(out, "%d requests over %.0f s of trace; %d pages of %d tokens (%d per %d-token block), %d distinct; a cache that never evicts hits %.2f%%\n",
+		len(w.Requests), float64(w.SpanMs)/1000, w.TotalPages, w.PageTokens, w.PagesPerBlock, w.BlockTokens, w.DistinctPages, rep.Unbound*100)
+	fmt.Fprintf(out, "page bytes %s copied per page; a model page (%s per token x %d tokens) is %s, so GiB equivalents are at %s per page%s\n",
+		bytesStr(float64(c.PageBytes)), bytesStr(float64(c.KVBytesPerToken)), c.PageTokens, bytesStr(float64(c.modelPageBytes())), bytesStr(float64(c.modelPageBytes())),
+		scaleNote(c))
+	pace := "as fast as possible"
+	if c.Pace > 0 {
+		pace = fmt.Sprintf("at the trace's timestamps / %g", c.Pace)
+	}
+	fmt.Fprintf(out, "%d engine instances, %s, %s; one sidecar process per run; %d CPUs, load average %s after the runs\n\n",
+		c.Engines, map[bool]string{true: "sequential (one request at a time, trace order)", false: "concurrent"}[c.Sequential], pace, runtime.NumCPU(), loadavg())
+
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "capacity\tGiB equiv\ttransport\thit ratio\toracle\tequal\tstored\toracle stored\tno space\tloaded\treq/s\tsidecar CPU\tpeak RSS\tcopied/s\t")
+	for _, r := range rep.Runs {
+		var sr SidecarRow
+		for _, x := range rep.Rows {
+			if s, ok := x.(SidecarRow); ok && s.CapacityPages == r.CapacityPages && s.Transport == r.Transport {
+				sr = s
+			}
+		}
+		eq := "yes"
+		if r.Counts.HitPages != r.Oracle.HitPages {
+			eq = fmt.Sprintf("%+d", r.Counts.HitPages-r.Oracle.HitPages)
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%.4f\t%.4f\t%s\t%d\t%d\t%d\t%d\t%.0f\t%.1f%%\t%s\t%s/s\t\n",
+			r.CapacityPages, c.gibLabel(r.CapacityPages), r.Transport,
+			ratio(r.Counts.HitPages, r.Counts.TotalPages), r.Oracle.HitRatio(), eq,
+			r.Counts.StoredPages, r.Oracle.StoredPages, r.Counts.SkippedPages, r.Counts.LoadedPages,
+			float64(r.Counts.Requests)/max(r.Wall.Seconds(), 1e-9), sr.CPUFraction*100, bytesStr(float64(sr.PeakRSSBytes)), bytesStr(sr.CopyBytesPerSec))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(out, "sidecar CPU: CPU time / process lifetime (cores busy during the run); peak RSS counts the pool pages it touched")
+	var beyond []string
+	for _, o := range rep.OracleCurve {
+		if o.CapacityPages > slices.Max(c.CapacityPages) {
+			beyond = append(beyond, fmt.Sprintf("%s %.2f%%", c.gibLabel(o.CapacityPages), o.HitRatio()*100))
+		}
+	}
+	if len(beyond) > 0 {
+		fmt.Fprintf(out, "offline LRU beyond the sweep: %s\n", strings.Join(beyond, ", "))
+	}
+
+	fmt.Fprintln(out)
+	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "op\ttransport\tcalls\tp50\tp90\tp99\tp99.9\tmax\t")
+	for _, tr := range []string{"ring", "uds"} {
+		m := rep.merged(tr)
+		for _, k := range opKeys() {
+			s := summarize(m[k])
+			if s.Count == 0 {
+				continue
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t\n", k, tr, s.Count, us(s.P50), us(s.P90), us(s.P99), us(s.P999), us(s.Max))
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(out, "latencies over all runs of a transport (HDR histograms, 3 significant digits); acquire includes polling until ready;")
+	fmt.Fprintln(out, "step = per-step metadata: delta (change log over the transport, applied to the engine's view) or walk (every block of that view)")
+
+	fmt.Fprintln(out)
+	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "capacity\ttransport\tdelta p50\tdelta p99\tchanges/step\twalk p50\twalk p99\tblocks at end\twalk/delta\t")
+	for _, r := range rep.Runs {
+		d, wk := summarize(r.Hists[stepOp]), summarize(r.Hists[walkOp])
+		changes := 0
+		for _, s := range r.Steps {
+			changes += s.Changes
+		}
+		wr := "-"
+		if wk.P50 > 0 && d.P50 > 0 {
+			wr = fmt.Sprintf("%.1fx", float64(wk.P50)/float64(d.P50))
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%.0f\t%s\t%s\t%d\t%s\t\n", r.CapacityPages, r.Transport, us(d.P50), us(d.P99),
+			float64(changes)/float64(max(len(r.Steps), 1)), us(wk.P50), us(wk.P99), r.ViewBlocks, wr)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	for _, v := range rep.Verdicts {
+		fmt.Fprintln(out, v)
+	}
+	return nil
+}
+
+// loadavg is /proc/loadavg's first three fields (the machine's business
+// besides ours), or "?".
+func loadavg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if f := strings.Fields(string(b)); err == nil && len(f) >= 3 {
+		return strings.Join(f[:3], " ")
+	}
+	return "?"
+}
+
+func scaleNote(c *Config) string {
+	if int64(c.PageBytes) == c.modelPageBytes() {
+		return ""
+	}
+	return fmt.Sprintf(" (copies scaled 1/%.0f to fit this machine's /dev/shm and time; --page-bytes %d for real sizes)",
+		float64(c.modelPageBytes())/float64(c.PageBytes), c.modelPageBytes())
+}
+
+// writeFiles writes the JSON Lines, CSV and PNG files into OutDir.
+func (rep *Report) writeFiles() error {
+	dir := rep.Config.OutDir
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	write := func(name string, fn func(io.Writer) error) error {
+		f, err := os.Create(filepath.Join(dir, name))
+		if err != nil {
+			return err
+		}
+		if err := fn(f); err != nil {
+			f.Close()
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		if err := f.Close(); err != nil {
+			return err
+		}
+		rep.Files = append(rep.Files, name)
+		return nil
+	}
+	if err := write("replay.jsonl", func(w io.Writer) error {
+		enc := json.NewEncoder(w)
+		for _, r := range rep.Rows {
+			if err := enc.Encode(r); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	for _, f := range []struct {
+		name  string
+		bench string
+	}{{"capacity.csv", "replay"}, {"ops.csv", "replay_op"}, {"sidecar.csv", "replay_sidecar"}} {
+		if err := write(f.name, func(w io.Writer) error { return rep.writeCSV(w, f.bench) }); err != nil {
+			return err
+		}
+	}
+	if err := write("steps.csv", rep.writeStepsCSV); err != nil {
+		return err
+	}
+	if err := write("verdicts.txt", func(w io.Writer) error {
+		_, err := io.WriteString(w, strings.Join(rep.Verdicts, "\n")+"\n")
+		return err
+	}); err != nil {
+		return err
+	}
+	for _, p := range []struct {
+		name string
+		fn   func(string) error
+	}{{"hit-rate.png", rep.plotHitRate}, {"latency.png", rep.plotLatency}, {"step-cost.png", rep.plotStepCost}} {
+		if err := p.fn(filepath.Join(dir, p.name)); err != nil {
+			return fmt.Errorf("%s: %w", p.name, err)
+		}
+		rep.Files = append(rep.Files, p.name)
+	}
+	return nil
+}
+
+// writeCSV writes the rows of one bench kind, with their JSON field names
+// as the header.
+func (rep *Report) writeCSV(w io.Writer, bench string) error {
+	cw := csv.NewWriter(w)
+	wrote := false
+	for _, r := range rep.Rows {
+		v := reflect.ValueOf(r)
+		if v.Field(0).String() != bench {
+			continue
+		}
+		t := v.Type()
+		if !wrote {
+			var header []string
+			for i := 0; i < t.NumField(); i++ {
+				header = append(header, strings.Split(t.Field(i).Tag.Get("json"), ",")[0])
+			}
+			if err := cw.Write(header); err != nil {
+				return err
+			}
+			wrote = true
+		}
+		rec := make([]string, t.NumField())
+		for i := range rec {
+			switch f := v.Field(i); f.Kind() {
+			case reflect.Float64:
+				rec[i] = strconv.FormatFloat(f.Float(), 'g', -1, 64)
+			default:
+				rec[i] = fmt.Sprint(f.Interface())
+			}
+		}
+		if err := cw.Write(rec); err != nil {
+			return err
+		}
+	}
+	cw.Flush()
+	return cw.Error()
+}
+
+func (rep *Report) writeStepsCSV(w io.Writer) error {
+	cw := csv.NewWriter(w)
+	cw.Write([]string{"capacity_pages", "transport", "request", "at_s", "engine", "delta_ns", "walk_ns", "changes", "view_blocks"})
+	for _, r := range rep.Runs {
+		for _, s := range r.Steps {
+			cw.Write([]string{strconv.Itoa(r.CapacityPages), r.Transport, strconv.Itoa(s.Request), strconv.FormatFloat(s.AtSec, 'f', 4, 64),
+				strconv.Itoa(s.Engine), strconv.FormatInt(s.DeltaNs, 10), strconv.FormatInt(s.WalkNs, 10), strconv.Itoa(s.Changes), strconv.Itoa(s.Blocks)})
+		}
+	}
+	cw.Flush()
+	return cw.Error()
+}
