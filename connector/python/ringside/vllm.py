@@ -128,7 +128,9 @@ def _namespace(vllm_config: "VllmConfig") -> tuple[str, str, int]:
         "device": str(getattr(vllm_config.device_config, "device_type", "")),
     }
     layout = ";".join("%s=%s" % kv for kv in sorted(parts.items()))
-    return model, layout, int(pc.tensor_parallel_size)
+    # Every tensor- and pipeline-parallel worker holds its own shard of a
+    # block: a block is present only when all of them stored theirs.
+    return model, layout, int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
 
 
 def _safe(fn):
@@ -347,6 +349,8 @@ class RingsideConnector(KVConnectorBase_V1):
         start = (r.hit_tokens - num_external_tokens) // self.block_size
         count = num_external_tokens // self.block_size
         want = r.block_ids[start:start + count]
+        # Blocks that come from the sidecar need no storing back.
+        r.stored = max(r.stored, start + count)
         load = {"lease": 0, "state": _s.State.MISS, "block_ids": want, "start": start}
         r.load = load
         s = self._session()
@@ -633,10 +637,20 @@ class RingsideConnector(KVConnectorBase_V1):
 
 
 def _tp_rank() -> int:
+    """This worker's shard index: pp_rank * tp_size + tp_rank."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
-        return int(get_tensor_model_parallel_rank())
+        tp_rank, tp = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+        try:
+            pp_rank = int(get_pp_group().rank_in_group)
+        except Exception:  # noqa: BLE001 - no pipeline group
+            pp_rank = 0
+        return pp_rank * tp + tp_rank
     except Exception:  # noqa: BLE001 - not initialised: a single worker
         return 0
 
