@@ -11,7 +11,7 @@ GOLANGCI_LINT := $(TOOLS)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv
+.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv soak bench-vllm
 
 all: build
 
@@ -57,8 +57,22 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeHeader$$' -fuzztime $(FUZZTIME) ./ring/
 	$(GO) test -run '^$$' -fuzz '^FuzzConsumer$$' -fuzztime $(FUZZTIME) ./ring/
 
+# The reliability soak (not part of make test): engine processes replay the
+# conversation trace with random restarts against a real sidecar; checks
+# RSS, goroutine and fd growth and leaked leases. SOAK=2m for a short one.
+SOAK ?= 10m
+soak:
+	RINGSIDE_SOAK=$(SOAK) $(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./reliability/
+
 bench: build
 	./$(BIN) bench ring
+
+# ringside in a real vLLM engine (docs/benchmarks.md, "vLLM"): connector time
+# per scheduler step, time to first token of a sidecar hit against a
+# recompute, and the connector tax; JSON Lines on stdout, ~10 minutes.
+# Parts or smaller runs: make bench-vllm ARGS="--parts step,ttft" (or --quick, --help).
+bench-vllm: vllm-venv build
+	$(VLLM_VENV)/bin/python bench/vllm/bench_vllm.py --bin $(BIN) $(ARGS)
 
 clean:
 	rm -rf bin

@@ -47,6 +47,9 @@ type Client struct {
 	pending map[uint64][]byte // replies that arrived for other calls
 	buf     []byte
 	closed  bool
+	// unmapped is set once the rings are unmapped (Close, Abandon): a call
+	// after that returns an error instead of faulting.
+	unmapped bool
 }
 
 // Dial attaches to the sidecar.
@@ -83,14 +86,17 @@ func Dial(o Options) (*Client, error) {
 		return nil, err
 	}
 	conn.SetDeadline(time.Now().Add(o.Timeout))
-	if _, err := conn.Write(req.Append(nil)); err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("connector: attach: %w", err)
-	}
+	_, werr := conn.Write(req.Append(nil))
+	// A sidecar that refuses the peer's uid answers before reading the
+	// request and closes: the write may fail, the refusal is still there
+	// to read.
 	b := make([]byte, 8192)
 	n, err := conn.Read(b)
 	if err != nil {
 		conn.Close()
+		if werr != nil {
+			return nil, fmt.Errorf("connector: attach: %w", werr)
+		}
 		return nil, fmt.Errorf("connector: attach reply: %w", err)
 	}
 	conn.SetDeadline(time.Time{})
@@ -124,6 +130,7 @@ func (c *Client) Info() schema.AttachReply { return c.info }
 func (c *Client) MaxPayload() int { return c.sub.MaxPayload() }
 
 func (c *Client) closeFiles() {
+	c.unmapped = true
 	if c.sub != nil {
 		c.sub.Close()
 	}
@@ -153,6 +160,9 @@ func (c *Client) Close() error {
 // number; Await collects the reply. Use it to keep several loads or stores
 // in flight.
 func (c *Client) Submit(typ uint16, payload []byte) (uint64, error) {
+	if c.unmapped { // after Close or Abandon: never touch the unmapped rings
+		return 0, fmt.Errorf("connector: %w", ring.ErrClosed)
+	}
 	c.seq++
 	err := c.prod.Write(typ, 0, c.seq, payload, time.Now().Add(c.opts.Timeout))
 	return c.seq, err
@@ -164,6 +174,9 @@ func (c *Client) Await(seq uint64) ([]byte, error) {
 	if p, ok := c.pending[seq]; ok {
 		delete(c.pending, seq)
 		return p, nil
+	}
+	if c.unmapped {
+		return nil, fmt.Errorf("connector: %w", ring.ErrClosed)
 	}
 	deadline := time.Now().Add(c.opts.Timeout)
 	for {

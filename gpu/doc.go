@@ -1,7 +1,9 @@
 // Package gpu is ringside's copy engine: it moves KV bytes between blocks of
 // the sidecar's shared-memory pool and pages of memory that an inference
 // engine registered. Engine is the backend interface; Host is the CPU
-// backend. A CUDA backend will implement the same interface.
+// backend, CUDA the GPU backend (CUDA IPC regions, cuMemcpyBatchAsync;
+// cuda.go), and Router combines them by region kind. docs/architecture.md
+// ("The copy path") has the ordering rules and the IPC pitfalls.
 //
 // # What every Engine promises
 //
@@ -50,5 +52,9 @@
 //
 // # Layout
 //
-// All system calls and unsafe live in gpu/internal/procmem.
+// All system calls and unsafe live in gpu/internal: procmem
+// (process_vm_*), cuda (the cgo shim over libcuda.so.1, loaded with
+// dlopen), hostmem (anonymous mappings for test and benchmark pools).
+// gpu/gputest holds the peer process and the conformance suite run against
+// every backend; gpu/copybench is `ringside bench copy`.
 package gpu

@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -38,8 +39,9 @@ const (
 	// HostShared is memory also mapped in the sidecar (another shm file);
 	// Region.Mapped is the sidecar's mapping and Base an offset into it.
 	HostShared
-	// CUDAIPC is device memory imported through CUDA IPC; reserved for the
-	// CUDA backend. The host backend rejects it with ErrUnsupported.
+	// CUDAIPC is device memory another process exported with a CUDA IPC
+	// handle (Region.IPC); only the CUDA backend serves it. The host
+	// backend rejects it with ErrUnsupported.
 	CUDAIPC
 )
 
@@ -102,6 +104,43 @@ type Region struct {
 	PageCount uint32
 	Segments  []Segment
 	Mapped    []byte // HostShared only: the sidecar's mapping
+	IPC       IPCMem // CUDAIPC only: how to open the exporter's allocation
+}
+
+// IPCMem names device memory of another process for a CUDAIPC region:
+// Handle is the exporter's cudaIpcMemHandle_t of the allocation's base
+// (cudaIpcGetMemHandle of any pointer into an allocation exports the whole
+// allocation), GPU the UUID of the device holding it, and Offset the bytes
+// from the allocation's base to Region.Base. Region.Base itself is the
+// exporter's device address; the CUDA backend translates it.
+type IPCMem struct {
+	Handle [64]byte
+	GPU    [16]byte
+	Offset uint64
+}
+
+// IPCExtraSize is the size of the RegisterRegion extra bytes of a CUDA IPC
+// region: 64-byte handle, 16-byte GPU UUID, u64 offset (little-endian).
+const IPCExtraSize = 88
+
+// ParseIPCExtra decodes the RegisterRegion extra bytes of a CUDA IPC
+// region; errors wrap ErrInvalidRegion.
+func ParseIPCExtra(b []byte) (IPCMem, error) {
+	var m IPCMem
+	if len(b) != IPCExtraSize {
+		return m, fmt.Errorf("%w: CUDA IPC extra is %d bytes, want %d (64-byte handle, 16-byte GPU UUID, u64 offset)", ErrInvalidRegion, len(b), IPCExtraSize)
+	}
+	copy(m.Handle[:], b[:64])
+	copy(m.GPU[:], b[64:80])
+	m.Offset = binary.LittleEndian.Uint64(b[80:])
+	return m, nil
+}
+
+// AppendIPCExtra encodes m as RegisterRegion extra bytes.
+func AppendIPCExtra(dst []byte, m IPCMem) []byte {
+	dst = append(dst, m.Handle[:]...)
+	dst = append(dst, m.GPU[:]...)
+	return binary.LittleEndian.AppendUint64(dst, m.Offset)
 }
 
 // Validate checks the region's geometry: non-zero sizes, every page and
@@ -127,6 +166,9 @@ func (r *Region) Validate() error {
 			bad("host-shared region [%d,+%d) outside mapping of %d bytes", r.Base, r.Length, len(r.Mapped))
 		}
 	case CUDAIPC:
+		if r.Mapped != nil {
+			bad("cuda-ipc region must not set Mapped")
+		}
 	default:
 		bad("unknown kind %d", uint8(r.Kind))
 	}
@@ -210,7 +252,8 @@ type Engine interface {
 	// The engine keeps r (including Mapped) until Unregister.
 	Register(r Region) (Handle, error)
 	// Unregister forgets h. It waits for ops already submitted on h to
-	// complete, so the region's memory may be released once it returns.
+	// complete and for their done callbacks to return, so the region's
+	// memory may be released once it returns.
 	// It must not be called from a done callback.
 	Unregister(h Handle) error
 	// Submit bounds-checks op completely and, if it is valid, queues it and
@@ -222,6 +265,21 @@ type Engine interface {
 	// Close stops accepting ops, completes the ones already accepted (their
 	// done callbacks run) and releases the backend. It is idempotent.
 	Close() error
+}
+
+// KindSupporter is implemented by engines that can say which region kinds
+// they serve (all of ringside's do).
+type KindSupporter interface {
+	Supports(k Kind) bool
+}
+
+// Supports reports whether e can register regions of kind k. An engine
+// that does not implement KindSupporter is assumed to serve the host kinds.
+func Supports(e Engine, k Kind) bool {
+	if ks, ok := e.(KindSupporter); ok {
+		return ks.Supports(k)
+	}
+	return k == HostProcess || k == HostShared
 }
 
 // Do submits op and waits for it to complete. There is deliberately no

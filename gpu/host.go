@@ -16,6 +16,9 @@ type HostOptions struct {
 	// Queue is the number of accepted ops that may wait for a worker
 	// before Submit blocks (default 64).
 	Queue int
+	// PerRange issues one process_vm_* call per range instead of batching
+	// up to IOV_MAX ranges per call (benchmarks: the "per_range" mode).
+	PerRange bool
 }
 
 // Host is the CPU backend: HostShared regions are copied with copy(),
@@ -31,8 +34,9 @@ type Host struct {
 	closed  bool
 	jobs    chan hostJob
 
-	workers sync.WaitGroup
-	noMerge bool // tests and benchmarks: skip MergeRanges
+	workers  sync.WaitGroup
+	noMerge  bool // tests and benchmarks: skip MergeRanges
+	perRange bool
 }
 
 var _ Engine = (*Host)(nil)
@@ -64,9 +68,10 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 		opts.Queue = 64
 	}
 	h := &Host{
-		pool:    pool,
-		regions: make(map[Handle]*hostRegion),
-		jobs:    make(chan hostJob, opts.Queue),
+		pool:     pool,
+		regions:  make(map[Handle]*hostRegion),
+		jobs:     make(chan hostJob, opts.Queue),
+		perRange: opts.PerRange,
 	}
 	h.workers.Add(opts.Workers)
 	for range opts.Workers {
@@ -77,6 +82,9 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 
 // Name returns "host".
 func (h *Host) Name() string { return "host" }
+
+// Supports reports true for HostProcess and HostShared.
+func (h *Host) Supports(k Kind) bool { return k == HostProcess || k == HostShared }
 
 // Register validates r and registers it. CUDAIPC regions fail with an error
 // wrapping ErrUnsupported.
@@ -176,8 +184,10 @@ func (h *Host) worker() {
 		res.Queued = start.Sub(j.submitted)
 		res.Elapsed = time.Since(start)
 		res.Ranges = len(j.ranges)
-		j.reg.inflight.Done()
+		// The callback runs before the op stops counting as in flight, so
+		// Unregister returns only after every callback of the region ran.
 		j.done(res)
+		j.reg.inflight.Done()
 	}
 }
 
@@ -202,12 +212,24 @@ func (h *Host) run(j hostJob) Result {
 		for i, rg := range j.ranges {
 			prs[i] = procmem.Range{Local: rg.Pool, Remote: rg.Engine, Len: rg.Len}
 		}
+		xfer := procmem.Read
+		if j.dir == PoolToEngine {
+			xfer = procmem.Write
+		}
 		var st procmem.Stats
 		var err error
-		if j.dir == PoolToEngine {
-			st, err = procmem.Write(r.PID, h.pool, prs)
+		if h.perRange {
+			for i := range prs {
+				var s procmem.Stats
+				s, err = xfer(r.PID, h.pool, prs[i:i+1])
+				st.Bytes += s.Bytes
+				st.Calls += s.Calls
+				if err != nil {
+					break
+				}
+			}
 		} else {
-			st, err = procmem.Read(r.PID, h.pool, prs)
+			st, err = xfer(r.PID, h.pool, prs)
 		}
 		res := Result{Bytes: st.Bytes, Calls: st.Calls}
 		if err != nil {

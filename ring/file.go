@@ -91,14 +91,28 @@ func Create(path string, o Options) (*File, error) {
 	return f, nil
 }
 
-// RemoveStale removes the ring file at path unless a live process uses it,
-// and reports whether it did. A file that is not a valid ring is removed.
+// RemoveStale removes the ring file at path unless the process that
+// created it (the sidecar, recorded on the side the header's creator flag
+// names) is still alive, and reports whether it did. A file that is not a
+// valid ring is removed. A ring whose creator died is removed even while
+// its other side still maps it: that peer only ever sees a dead creator,
+// and nobody else may use the file (a new sidecar has a new epoch).
 func RemoveStale(path string) (bool, error) {
-	err := replaceStale(path)
-	if errors.Is(err, ErrInUse) {
-		return false, nil
+	if old, err := Open(path, 0); err == nil {
+		live := old.ConsumerAlive()
+		pid := old.Header().ConsumerPID
+		if old.Header().Flags&FlagCreatorProducer != 0 {
+			live, pid = old.ProducerAlive(), old.Header().ProducerPID
+		}
+		old.Close()
+		if pid != 0 && live {
+			return false, nil
+		}
 	}
-	return err == nil, err
+	if err := shm.Unlink(path); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // replaceStale removes the file at path if no live process uses it.

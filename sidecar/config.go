@@ -42,7 +42,7 @@ type Config struct {
 	// Spin is the ring wait spin budget; Yield follows it.
 	Spin  time.Duration
 	Yield time.Duration
-	// CopyBackend: "auto" or "host".
+	// CopyBackend: "auto", "host" or "cuda".
 	CopyBackend string
 	// CopyWorkers is the number of host copy goroutines.
 	CopyWorkers int
@@ -184,9 +184,9 @@ func (c *Config) Validate() error {
 		bad("ring.spin", "spin and yield budgets must not be negative")
 	}
 	switch c.CopyBackend {
-	case "auto", "host":
+	case "auto", "host", "cuda":
 	default:
-		bad("copy.backend", "%q: want auto or host", c.CopyBackend)
+		bad("copy.backend", "%q: want auto, host or cuda", c.CopyBackend)
 	}
 	if c.CopyWorkers < 1 || c.CopyWorkers > 64 {
 		bad("copy.workers", "%d outside [1, 64]", c.CopyWorkers)

@@ -128,8 +128,11 @@ func (s *Server) State() State {
 	defer s.mu.Unlock()
 	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.SlotBytes, Pool: s.cache.Stats()}
 	for _, ss := range s.sessions {
-		t1, h1 := ss.sub.Positions()
-		t2, h2 := ss.cmp.Positions()
+		var t1, h1, t2, h2 uint64
+		faultSafe(func() { // a truncated ring must not crash the endpoint
+			t1, h1 = ss.sub.Positions()
+			t2, h2 = ss.cmp.Positions()
+		})
 		name := ss.inst.name
 		for i := range name {
 			if name[i] == 0 {

@@ -156,12 +156,37 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	return s, nil
 }
 
+// newCopier builds the copy engine: "host" is the host backend alone;
+// "auto" and "cuda" route CUDA IPC regions to the CUDA backend and host
+// regions to the host backend. "auto" falls back to the host backend alone
+// (and says why) when CUDA cannot run; "cuda" fails instead.
 func newCopier(cfg Config, pool []byte, log zerolog.Logger) (gpu.Engine, error) {
-	switch cfg.CopyBackend {
-	case "auto":
-		log.Info().Msg("copy backend auto: using the host backend (no CUDA backend in this build)")
+	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: cfg.CopyWorkers})
+	if err != nil || cfg.CopyBackend == "host" {
+		return host, err
 	}
-	return gpu.NewHost(pool, gpu.HostOptions{Workers: cfg.CopyWorkers})
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{})
+	if err != nil {
+		if cfg.CopyBackend == "cuda" {
+			host.Close()
+			return nil, fmt.Errorf("--copy.backend cuda: %w", err)
+		}
+		ev := log.Warn()
+		if errors.Is(err, gpu.ErrCUDAUnavailable) {
+			ev = log.Info()
+		}
+		ev.Err(err).Msg("copy backend auto: the CUDA backend is unavailable, using the host backend (GPU memory cannot be registered)")
+		return host, nil
+	}
+	in := c.Info()
+	log.Info().Int("cuda_driver", in.Driver).Interface("gpus", in.Devices).Bool("batched_copies", in.Batch).
+		Uint64("pinned_bytes", in.Pin.Bytes).Int("pin_chunks", in.Pin.Chunks).Dur("pin_took", in.Pin.Took).
+		Msg("CUDA copy backend ready: pool registered as pinned host memory")
+	if in.Pin.MemlockBelowPool() {
+		log.Warn().Uint64("memlock_limit", in.Pin.MemlockSoft).Uint64("pool_bytes", in.Pin.Bytes).
+			Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")
+	}
+	return gpu.NewRouter(c, host), nil
 }
 
 // prefill stores n synthetic blocks (random digests, no bytes) in a private

@@ -37,11 +37,13 @@ type session struct {
 	sub, cmp *ring.File
 	cons     *ring.Consumer
 
-	prodMu sync.Mutex // guards prod and out: replies come from copy callbacks too
-	prod   *ring.Producer
-	out    []byte
+	prodMu   sync.Mutex // guards prod, out and prodDone: replies come from copy callbacks too
+	prod     *ring.Producer
+	out      []byte
+	prodDone bool // the completion ring is closed (and about to be unmapped): replies are dropped
 
 	regions map[uint32]gpu.Handle // guarded by srv.mu
+	pages   map[uint32]uint32     // page count of each region, guarded by srv.mu
 	leases  int                   // live queries this session owns, guarded by srv.mu
 	closed  atomic.Bool
 	done    chan struct{}
@@ -77,6 +79,11 @@ func (s *Server) attach(conn *net.UnixConn) {
 		return
 	}
 	if !s.uidAllowed(cred.UID) {
+		// Take the request off the socket first (bounded): closing with it
+		// unread resets the connection, and the client would lose the
+		// refusal.
+		conn.SetReadDeadline(time.Now().Add(time.Second))
+		conn.Read(make([]byte, 8192))
 		fail(schema.ErrCodeNotPermitted, "uid %d is not allowed to attach (see --allow-uid)", cred.UID)
 		return
 	}
@@ -187,7 +194,7 @@ func (s *Server) newSession(conn *net.UnixConn, cred sys.Cred, req *schema.Attac
 	ss := &session{
 		srv: s, id: id, owner: cache.SessionID(1<<32 | id), inst: in, role: req.Role, rank: int(req.Rank),
 		cred: cred, conn: conn, sub: sub, cmp: cmp, cons: cons, prod: prod,
-		regions: map[uint32]gpu.Handle{}, done: make(chan struct{}),
+		regions: map[uint32]gpu.Handle{}, pages: map[uint32]uint32{}, done: make(chan struct{}),
 	}
 	ss.log = s.log.With().Uint64("session", id).Str("instance", req.Instance).Int("rank", ss.rank).Int("pid", cred.PID).Logger()
 	in.sessions++
@@ -202,7 +209,7 @@ func (ss *session) shutdown() {
 	ss.closed.Store(true)
 	ss.lifeMu.Lock()
 	if !ss.unmapped {
-		ss.cons.Interrupt()
+		faultSafe(ss.cons.Interrupt) // the peer may have truncated the ring
 	}
 	ss.lifeMu.Unlock()
 }
@@ -298,10 +305,16 @@ func (ss *session) cleanup() {
 		in.hashBytes = 0
 	}
 	s.mu.Unlock()
+	// A copy callback may still reply after Unregister returned (the copy
+	// engine counts a copy done before it runs the callback): once prodDone
+	// is set under prodMu, no reply touches the ring we unmap below.
+	// Closing touches the mappings, which the peer may have truncated:
+	// that must not crash the sidecar.
 	ss.prodMu.Lock()
-	ss.prod.Close()
+	faultSafe(ss.prod.Close)
+	ss.prodDone = true
 	ss.prodMu.Unlock()
-	ss.cons.Close()
+	faultSafe(ss.cons.Close)
 	ss.sub.Remove()
 	ss.cmp.Remove()
 	ss.lifeMu.Lock()
@@ -319,11 +332,22 @@ func (ss *session) cleanup() {
 func (ss *session) send(typ uint16, seq uint64, enc func([]byte) []byte) {
 	ss.prodMu.Lock()
 	defer ss.prodMu.Unlock()
+	if ss.prodDone {
+		return
+	}
 	ss.out = enc(ss.out[:0])
 	if len(ss.out) > ss.cmp.MaxPayload() {
 		ss.out = (&schema.Reply{Status: schema.ErrCodeInternal, Message: "reply too large"}).Append(ss.out[:0])
 	}
-	err := ss.prod.Write(typ|schema.ReplyBit, 0, seq, ss.out, time.Now().Add(ss.srv.cfg.ReplyTimeout))
+	var err error
+	if !faultSafe(func() {
+		err = ss.prod.Write(typ|schema.ReplyBit, 0, seq, ss.out, time.Now().Add(ss.srv.cfg.ReplyTimeout))
+	}) {
+		// The peer truncated the completion ring (replies also come from
+		// copy-completion goroutines, which must not crash the sidecar).
+		err = fmt.Errorf("%w: fault writing the completion ring", ring.ErrCorrupt)
+		ss.prodDone = true
+	}
 	if err != nil {
 		ss.log.Warn().Err(err).Msg("completion ring: dropping the session")
 		ss.shutdown()
@@ -595,7 +619,8 @@ func (ss *session) registerRegion(rec ring.Record) error {
 	if err := m.Decode(rec.Payload); err != nil {
 		return malformed(err)
 	}
-	if m.Kind != schema.RegionHostProcess {
+	cudaIPC := m.Kind == schema.RegionCUDAIPC && gpu.Supports(s.copier, gpu.CUDAIPC)
+	if m.Kind != schema.RegionHostProcess && !cudaIPC {
 		return schema.Errorf(schema.ErrCodeNotPermitted, "region kind %d needs the CUDA copy backend, which this sidecar does not run (copy backend %s)", m.Kind, s.copier.Name())
 	}
 	if m.PID != uint64(ss.cred.PID) {
@@ -608,6 +633,13 @@ func (ss *session) registerRegion(rec ring.Record) error {
 	for _, sg := range m.Segments {
 		r.Segments = append(r.Segments, gpu.Segment{Offset: sg.Offset, Stride: sg.Stride, Length: sg.Length})
 	}
+	if cudaIPC {
+		ipc, err := gpu.ParseIPCExtra(m.Extra)
+		if err != nil {
+			return malformed(err)
+		}
+		r.Kind, r.IPC = gpu.CUDAIPC, ipc
+	}
 	s.mu.Lock()
 	_, dup := ss.regions[m.Region]
 	s.mu.Unlock()
@@ -615,11 +647,17 @@ func (ss *session) registerRegion(rec ring.Record) error {
 		return schema.Errorf(schema.ErrCodeDuplicate, "region %d is already registered", m.Region)
 	}
 	h, err := s.copier.Register(r)
+	if errors.Is(err, gpu.ErrUnsupported) {
+		// Memory the backend cannot reach (not shareable over CUDA IPC, a
+		// GPU the sidecar does not see): a configuration problem.
+		return schema.Errorf(schema.ErrCodeNotPermitted, "%v", err)
+	}
 	if err != nil {
 		return schema.Errorf(schema.ErrCodeOutOfRange, "%v", err)
 	}
 	s.mu.Lock()
 	ss.regions[m.Region] = h
+	ss.pages[m.Region] = m.PageCount
 	s.mu.Unlock()
 	ss.reply(rec.Type, rec.Seq, schema.Reply{})
 	return nil
@@ -710,6 +748,14 @@ func (ss *session) storeBlocks(rec ring.Record) error {
 	if !ok {
 		s.mu.Unlock()
 		return schema.Errorf(schema.ErrCodeUnknownRegion, "region %d", m.Region)
+	}
+	// Every page is checked, also those of blocks that turn out present
+	// and are not copied: a bad index is a client bug to report.
+	for _, p := range m.Pages {
+		if p >= ss.pages[m.Region] {
+			s.mu.Unlock()
+			return schema.Errorf(schema.ErrCodeOutOfRange, "page %d past the %d pages of region %d", p, ss.pages[m.Region], m.Region)
+		}
 	}
 	d, err := ss.viewLocked(m.View)
 	if err != nil {
@@ -825,3 +871,17 @@ func (ss *session) changesSince(rec ring.Record) error {
 }
 
 var _ io.Closer = (*ring.File)(nil)
+
+// faultSafe runs f, which touches a ring mapping, and reports false if that
+// faulted: a peer that truncates a ring file makes any access past the new
+// end raise SIGBUS, which must end the session, never the sidecar.
+func faultSafe(f func()) (ok bool) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if recover() != nil {
+			ok = false
+		}
+	}()
+	f()
+	return true
+}

@@ -27,7 +27,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "ring.capacity", Value: "1MiB", Usage: "data capacity of each session ring (power of two)", EnvVars: env("ring.capacity")},
 		&cli.DurationFlag{Name: "ring.spin", Value: ring.DefaultWait.Spin, Usage: "how long a session loop busy-polls before yielding and parking", EnvVars: env("ring.spin")},
 		&cli.DurationFlag{Name: "ring.yield", Value: ring.DefaultWait.Yield, Usage: "how long it yields after spinning, before parking on the futex", EnvVars: env("ring.yield")},
-		&cli.StringFlag{Name: "copy.backend", Value: "auto", Usage: "copy engine: auto or host", EnvVars: env("copy.backend")},
+		&cli.StringFlag{Name: "copy.backend", Value: "auto", Usage: "copy engine: auto (CUDA for GPU regions when a GPU and driver are usable, else host only), host, or cuda (fail at start without CUDA)", EnvVars: env("copy.backend")},
 		&cli.IntFlag{Name: "copy.workers", Value: 2, Usage: "host copy goroutines", EnvVars: env("copy.workers")},
 		&cli.StringFlag{Name: "metrics.addr", Value: sidecar.DefaultMetricsAddr, Usage: "address for /metrics, /healthz, /readyz and /debug/state (empty: off)", EnvVars: env("metrics.addr")},
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the sidecar's own", EnvVars: env("allow-uid")},

@@ -2,6 +2,13 @@
 """Write a tiny, deterministic LlamaForCausalLM + tokenizer that vLLM loads offline.
 
 Usage:  python make_tiny_model.py OUT_DIR [--dtype float32|bfloat16]
+            [--hidden N] [--intermediate N] [--layers N] [--heads N]
+            [--kv-heads N] [--head-dim N] [--max-pos N]
+
+The shape options default to the tiny model (hidden 128, 2 layers); with none
+of them given the output is byte-identical to earlier versions. Benchmarks
+use them for a model large enough to make prefill cost measurable
+(bench/vllm) or for smaller KV pages (--kv-heads 1).
 
 Needs: torch, transformers, tokenizers, safetensors (all present in the
 .venv-vllm made by connector/python/scripts/install-vllm.sh). No network.
@@ -52,7 +59,8 @@ CONFIG = dict(
 )
 
 
-def build_tokenizer(out_dir: str) -> None:
+def build_tokenizer(out_dir: str, config: dict | None = None) -> None:
+    config = config or CONFIG
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -78,18 +86,18 @@ def build_tokenizer(out_dir: str) -> None:
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        model_max_length=CONFIG["max_position_embeddings"],
+        model_max_length=config["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(out_dir)
 
 
-def build_model(out_dir: str, dtype: str) -> None:
+def build_model(out_dir: str, dtype: str, config: dict | None = None) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(**CONFIG)
+    cfg = LlamaConfig(**(config or CONFIG))
     cfg.architectures = ["LlamaForCausalLM"]
     with torch.no_grad():
         model = LlamaForCausalLM(cfg)
@@ -120,10 +128,22 @@ def normalize(out_dir: str) -> None:
             f.write("\n")
 
 
-def make(out_dir: str, dtype: str = "float32") -> None:
+# CLI option -> CONFIG key, for models other than the default tiny one.
+SHAPE_OPTIONS = {
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "max_pos": "max_position_embeddings",
+}
+
+
+def make(out_dir: str, dtype: str = "float32", config: dict | None = None) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    build_tokenizer(out_dir)
-    build_model(out_dir, dtype)
+    build_tokenizer(out_dir, config)
+    build_model(out_dir, dtype, config)
     normalize(out_dir)
 
 
@@ -140,13 +160,21 @@ def main() -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--check", action="store_true", help="build twice, compare hashes")
+    for opt, key in SHAPE_OPTIONS.items():
+        ap.add_argument("--" + opt.replace("_", "-"), type=int, default=CONFIG[key],
+                        help="%s (default %d)" % (key, CONFIG[key]))
     args = ap.parse_args()
+    config = dict(CONFIG)
+    for opt, key in SHAPE_OPTIONS.items():
+        config[key] = getattr(args, opt)
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        ap.error("--heads must be a multiple of --kv-heads")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    make(args.out_dir, args.dtype)
+    make(args.out_dir, args.dtype, config)
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            make(tmp, args.dtype)
+            make(tmp, args.dtype, config)
             a, b = digest(args.out_dir), digest(tmp)
             if a != b:
                 print(f"NOT deterministic:\n{a}\n{b}", file=sys.stderr)

@@ -1,0 +1,832 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+)
+
+// ErrCUDAUnavailable: the CUDA backend cannot run here (no libcuda.so.1, no
+// device, a driver older than CUDA 12, or a build without cgo). NewCUDA's
+// error wraps it in those cases.
+var ErrCUDAUnavailable = cuda.ErrUnavailable
+
+// CopyMode chooses how the CUDA backend issues the ranges of one op.
+type CopyMode uint8
+
+const (
+	// CopyAuto uses cuMemcpyBatchAsync where the driver has it (CUDA
+	// 12.8+) and one cuMemcpy{HtoD,DtoH}Async per range otherwise; a batch
+	// call the driver rejects switches the engine to per-range copies.
+	CopyAuto CopyMode = iota
+	// CopyBatched requires cuMemcpyBatchAsync (NewCUDA fails without it).
+	CopyBatched
+	// CopyPerRange always issues one async copy per range.
+	CopyPerRange
+)
+
+// DefaultPinChunk is the size of one cuMemHostRegister call: a single
+// registration of 512 GiB or more fails on recent drivers.
+const DefaultPinChunk = 64 << 30
+
+// maxPinChunk is the exclusive upper bound on CUDAOptions.PinChunk.
+const maxPinChunk = 512 << 30
+
+// CUDAOptions configures NewCUDA. The zero value is usable.
+type CUDAOptions struct {
+	Copy CopyMode
+	// PinChunk is the bytes registered per cuMemHostRegister call
+	// (default DefaultPinChunk; must be below 512 GiB).
+	PinChunk uint64
+	// Queue is the number of accepted ops per device that may wait for the
+	// device's submission thread before Submit blocks (default 256).
+	Queue int
+}
+
+// CUDAInfo describes a running CUDA backend, for the startup log.
+type CUDAInfo struct {
+	Driver  int  // driver's CUDA version, e.g. 12080
+	Batch   bool // cuMemcpyBatchAsync in use
+	Devices []CUDADevice
+	Pin     PinInfo
+}
+
+// CUDADevice is one visible GPU.
+type CUDADevice struct {
+	Ordinal int
+	Name    string
+	UUID    string
+}
+
+// PinInfo reports the registration of the pool as pinned host memory.
+type PinInfo struct {
+	Bytes  uint64
+	Chunks int
+	Took   time.Duration
+	// RLIMIT_MEMLOCK of the process (cuda.Unlimited = ^0 = none). Whether
+	// the driver's registration is charged against it is unverified; a
+	// limit below Bytes is worth a warning.
+	MemlockSoft, MemlockHard uint64
+	MemlockErr               error
+}
+
+// MemlockBelowPool reports whether a finite locked-memory limit is smaller
+// than the pinned pool.
+func (p PinInfo) MemlockBelowPool() bool {
+	return p.MemlockErr == nil && p.MemlockSoft != cuda.Unlimited && p.MemlockSoft < p.Bytes
+}
+
+// CUDA is the GPU backend: CUDAIPC regions (device memory another process
+// exported with cudaIpcGetMemHandle) are copied to and from the pinned pool
+// with the CUDA copy engines. Every op is one submission on its device:
+// one cuMemcpyBatchAsync (or one async copy per range) on the direction's
+// stream, then an event; completion is found by polling that event from
+// the device's goroutine, which is locked to its OS thread and holds the
+// device's primary context. Loads (pool to engine) use a high-priority
+// stream, stores a low-priority one. Other region kinds are rejected with
+// ErrUnsupported; use a Router to combine it with Host.
+type CUDA struct {
+	pool     []byte
+	poolAddr uint64
+	chunk    uint64
+	queue    int
+	batch    atomic.Bool
+	batchErr atomic.Value // error: why batching was switched off
+
+	info    CUDAInfo
+	devInfo []cudaDevInfo
+
+	mu      sync.RWMutex
+	regions map[Handle]*cudaRegion
+	next    Handle
+	closed  bool
+
+	devMu      sync.Mutex
+	devs       map[int]*cudaDevice // by ordinal
+	devsClosed bool
+	pin        *cudaDevice
+
+	completions chan cudaCompletion
+	compDone    chan struct{}
+	closeOnce   sync.Once
+	closeDone   chan struct{}
+}
+
+var _ Engine = (*CUDA)(nil)
+
+type cudaDevInfo struct {
+	ordinal int
+	dev     cuda.Device
+	uuid    cuda.UUID
+	name    string
+}
+
+type cudaRegion struct {
+	r        Region
+	dev      *cudaDevice
+	key      ipcKey
+	local    uint64 // this process's device address of r.Base
+	inflight sync.WaitGroup
+}
+
+type ipcKey struct {
+	pid    int
+	handle cuda.IPCHandle
+}
+
+type ipcMapping struct {
+	ptr  cuda.DevicePtr
+	size uint64
+	refs int
+}
+
+type cudaJob struct {
+	dir       Direction
+	h         Handle
+	reg       *cudaRegion
+	dst, src  []uint64
+	lens      []uint64
+	bytes     int64
+	submitted time.Time
+	started   time.Time
+	calls     int
+	err       error
+	ev        cuda.Event
+	done      func(Result)
+}
+
+type cudaCompletion struct {
+	reg  *cudaRegion
+	res  Result
+	done func(Result)
+}
+
+// NewCUDA loads the CUDA driver, registers pool (the sidecar's mapping of
+// the block pool; it must be mmapped memory, not Go heap) as pinned host
+// memory in chunks, and returns the backend. Without a usable driver or
+// device the error wraps ErrCUDAUnavailable.
+func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
+	if len(pool) == 0 {
+		return nil, fmt.Errorf("%w: empty pool", ErrInvalidOp)
+	}
+	if err := cuda.Init(); err != nil {
+		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
+	}
+	if opts.PinChunk == 0 {
+		opts.PinChunk = DefaultPinChunk
+	}
+	ps := uint64(os.Getpagesize())
+	if opts.PinChunk >= maxPinChunk || opts.PinChunk < ps || opts.PinChunk%ps != 0 {
+		return nil, fmt.Errorf("%w: pin chunk %d bytes: want a multiple of the page size below 512 GiB", ErrInvalidOp, opts.PinChunk)
+	}
+	if opts.Queue <= 0 {
+		opts.Queue = 256
+	}
+	e := &CUDA{
+		pool: pool, poolAddr: cuda.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
+		regions: map[Handle]*cudaRegion{}, devs: map[int]*cudaDevice{},
+		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
+	}
+	var err error
+	if e.info.Driver, err = cuda.DriverVersion(); err != nil {
+		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
+	}
+	n, err := cuda.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
+	}
+	for i := range n {
+		d, err := cuda.DeviceGet(i)
+		if err != nil {
+			return nil, fmt.Errorf("gpu: CUDA device %d: %w", i, err)
+		}
+		u, err := d.UUID()
+		if err != nil {
+			return nil, fmt.Errorf("gpu: CUDA device %d: uuid: %w", i, err)
+		}
+		name, _ := d.Name()
+		e.devInfo = append(e.devInfo, cudaDevInfo{ordinal: i, dev: d, uuid: u, name: name})
+		e.info.Devices = append(e.info.Devices, CUDADevice{Ordinal: i, Name: name, UUID: u.String()})
+	}
+	switch opts.Copy {
+	case CopyAuto:
+		e.batch.Store(cuda.HasBatch())
+	case CopyBatched:
+		if !cuda.HasBatch() {
+			return nil, fmt.Errorf("gpu: CUDA backend: the driver (CUDA %d.%d) has no cuMemcpyBatchAsync (needs 12.8)", e.info.Driver/1000, e.info.Driver%1000/10)
+		}
+		e.batch.Store(true)
+	case CopyPerRange:
+	default:
+		return nil, fmt.Errorf("%w: copy mode %d", ErrInvalidOp, opts.Copy)
+	}
+	go e.completer()
+	// The pool is registered from device 0's context; PORTABLE makes it
+	// pinned for every context of this process.
+	e.pin, err = e.device(e.devInfo[0])
+	if err == nil {
+		e.info.Pin, err = e.pinPool()
+	}
+	if err != nil {
+		e.Close()
+		return nil, err
+	}
+	e.info.Batch = e.batch.Load()
+	return e, nil
+}
+
+func (e *CUDA) pinPool() (PinInfo, error) {
+	p := PinInfo{Bytes: uint64(len(e.pool))}
+	p.MemlockSoft, p.MemlockHard, p.MemlockErr = cuda.MemlockLimit()
+	t0 := time.Now()
+	err := e.pin.call(func() error {
+		for off := uint64(0); off < uint64(len(e.pool)); off += e.chunk {
+			end := min(off+e.chunk, uint64(len(e.pool)))
+			if err := cuda.HostRegister(e.pool[off:end], cuda.HostRegisterPortable); err != nil {
+				msg := fmt.Sprintf("gpu: registering pool bytes [%d, %d) of %d as pinned memory: %v", off, end, len(e.pool), err)
+				if p.MemlockBelowPool() {
+					msg += fmt.Sprintf(" (RLIMIT_MEMLOCK is %d bytes; raise it, e.g. ulimit -l unlimited)", p.MemlockSoft)
+				}
+				return errors.New(msg)
+			}
+			e.pin.pinned = append(e.pin.pinned, e.pool[off:end])
+			p.Chunks++
+		}
+		return nil
+	})
+	p.Took = time.Since(t0)
+	return p, err
+}
+
+// SetCopyMode switches how later ops are issued (benchmarks compare
+// batched and per-range submission on one engine). CopyBatched fails
+// without cuMemcpyBatchAsync.
+func (e *CUDA) SetCopyMode(m CopyMode) error {
+	switch m {
+	case CopyAuto:
+		e.batch.Store(cuda.HasBatch() && e.BatchDisabled() == nil)
+	case CopyBatched:
+		if !cuda.HasBatch() {
+			return fmt.Errorf("%w: the driver has no cuMemcpyBatchAsync (needs CUDA 12.8)", ErrUnsupported)
+		}
+		e.batch.Store(true)
+	case CopyPerRange:
+		e.batch.Store(false)
+	default:
+		return fmt.Errorf("%w: copy mode %d", ErrInvalidOp, m)
+	}
+	return nil
+}
+
+// Info describes the backend: driver, devices, batching, pool pinning.
+func (e *CUDA) Info() CUDAInfo {
+	i := e.info
+	i.Batch = e.batch.Load()
+	return i
+}
+
+// BatchDisabled returns why batched copies were switched off at run time
+// (nil if they were not).
+func (e *CUDA) BatchDisabled() error {
+	err, _ := e.batchErr.Load().(error)
+	return err
+}
+
+// Name returns "cuda".
+func (e *CUDA) Name() string { return "cuda" }
+
+// Supports reports true for CUDAIPC only.
+func (e *CUDA) Supports(k Kind) bool { return k == CUDAIPC }
+
+// Register opens the region's IPC handle in the context of the GPU named
+// by r.IPC.GPU (once per allocation: regions of one allocation share the
+// mapping) and checks that the region lies inside the allocation.
+func (e *CUDA) Register(r Region) (Handle, error) {
+	if err := r.Validate(); err != nil {
+		return 0, err
+	}
+	if r.Kind != CUDAIPC {
+		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", ErrUnsupported, CUDAIPC, r.Kind)
+	}
+	if r.IPC.Handle == ([64]byte{}) {
+		return 0, fmt.Errorf("%w: cuda-ipc region without an IPC handle", ErrInvalidRegion)
+	}
+	var di *cudaDevInfo
+	var visible []string
+	for i := range e.devInfo {
+		if e.devInfo[i].uuid == r.IPC.GPU {
+			di = &e.devInfo[i]
+		}
+		visible = append(visible, e.devInfo[i].uuid.String())
+	}
+	if di == nil {
+		return 0, fmt.Errorf("%w: GPU %s is not visible to the sidecar (it sees %s): give the sidecar the engine's GPU (NVIDIA_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES or a shared DRA claim)",
+			ErrUnsupported, cuda.UUID(r.IPC.GPU), strings.Join(visible, ", "))
+	}
+	e.mu.RLock()
+	closed := e.closed
+	e.mu.RUnlock()
+	if closed {
+		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
+	}
+	d, err := e.device(*di)
+	if err != nil {
+		return 0, err
+	}
+	key := ipcKey{pid: r.PID, handle: r.IPC.Handle}
+	var base cuda.DevicePtr
+	err = d.call(func() error {
+		m, err := d.ipcOpen(key)
+		if err != nil {
+			return err
+		}
+		if end := r.IPC.Offset + r.Length; end < r.IPC.Offset || end > m.size {
+			d.ipcRelease(key)
+			return fmt.Errorf("%w: offset %d + length %d runs past the exported allocation of %d bytes", ErrInvalidRegion, r.IPC.Offset, r.Length, m.size)
+		}
+		base = m.ptr
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	r.Segments = append([]Segment(nil), r.Segments...)
+	reg := &cudaRegion{r: r, dev: d, key: key, local: uint64(base) + r.IPC.Offset}
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		d.call(func() error { d.ipcRelease(key); return nil })
+		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
+	}
+	for {
+		e.next++
+		if _, used := e.regions[e.next]; e.next != 0 && !used {
+			break
+		}
+	}
+	h := e.next
+	e.regions[h] = reg
+	e.mu.Unlock()
+	return h, nil
+}
+
+// Unregister waits for the region's ops and closes its IPC mapping when no
+// other region of the same allocation uses it.
+func (e *CUDA) Unregister(h Handle) error {
+	e.mu.Lock()
+	reg, ok := e.regions[h]
+	delete(e.regions, h)
+	e.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: handle %d", ErrUnknownRegion, h)
+	}
+	reg.inflight.Wait()
+	// A device already stopped by Close closed its mappings itself.
+	reg.dev.call(func() error { reg.dev.ipcRelease(reg.key); return nil })
+	return nil
+}
+
+// Submit bounds-checks and plans op (PlanRanges, MergeRanges, split at pin
+// chunk boundaries), then queues it to the region's device.
+func (e *CUDA) Submit(op Op, done func(Result)) error {
+	fail := func(err error) error {
+		if ce, ok := err.(*CopyError); ok {
+			ce.Dir, ce.Region = op.Dir, op.Region
+			return ce
+		}
+		return &CopyError{Dir: op.Dir, Region: op.Region, Index: -1, Err: err}
+	}
+	if op.Dir != PoolToEngine && op.Dir != EngineToPool {
+		return fail(fmt.Errorf("%w: direction %d", ErrInvalidOp, uint8(op.Dir)))
+	}
+	if done == nil {
+		return fail(fmt.Errorf("%w: nil done callback", ErrInvalidOp))
+	}
+	now := time.Now()
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return fail(os.ErrClosed)
+	}
+	reg, ok := e.regions[op.Region]
+	if !ok {
+		return fail(ErrUnknownRegion)
+	}
+	ranges, err := PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
+	if err != nil {
+		return fail(err)
+	}
+	ranges = splitRanges(MergeRanges(ranges), e.chunk, uint64(len(e.pool)))
+	j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, submitted: now, done: done,
+		dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
+	for i, rg := range ranges {
+		dev := reg.local + (rg.Engine - reg.r.Base)
+		host := e.poolAddr + rg.Pool
+		if op.Dir == PoolToEngine {
+			j.dst[i], j.src[i] = dev, host
+		} else {
+			j.dst[i], j.src[i] = host, dev
+		}
+		j.lens[i] = rg.Len
+		j.bytes += int64(rg.Len)
+	}
+	reg.inflight.Add(1)
+	// Close takes the write lock before stopping devices, so the device
+	// is running while we hold the read lock; its loop never takes e.mu.
+	reg.dev.jobs <- j
+	return nil
+}
+
+// splitRanges cuts ranges at multiples of chunk in the pool, where one
+// cuMemHostRegister ends and the next begins: a copy never spans two
+// registrations.
+func splitRanges(rs []Range, chunk, poolLen uint64) []Range {
+	if poolLen <= chunk {
+		return rs
+	}
+	var out []Range
+	for i, r := range rs {
+		if r.Pool/chunk == (r.Pool+r.Len-1)/chunk {
+			if out != nil {
+				out = append(out, r)
+			}
+			continue
+		}
+		if out == nil {
+			out = append(make([]Range, 0, len(rs)+4), rs[:i]...)
+		}
+		for r.Len > 0 {
+			n := min(r.Len, (r.Pool/chunk+1)*chunk-r.Pool)
+			out = append(out, Range{Pool: r.Pool, Engine: r.Engine, Len: n})
+			r.Pool, r.Engine, r.Len = r.Pool+n, r.Engine+n, r.Len-n
+		}
+	}
+	if out == nil {
+		return rs
+	}
+	return out
+}
+
+// Close stops accepting ops, completes the accepted ones, closes every IPC
+// mapping, unregisters the pool and releases the contexts.
+func (e *CUDA) Close() error {
+	e.closeOnce.Do(func() {
+		e.mu.Lock()
+		e.closed = true
+		e.mu.Unlock()
+		e.devMu.Lock()
+		e.devsClosed = true
+		devs := make([]*cudaDevice, 0, len(e.devs))
+		for _, d := range e.devs {
+			if d != e.pin {
+				devs = append(devs, d)
+			}
+		}
+		e.devMu.Unlock()
+		// The pool stays pinned until every device has drained.
+		for _, d := range devs {
+			d.stop()
+		}
+		if e.pin != nil {
+			e.pin.stop()
+		}
+		close(e.completions)
+		<-e.compDone
+		close(e.closeDone)
+	})
+	<-e.closeDone
+	return nil
+}
+
+func (e *CUDA) completer() {
+	defer close(e.compDone)
+	for c := range e.completions {
+		// The callback runs before the op stops counting as in flight, so
+		// Unregister returns only after every callback of the region ran.
+		c.done(c.res)
+		c.reg.inflight.Done()
+	}
+}
+
+// device returns the running device for di, starting it on first use.
+func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
+	e.devMu.Lock()
+	defer e.devMu.Unlock()
+	if d := e.devs[di.ordinal]; d != nil {
+		return d, nil
+	}
+	if e.devsClosed {
+		return nil, fmt.Errorf("gpu: CUDA backend: %w", os.ErrClosed)
+	}
+	d := &cudaDevice{e: e, info: di, jobs: make(chan *cudaJob, e.queue), calls: make(chan func()),
+		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}}
+	ready := make(chan error, 1)
+	go d.run(ready)
+	if err := <-ready; err != nil {
+		return nil, fmt.Errorf("gpu: CUDA device %d (%s): %w", di.ordinal, di.uuid, err)
+	}
+	e.devs[di.ordinal] = d
+	return d, nil
+}
+
+// cudaDevice is one GPU's submission and completion thread: a goroutine
+// locked to its OS thread with the device's primary context current. All
+// driver calls for the device run on it.
+type cudaDevice struct {
+	e           *CUDA
+	info        cudaDevInfo
+	ctx         cuda.Context
+	load, store cuda.Stream
+	events      []cuda.Event
+	jobs        chan *cudaJob
+	calls       chan func()
+	quit        chan struct{}
+	exited      chan struct{}
+	stopOnce    sync.Once
+
+	// Owned by the device goroutine.
+	ipc    map[ipcKey]*ipcMapping
+	pinned [][]byte
+}
+
+var errDeviceStopped = errors.New("gpu: CUDA device stopped")
+
+// call runs f on the device goroutine and returns its error.
+func (d *cudaDevice) call(f func() error) error {
+	ch := make(chan error, 1)
+	select {
+	case d.calls <- func() { ch <- f() }:
+		return <-ch
+	case <-d.exited:
+		return errDeviceStopped
+	}
+}
+
+func (d *cudaDevice) stop() {
+	d.stopOnce.Do(func() { close(d.quit) })
+	<-d.exited
+}
+
+const (
+	pollSpin = 50 * time.Microsecond // poll without sleeping this long after progress
+	pollMin  = 20 * time.Microsecond
+	pollMax  = 500 * time.Microsecond
+)
+
+func (d *cudaDevice) run(ready chan<- error) {
+	// The goroutine stays locked until it exits, and the thread exits
+	// with it: nothing else ever runs with this context current.
+	runtime.LockOSThread()
+	defer close(d.exited)
+	if err := d.setup(); err != nil {
+		d.teardown()
+		ready <- err
+		return
+	}
+	ready <- nil
+	var loads, stores []*cudaJob
+	quit := d.quit
+	quitting := false
+	lastProgress := time.Now()
+	sleep := pollMin
+	for {
+		if len(loads)+len(stores) == 0 {
+			if quitting && len(d.jobs) == 0 {
+				d.teardown()
+				return
+			}
+			select {
+			case j := <-d.jobs:
+				d.start(j, &loads, &stores)
+			case f := <-d.calls:
+				f()
+			case <-quit:
+				quit, quitting = nil, true
+			}
+			lastProgress, sleep = time.Now(), pollMin
+			continue
+		}
+	drain:
+		for {
+			select {
+			case j := <-d.jobs:
+				d.start(j, &loads, &stores)
+			case f := <-d.calls:
+				f()
+			case <-quit:
+				quit, quitting = nil, true
+			default:
+				break drain
+			}
+		}
+		if d.poll(&loads)+d.poll(&stores) > 0 {
+			lastProgress, sleep = time.Now(), pollMin
+			continue
+		}
+		if time.Since(lastProgress) < pollSpin {
+			// Spin without yielding: Gosched on a locked thread hands the
+			// P to another thread and back, which costs more than a copy.
+			continue
+		}
+		time.Sleep(sleep)
+		sleep = min(2*sleep, pollMax)
+	}
+}
+
+func (d *cudaDevice) setup() error {
+	var err error
+	if d.ctx, err = d.info.dev.Retain(); err != nil {
+		return fmt.Errorf("retaining the primary context: %w", err)
+	}
+	if err := d.ctx.SetCurrent(); err != nil {
+		return fmt.Errorf("cuCtxSetCurrent: %w", err)
+	}
+	least, greatest, err := cuda.StreamPriorityRange()
+	if err != nil {
+		return fmt.Errorf("stream priorities: %w", err)
+	}
+	// Loads gate time to first token: the highest priority. Stores run
+	// in the background at the lowest.
+	if d.load, err = cuda.NewStream(greatest); err != nil {
+		return fmt.Errorf("load stream: %w", err)
+	}
+	if d.store, err = cuda.NewStream(least); err != nil {
+		return fmt.Errorf("store stream: %w", err)
+	}
+	return nil
+}
+
+// teardown runs on the device goroutine with nothing in flight.
+func (d *cudaDevice) teardown() {
+	if d.ctx == 0 {
+		return
+	}
+	for k, m := range d.ipc {
+		cuda.IPCClose(m.ptr)
+		delete(d.ipc, k)
+	}
+	for _, b := range d.pinned {
+		cuda.HostUnregister(b)
+	}
+	d.pinned = nil
+	for _, ev := range d.events {
+		ev.Destroy()
+	}
+	d.events = nil
+	if d.load != 0 {
+		d.load.Destroy()
+	}
+	if d.store != 0 {
+		d.store.Destroy()
+	}
+	d.info.dev.Release()
+}
+
+// ipcOpen opens key's allocation once per context and counts its users.
+func (d *cudaDevice) ipcOpen(key ipcKey) (*ipcMapping, error) {
+	if m := d.ipc[key]; m != nil {
+		m.refs++
+		return m, nil
+	}
+	p, err := cuda.IPCOpen(key.handle)
+	if err != nil {
+		return nil, ipcOpenError(key.pid, err)
+	}
+	base, size, err := cuda.AddressRange(p)
+	if err != nil || base != p {
+		cuda.IPCClose(p)
+		return nil, fmt.Errorf("%w: the opened allocation's range is unknown (base %#x, opened at %#x): %v", ErrUnsupported, base, p, err)
+	}
+	m := &ipcMapping{ptr: p, size: size, refs: 1}
+	d.ipc[key] = m
+	return m, nil
+}
+
+func (d *cudaDevice) ipcRelease(key ipcKey) {
+	m := d.ipc[key]
+	if m == nil {
+		return
+	}
+	if m.refs--; m.refs == 0 {
+		cuda.IPCClose(m.ptr)
+		delete(d.ipc, key)
+	}
+}
+
+// ipcOpenError explains the usual reasons a handle cannot be opened.
+func ipcOpenError(pid int, err error) error {
+	var why string
+	switch {
+	case errors.Is(err, cuda.ErrorInvalidValue):
+		why = "the memory cannot be shared with legacy CUDA IPC: it is not a cudaMalloc allocation " +
+			"(virtual-memory-management memory from cuMemCreate, PyTorch's expandable_segments:True " +
+			"or vLLM's sleep-mode allocator), or the handle is stale (the exporter freed the allocation)"
+	case errors.Is(err, cuda.ErrorInvalidContext):
+		why = "the exporter and the sidecar share a pid value in different PID namespaces, or the handle " +
+			"comes from this process (share the pod's PID namespace: shareProcessNamespace: true)"
+	case errors.Is(err, cuda.ErrorMapFailed), errors.Is(err, cuda.ErrorOutOfMemory):
+		why = "the driver could not map the allocation (out of resources, or the exporter has exited)"
+	case errors.Is(err, cuda.ErrorAlreadyMapped):
+		why = "the allocation is already mapped in this context"
+	default:
+		why = "unexpected driver error"
+	}
+	return fmt.Errorf("%w: cuIpcOpenMemHandle of pid %d's allocation failed: %v: %s", ErrUnsupported, pid, err, why)
+}
+
+func (d *cudaDevice) event() (cuda.Event, error) {
+	if n := len(d.events); n > 0 {
+		ev := d.events[n-1]
+		d.events = d.events[:n-1]
+		return ev, nil
+	}
+	return cuda.NewEvent()
+}
+
+// start issues j's copies and its completion event.
+func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
+	j.started = time.Now()
+	stream, dir, q := d.store, cuda.DtoH, stores
+	if j.dir == PoolToEngine {
+		stream, dir, q = d.load, cuda.HtoD, loads
+	}
+	batch := d.e.batch.Load()
+	calls, failed, err := cuda.CopyAsync(dir, batch, j.dst, j.src, j.lens, stream)
+	if err != nil && batch && batchRejected(err) {
+		// Known driver failures of cuMemcpyBatchAsync: switch to per-range
+		// copies from the first range not enqueued, for good.
+		if d.e.batch.CompareAndSwap(true, false) {
+			d.e.batchErr.Store(fmt.Errorf("cuMemcpyBatchAsync failed, using per-range copies: %w", err))
+		}
+		var c int
+		c, f, err2 := cuda.CopyAsync(dir, false, j.dst[failed:], j.src[failed:], j.lens[failed:], stream)
+		calls, failed, err = calls+c, failed+f, err2
+	}
+	j.calls = calls
+	if err != nil {
+		j.err = fmt.Errorf("enqueueing range %d of %d: %w", failed, len(j.lens), err)
+	}
+	ev, err := d.event()
+	if err == nil {
+		err = ev.Record(stream)
+		if err != nil {
+			ev.Destroy()
+		}
+	}
+	if err != nil {
+		// No event: wait for what was enqueued, so that nothing touches
+		// the pool or the engine's memory after the op completes.
+		serr := stream.Synchronize()
+		j.err = errors.Join(j.err, fmt.Errorf("recording the completion event: %w", err), serr)
+		d.finish(j)
+		return
+	}
+	j.ev = ev
+	*q = append(*q, j)
+}
+
+func batchRejected(err error) bool {
+	return errors.Is(err, cuda.ErrorInvalidValue) || errors.Is(err, cuda.ErrorNotSupported) || errors.Is(err, cuda.ErrorNotLoaded)
+}
+
+// poll completes the jobs at the head of q whose events have fired (a
+// stream runs its work in order) and returns how many.
+func (d *cudaDevice) poll(q *[]*cudaJob) int {
+	n := 0
+	for len(*q) > 0 {
+		j := (*q)[0]
+		fired, err := j.ev.Query()
+		if !fired {
+			break
+		}
+		if err != nil {
+			j.err = errors.Join(j.err, err)
+			j.ev.Destroy()
+		} else {
+			d.events = append(d.events, j.ev)
+		}
+		copy(*q, (*q)[1:])
+		(*q)[len(*q)-1] = nil
+		*q = (*q)[:len(*q)-1]
+		d.finish(j)
+		n++
+	}
+	return n
+}
+
+func (d *cudaDevice) finish(j *cudaJob) {
+	res := Result{Bytes: j.bytes, Ranges: len(j.lens), Calls: j.calls, Queued: j.started.Sub(j.submitted), Elapsed: time.Since(j.started)}
+	if j.err != nil {
+		res.Bytes = 0
+		res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1,
+			Err: fmt.Errorf("%w: CUDA device %d (%s): %w", ErrTransfer, d.info.ordinal, d.info.uuid, j.err)}
+	}
+	d.e.completions <- cudaCompletion{reg: j.reg, res: res, done: j.done}
+}

@@ -1,0 +1,291 @@
+// Package gputest runs the engine side of copy-engine tests and benchmarks
+// in a second process, so that what is measured and checked is the
+// sidecar's cross-process path: a peer allocates memory (host memory for
+// the host backend, device memory exported with cudaIpcGetMemHandle for the
+// CUDA backend), reports how to reach it, and fills or dumps it on request.
+// A peer is the test binary or the ringside executable re-executed with
+// PeerEnv set; its entry point is PeerMain. The conformance suite that runs
+// against every backend lives in this package's tests.
+package gputest
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+	"github.com/ringside-kv/ringside/gpu/internal/procmem"
+)
+
+// PeerEnv names the peer kind ("host" or "cuda") in a re-executed process.
+const PeerEnv = "RINGSIDE_GPUTEST_PEER"
+
+// Export is a peer buffer as the sidecar side registers it.
+type Export struct {
+	ID     int
+	Kind   string
+	PID    int
+	Base   uint64 // address of the buffer in the peer (device address for cuda)
+	Length uint64
+	IPC    gpu.IPCMem // cuda: handle of the allocation, GPU, offset of Base
+	Info   string     // e.g. the GPU's name
+}
+
+// Region returns a region of e with the given geometry.
+func (e Export) Region(pageSize uint64, pages uint32, segs []gpu.Segment) gpu.Region {
+	r := gpu.Region{PID: e.PID, Base: e.Base, Length: e.Length, PageSize: pageSize, PageCount: pages, Segments: segs}
+	if e.Kind == "cuda" {
+		r.Kind, r.IPC = gpu.CUDAIPC, e.IPC
+	} else {
+		r.Kind = gpu.HostProcess
+	}
+	return r
+}
+
+// Peer is a running peer process.
+type Peer struct {
+	Kind    string
+	cmd     *exec.Cmd
+	in      io.WriteCloser
+	out     *bufio.Reader
+	Timeout time.Duration
+}
+
+// StartPeer starts argv (the test binary, or `ringside bench copy-peer`)
+// with PeerEnv=kind and waits for it to report ready.
+func StartPeer(kind string, argv []string, env ...string) (*Peer, error) {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(append(os.Environ(), env...), PeerEnv+"="+kind)
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &Peer{Kind: kind, cmd: cmd, in: in, out: bufio.NewReader(out), Timeout: 2 * time.Minute}
+	if _, err := p.reply(); err != nil {
+		p.Close()
+		return nil, fmt.Errorf("gputest: %s peer: %w", kind, err)
+	}
+	return p, nil
+}
+
+func (p *Peer) reply() (string, error) {
+	type line struct {
+		s   string
+		err error
+	}
+	ch := make(chan line, 1)
+	go func() { s, err := p.out.ReadString('\n'); ch <- line{s, err} }()
+	select {
+	case l := <-ch:
+		if l.err != nil {
+			return "", fmt.Errorf("reading the peer: %w", l.err)
+		}
+		s := strings.TrimSpace(l.s)
+		if rest, ok := strings.CutPrefix(s, "ok"); ok {
+			return strings.TrimSpace(rest), nil
+		}
+		return "", errors.New(strings.TrimPrefix(s, "err "))
+	case <-time.After(p.Timeout):
+		return "", fmt.Errorf("the peer did not answer within %v", p.Timeout)
+	}
+}
+
+func (p *Peer) do(format string, args ...any) (string, error) {
+	if _, err := fmt.Fprintf(p.in, format+"\n", args...); err != nil {
+		return "", err
+	}
+	return p.reply()
+}
+
+// Alloc allocates n bytes at offset off into a fresh allocation of off+n.
+func (p *Peer) Alloc(n, off uint64) (Export, error) {
+	var e Export
+	s, err := p.do("alloc %d %d", n, off)
+	if err == nil {
+		err = json.Unmarshal([]byte(s), &e)
+	}
+	return e, err
+}
+
+// Write fills buffer id from the start with the contents of file path.
+func (p *Peer) Write(id int, path string) error { _, err := p.do("write %d %s", id, path); return err }
+
+// Read writes the whole buffer id to file path.
+func (p *Peer) Read(id int, path string) error { _, err := p.do("read %d %s", id, path); return err }
+
+// Free releases buffer id.
+func (p *Peer) Free(id int) error { _, err := p.do("free %d", id); return err }
+
+// Close stops the peer and waits for it.
+func (p *Peer) Close() error {
+	p.in.Close()
+	done := make(chan error, 1)
+	go func() { done <- p.cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(30 * time.Second):
+		p.cmd.Process.Kill()
+		return <-done
+	}
+}
+
+// peerBuf is one allocation in the peer.
+type peerBuf struct {
+	host []byte         // host peer: Go heap (process_vm_* reaches it; it never moves)
+	dev  cuda.DevicePtr // cuda peer: allocation base
+	off  uint64
+	n    uint64
+}
+
+// PeerMain serves a peer's requests on stdin/stdout until stdin closes
+// and returns the exit code.
+func PeerMain(kind string) int {
+	out := bufio.NewWriter(os.Stdout)
+	say := func(format string, args ...any) {
+		fmt.Fprintf(out, format+"\n", args...)
+		out.Flush()
+	}
+	// A CUDA context is per thread: the whole loop runs on this one.
+	runtime.LockOSThread()
+	var uuid [16]byte
+	info := ""
+	switch kind {
+	case "host":
+	case "cuda":
+		if err := cuda.Init(); err != nil {
+			say("err %v", err)
+			return 1
+		}
+		d, err := cuda.DeviceGet(0)
+		var ctx cuda.Context
+		if err == nil {
+			ctx, err = d.Retain()
+		}
+		if err == nil {
+			err = ctx.SetCurrent()
+		}
+		if err == nil {
+			uuid, err = d.UUID()
+		}
+		if err != nil {
+			say("err cuda device 0: %v", err)
+			return 1
+		}
+		info, _ = d.Name()
+	default:
+		say("err unknown peer kind %q", kind)
+		return 2
+	}
+	bufs := map[int]*peerBuf{}
+	next := 0
+	say("ok ready %d", os.Getpid())
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		f := strings.Fields(in.Text())
+		if len(f) == 0 {
+			continue
+		}
+		var err error
+		var reply string
+		var id int
+		var b *peerBuf
+		if len(f) >= 2 && f[0] != "alloc" {
+			fmt.Sscan(f[1], &id)
+			if b = bufs[id]; b == nil {
+				say("err no buffer %d", id)
+				continue
+			}
+		}
+		switch {
+		case f[0] == "alloc" && len(f) == 3:
+			var n, off uint64
+			fmt.Sscan(f[1], &n)
+			fmt.Sscan(f[2], &off)
+			next++
+			e := Export{ID: next, Kind: kind, PID: os.Getpid(), Length: n, Info: info}
+			b = &peerBuf{off: off, n: n}
+			if kind == "host" {
+				b.host = make([]byte, off+n)
+				e.Base = procmem.Addr(b.host) + off
+			} else {
+				e.IPC.GPU, e.IPC.Offset = uuid, off
+				if b.dev, err = cuda.MemAlloc(off + n); err == nil {
+					e.Base = uint64(b.dev) + off
+					var ok bool
+					if ok, err = cuda.IPCCapable(b.dev); err == nil && !ok {
+						err = errors.New("allocation is not legacy-IPC capable")
+					}
+					if err == nil {
+						e.IPC.Handle, err = cuda.IPCGetHandle(b.dev)
+					}
+					if err != nil {
+						cuda.MemFree(b.dev)
+					}
+				}
+			}
+			if err == nil {
+				bufs[next] = b
+				var j []byte
+				j, err = json.Marshal(e)
+				reply = string(j)
+			}
+		case f[0] == "write" && len(f) == 3:
+			var data []byte
+			if data, err = os.ReadFile(f[2]); err == nil && uint64(len(data)) > b.n {
+				err = fmt.Errorf("%d bytes do not fit in %d", len(data), b.n)
+			}
+			if err == nil {
+				if kind == "host" {
+					copy(b.host[b.off:], data)
+				} else {
+					err = cuda.MemcpyHtoD(b.dev+cuda.DevicePtr(b.off), data)
+				}
+			}
+		case f[0] == "read" && len(f) == 3:
+			data := make([]byte, b.n)
+			if kind == "host" {
+				copy(data, b.host[b.off:])
+			} else {
+				err = cuda.MemcpyDtoH(data, b.dev+cuda.DevicePtr(b.off))
+			}
+			if err == nil {
+				err = os.WriteFile(f[2], data, 0o600)
+			}
+		case f[0] == "free" && len(f) == 2:
+			if kind == "cuda" {
+				err = cuda.MemFree(b.dev)
+			}
+			delete(bufs, id)
+		default:
+			err = fmt.Errorf("bad request %q", in.Text())
+		}
+		if err != nil {
+			say("err %v", err)
+		} else {
+			say("ok %s", reply)
+		}
+	}
+	for _, b := range bufs {
+		if kind == "cuda" {
+			cuda.MemFree(b.dev)
+		}
+	}
+	return 0
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package gputest
+
+const raceEnabled = false
