@@ -2,6 +2,7 @@ package reliability
 
 import (
 	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -108,8 +109,36 @@ func TestRingFileCorrupted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	overwrite(t, c.Info().CompletionRing, 128, 8) // the tail word
-	cerr := c.Ping(1)
+	// Garbage in the first reply record's header, written after the sidecar
+	// published it (garbage written earlier would be overwritten by the
+	// sidecar's own record, or its tail store).
+	seq, err := c.Submit(schema.TypePing, schema.IDRequest{ID: 1}.Append(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, err := ring.Open(c.Info().CompletionRing, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		if tail, head := cf.Positions(); tail > head {
+			break
+		}
+		if i == 2000 {
+			t.Fatal("the sidecar never published the reply")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cf.Close()
+	garbage := make([]byte, 4)
+	binary.LittleEndian.PutUint32(garbage, 0xFFFFFFF0) // a length past any record
+	if fh, err := os.OpenFile(c.Info().CompletionRing, os.O_RDWR, 0); err != nil {
+		t.Fatal(err)
+	} else {
+		fh.WriteAt(garbage, ring.HeaderSize) // the first record's length field
+		fh.Close()
+	}
+	_, cerr := c.Await(seq)
 	if cerr == nil || !errors.Is(cerr, ring.ErrCorrupt) {
 		t.Errorf("client on a corrupt completion ring: %v, want ErrCorrupt", cerr)
 	}

@@ -521,7 +521,9 @@ func testBounds(t *testing.T, b *backend) {
 
 // testLifecycle: many concurrent ops; Unregister waits for them all.
 func testLifecycle(t *testing.T, b *backend) {
-	const pageSize, pages = 16 << 10, 32
+	// 200 ops in flight at once, each on its own engine page and pool block
+	// (concurrent ops on the same bytes would be the caller's race).
+	const pageSize, pages = 16 << 10, 200
 	exp := b.side.alloc(t, pageSize*pages, 0)
 	h, err := b.engine.Register(b.region(exp, pageSize, pages, nil))
 	if err != nil {

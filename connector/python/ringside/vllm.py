@@ -480,7 +480,8 @@ class RingsideConnector(KVConnectorBase_V1):
         # Yama ptrace_scope 1 (no capability needed in the sidecar).
         s.allow_sidecar_ptrace()
         try:
-            s.register_region(REGION_ID, g["base"], g["length"], g["page_size"], g["page_count"], g["segments"])
+            s.register_region(REGION_ID, g["base"], g["length"], g["page_size"], g["page_count"], g["segments"],
+                              kind=g["kind"], extra=g["extra"])
         except RingsideError as e:
             logger.warning("ringside: registering the KV cache failed (%s); serving without the cache", e)
             self._fail(e)
@@ -532,6 +533,10 @@ class RingsideConnector(KVConnectorBase_V1):
         s = self._register()
         if s is None:
             return
+        if self.region.get("kind") == _s.REGION_CUDA_IPC:
+            # The sidecar's device-to-host copies run on its own streams: the
+            # forward pass that wrote these blocks must be finished first.
+            torch.cuda.current_stream().synchronize()
         seqs = []
         try:
             for spec in meta.stores:
@@ -671,9 +676,9 @@ def _describe_region(kv_caches: dict[str, torch.Tensor]) -> Optional[dict]:
             continue
         seen.add(key)
         tensors.append((name, t))
-    if any(t.device.type != "cpu" for _, t in tensors):
-        logger.warning("ringside: GPU KV caches need the sidecar's CUDA copy backend, which is not available "
-                       "yet; serving without the cache")
+    devices = {t.device.type for _, t in tensors}
+    if len(devices) != 1 or devices - {"cpu", "cuda"}:
+        logger.warning("ringside: KV caches on %s are not supported; serving without the cache", sorted(devices))
         return None
     segments = []
     num_blocks = None
@@ -700,13 +705,53 @@ def _describe_region(kv_caches: dict[str, torch.Tensor]) -> Optional[dict]:
         num_blocks = nb
     base = min(seg[0] for seg in segments)
     end = max(seg[0] + seg[1] * (num_blocks - 1) + seg[2] for seg in segments)
-    return {
+    region = {
         "base": base,
         "length": end - base,
         "page_count": num_blocks,
         "page_size": sum(seg[2] for seg in segments),
         "segments": [(seg[0] - base, seg[1], seg[2]) for seg in segments],
+        "kind": _s.REGION_HOST_PROCESS,
+        "extra": b"",
     }
+    if "cuda" in devices:
+        try:
+            region["extra"] = _cuda_ipc_extra([t for _, t in tensors], base)
+        except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
+            logger.warning("ringside: cannot share the GPU KV cache with the sidecar (%s); serving without the cache", e)
+            return None
+        region["kind"] = _s.REGION_CUDA_IPC
+    return region
+
+
+def _cuda_ipc_extra(tensors, base: int) -> bytes:
+    """The RegisterRegion extra bytes of a GPU KV cache: the CUDA IPC handle
+    of the one allocation holding every layer (deduplicated by allocation),
+    the GPU's UUID and the offset of ``base`` in that allocation.
+
+    Not verified on a GPU yet (none was available to the project so far).
+    Memory that CUDA IPC cannot share (PyTorch expandable segments, vLLM's
+    sleep-mode allocator) makes _share_cuda_ fail, and the engine then runs
+    without the cache."""
+    allocs = {}
+    device = None
+    for t in tensors:
+        st = t.untyped_storage()
+        dev, handle, _size, offset = st._share_cuda_()[:4]
+        alloc_base = st.data_ptr() - int(offset)
+        allocs.setdefault(alloc_base, bytes(handle))
+        device = dev
+    if len(allocs) != 1:
+        raise ValueError("the KV cache spans %d allocations; ringside needs all layers of a rank in one "
+                         "allocation (vLLM's default single KV buffer)" % len(allocs))
+    (alloc_base, handle), = allocs.items()
+    if len(handle) != 64:
+        raise ValueError("CUDA IPC handle of %d bytes, want 64" % len(handle))
+    uuid = torch.cuda.get_device_properties(device).uuid
+    raw = getattr(uuid, "bytes", None) or bytes(uuid)
+    if len(raw) != 16:
+        raise ValueError("GPU UUID of %d bytes, want 16" % len(raw))
+    return _s.encode_cuda_ipc_extra(handle, raw, base - alloc_base)
 
 
 def _contiguous_bytes(shape, stride, es) -> Optional[int]:
