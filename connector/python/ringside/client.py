@@ -365,6 +365,15 @@ class Session:
             raise ValueError("seq %d was never submitted" % seq)
         return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout)
 
+    def send(self, type: int, payload=b"") -> None:  # noqa: A002
+        """Send one request whose reply nobody waits for (fire and forget):
+        its reply is discarded when it arrives. Records are handled in order,
+        so a later request sees this one's effect (e.g. a PutHashes before
+        the Lookup that uses the batch); an error in it shows up as an error
+        of the requests that depend on it."""
+        seq = self.submit(type, payload)
+        self._abandon(seq)
+
     def sidecar_pid(self) -> int:
         """The sidecar's pid as the kernel recorded it for the socket
         (SO_PEERCRED), or 0 when unknown."""

@@ -291,7 +291,7 @@ class RingsideConnector(KVConnectorBase_V1):
         else:
             logger.debug("ringside: %s", err)
 
-    def _tracked(self, request: "Request", s: Session) -> Optional[_Req]:
+    def _tracked(self, request: "Request", s: Session, sync: bool = False) -> Optional[_Req]:
         """The request's state with its hashes registered up to now (once per
         request, then appended as blocks fill)."""
         rid = request.request_id
@@ -302,7 +302,16 @@ class RingsideConnector(KVConnectorBase_V1):
             self._reqs[rid] = r
         hashes = request.block_hashes
         if len(hashes) > r.registered:
-            s.put_hashes(r.batch, b"".join(hashes[r.registered:]), append=r.registered > 0)
+            new = b"".join(hashes[r.registered:])
+            if sync:
+                # A worker's Store will refer to these hashes from another
+                # session: wait until the sidecar has them.
+                s.put_hashes(r.batch, new, append=r.registered > 0)
+            else:
+                # Fire and forget: the lookup that follows on this session is
+                # handled after it; a failed put shows up as a miss there.
+                s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(
+                    r.batch, new, 32, _s.FLAG_APPEND if r.registered > 0 else 0))
             r.registered = len(hashes)
         return r
 
@@ -310,12 +319,12 @@ class RingsideConnector(KVConnectorBase_V1):
         s = self._session()
         if s is None:
             return 0, False
+        # Leave at least one token to compute: vLLM needs a forward pass.
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        if usable <= 0:
+            return 0, False
         try:
             r = self._tracked(request, s)
-            # Leave at least one token to compute: vLLM needs a forward pass.
-            usable = min(r.registered, (request.num_tokens - 1) // self.block_size)
-            if usable <= 0:
-                return 0, False
             hits = s.lookup(r.batch, 0, usable)
         except RingsideError as e:
             self._fail(e)
@@ -337,7 +346,7 @@ class RingsideConnector(KVConnectorBase_V1):
             if s is None:
                 return
             try:
-                r = self._tracked(request, s)
+                r = self._tracked(request, s, sync=True)
             except RingsideError as e:
                 self._fail(e)
                 return
@@ -419,8 +428,10 @@ class RingsideConnector(KVConnectorBase_V1):
         if r.generation != self.link.generation:
             return  # registered with an older sidecar session: skip (a miss)
         done = num_computed + so.num_scheduled_tokens.get(rid, 0)
+        if min(done // self.block_size, len(r.block_ids)) <= r.stored:
+            return  # no block becomes full in this step
         try:
-            r2 = self._tracked(r.request, s)
+            r2 = self._tracked(r.request, s, sync=True)
         except RingsideError as e:
             self._fail(e)
             return
@@ -442,7 +453,7 @@ class RingsideConnector(KVConnectorBase_V1):
             r.load = None
             if lease and s is not None and r.generation == self.link.generation:
                 try:
-                    s.release(lease)
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(lease))
                 except RingsideError as e:
                     self._fail(e)
 
@@ -454,8 +465,8 @@ class RingsideConnector(KVConnectorBase_V1):
         if r is not None and s is not None and r.generation == self.link.generation:
             try:
                 if r.load and r.load.get("lease"):
-                    s.release(r.load["lease"])
-                s.drop_hashes(r.batch)
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(r.load["lease"]))
+                s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch))
             except RingsideError as e:
                 self._fail(e)
         return False, None
