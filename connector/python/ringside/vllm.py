@@ -364,9 +364,13 @@ class RingsideConnector(KVConnectorBase_V1):
         r.load = load
         s = self._session()
         if s is not None and r.generation == self.link.generation:
+            # Submitted now, collected in build_connector_meta: the step's
+            # acquires overlap instead of waiting one round trip each.
             try:
-                lr = s.acquire(r.batch, start, count, ttl=self.lease_ttl)
-                load["lease"], load["state"], load["blocks"] = lr.lease, lr.state, lr.blocks
+                ttl_ms = max(1, int(self.lease_ttl * 1000))
+                load["seq"] = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, ttl_ms))
+                load["state"] = None
+                load["gen"] = self.link.generation
             except RingsideError as e:
                 self._fail(e)
         self._waiting_loads[rid] = r
@@ -381,6 +385,16 @@ class RingsideConnector(KVConnectorBase_V1):
             for rid in list(self._waiting_loads):
                 r = self._waiting_loads[rid]
                 ld = r.load
+                if ld.get("seq"):
+                    seq, ld["seq"] = ld["seq"], 0
+                    ld["state"] = _s.State.MISS
+                    if s is not None and ld.get("gen") == self.link.generation:
+                        try:
+                            lr = _s.decode_lease_reply(s.await_reply(seq))
+                            if lr.status == _s.Status.OK:
+                                ld["lease"], ld["state"], ld["blocks"] = lr.lease, lr.state, lr.blocks
+                        except (RingsideError, _s.SchemaError) as e:
+                            self._fail(e)
                 if ld["state"] == _s.State.WAITING and s is not None:
                     try:
                         ld["state"] = s.poll(ld["lease"]).state
@@ -464,10 +478,13 @@ class RingsideConnector(KVConnectorBase_V1):
         s = self.link.session
         if r is not None and s is not None and r.generation == self.link.generation:
             try:
+                if r.load and r.load.get("seq"):  # acquired, never collected
+                    lr = _s.decode_lease_reply(s.await_reply(r.load["seq"]))
+                    r.load["lease"] = lr.lease if lr.status == _s.Status.OK else 0
                 if r.load and r.load.get("lease"):
                     s.send(_s.TYPE_RELEASE, _s.encode_release(r.load["lease"]))
                 s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch))
-            except RingsideError as e:
+            except (RingsideError, _s.SchemaError) as e:
                 self._fail(e)
         return False, None
 
