@@ -83,6 +83,11 @@ __all__ = [
 ]
 
 
+import logging as _logging
+
+_log = _logging.getLogger("ringside.client")
+
+
 class RingsideUnavailable(RingsideError):
     """The sidecar is gone or unusable (socket refused, peer dead or closed,
     ring corrupt). ``status`` is None: no reply carried it. Treat as a miss."""
@@ -548,3 +553,56 @@ class Session:
     def __repr__(self) -> str:
         st = "closed" if self._closed else ("dead" if self._dead else "attached")
         return "<ringside.Session %d %s>" % (self.info.session, st)
+
+
+class Link:
+    """A sidecar session that is re-attached lazily after a failure, for
+    engine plugins: ``get`` returns the session, or None meaning "no sidecar
+    now" (the caller treats it as a miss) and tries to attach again at most
+    once per ``reattach`` seconds. ``generation`` counts attaches, so ids
+    from an older session can be recognised as void. ``miss_text`` says in
+    the logs what the engine does meanwhile."""
+
+    def __init__(self, socket: str, timeout: float, reattach: float, attach: dict,
+                 miss_text: str = "serving without the cache"):
+        self.socket, self.timeout, self.reattach, self.attach_args = socket, timeout, reattach, attach
+        self.miss_text = miss_text
+        self.session: Optional[Session] = None
+        self.generation = 0
+        self._next_try = 0.0
+        self._warned = False
+
+    def get(self) -> Optional[Session]:
+        if self.session is not None:
+            return self.session
+        now = _monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.reattach
+        try:
+            self.session = Session.attach(self.socket, timeout=self.timeout, **self.attach_args)
+        except (RingsideError, OSError, ValueError) as e:
+            if not self._warned:
+                _log.warning("ringside: sidecar not available at %s (%s); %s, retrying every %.0fs",
+                             self.socket, e, self.miss_text, self.reattach)
+                self._warned = True
+            return None
+        self.generation += 1
+        self._warned = False
+        _log.info("ringside: attached to the sidecar at %s (session %d)", self.socket, self.session.info.session)
+        return self.session
+
+    def drop(self, err: Exception) -> None:
+        """Forget a failed session (the sidecar reclaims whatever it held)."""
+        if self.session is not None:
+            _log.warning("ringside: sidecar session lost (%s); %s", err, self.miss_text)
+            try:
+                self.session.abandon()
+            except Exception:  # noqa: BLE001
+                pass
+        self.session = None
+
+    def close(self) -> None:
+        s, self.session = self.session, None
+        if s is not None:
+            s.close()

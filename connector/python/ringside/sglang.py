@@ -87,7 +87,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from . import schema as _s
-from .client import DEFAULT_SOCKET, RingsideError, RingsideTimeout, RingsideUnavailable, Session
+from .client import DEFAULT_SOCKET, Link, RingsideError, RingsideTimeout, RingsideUnavailable, Session
 
 logger = logging.getLogger("ringside.sglang")
 
@@ -132,51 +132,13 @@ def _next_batch_id() -> int:
 # Sessions
 
 
-class _Link:
-    """One thread's sidecar session, re-attached lazily after a failure.
-    ``get`` returning None means "no sidecar now": a miss."""
+class _Link(Link):
+    """One thread's sidecar session (see client.Link), plus the regions
+    registered in it."""
 
     def __init__(self, socket: str, timeout: float, reattach: float, attach: dict):
-        self.socket, self.timeout, self.reattach, self.attach_args = socket, timeout, reattach, attach
-        self.session: Optional[Session] = None
-        self.generation = 0
+        super().__init__(socket, timeout, reattach, attach, miss_text="HiCache storage misses")
         self.regions: dict = {}  # region id -> generation it was registered in
-        self._next_try = 0.0
-        self._warned = False
-
-    def get(self) -> Optional[Session]:
-        if self.session is not None:
-            return self.session
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + self.reattach
-        try:
-            self.session = Session.attach(self.socket, timeout=self.timeout, **self.attach_args)
-        except (RingsideError, OSError, ValueError) as e:
-            if not self._warned:
-                logger.warning("ringside: sidecar not available at %s (%s); HiCache storage misses, "
-                               "retrying every %.0fs", self.socket, e, self.reattach)
-                self._warned = True
-            return None
-        self.generation += 1
-        self._warned = False
-        logger.info("ringside: attached to the sidecar at %s (session %d)", self.socket, self.session.info.session)
-        return self.session
-
-    def drop(self, err: Exception) -> None:
-        if self.session is not None:
-            logger.warning("ringside: sidecar session lost (%s); HiCache storage misses until it is back", err)
-            try:
-                self.session.abandon()
-            except Exception:  # noqa: BLE001
-                pass
-        self.session = None
-
-    def close(self) -> None:
-        s, self.session = self.session, None
-        if s is not None:
-            s.close()
 
 
 class _UnknownBatch(Exception):

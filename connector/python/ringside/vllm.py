@@ -45,11 +45,9 @@ shutdown and every ``stats_every`` steps, for tests and operators).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -62,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import schema as _s
-from .client import RingsideError, RingsideTimeout, Session
+from .client import Link, RingsideError, RingsideTimeout, Session
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -151,54 +149,6 @@ def _hash_seed_warning(vllm_config: "VllmConfig") -> Optional[str]:
     return None
 
 
-class _Link:
-    """A sidecar session that is re-attached lazily after a failure. Every
-    method of the connector goes through ``get``; a None answer means
-    "no sidecar now": the caller treats it as a miss."""
-
-    def __init__(self, socket: str, timeout: float, reattach: float, **attach: Any):
-        self.socket, self.timeout, self.reattach, self.attach_args = socket, timeout, reattach, attach
-        self.session: Optional[Session] = None
-        self.generation = 0  # bumped on each new attach: ids from older sessions are void
-        self._next_try = 0.0
-        self._warned = False
-
-    def get(self) -> Optional[Session]:
-        if self.session is not None:
-            return self.session
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + self.reattach
-        try:
-            self.session = Session.attach(self.socket, timeout=self.timeout, **self.attach_args)
-        except (RingsideError, OSError, ValueError) as e:
-            if not self._warned:
-                logger.warning("ringside: sidecar not available at %s (%s); serving without the cache, "
-                               "retrying every %.0fs", self.socket, e, self.reattach)
-                self._warned = True
-            return None
-        self.generation += 1
-        self._warned = False
-        logger.info("ringside: attached to the sidecar at %s (session %d)", self.socket, self.session.info.session)
-        return self.session
-
-    def drop(self, err: Exception) -> None:
-        """Forget a failed session (the sidecar reclaims whatever it held)."""
-        if self.session is not None:
-            logger.warning("ringside: sidecar session lost (%s); serving without the cache", err)
-            try:
-                self.session.abandon()
-            except Exception:  # noqa: BLE001
-                pass
-        self.session = None
-
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
-
-
 # --------------------------------------------------------------------------
 # The connector.
 
@@ -260,15 +210,15 @@ class RingsideConnector(KVConnectorBase_V1):
             warn = _hash_seed_warning(vllm_config)
             if warn:
                 logger.warning("ringside: %s", warn)
-            self.link = _Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
-                              role=_s.ROLE_SCHEDULER, rank=0, **attach)
+            self.link = Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
+                             dict(attach, role=_s.ROLE_SCHEDULER, rank=0))
             self._reqs: dict[str, _Req] = {}
             self._next_batch = 0
             self._waiting_loads: dict[str, _Req] = {}
         else:
             rank = _tp_rank()
-            self.link = _Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
-                              role=_s.ROLE_WORKER, rank=rank, **attach)
+            self.link = Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
+                             dict(attach, role=_s.ROLE_WORKER, rank=rank))
             self.region: Optional[dict] = None
             self._region_gen = -1
             self._inflight: dict[str, list] = {}  # req_id -> [(seq, spec)]
@@ -804,6 +754,3 @@ def register_plugin() -> None:
     except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM's start
         logger.warning("ringside: could not register the vLLM connector: %s", e)
 
-
-# Silence "imported but unused" for names kept for type annotations.
-_ = (hashlib, threading)
