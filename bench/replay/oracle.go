@@ -40,7 +40,21 @@ func (o OracleResult) HitRatio() float64 { return ratio(o.HitPages, o.TotalPages
 // These are the semantics of sidecar/cache (doc.go, "Recency and
 // eviction"); with --sequential the live sidecar must agree exactly.
 func Oracle(w *Workload, capacity int) OracleResult {
-	n := w.NumPageIDs()
+	reqs := make([][]uint32, len(w.Requests))
+	for i := range w.Requests {
+		reqs[i] = w.Requests[i].Pages
+	}
+	return OraclePages(reqs, w.NumPageIDs(), capacity)
+}
+
+// OraclePages is Oracle over plain page-id sequences: reqs[i] holds the
+// page ids of request i in prefix order (distinct within a request, as
+// chained digests are), each in [0, numIDs), and the requests are replayed in slice order through
+// the same model of sidecar/cache (world size 1, capacity slots). Any
+// dense numbering of the digests will do: a page id stands for one
+// digest.
+func OraclePages(reqs [][]uint32, numIDs, capacity int) OracleResult {
+	n := numIDs
 	const (
 		absent uint8 = iota
 		present
@@ -73,10 +87,9 @@ func Oracle(w *Workload, capacity int) OracleResult {
 		pushFront(p)
 	}
 	used := 0 // present + writing slots
-	res := OracleResult{CapacityPages: capacity, Requests: len(w.Requests)}
+	res := OracleResult{CapacityPages: capacity, Requests: len(reqs)}
 	var written []int32
-	for _, r := range w.Requests {
-		pages := r.Pages
+	for _, pages := range reqs {
 		res.TotalPages += int64(len(pages))
 		h := 0
 		for h < len(pages) && state[pages[h]] == present {

@@ -103,6 +103,33 @@ func TestOracleMatchesCache(t *testing.T) {
 	}
 }
 
+// TestOraclePagesRenumbered checks that OraclePages depends only on which
+// requests share which pages, not on the ids: the trace renumbered densely
+// in order of first use gives Oracle's result.
+func TestOraclePagesRenumbered(t *testing.T) {
+	w, err := Load([]string{testTrace}, LoadOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := map[uint32]uint32{}
+	reqs := make([][]uint32, len(w.Requests))
+	for i, r := range w.Requests {
+		for _, p := range r.Pages {
+			id, ok := ids[p]
+			if !ok {
+				id = uint32(len(ids))
+				ids[p] = id
+			}
+			reqs[i] = append(reqs[i], id)
+		}
+	}
+	for _, capacity := range []int{16, 512, 4096} {
+		if got, want := OraclePages(reqs, len(ids), capacity), Oracle(w, capacity); got != want {
+			t.Errorf("capacity %d:\npages  %+v\noracle %+v", capacity, got, want)
+		}
+	}
+}
+
 func TestOracleSemantics(t *testing.T) {
 	// Hand-made pages: w.Requests with page ids only (digests unused).
 	mk := func(reqs ...[]uint32) *Workload {
