@@ -11,7 +11,7 @@ GOLANGCI_LINT := $(TOOLS)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv sglang-venv soak bench-vllm
+.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm
 
 all: build
 
@@ -65,12 +65,18 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeHeader$$' -fuzztime $(FUZZTIME) ./ring/
 	$(GO) test -run '^$$' -fuzz '^FuzzConsumer$$' -fuzztime $(FUZZTIME) ./ring/
 
-# The reliability soak (not part of make test): engine processes replay the
-# conversation trace with random restarts against a real sidecar; checks
-# RSS, goroutine and fd growth and leaked leases. SOAK=2m for a short one.
+# The reliability soak (not part of make test): three engine processes replay
+# the conversation trace, one request at a time in trace order, with random
+# restarts, against a real sidecar; checks RSS, goroutine and fd growth,
+# leaked leases, and a hit rate equal to the offline LRU model exactly.
+# SOAK=2m for a short one. reliability-report runs the whole suite with the
+# soak and regenerates docs/reliability.md.
 SOAK ?= 10m
 soak:
 	RINGSIDE_SOAK=$(SOAK) $(GO) test -count=1 -timeout 0 -run '^TestSoak$$' -v ./reliability/
+
+reliability-report:
+	RINGSIDE_SOAK=$(SOAK) RINGSIDE_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md $(GO) test -count=1 -timeout 0 ./reliability/
 
 bench: build
 	./$(BIN) bench ring

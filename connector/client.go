@@ -234,6 +234,15 @@ func (c *Client) PutHashes(batch uint64, digests []byte, appendTo bool) (int, er
 	return int(n), err
 }
 
+// PutHashesLookup registers digests as a new batch and returns what a
+// Lookup of the whole batch answers (the number of leading blocks the
+// sidecar holds), in one round trip (FlagLookup).
+func (c *Client) PutHashesLookup(batch uint64, digests []byte) (int, error) {
+	m := schema.PutHashes{Batch: batch, Flags: schema.FlagLookup, Digests: digests}
+	n, err := c.simple(schema.TypePutHashes, m.Append(nil, c.opts.DigestWidth))
+	return int(n), err
+}
+
 // DropHashes forgets a batch.
 func (c *Client) DropHashes(batch uint64) error {
 	_, err := c.simple(schema.TypeDropHashes, schema.IDRequest{ID: batch}.Append(nil))

@@ -130,6 +130,9 @@ func writeReport(path string) error {
 		Platform: runtime.GOOS + "/" + runtime.GOARCH, CPUs: runtime.NumCPU(), Race: raceEnabled, Mode: mode(),
 		Command: "RINGSIDE_RELIABILITY_REPORT=docs/reliability.md go test -count=1 ./reliability/",
 	}
+	if d := soakDuration(); d > 0 {
+		env.Command = fmt.Sprintf("RINGSIDE_SOAK=%v %s -timeout 0", d, env.Command)
+	}
 	err = WriteReport(f, env, rows)
 	if cerr := f.Close(); err == nil {
 		err = cerr

@@ -329,6 +329,9 @@ func TestSoak(t *testing.T) {
 	warm := min(time.Minute, dur/2)
 	t0 := time.Now()
 	var warmRSS, lastRSS, warmSum, lastSum, warmN, lastN int64
+	// RSS is compared as means over windows long against the garbage
+	// collector's cycle (a few seconds here): 30 s, or half the warm-up.
+	win := min(30*time.Second, warm/2)
 	restarts := 0
 	nextRestart := t0.Add(time.Duration(2000+rng.IntN(6000)) * time.Millisecond)
 	var samples []string
@@ -359,14 +362,14 @@ func TestSoak(t *testing.T) {
 			continue
 		}
 		lastSample = time.Now()
-		// RSS is averaged over 5 s windows: the one ending at warm-up and
+		// RSS is averaged over two windows: the one ending at warm-up and
 		// the last one.
 		el := time.Since(t0)
 		rss := rssKiB(sc.pid())
-		if el > warm-5*time.Second && el <= warm {
+		if el > warm-win && el <= warm {
 			warmSum, warmN = warmSum+rss, warmN+1
 		}
-		if el > dur-5*time.Second {
+		if el > dur-win {
 			lastSum, lastN = lastSum+rss, lastN+1
 		}
 		if len(samples) < int(el/(15*time.Second)) {
@@ -430,6 +433,6 @@ func TestSoak(t *testing.T) {
 	row.add("%d requests (%s, trace order from request %d), %d engine restarts; live hit rate %.4f (%d/%d blocks) = offline LRU of %d slots over the same requests in the same order %.4f (%d/%d blocks), exactly; sidecar counters = model: %d stores, %d NoSpace, %d evictions, %d blocks resident at the end",
 		len(order), filepath.Base(src), first, restarts, float64(hit)/float64(max(asked, 1)), hit, asked, slots, o.HitRatio(), o.HitPages, o.TotalPages,
 		p.Stores, p.NoSpace, p.Evictions, p.Blocks)
-	row.add("VmRSS %d KiB at the end of warm-up (%v), %d KiB at the end (5 s means) (%+.2f%%); goroutines %v idle → %v idle after; fds %d → %d; at the end 0 leases, 0 pins, 0 writes, free+used = capacity", warmRSS, warm, lastRSS, drift, idleG, endG, idleFD, endFD)
+	row.add("VmRSS %d KiB at the end of warm-up (%v), %d KiB at the end (means over the last %v of each: the Go heap's garbage-collection sawtooth moves single samples by ±3%%) (%+.2f%%); goroutines %v idle → %v idle after; fds %d → %d; at the end 0 leases, 0 pins, 0 writes, free+used = capacity", warmRSS, warm, lastRSS, win, drift, idleG, endG, idleFD, endFD)
 	row.add("samples: %s", strings.Join(samples, " "))
 }

@@ -212,7 +212,14 @@ type PutHashes struct {
 }
 
 // PutHashes flags.
-const FlagAppend uint32 = 1
+const (
+	// FlagAppend appends the digests to an existing batch.
+	FlagAppend uint32 = 1
+	// FlagLookup makes the reply a Lookup of the whole batch after the call
+	// (its value is the number of leading digests the cache holds, not the
+	// batch length): admission in one record instead of two.
+	FlagLookup uint32 = 2
+)
 
 // Append encodes m; width is the session's digest width (8, 16 or 32) and
 // len(m.Digests) must be a multiple of it.
@@ -237,7 +244,7 @@ func (m *PutHashes) Decode(b []byte, width int) error {
 	if r.err == nil && n > MaxHashesPerRecord {
 		r.fail("%d hashes, at most %d per record", n, MaxHashesPerRecord)
 	}
-	if r.err == nil && m.Flags&^FlagAppend != 0 {
+	if r.err == nil && m.Flags&^(FlagAppend|FlagLookup) != 0 {
 		r.fail("unknown flags %#x", m.Flags)
 	}
 	m.Digests = r.bytes(int(n) * width)

@@ -80,7 +80,7 @@ var (
 		PoolPath: "/dev/hugepages/ringside-pool", Message: "welcome",
 	}
 	sPutHashes32 = schema.PutHashes{Batch: 0x1122334455667788, Flags: schema.FlagAppend, Digests: digests(3, 32, 1)}
-	sPutHashes8  = schema.PutHashes{Batch: 0x0102030405060708, Flags: schema.FlagAppend, Digests: digests(5, 8, 9)}
+	sPutHashes8  = schema.PutHashes{Batch: 0x0102030405060708, Flags: schema.FlagLookup, Digests: digests(5, 8, 9)}
 	sDropHashes  = schema.IDRequest{ID: 0x1122334455667788}
 	sPoll        = schema.IDRequest{ID: 0x99AABBCCDDEEFF01}
 	sRelease     = schema.IDRequest{ID: 0x99AABBCCDDEEFF02}
@@ -376,13 +376,13 @@ func TestPutHashesLimits(t *testing.T) {
 			wantMalformed(t, err, "encoded width %d decoded as 16", width)
 		}
 	}
-	for _, flags := range []uint32{2, 4, 0x80000000, 3, 0xffffffff} {
+	for _, flags := range []uint32{4, 8, 0x80000000, 7, 0xffffffff} {
 		b := (&schema.PutHashes{Batch: 1, Flags: flags, Digests: digests(1, 8, 0)}).Append(nil, 8)
 		var got schema.PutHashes
 		err := got.Decode(b, 8)
 		wantMalformed(t, err, "flags %#x", flags)
 	}
-	for _, flags := range []uint32{0, schema.FlagAppend} {
+	for _, flags := range []uint32{0, schema.FlagAppend, schema.FlagLookup, schema.FlagAppend | schema.FlagLookup} {
 		b := (&schema.PutHashes{Batch: 1, Flags: flags, Digests: digests(1, 8, 0)}).Append(nil, 8)
 		var got schema.PutHashes
 		if err := got.Decode(b, 8); err != nil || got.Flags != flags {

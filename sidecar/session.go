@@ -472,7 +472,15 @@ func (ss *session) putHashes(rec ring.Record) error {
 	b = append(b, m.Digests...) // copies: the payload aliases the ring
 	ss.inst.batches[m.Batch] = b
 	ss.inst.hashBytes += len(m.Digests)
-	ss.sendLocked(rec.Type, rec.Seq, schema.Reply{Value: uint64(len(b) / ss.inst.width)})
+	v := uint64(len(b) / ss.inst.width)
+	if m.Flags&schema.FlagLookup != 0 {
+		hits, err := s.cache.Lookup(ss.inst.ns, b)
+		if err != nil {
+			return err
+		}
+		v = uint64(hits)
+	}
+	ss.sendLocked(rec.Type, rec.Seq, schema.Reply{Value: v})
 	return nil
 }
 

@@ -158,6 +158,29 @@ func TestStoreLookupAcquireLoad(t *testing.T) {
 	if n, err := c.Lookup(schema.View{Batch: 1, Start: 2, Count: 3}); err != nil || n != 3 {
 		t.Fatalf("lookup of a middle view: %d %v", n, err)
 	}
+	// FlagLookup: registration and a lookup of the whole batch in one record.
+	for _, tc := range []struct {
+		batch uint64
+		d     []byte
+		want  int
+	}{
+		{10, d, 6},        // the 6 stored blocks lead
+		{11, d[:4*32], 4}, // all present
+		{12, append(digests("other", 1), d...), 0}, // a miss first
+	} {
+		if n, err := c.PutHashesLookup(tc.batch, tc.d); err != nil || n != tc.want {
+			t.Fatalf("put+lookup of batch %d: %d %v, want %d", tc.batch, n, err, tc.want)
+		}
+		if n, err := c.Lookup(schema.View{Batch: tc.batch, Count: uint32(len(tc.d) / 32)}); err != nil || n != tc.want {
+			t.Fatalf("lookup of batch %d: %d %v, want %d", tc.batch, n, err, tc.want)
+		}
+		if err := c.DropHashes(tc.batch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := c.PutHashesLookup(1, d); status(err) != schema.ErrCodeDuplicate {
+		t.Fatalf("put+lookup of a registered batch: %v", err)
+	}
 	l, err := c.Acquire(schema.View{Batch: 1, Count: 8}, time.Minute)
 	if err != nil || l.Blocks != 6 || l.State != schema.StateReady || l.Lease == 0 {
 		t.Fatalf("acquire: %+v %v", l, err)

@@ -215,6 +215,7 @@ class Session:
         self._abandoned: Dict[int, None] = {}
         self._dead: Optional[str] = None
         self._closed = False
+        self._unwoken = False  # records published with wake=False since the last wake
 
     # -- attach / detach -------------------------------------------------------
 
@@ -346,17 +347,53 @@ class Session:
         self._dead = "%s: %s" % (type(e).__name__, e)
         return RingsideUnavailable(self._dead)
 
-    def submit(self, type: int, payload=b"") -> int:  # noqa: A002 (mirrors the record field)
+    def submit(self, type: int, payload=b"", wake: bool = True) -> int:  # noqa: A002 (mirrors the record field)
         """Send one request record without waiting; returns its correlation
         number for :meth:`await_reply`. Waits for ring space at most the
-        session timeout."""
+        session timeout.
+
+        wake=False publishes the record without waking a parked sidecar loop
+        (a futex wake costs a system call, and tens of microseconds on a
+        virtual machine): it is handled when something wakes the loop, at the
+        latest at the end of the loop's current park slice (10 ms). Every
+        wait for a reply (await_reply, the synchronous calls) and kick() wake
+        it first, so a pipelined request is never left waiting for the slice."""
         self._check()
         self._seq = seq = self._seq + 1
         try:
-            self._prod.write(payload, type, 0, seq, _monotonic() + self.timeout)
+            self._prod.write(payload, type, 0, seq, _monotonic() + self.timeout, wake=wake)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
+        if not wake:
+            self._unwoken = True
         return seq
+
+    def kick(self) -> None:
+        """Wake the sidecar's loop if records were published without waking
+        it (submit/send with wake=False) and it is parked."""
+        if self._unwoken:
+            self._unwoken = False
+            try:
+                self._prod.wake_consumer()
+            except OSError as e:
+                raise self._fail(e) from None
+
+    def drain(self) -> None:
+        """Consume every reply that has arrived, without waiting: replies to
+        fire-and-forget sends are discarded, others kept for their callers.
+        Call it now and then on a session that mostly sends, so that the
+        completion ring never fills."""
+        self._check()
+        cons = self._cons
+        try:
+            while True:
+                rec = cons.next()
+                if rec is None:
+                    cons.commit()
+                    return
+                self._stash(rec[2], rec[3])
+        except _UNAVAILABLE as e:
+            raise self._fail(e) from None
 
     def await_reply(self, seq: int, timeout: Optional[float] = None) -> bytes:
         """The reply payload of request seq (whatever its status), waiting at
@@ -368,15 +405,16 @@ class Session:
         self._check()
         if not 0 < seq <= self._seq:
             raise ValueError("seq %d was never submitted" % seq)
+        self.kick()
         return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout)
 
-    def send(self, type: int, payload=b"") -> None:  # noqa: A002
+    def send(self, type: int, payload=b"", wake: bool = True) -> None:  # noqa: A002
         """Send one request whose reply nobody waits for (fire and forget):
         its reply is discarded when it arrives. Records are handled in order,
         so a later request sees this one's effect (e.g. a PutHashes before
         the Lookup that uses the batch); an error in it shows up as an error
-        of the requests that depend on it."""
-        seq = self.submit(type, payload)
+        of the requests that depend on it. wake: see submit()."""
+        seq = self.submit(type, payload, wake)
         self._abandon(seq)
 
     def sidecar_pid(self) -> int:
@@ -476,6 +514,7 @@ class Session:
             self._prod.write(payload, typ, 0, seq, _monotonic() + t)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
+        self._unwoken = False  # the write woke the loop: it handles earlier records first
         return self._await(seq, decode, t)
 
     # -- requests --------------------------------------------------------------

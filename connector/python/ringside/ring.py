@@ -732,9 +732,12 @@ class Producer:
         if n:
             self._data[start:start + n] = payload
 
-    def publish(self) -> None:
+    def publish(self, wake: bool = True) -> None:
         """Make every record claimed so far visible with one store of tail, and
-        wake the consumer only if it is parked."""
+        wake the consumer only if it is parked.  With wake=False a parked
+        consumer is left asleep: it sees the records when something else wakes
+        it (wake_consumer(), a later publish) or at the end of its current
+        park slice at the latest."""
         t = self._tail
         if t == self._published:
             return
@@ -742,6 +745,11 @@ class Producer:
         # visible before it (release).
         self._q[_Q_TAIL] = t
         self._published = t
+        if wake:
+            self.wake_consumer()
+
+    def wake_consumer(self) -> None:
+        """Wake the consumer if it is parked (a no-op otherwise)."""
         # Dekker handshake with Consumer._park: the load of the parked flag
         # must not pass the tail store (x86's one reordering).  The fence is a
         # locked instruction; without it a lost wake-up costs <= one park slice.
@@ -755,10 +763,11 @@ class Producer:
             _futex_wake(self._cons_futex_addr, 1)
 
     def write(self, payload, typ: int = 1, flags: int = 0, seq: int = 0,
-              deadline: float | None = None, timeout: float | None = None) -> None:
+              deadline: float | None = None, timeout: float | None = None, wake: bool = True) -> None:
         """Append one record and publish it, waiting for space until deadline
         (time.monotonic() seconds) or timeout; None waits while the consumer
-        lives.  Raises RingPeerDead / RingPeerClosed / RingTimeout."""
+        lives.  wake=False: see publish().  Raises RingPeerDead /
+        RingPeerClosed / RingTimeout."""
         while True:
             try:
                 self.append(payload, typ, flags, seq)
@@ -767,7 +776,7 @@ class Producer:
                 n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
                 self.wait_space(record_size(n), deadline, timeout)
                 continue
-            self.publish()
+            self.publish(wake)
             return
 
     def _space_for(self, need: int) -> bool:

@@ -142,6 +142,7 @@ REGION_HOST_PROCESS = 1  # host memory of the engine process, by pid and address
 REGION_CUDA_IPC = 2  # GPU memory exported with a CUDA IPC handle
 
 FLAG_APPEND = 1  # PutHashes: append to an existing batch
+FLAG_LOOKUP = 2  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
 
 OP_STORED = 1
 OP_EVICTED = 2
@@ -413,7 +414,7 @@ def decode_put_hashes(b, width: int) -> PutHashes:
     batch, n, flags = _PUT_HASHES.unpack_from(b, 0)
     if n > MAX_HASHES_PER_RECORD:
         raise SchemaError("%s: %d hashes, at most %d per record" % (what, n, MAX_HASHES_PER_RECORD))
-    if flags & ~FLAG_APPEND:
+    if flags & ~(FLAG_APPEND | FLAG_LOOKUP):
         raise SchemaError("%s: unknown flags %#x" % (what, flags))
     _need(what, b, 16, n * width)
     _done(what, b, 16 + n * width)

@@ -14,21 +14,28 @@ factory (then ``kv_connector_module_path`` can be left out).
 How it works
 ------------
 Scheduler (EngineCore process): attaches to the sidecar as the scheduler of
-this engine instance. For each new request it registers the request's own
-block hashes (``request.block_hashes``: vLLM's digests, joined once, never
-converted one by one) as a hash batch, asks how many leading blocks the
-sidecar holds, and answers with an asynchronous load. After allocation it
-acquires a lease on those blocks; while the lease waits for the sidecar's load
-budget it polls (a few bytes a step). Each step it sends the workers the loads
-that are ready and, per scheduled request, the blocks that become full during
-the step (a per-request cursor; no walk over other requests or the cache).
+this engine instance. When a request arrives (``on_new_request``) it registers
+the request's own block hashes (``request.block_hashes``: vLLM's digests,
+joined once, never converted one by one) as a hash batch and sends the lookup
+of its leading blocks without waiting; ``get_num_new_matched_tokens`` collects
+the answer and answers with an asynchronous load. After allocation it sends
+an acquire of a lease on those blocks, collected when the step's metadata is
+built; while the lease waits for the sidecar's load budget it polls (a few
+bytes a step, collected the next step). Each step it sends the workers the
+loads that are ready and the blocks that become full during the step, with
+their digests (a cursor per request; a decoding request is looked at only in
+the step in which its next block can fill: no walk over all requests or the
+cache). Records whose answer is not needed at once are published without
+waking the sidecar (a futex wake is a system call); the next wait wakes it.
 
 Worker (each rank): attaches as a worker of the same instance, registers the
-KV cache tensors (host memory by pid and address), starts loads before the
-forward pass (the request waits in WAITING_FOR_REMOTE_KVS meanwhile), and
-stores the step's newly full blocks in ``wait_for_save``, i.e. after the
-forward pass that wrote them has finished, waiting for the copies (bounded)
-so that vLLM never frees or reuses a block that is being copied.
+KV cache tensors (host memory by pid and address; CUDA IPC for GPU tensors),
+starts loads before the forward pass (the request waits in
+WAITING_FOR_REMOTE_KVS meanwhile), and stores the step's newly full blocks in
+``wait_for_save``, i.e. after the forward pass that wrote them has finished:
+it registers the step's digests as a batch of its own, stores from it and
+waits for the copies (bounded) so that vLLM never frees or reuses a block
+that is being copied.
 
 Nothing here may fail or hang a request: every sidecar call has a deadline,
 every error is a miss (0 matched tokens) or a load error that vLLM recomputes
@@ -91,9 +98,8 @@ class LoadSpec:
 @dataclass
 class StoreSpec:
     req_id: str
-    batch: int
-    start: int  # first block index in the request's hash batch
-    block_ids: list[int]  # engine blocks holding blocks start..start+n-1
+    digests: bytes  # vLLM's block hashes of the blocks to store, joined
+    block_ids: list[int]  # engine blocks holding them, in the same order
 
 
 @dataclass
@@ -153,18 +159,26 @@ def _hash_seed_warning(vllm_config: "VllmConfig") -> Optional[str]:
 # The connector.
 
 
-@dataclass
 class _Req:
     """Scheduler-side state of one request."""
 
-    request: Any
-    batch: int
-    generation: int  # link generation the batch was registered in
-    registered: int = 0  # hashes registered in the batch
-    stored: int = 0  # cursor: blocks [0, stored) were sent for storing
-    block_ids: list[int] = field(default_factory=list)
-    load: Optional[dict] = None  # pending load: lease, state, ids
-    hit_tokens: int = 0
+    __slots__ = ("request", "batch", "generation", "registered", "stored", "lookup_seq", "lookup_count",
+                 "load", "hit_tokens", "due", "looked", "hits", "allocated")
+
+    def __init__(self, request: Any, batch: int, generation: int):
+        self.request = request
+        self.batch = batch  # hash batch for lookups and acquires (this link generation)
+        self.generation = generation  # link generation the batch was registered in
+        self.registered = 0  # hashes registered in the batch
+        self.stored = 0  # cursor: blocks [0, stored) were sent for storing (or loaded)
+        self.lookup_seq = 0  # a lookup submitted ahead (on_new_request), not yet collected
+        self.lookup_count = 0
+        self.load: Optional[dict] = None  # pending load: lease, state, ids
+        self.hit_tokens = 0
+        self.due = 0  # scheduler step of its next store check (0: none planned)
+        self.looked = 0  # blocks the last collected lookup asked about
+        self.hits = 0  # and its answer
+        self.allocated = False  # vLLM allocated blocks for it (update_state_after_alloc)
 
 
 class RingsideConnector(KVConnectorBase_V1):
@@ -195,7 +209,7 @@ class RingsideConnector(KVConnectorBase_V1):
                       world_size=world, digest_width=32)
         self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
-                      "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0,
+                      "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
                       "step_ns_total": 0, "step_ns_max": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
@@ -215,8 +229,22 @@ class RingsideConnector(KVConnectorBase_V1):
             self._reqs: dict[str, _Req] = {}
             self._next_batch = 0
             self._waiting_loads: dict[str, _Req] = {}
+            # Store planning (build_connector_meta): requests that may advance
+            # by more than one token a step (prefill chunks, resumed after a
+            # preemption) are checked every step they are scheduled; decoding
+            # ones advance one token a step and are checked only in the step
+            # in which their next block can fill (a calendar of steps).
+            self._step = 0
+            self._watch: set[str] = set()
+            self._due: dict[int, list[str]] = {}
+            # Speculative decoding schedules several tokens a step: check
+            # every scheduled request every step instead.
+            self._every_step = getattr(vllm_config, "speculative_config", None) is not None
+            self._ttl_ms = max(1, int(self.lease_ttl * 1000))
         else:
             rank = _tp_rank()
+            self._rank = rank
+            self._wbatch = 0
             self.link = Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
                              dict(attach, role=_s.ROLE_WORKER, rank=rank))
             self.region: Optional[dict] = None
@@ -228,6 +256,14 @@ class RingsideConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------
     # Scheduler side
+    #
+    # Cost model: the scheduler never waits for the sidecar except for a
+    # reply it needs in the same call (a lookup's hit count, an acquire's
+    # lease when the step's loads are sent). Everything else is published
+    # without waking the sidecar (Session.submit/send with wake=False) and
+    # handled in order when the next wait wakes it. Stores need no scheduler
+    # round trip at all: the step's metadata carries the digests of the blocks
+    # to store, and each worker registers them in its own batch.
 
     def _session(self) -> Optional[Session]:
         return self.link.get()
@@ -241,44 +277,82 @@ class RingsideConnector(KVConnectorBase_V1):
         else:
             logger.debug("ringside: %s", err)
 
-    def _tracked(self, request: "Request", s: Session, sync: bool = False) -> Optional[_Req]:
-        """The request's state with its hashes registered up to now (once per
-        request, then appended as blocks fill)."""
+    def _usable(self, request: "Request") -> int:
+        # Leave at least one token to compute: vLLM needs a forward pass.
+        return min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+
+    def _req(self, request: "Request") -> _Req:
+        """The request's state in the current link generation."""
         rid = request.request_id
         r = self._reqs.get(rid)
         if r is None or r.generation != self.link.generation:
             self._next_batch += 1
-            r = _Req(request=request, batch=self._next_batch, generation=self.link.generation)
+            old = r
+            r = _Req(request, self._next_batch, self.link.generation)
+            if old is not None:  # a new sidecar session: keep the cursor
+                r.stored = old.stored
             self._reqs[rid] = r
-        hashes = request.block_hashes
-        if len(hashes) > r.registered:
-            new = b"".join(hashes[r.registered:])
-            if sync:
-                # A worker's Store will refer to these hashes from another
-                # session: wait until the sidecar has them.
-                s.put_hashes(r.batch, new, append=r.registered > 0)
-            else:
-                # Fire and forget: the lookup that follows on this session is
-                # handled after it; a failed put shows up as a miss there.
-                s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(
-                    r.batch, new, 32, _s.FLAG_APPEND if r.registered > 0 else 0))
-            r.registered = len(hashes)
         return r
 
+    def _put_hashes(self, r: _Req, s: Session, upto: int) -> None:
+        """Register the request's hashes [registered, upto) in its batch,
+        without waiting (the lookup or acquire that follows on this session is
+        handled after it; a failed put shows up as a miss there)."""
+        if upto <= r.registered:
+            return
+        hashes = r.request.block_hashes
+        for a in range(r.registered, upto, _s.MAX_HASHES_PER_RECORD):
+            new = b"".join(hashes[a:min(upto, a + _s.MAX_HASHES_PER_RECORD)])
+            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else 0), wake=False)
+        r.registered = upto
+
+    def on_new_request(self, request: "Request") -> None:
+        # Pipelined admission: the lookup goes out as the request arrives and
+        # the sidecar answers while vLLM finishes adding requests and starts
+        # the step; get_num_new_matched_tokens collects the answer.
+        usable = self._usable(request)
+        if usable <= 0:
+            return
+        s = self._session()
+        if s is None:
+            return
+        try:
+            r = self._req(request)
+            if r.registered == 0 and usable <= _s.MAX_HASHES_PER_RECORD:
+                # One record: register the blocks it may load and look them
+                # up (FlagLookup: the reply is the number of leading hits).
+                p = _s.encode_put_hashes(r.batch, b"".join(request.block_hashes[:usable]), 32, _s.FLAG_LOOKUP)
+                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=False)
+                r.registered = r.lookup_count = usable
+        except (RingsideError, _s.SchemaError) as e:
+            self._fail(e)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        usable = self._usable(request)
+        if usable <= 0:
+            return 0, False
         s = self._session()
         if s is None:
             return 0, False
-        # Leave at least one token to compute: vLLM needs a forward pass.
-        usable = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
-        if usable <= 0:
-            return 0, False
         try:
-            r = self._tracked(request, s)
-            hits = s.lookup(r.batch, 0, usable)
-        except RingsideError as e:
+            r = self._req(request)
+            seq, r.lookup_seq = r.lookup_seq, 0
+            rep = _s.decode_reply(s.await_reply(seq)) if seq else None
+            if rep is not None and rep.status != _s.Status.OK:
+                raise RingsideError(rep.status, rep.message)
+            if rep is not None and r.lookup_count == usable:
+                hits = rep.value
+            elif rep is None and not r.allocated and r.looked == usable:
+                # Asked again while it waits for KV blocks (vLLM asks every
+                # step): the answer of the last lookup. The acquire checks it.
+                hits = r.hits
+            else:  # not looked up ahead (resumed, re-attached, or grown)
+                self._put_hashes(r, s, usable)
+                hits = s.lookup(r.batch, 0, usable)
+        except (RingsideError, _s.SchemaError) as e:
             self._fail(e)
             return 0, False
+        r.looked, r.hits = usable, hits
         self.stats["lookups"] += 1
         self.stats["lookup_blocks"] += usable
         self.stats["hit_blocks"] += hits
@@ -289,120 +363,193 @@ class RingsideConnector(KVConnectorBase_V1):
         return ext, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        rid = request.request_id
-        r = self._reqs.get(rid)
+        r = self._reqs.get(request.request_id)
         if r is None:
-            s = self._session()
-            if s is None:
-                return
-            try:
-                r = self._tracked(request, s, sync=True)
-            except RingsideError as e:
-                self._fail(e)
-                return
-        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        if ids:
-            r.block_ids = ids
+            r = self._req(request)  # tracked for its stores even without a sidecar
+        r.allocated = True
         if num_external_tokens <= 0:
             return
         start = (r.hit_tokens - num_external_tokens) // self.block_size
         count = num_external_tokens // self.block_size
-        want = r.block_ids[start:start + count]
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        want = ids[start:start + count] if len(ids) >= start + count else ids[-count:] if count else []
         # Blocks that come from the sidecar need no storing back.
         r.stored = max(r.stored, start + count)
-        load = {"lease": 0, "state": _s.State.MISS, "block_ids": want, "start": start}
+        load = {"lease": 0, "state": _s.State.MISS, "block_ids": want, "seq": 0, "poll": 0}
         r.load = load
-        s = self._session()
+        s = self.link.session
         if s is not None and r.generation == self.link.generation:
             # Submitted now, collected in build_connector_meta: the step's
-            # acquires overlap instead of waiting one round trip each.
+            # acquires are answered together, while the scheduler works.
             try:
-                ttl_ms = max(1, int(self.lease_ttl * 1000))
-                load["seq"] = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, ttl_ms))
-                load["state"] = None
+                load["seq"] = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, self._ttl_ms),
+                                       wake=False)
                 load["gen"] = self.link.generation
             except RingsideError as e:
                 self._fail(e)
-        self._waiting_loads[rid] = r
+        self._waiting_loads[request.request_id] = r
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         t0 = time.perf_counter_ns()
         meta = RingsideConnectorMetadata()
-        s = self._session()
-        # Loads: every waiting load is sent once its lease is ready, or sent
-        # as an error (the worker reports its blocks, vLLM recomputes them).
-        if self._waiting_loads:
-            for rid in list(self._waiting_loads):
-                r = self._waiting_loads[rid]
-                ld = r.load
-                if ld.get("seq"):
-                    seq, ld["seq"] = ld["seq"], 0
-                    ld["state"] = _s.State.MISS
-                    if s is not None and ld.get("gen") == self.link.generation:
-                        try:
-                            lr = _s.decode_lease_reply(s.await_reply(seq))
-                            if lr.status == _s.Status.OK:
-                                ld["lease"], ld["state"], ld["blocks"] = lr.lease, lr.state, lr.blocks
-                        except (RingsideError, _s.SchemaError) as e:
-                            self._fail(e)
-                if ld["state"] == _s.State.WAITING and s is not None:
-                    try:
-                        ld["state"] = s.poll(ld["lease"]).state
-                    except RingsideError as e:
-                        self._fail(e)
-                        ld["state"] = _s.State.MISS
-                if ld["state"] == _s.State.WAITING:
-                    continue
-                ids = ld["block_ids"]
-                n = ld.get("blocks", 0) if ld["state"] in (_s.State.READY, _s.State.LOADED, _s.State.LOADING) else 0
-                n = min(n, len(ids))
-                meta.loads.append(LoadSpec(rid, ld["lease"] if n else 0, ids[:n], ids[n:]))
-                del self._waiting_loads[rid]
-        # Stores: per scheduled request, the blocks that become full in this
-        # step (cursor per request: cost follows the scheduled requests).
+        s = self.link.session
         if s is not None:
-            new_reqs = scheduler_output.scheduled_new_reqs
-            for nr in new_reqs:
-                self._plan_store(s, meta, nr.req_id, nr.block_ids[0] if nr.block_ids else None, True,
-                                 nr.num_computed_tokens, scheduler_output)
-            cached = scheduler_output.scheduled_cached_reqs
-            resumed = getattr(cached, "resumed_req_ids", set()) or set()
-            for i, rid in enumerate(cached.req_ids):
-                nb = cached.new_block_ids[i]
-                self._plan_store(s, meta, rid, nb[0] if nb else None, rid in resumed,
-                                 cached.num_computed_tokens[i], scheduler_output)
+            try:
+                # Let the sidecar answer this step's acquires while the
+                # stores are planned; consume stray replies so that the
+                # completion ring never fills.
+                s.kick()
+                s.drain()
+            except RingsideError as e:
+                self._fail(e)
+                s = None
+        self._step += 1
+        self._plan_stores(meta, scheduler_output)
+        if self._waiting_loads:
+            self._collect_loads(meta, s if s is not None and s is self.link.session else None)
         dt = time.perf_counter_ns() - t0
         st = self.stats
         st["steps"] += 1
         st["step_ns_total"] += dt
         st["step_ns_max"] = max(st["step_ns_max"], dt)
-        self._maybe_write_stats()
+        if self.stats_path:
+            self._maybe_write_stats()
         return meta
 
-    def _plan_store(self, s: Session, meta: RingsideConnectorMetadata, rid: str, new_ids, replace: bool,
-                    num_computed: int, so: "SchedulerOutput") -> None:
+    def _collect_loads(self, meta: RingsideConnectorMetadata, s: Optional[Session]) -> None:
+        """Send every waiting load whose lease is ready (or failed: the worker
+        reports its blocks as load errors and vLLM recomputes them)."""
+        gen = self.link.generation
+        for rid in list(self._waiting_loads):
+            r = self._waiting_loads[rid]
+            ld = r.load
+            if ld is None:
+                del self._waiting_loads[rid]
+                continue
+            live = s is not None and ld.get("gen") == gen
+            try:
+                if ld["seq"]:
+                    seq, ld["seq"] = ld["seq"], 0
+                    ld["state"] = _s.State.MISS
+                    if live:
+                        lr = _s.decode_lease_reply(s.await_reply(seq))
+                        if lr.status == _s.Status.OK:
+                            ld["lease"], ld["state"], ld["blocks"] = lr.lease, lr.state, lr.blocks
+                elif ld["poll"]:
+                    # Waiting for the load budget: the poll sent last step.
+                    payload = s.try_reply(ld["poll"]) if live else b""
+                    if payload is None:
+                        continue
+                    ld["poll"] = 0
+                    lr = _s.decode_lease_reply(payload) if payload else None
+                    ld["state"] = lr.state if lr is not None and lr.status == _s.Status.OK else _s.State.MISS
+                if ld["state"] == _s.State.WAITING:
+                    if live:
+                        ld["poll"] = s.submit(_s.TYPE_POLL, _s.encode_poll(ld["lease"]), wake=False)
+                        continue
+                    ld["state"] = _s.State.MISS
+            except (RingsideError, _s.SchemaError) as e:
+                self._fail(e)
+                s = None
+                ld["state"] = _s.State.MISS
+            ids = ld["block_ids"]
+            ok = ld["state"] in (_s.State.READY, _s.State.LOADED, _s.State.LOADING)
+            n = min(ld.get("blocks", 0), len(ids)) if ok else 0
+            meta.loads.append(LoadSpec(rid, ld["lease"] if n else 0, ids[:n], ids[n:]))
+            del self._waiting_loads[rid]
+
+    def _plan_stores(self, meta: RingsideConnectorMetadata, so: "SchedulerOutput") -> None:
+        """Per scheduled request, the blocks that become full in this step.
+
+        Cost follows the requests that can fill a block this step, not all
+        scheduled ones: new and resumed requests and prefill chunks are
+        checked every step; a decoding request (one token a step) is checked
+        again only in the step in which its next block can fill, or later if
+        it was not scheduled (then it is checked and re-planned)."""
+        state = getattr(so, "kv_connector_block_state", None)
+        resolve = getattr(state, "resolve_block_ids", None)
+        nst = so.num_scheduled_tokens
+        if resolve is None or self._every_step:
+            # vLLM without per-request block resolution, or speculative
+            # decoding: check every scheduled request.
+            if resolve is None:
+                resolve = self._legacy_blocks(so)
+            for rid in nst:
+                self._check_store(rid, nst, resolve, meta)
+            return
+        watch = self._watch
+        for nr in so.scheduled_new_reqs:
+            watch.add(nr.req_id)
+        resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
+        if resumed:
+            watch.update(resumed)
+            self.stats["resumed"] += len(resumed)
+        due = self._due.pop(self._step, None)
+        if due:
+            for rid in due:
+                r = self._reqs.get(rid)
+                if r is not None and r.due == self._step and rid not in watch:
+                    self._check_store(rid, nst, resolve, meta)
+        if watch:
+            for rid in list(watch):
+                self._check_store(rid, nst, resolve, meta)
+
+    def _check_store(self, rid: str, nst: dict, resolve, meta: RingsideConnectorMetadata) -> None:
         r = self._reqs.get(rid)
         if r is None:
+            self._watch.discard(rid)
             return
-        if new_ids is not None:
-            if replace:  # a new or resumed request carries its whole block list
-                r.block_ids = list(new_ids)
-            else:
-                r.block_ids.extend(new_ids)
-        if r.generation != self.link.generation:
-            return  # registered with an older sidecar session: skip (a miss)
-        done = num_computed + so.num_scheduled_tokens.get(rid, 0)
-        if min(done // self.block_size, len(r.block_ids)) <= r.stored:
-            return  # no block becomes full in this step
-        try:
-            r2 = self._tracked(r.request, s, sync=True)
-        except RingsideError as e:
-            self._fail(e)
-            return
-        full = min(r2.registered, done // self.block_size, len(r.block_ids))
+        req = r.request
+        n = nst.get(rid, 0)
+        done = req.num_computed_tokens + n  # tokens whose KV exists after this step
+        bs = self.block_size
+        hashes = req.block_hashes
+        full = min(done // bs, len(hashes))
         if full > r.stored:
-            meta.stores.append(StoreSpec(rid, r.batch, r.stored, r.block_ids[r.stored:full]))
-            r.stored = full
+            try:
+                ids = resolve(rid)
+            except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
+                ids = None
+            blocks = ids[0] if ids else ()
+            full = min(full, len(blocks))
+            if full > r.stored:
+                meta.stores.append(StoreSpec(rid, b"".join(hashes[r.stored:full]), list(blocks[r.stored:full])))
+                r.stored = full
+        if self._every_step:
+            return
+        if n == 0 or done < req.num_tokens:
+            # Not scheduled (preempted or skipped), or a prefill chunk: watch
+            # it while it is scheduled; a preempted one comes back as resumed.
+            if n == 0 and done < req.num_tokens:
+                self._watch.discard(rid)
+                r.due = 0
+            else:
+                self._watch.add(rid)
+            return
+        # Decoding: one token a step from here on. Its next block fills in the
+        # step in which `done` reaches the block's end.
+        self._watch.discard(rid)
+        step = self._step + max(1, (r.stored + 1) * bs - done) if full >= done // bs else self._step + 1
+        r.due = step
+        self._due.setdefault(step, []).append(rid)
+
+    def _legacy_blocks(self, so: "SchedulerOutput"):
+        """Block ids from the scheduler output's block lists, for vLLM
+        versions without SchedulerOutput.kv_connector_block_state."""
+        blocks = self.__dict__.setdefault("_legacy", {})
+        for nr in so.scheduled_new_reqs:
+            if nr.block_ids:
+                blocks[nr.req_id] = list(nr.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            nb = cached.new_block_ids[i]
+            if nb:
+                if rid in resumed or rid not in blocks:
+                    blocks[rid] = list(nb[0])
+                else:
+                    blocks[rid].extend(nb[0])
+        return lambda rid: (blocks.get(rid, []),)
 
     def update_connector_output(self, connector_output) -> None:
         rec = getattr(connector_output, "finished_recving", None) or ()
@@ -417,7 +564,7 @@ class RingsideConnector(KVConnectorBase_V1):
             r.load = None
             if lease and s is not None and r.generation == self.link.generation:
                 try:
-                    s.send(_s.TYPE_RELEASE, _s.encode_release(lease))
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(lease), wake=False)
                 except RingsideError as e:
                     self._fail(e)
 
@@ -425,15 +572,23 @@ class RingsideConnector(KVConnectorBase_V1):
         rid = request.request_id
         r = self._reqs.pop(rid, None)
         self._waiting_loads.pop(rid, None)
+        self._watch.discard(rid)
+        legacy = self.__dict__.get("_legacy")
+        if legacy:
+            legacy.pop(rid, None)
         s = self.link.session
         if r is not None and s is not None and r.generation == self.link.generation:
             try:
-                if r.load and r.load.get("seq"):  # acquired, never collected
-                    lr = _s.decode_lease_reply(s.await_reply(r.load["seq"]))
-                    r.load["lease"] = lr.lease if lr.status == _s.Status.OK else 0
-                if r.load and r.load.get("lease"):
-                    s.send(_s.TYPE_RELEASE, _s.encode_release(r.load["lease"]))
-                s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch))
+                if r.lookup_seq:  # looked up ahead, never asked for
+                    s.await_reply(r.lookup_seq)
+                ld = r.load
+                if ld and ld.get("seq"):  # acquired, never collected
+                    lr = _s.decode_lease_reply(s.await_reply(ld["seq"]))
+                    ld["lease"] = lr.lease if lr.status == _s.Status.OK else 0
+                if ld and ld.get("lease"):
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(ld["lease"]), wake=False)
+                if r.registered:
+                    s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch), wake=False)
             except (RingsideError, _s.SchemaError) as e:
                 self._fail(e)
         return False, None
@@ -515,11 +670,25 @@ class RingsideConnector(KVConnectorBase_V1):
             # The sidecar's device-to-host copies run on its own streams: the
             # forward pass that wrote these blocks must be finished first.
             torch.cuda.current_stream().synchronize()
+        # The step's digests go into one batch of this worker's own (ids
+        # with the top bit set, per rank: never the scheduler's), the stores
+        # refer to it, and it is dropped after them: all pipelined, one wait.
+        self._wbatch += 1
+        batch = (1 << 63) | (self._rank << 40) | (self._wbatch & ((1 << 40) - 1))
         seqs = []
         try:
+            digests = b"".join(spec.digests for spec in meta.stores)
+            step = _s.MAX_HASHES_PER_RECORD * 32
+            for off in range(0, len(digests), step):
+                s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(batch, digests[off:off + step], 32,
+                                                               _s.FLAG_APPEND if off else 0), wake=False)
+            first = 0
             for spec in meta.stores:
-                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(spec.batch, spec.start, len(spec.block_ids),
-                                                                    REGION_ID, spec.block_ids)))
+                n = len(spec.block_ids)
+                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, n, REGION_ID, spec.block_ids),
+                                     wake=False))
+                first += n
+            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=False)
             deadline = time.monotonic() + self.save_timeout
             for seq in seqs:
                 left = max(deadline - time.monotonic(), 0.001)

@@ -213,10 +213,11 @@ def test_put_hashes_limits(width):
         S.decode_put_hashes(_put(S.MAX_HASHES_PER_RECORD + 1, width), width)
     with pytest.raises(S.SchemaError, match="at most"):
         S.decode_put_hashes(_put(S.MAX_HASHES_PER_RECORD + 1, width)[:16], width)
-    for flags in (2, 3, 0x80000000):
+    for flags in (4, 7, 0x80000000):
         with pytest.raises(S.SchemaError, match="flags"):
             S.decode_put_hashes(_put(1, width, flags), width)
-    assert S.decode_put_hashes(_put(1, width, S.FLAG_APPEND), width).flags == S.FLAG_APPEND
+    for flags in (S.FLAG_APPEND, S.FLAG_LOOKUP, S.FLAG_APPEND | S.FLAG_LOOKUP):
+        assert S.decode_put_hashes(_put(1, width, flags), width).flags == flags
     # Encoder refuses what it cannot express.
     with pytest.raises(S.SchemaError):
         S.encode_put_hashes(1, bytes(width * (S.MAX_HASHES_PER_RECORD + 1)), width)

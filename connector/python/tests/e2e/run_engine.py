@@ -6,10 +6,15 @@ Used by test_vllm_e2e.py and by `make bench-vllm`; runs under the
 
     run_engine.py --model DIR --prompts FILE.json --out OUT.json
                   [--socket SOCK] [--stats-path P] [--rounds N] [--max-tokens N]
-                  [--ready-file F]
+                  [--ready-file F] [--max-num-batched-tokens N]
+                  [--num-blocks N] [--continue]
 
 With --socket the engine loads the ringside connector; between rounds the
 engine's own prefix cache is reset, so every reuse must come from ringside.
+--max-num-batched-tokens below the prompt length makes vLLM prefill in
+chunks; --num-blocks caps the engine's KV blocks so that running requests get
+preempted; --continue makes each round after the first a conversation turn
+(its prompts are the previous round's prompt and output tokens).
 """
 
 import argparse
@@ -33,12 +38,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ready-file")
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--num-blocks", type=int)
+    ap.add_argument("--continue", dest="cont", action="store_true")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
 
     kw = dict(model=a.model, dtype="float32", max_model_len=1024, block_size=32, enforce_eager=True,
               seed=0, distributed_executor_backend="uni", enable_prefix_caching=True)
+    if a.max_num_batched_tokens:
+        kw.update(max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=True)
+    if a.num_blocks:
+        kw["num_gpu_blocks_override"] = a.num_blocks
     if a.socket:
         from vllm.config import KVTransferConfig
 
@@ -54,14 +66,19 @@ def main() -> int:
     prompts = json.load(open(a.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     rounds = []
+    inputs = prompts
     for r in range(a.rounds):
         if r > 0:
             llm.reset_prefix_cache()
         if a.ready_file and r == a.rounds - 1:
             open(a.ready_file, "w").write("generating\n")
         t = time.time()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        rounds.append({"seconds": time.time() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs]})
+        outs = llm.generate(inputs, sp, use_tqdm=False)
+        rounds.append({"seconds": time.time() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                       "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+                       "cached_tokens": [o.num_cached_tokens for o in outs]})
+        if a.cont:
+            inputs = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)} for o in outs]
     json.dump({"start_seconds": start_s, "rounds": rounds}, open(a.out, "w"))
     # Shut the engine down so the connector writes its final counters.
     del llm

@@ -101,12 +101,13 @@ class Sidecar:
         subprocess.run(["rm", "-rf", self.dir])
 
 
-def run_engine(model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True):
+def run_engine(model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True, extra=(),
+               max_tokens=MAX_TOKENS):
     out = os.path.join(tmp, name + ".json")
     ready = os.path.join(tmp, name + ".ready")
     stats = os.path.join(tmp, name + ".stats")
     cmd = [VENV_PY, os.path.join(HERE, "run_engine.py"), "--model", model_dir, "--prompts", prompts_file,
-           "--out", out, "--rounds", str(rounds), "--max-tokens", str(MAX_TOKENS), "--ready-file", ready]
+           "--out", out, "--rounds", str(rounds), "--max-tokens", str(max_tokens), "--ready-file", ready] + list(extra)
     if socket_path:
         cmd += ["--socket", socket_path, "--stats-path", stats]
     log = open(os.path.join(tmp, name + ".log"), "w")
@@ -158,6 +159,39 @@ def test_hits_identical_tokens_and_restart(model_dir, prompts_file, baseline, ri
         assert connector_stats(stats3, "scheduler")["hit_blocks"] > 0
         assert connector_stats(stats3, "worker")["loaded_blocks"] > 0
         assert sc.state()["pool"]["HitBlocks"] > hits_before
+    finally:
+        sc.stop()
+
+
+# Prefill in 64-token chunks; 34 KV blocks of 32 tokens for six requests that
+# grow to ~10 blocks each, so running requests are preempted and resume; 64
+# decoded tokens a request; the second round continues each conversation.
+TURNS = ["--max-num-batched-tokens", "64", "--num-blocks", "34", "--continue"]
+TURN_TOKENS = 64
+
+
+def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, ringside_bin, tmp_path):
+    """Every full block of the first turn, prompt and decoded tokens alike,
+    comes back from the sidecar in the second turn (the cursors survive
+    chunked prefill, preemption and resumption), with the tokens of the same
+    engine without the connector."""
+    tmp = str(tmp_path)
+    base, _ = run_engine(model_dir, prompts_file, tmp, "turns-base", rounds=2, extra=TURNS, max_tokens=TURN_TOKENS)
+    sc = Sidecar(ringside_bin, tmp)
+    try:
+        res, stats = run_engine(model_dir, prompts_file, tmp, "turns", socket_path=sc.sock, rounds=2, extra=TURNS,
+                                max_tokens=TURN_TOKENS)
+        for r in range(2):
+            assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
+        sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
+        assert sched["resumed"] > 0, "no request was preempted and resumed: %s" % sched
+        assert work["store_errors"] == 0 and work["load_error_blocks"] == 0, work
+        turn2 = res["rounds"][1]
+        # The last token of a turn was sampled, never fed: its KV does not
+        # exist, so the block holding it may not be complete.
+        want = [(n - 1) // 32 * 32 for n in turn2["prompt_tokens"]]
+        assert turn2["cached_tokens"] == want, (turn2["cached_tokens"], want, sched, work)
+        assert turn2["cached_tokens"] != base["rounds"][1]["cached_tokens"], "the engine alone got the same hits"
     finally:
         sc.stop()
 
