@@ -333,6 +333,46 @@ def test_out_of_order_replies(sidecar):
         c.await_reply(10 ** 6)
 
 
+def test_pipelined_without_wake(sidecar):
+    """Records published with wake=False are handled in order once a wait
+    (await_reply, kick, a synchronous call) wakes the sidecar; FlagLookup
+    registers and looks up in one record; drain() consumes the replies of
+    fire-and-forget sends so that they never pile up."""
+    c = sidecar.attach()
+    src = Region(1, 4)
+    src.register(c)
+    d = digests("nowake", 4)
+    c.put_hashes(1, d)
+    for i in range(4):
+        src.fill(i, i)
+    assert c.store(1, 0, 2, 1, [0, 1]).stored == 2
+    # The sidecar parks when idle: give it time to, then pipeline without waking.
+    time.sleep(0.05)
+    seqs = [c.submit(S.TYPE_PUT_HASHES, S.encode_put_hashes(10 + i, d[:(i + 1) * 32], 32, S.FLAG_LOOKUP), wake=False)
+            for i in range(4)]
+    for i in range(100):
+        c.send(S.TYPE_PING, S.encode_id(i), wake=False)
+    assert c._unwoken
+    assert [S.decode_reply(c.await_reply(q)).value for q in seqs] == [1, 2, 2, 2]  # hits, not batch lengths
+    assert not c._unwoken
+    c.kick()  # nothing left to wake: a no-op
+    # Fire-and-forget replies are consumed by drain, without waiting.
+    last = c.submit(S.TYPE_PING, S.encode_id(7), wake=False)
+    c.kick()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        c.drain()
+        if last in c._pending:
+            break
+        time.sleep(0.001)
+    assert S.decode_reply(c.await_reply(last)).value == 7
+    assert not c._abandoned and not c._pending
+    assert c.lookup(10, 0, 1) == 1  # in order: the pipelined batches exist
+    q = c.submit(S.TYPE_PUT_HASHES, S.encode_put_hashes(10, d[:32], 32, S.FLAG_LOOKUP))
+    assert S.decode_reply(c.await_reply(q)).status == S.Status.DUPLICATE  # batch 10 is registered
+    c.close()
+
+
 def test_budget_waiting_and_expiry(start_sidecar):
     # Budget of 4 slots: a lease of 4 blocks fills it; the next waits.
     sc = start_sidecar(budget="16KiB", metrics=True)
