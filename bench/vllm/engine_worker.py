@@ -155,10 +155,13 @@ def timer_overhead_ns() -> float:
 
 def step_prompts(n, round_no, prefix_bytes):
     # One shared prefix (prefix_bytes + <s> = whole blocks: sidecar hits) and
-    # a unique tail per request and round.
+    # a unique tail per request and round, 0-31 tokens longer from one
+    # request to the next (one token a byte) as prompt lengths vary in
+    # serving: the requests' block boundaries fall in different steps
+    # instead of all in the same one every 32 steps.
     base = "Shared system prompt of the ringside step benchmark; every request starts with it. "
     prefix = (base * (prefix_bytes // len(base) + 1))[:prefix_bytes]
-    return [prefix + " r%d q%05d" % (round_no, i) for i in range(n)]
+    return [prefix + " r%d q%05d" % (round_no, i) + "." * (i * 7 % 32) for i in range(n)]
 
 
 def run_step(a):

@@ -405,7 +405,6 @@ class Session:
         self._check()
         if not 0 < seq <= self._seq:
             raise ValueError("seq %d was never submitted" % seq)
-        self.kick()
         return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout)
 
     def send(self, type: int, payload=b"", wake: bool = True) -> None:  # noqa: A002
@@ -475,6 +474,12 @@ class Session:
                 rec = cons.next()
                 if rec is None:
                     cons.commit()
+                    if self._unwoken:
+                        # About to wait: wake the sidecar for the records
+                        # published without waking it (only now: when the
+                        # reply is already there, no system call is made).
+                        self._unwoken = False
+                        self._prod.wake_consumer()
                     cons.wait(deadline)
                     continue
                 rseq = rec[2]
@@ -489,6 +494,8 @@ class Session:
         except _ring.RingTimeout:
             self._abandon(seq)
             raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
+        except OSError as e:  # the futex wake
+            raise self._fail(e) from None
 
     def _stash(self, seq: int, payload) -> None:
         if seq in self._abandoned:

@@ -642,7 +642,7 @@ class RingsideConnector(KVConnectorBase_V1):
                 self._finished_recving.add(spec.req_id)
                 continue
             try:
-                seq = s.submit(_s.TYPE_LOAD, _s.encode_load(spec.lease, REGION_ID, 0, spec.block_ids))
+                seq = s.submit(_s.TYPE_LOAD, _s.encode_load(spec.lease, REGION_ID, 0, spec.block_ids), wake=False)
                 deadline = time.monotonic() + self.load_timeout
                 self._inflight.setdefault(spec.req_id, []).append((seq, spec, deadline))
                 self.stats["loads"] += 1
@@ -652,6 +652,11 @@ class RingsideConnector(KVConnectorBase_V1):
                 self._finished_recving.add(spec.req_id)
                 if isinstance(e, RingsideError):
                     self._fail(e)
+        if s is not None and s is self.link.session:
+            try:
+                s.kick()  # one wake for the step's loads
+            except RingsideError as e:
+                self._fail(e)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous (WAITING_FOR_REMOTE_KVS)
