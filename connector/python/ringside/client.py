@@ -395,17 +395,27 @@ class Session:
         except _UNAVAILABLE as e:
             raise self._fail(e) from None
 
-    def await_reply(self, seq: int, timeout: Optional[float] = None) -> bytes:
+    def await_reply(self, seq: int, timeout: Optional[float] = None, keep: bool = False) -> Optional[bytes]:
         """The reply payload of request seq (whatever its status), waiting at
         most timeout seconds (default: the session timeout). Replies to other
-        requests that arrive first are kept for their own await_reply."""
+        requests that arrive first are kept for their own await_reply.
+
+        When the time is up it raises RingsideTimeout and forgets seq; with
+        keep=True it returns None instead and seq can be awaited again (a
+        bounded wait, e.g. a few microseconds within a scheduler step)."""
         p = self._pending.pop(seq, None)
         if p is not None:
             return p
         self._check()
         if not 0 < seq <= self._seq:
             raise ValueError("seq %d was never submitted" % seq)
-        return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout)
+        return self._await(seq, _dec_bytes, self.timeout if timeout is None else timeout, keep)
+
+    def forget(self, seq: int) -> None:
+        """Give up on the reply of request seq: it is discarded when it
+        arrives (or now, if it has)."""
+        if self._pending.pop(seq, None) is None:
+            self._abandon(seq)
 
     def send(self, type: int, payload=b"", wake: bool = True) -> None:  # noqa: A002
         """Send one request whose reply nobody waits for (fire and forget):
@@ -466,7 +476,7 @@ class Session:
         except _UNAVAILABLE as e:
             raise self._fail(e) from None
 
-    def _await(self, seq: int, decode, timeout: float):
+    def _await(self, seq: int, decode, timeout: float, keep: bool = False):
         deadline = _monotonic() + timeout
         cons = self._cons
         try:
@@ -492,6 +502,8 @@ class Session:
         except _UNAVAILABLE as e:
             raise self._fail(e) from None
         except _ring.RingTimeout:
+            if keep:
+                return None
             self._abandon(seq)
             raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
         except OSError as e:  # the futex wake

@@ -994,6 +994,8 @@ class Consumer:
                     break
         if w.yield_ns:
             end = time.monotonic_ns() + w.yield_ns
+            if dl is not None and dl < end:
+                end = dl
             while time.monotonic_ns() < end:
                 os.sched_yield()
                 if q[_Q_TAIL] != head:

@@ -163,7 +163,7 @@ class _Req:
     """Scheduler-side state of one request."""
 
     __slots__ = ("request", "batch", "generation", "registered", "stored", "lookup_seq", "lookup_count",
-                 "load", "hit_tokens", "due", "looked", "hits", "allocated")
+                 "load", "hit_tokens", "due", "looked", "hits", "allocated", "lookup_t")
 
     def __init__(self, request: Any, batch: int, generation: int):
         self.request = request
@@ -179,6 +179,7 @@ class _Req:
         self.looked = 0  # blocks the last collected lookup asked about
         self.hits = 0  # and its answer
         self.allocated = False  # vLLM allocated blocks for it (update_state_after_alloc)
+        self.lookup_t = 0.0  # when the lookup was sent (time.monotonic)
 
 
 class RingsideConnector(KVConnectorBase_V1):
@@ -210,6 +211,7 @@ class RingsideConnector(KVConnectorBase_V1):
         self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
+                      "deferred_lookups": 0,
                       "step_ns_total": 0, "step_ns_max": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
@@ -241,6 +243,13 @@ class RingsideConnector(KVConnectorBase_V1):
             # every scheduled request every step instead.
             self._every_step = getattr(vllm_config, "speculative_config", None) is not None
             self._ttl_ms = max(1, int(self.lease_ttl * 1000))
+            # The most the scheduler waits for sidecar replies in one step, in
+            # total. Past it an unanswered lookup makes vLLM ask again next
+            # step (None) and an unanswered acquire is collected next step: a
+            # slow sidecar delays a hit by a step, never the whole engine.
+            self.max_wait_ns = int(float(extra.get("max_wait_us", 100)) * 1000)
+            self._wait_left_ns = self.max_wait_ns
+            self._orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
         else:
             rank = _tp_rank()
             self._rank = rank
@@ -322,7 +331,10 @@ class RingsideConnector(KVConnectorBase_V1):
                 # One record: register the blocks it may load and look them
                 # up (FlagLookup: the reply is the number of leading hits).
                 p = _s.encode_put_hashes(r.batch, b"".join(request.block_hashes[:usable]), 32, _s.FLAG_LOOKUP)
-                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=False)
+                # Woken at once (if parked): the answer should be there when
+                # the scheduler gets to the request.
+                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p)
+                r.lookup_t = time.monotonic()
                 r.registered = r.lookup_count = usable
         except (RingsideError, _s.SchemaError) as e:
             self._fail(e)
@@ -336,8 +348,19 @@ class RingsideConnector(KVConnectorBase_V1):
             return 0, False
         try:
             r = self._req(request)
-            seq, r.lookup_seq = r.lookup_seq, 0
-            rep = _s.decode_reply(s.await_reply(seq)) if seq else None
+            seq = r.lookup_seq
+            rep = None
+            if seq:
+                payload = self._reply(s, seq)
+                if payload is None:
+                    if time.monotonic() - r.lookup_t < self.timeout:
+                        self.stats["deferred_lookups"] += 1
+                        return None, False  # not answered yet: vLLM asks again next step
+                    r.lookup_seq = 0
+                    s.forget(seq)
+                    raise RingsideTimeout("lookup of %s got no reply in %.1fs" % (request.request_id, self.timeout))
+                r.lookup_seq = 0
+                rep = _s.decode_reply(payload)
             if rep is not None and rep.status != _s.Status.OK:
                 raise RingsideError(rep.status, rep.message)
             if rep is not None and r.lookup_count == usable:
@@ -385,9 +408,25 @@ class RingsideConnector(KVConnectorBase_V1):
                 load["seq"] = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, self._ttl_ms),
                                        wake=False)
                 load["gen"] = self.link.generation
+                load["t"] = time.monotonic()
             except RingsideError as e:
                 self._fail(e)
         self._waiting_loads[request.request_id] = r
+
+    def _reply(self, s: Session, seq: int) -> Optional[bytes]:
+        """The reply to seq if it is there or arrives within what is left of
+        this step's wait budget, else None (seq stays collectable)."""
+        p = s.try_reply(seq)
+        if p is not None:
+            return p
+        left = self._wait_left_ns
+        if left <= 0:
+            s.kick()
+            return None
+        t0 = time.perf_counter_ns()
+        p = s.await_reply(seq, timeout=left / 1e9, keep=True)
+        self._wait_left_ns = left - (time.perf_counter_ns() - t0)
+        return p
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         t0 = time.perf_counter_ns()
@@ -405,8 +444,13 @@ class RingsideConnector(KVConnectorBase_V1):
                 s = None
         self._step += 1
         self._plan_stores(meta, scheduler_output)
+        if s is not None and s is not self.link.session:
+            s = None
         if self._waiting_loads:
-            self._collect_loads(meta, s if s is not None and s is self.link.session else None)
+            self._collect_loads(meta, s)
+        if self._orphans:
+            self._release_orphans(s)
+        self._wait_left_ns = self.max_wait_ns  # the next step's budget
         dt = time.perf_counter_ns() - t0
         st = self.stats
         st["steps"] += 1
@@ -429,12 +473,19 @@ class RingsideConnector(KVConnectorBase_V1):
             live = s is not None and ld.get("gen") == gen
             try:
                 if ld["seq"]:
-                    seq, ld["seq"] = ld["seq"], 0
+                    payload = self._reply(s, ld["seq"]) if live else b""
+                    if payload is None:
+                        if time.monotonic() - ld["t"] < self.timeout:
+                            continue  # collected next step; the request keeps waiting for its load
+                        s.forget(ld["seq"])
+                        payload = b""
+                        self._fail(RingsideTimeout("acquire for %s got no reply in %.1fs" % (rid, self.timeout)))
+                        s = self.link.session
+                    ld["seq"] = 0
                     ld["state"] = _s.State.MISS
-                    if live:
-                        lr = _s.decode_lease_reply(s.await_reply(seq))
-                        if lr.status == _s.Status.OK:
-                            ld["lease"], ld["state"], ld["blocks"] = lr.lease, lr.state, lr.blocks
+                    lr = _s.decode_lease_reply(payload) if payload else None
+                    if lr is not None and lr.status == _s.Status.OK:
+                        ld["lease"], ld["state"], ld["blocks"] = lr.lease, lr.state, lr.blocks
                 elif ld["poll"]:
                     # Waiting for the load budget: the poll sent last step.
                     payload = s.try_reply(ld["poll"]) if live else b""
@@ -457,6 +508,29 @@ class RingsideConnector(KVConnectorBase_V1):
             n = min(ld.get("blocks", 0), len(ids)) if ok else 0
             meta.loads.append(LoadSpec(rid, ld["lease"] if n else 0, ids[:n], ids[n:]))
             del self._waiting_loads[rid]
+
+    def _release_orphans(self, s: Optional[Session]) -> None:
+        """Release the leases of acquires whose requests finished before the
+        reply came (a lease left alone would pin its blocks until its TTL)."""
+        keep = []
+        for seq, t in self._orphans:
+            if s is None:
+                break  # the session is gone: the sidecar dropped its leases
+            try:
+                p = s.try_reply(seq)
+                if p is None:
+                    if time.monotonic() - t < self.timeout:
+                        keep.append((seq, t))
+                    else:
+                        s.forget(seq)
+                    continue
+                lr = _s.decode_lease_reply(p)
+                if lr.status == _s.Status.OK and lr.lease:
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(lr.lease), wake=False)
+            except (RingsideError, _s.SchemaError) as e:
+                self._fail(e)
+                break
+        self._orphans = keep
 
     def _plan_stores(self, meta: RingsideConnectorMetadata, so: "SchedulerOutput") -> None:
         """Per scheduled request, the blocks that become full in this step.
@@ -580,11 +654,10 @@ class RingsideConnector(KVConnectorBase_V1):
         if r is not None and s is not None and r.generation == self.link.generation:
             try:
                 if r.lookup_seq:  # looked up ahead, never asked for
-                    s.await_reply(r.lookup_seq)
+                    s.forget(r.lookup_seq)
                 ld = r.load
-                if ld and ld.get("seq"):  # acquired, never collected
-                    lr = _s.decode_lease_reply(s.await_reply(ld["seq"]))
-                    ld["lease"] = lr.lease if lr.status == _s.Status.OK else 0
+                if ld and ld.get("seq"):  # acquired, never collected: release it once answered
+                    self._orphans.append((ld["seq"], time.monotonic()))
                 if ld and ld.get("lease"):
                     s.send(_s.TYPE_RELEASE, _s.encode_release(ld["lease"]), wake=False)
                 if r.registered:
