@@ -250,6 +250,8 @@ class RingsideConnector(KVConnectorBase_V1):
             self.max_wait_ns = int(float(extra.get("max_wait_us", 100)) * 1000)
             self._wait_left_ns = self.max_wait_ns
             self._orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
+            self._req_to_blocks: Any = False  # resolved at the first step (see _single_group_blocks)
+            self._group_ids: Optional[tuple] = None
         else:
             rank = _tp_rank()
             self._rank = rank
@@ -331,9 +333,11 @@ class RingsideConnector(KVConnectorBase_V1):
                 # One record: register the blocks it may load and look them
                 # up (FlagLookup: the reply is the number of leading hits).
                 p = _s.encode_put_hashes(r.batch, b"".join(request.block_hashes[:usable]), 32, _s.FLAG_LOOKUP)
-                # Woken at once (if parked): the answer should be there when
-                # the scheduler gets to the request.
-                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p)
+                # Not woken here: a futex wake per arrival costs more than the
+                # lookup (35-150 us on a VM). The scheduler's first wait of the
+                # step wakes the sidecar, which then answers every pending
+                # lookup in one pass.
+                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=False)
                 r.lookup_t = time.monotonic()
                 r.registered = r.lookup_count = usable
         except (RingsideError, _s.SchemaError) as e:
@@ -427,6 +431,13 @@ class RingsideConnector(KVConnectorBase_V1):
         p = s.await_reply(seq, timeout=left / 1e9, keep=True)
         self._wait_left_ns = left - (time.perf_counter_ns() - t0)
         return p
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # vLLM asks for every request with a hit; the answer never changes.
+        g = self._group_ids
+        if g is None:
+            g = self._group_ids = tuple(super().get_loaded_kv_cache_group_ids(request))
+        return g
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         t0 = time.perf_counter_ns()
@@ -542,6 +553,8 @@ class RingsideConnector(KVConnectorBase_V1):
         it was not scheduled (then it is checked and re-planned)."""
         state = getattr(so, "kv_connector_block_state", None)
         resolve = getattr(state, "resolve_block_ids", None)
+        if self._req_to_blocks is False:
+            self._req_to_blocks = _single_group_blocks(getattr(self, "_kv_cache_manager", None))
         nst = so.num_scheduled_tokens
         if resolve is None or self._every_step:
             # vLLM without per-request block resolution, or speculative
@@ -580,14 +593,21 @@ class RingsideConnector(KVConnectorBase_V1):
         hashes = req.block_hashes
         full = min(done // bs, len(hashes))
         if full > r.stored:
-            try:
-                ids = resolve(rid)
-            except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
-                ids = None
-            blocks = ids[0] if ids else ()
-            full = min(full, len(blocks))
+            rtb = self._req_to_blocks
+            if rtb is not None:  # the manager's own block list: no copy of the whole table
+                blks = rtb.get(rid) or ()
+                full = min(full, len(blks))
+                ids = [b.block_id for b in blks[r.stored:full]]
+            else:
+                try:
+                    got = resolve(rid)
+                except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
+                    got = None
+                blocks = got[0] if got else ()
+                full = min(full, len(blocks))
+                ids = list(blocks[r.stored:full])
             if full > r.stored:
-                meta.stores.append(StoreSpec(rid, b"".join(hashes[r.stored:full]), list(blocks[r.stored:full])))
+                meta.stores.append(StoreSpec(rid, b"".join(hashes[r.stored:full]), ids))
                 r.stored = full
         if self._every_step:
             return
@@ -864,6 +884,20 @@ class RingsideConnector(KVConnectorBase_V1):
             os.replace(tmp, path)
         except OSError as e:
             logger.debug("ringside: stats: %s", e)
+
+
+def _single_group_blocks(kvm: Any) -> Optional[dict]:
+    """The KV cache manager's request -> blocks table when the model has one
+    KV cache group (every attention layer alike): the store planner slices a
+    request's new blocks from it instead of asking for the whole block table.
+    None (use SchedulerOutput.kv_connector_block_state) otherwise."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        if len(managers) == 1 and isinstance(managers[0].req_to_blocks, dict):
+            return managers[0].req_to_blocks
+    except AttributeError:
+        pass
+    return None
 
 
 def _tp_rank() -> int:
