@@ -5,7 +5,11 @@ Prints JSON Lines on stdout (progress on stderr):
 
   vllm_step  scheduler time spent in the connector per step (mean, p99) with
              10/100/1000 requests in flight, against a sidecar holding 10K and
-             1M blocks (--debug.prefill-blocks: synthetic index entries).
+             1M blocks (--debug.prefill-blocks: synthetic index entries): all
+             requests arrive together and run to the end.
+  vllm_step_sustained  the same, with the requests kept in flight (each
+             finished one replaced at once; output lengths mean
+             --sustained-life tokens), as in serving.
   vllm_ttft  time to first token of a prompt whose 2048-token prefix is a
              sidecar hit, against the same prompt recomputed (a bigger random
              model, so that the recompute costs >= 0.5 s here).
@@ -173,7 +177,8 @@ def part_step(a, workdir):
             assert st["Blocks"] >= blocks, st
             extra = ["--cached-blocks", str(blocks), "--inflight", ",".join(map(str, a.inflight)),
                      "--max-num-seqs", str(max(a.inflight) + 24), "--max-tokens", str(a.step_max_tokens),
-                     "--min-steps", str(a.step_min_steps), "--max-num-batched-tokens", "8192"]
+                     "--min-steps", str(a.step_min_steps), "--max-num-batched-tokens", "8192",
+                     "--sustained-steps", str(a.sustained_steps), "--sustained-life", str(a.sustained_life)]
             t = time.time()
             for r in run_worker(worker_cmd(a.python, "step", model, sc.sock, extra),
                                 os.path.join(workdir, "engine-step%d.log" % blocks), 1, 900):
@@ -324,6 +329,8 @@ def main() -> int:
     ap.add_argument("--inflight", type=ints, default=[10, 100, 1000])
     ap.add_argument("--step-max-tokens", type=int, default=32)
     ap.add_argument("--step-min-steps", type=int, default=300)
+    ap.add_argument("--sustained-steps", type=int, default=200, help="step: sustained rows, steps measured (0: none)")
+    ap.add_argument("--sustained-life", type=int, default=128, help="step: sustained rows, mean output tokens")
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--ttft-samples", type=int, default=5)
     ap.add_argument("--tax-rates", type=floats, default=None, help="req/s (default: fractions of the capacity)")
@@ -337,6 +344,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.quick:
         a.cached_blocks, a.inflight, a.step_min_steps = [10000], [10], 40
+        a.sustained_steps, a.sustained_life = 20, 16
         a.ttft_samples, a.prefix_tokens = 1, 512
         a.tax_fractions, a.tax_seconds, a.tax_reps, a.tax_min_requests, a.tax_burst = [0.5], 2.0, 1, 8, 16
     if not os.path.exists(a.bin):

@@ -8,7 +8,9 @@ those lines).
 
 Modes:
 
-  step   connector time per scheduler step. The scheduler-side connector
+  step   connector time per scheduler step (all requests arriving together,
+         then the sustained rows: n requests kept in flight, each finished
+         one replaced at once). The scheduler-side connector
          instance (llm.llm_engine.engine_core.engine_core.scheduler.connector
          in single-process mode, vLLM 0.32) gets its methods wrapped with
          timers; a step's sample is the sum of every wrapped call since the
@@ -224,7 +226,72 @@ def run_step(a):
             "lookups": st1["lookups"] - st0["lookups"], "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
             "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
         })
+    if a.sustained_steps > 0:
+        for n in a.inflight:
+            emit(run_sustained(llm, timer, conn, a, n))
     del llm
+
+
+def run_sustained(llm, timer, conn, a, n):
+    """n requests kept in flight: each finished request is replaced at once
+    by a new one; output lengths are uniform in [1, 2 * life - 1] (mean
+    life), so requests arrive, fill blocks and finish in every step, as in
+    serving, instead of all together. Measures `sustained_steps` steps after
+    `life // 2` warm-up steps."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    rng = random.Random(1000 + n)
+    base = "Shared system prompt of the ringside step benchmark; every request starts with it. "
+    prefix = (base * (a.prefix_bytes // len(base) + 1))[:a.prefix_bytes]
+    live = set()
+    k = 0
+
+    def add():
+        nonlocal k
+        rid = "s%d-%d" % (n, k)
+        sp = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 2 * a.sustained_life - 1), ignore_eos=True)
+        eng.add_request(rid, prefix + " s%d q%06d" % (n, k) + "." * rng.randrange(32), sp)
+        live.add(rid)
+        k += 1
+
+    for _ in range(n):
+        add()
+    warm = a.sustained_life // 2
+    timer.recording = False
+    st0, k0 = None, 0
+    for step in range(warm + a.sustained_steps):
+        if step == warm:
+            timer.samples, timer.recording = [], True
+            st0, k0 = dict(conn.stats), k
+        for o in eng.step():
+            if o.finished:
+                live.discard(o.request_id)
+                add()
+    timer.recording = False
+    samples = timer.samples
+    eng.abort_request(list(live))
+    while eng.has_unfinished_requests():
+        eng.step()
+    st1 = conn.stats
+    us = [s[0] / 1000.0 for s in samples]
+    by = {}
+    for s in samples:
+        for m, v in s[4].items():
+            by[m] = by.get(m, 0) + v
+    return {
+        "bench": "vllm_step_sustained", "requests_in_flight": n, "cached_blocks": a.cached_blocks,
+        "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
+        "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
+        "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
+        "steps": len(us), "mean_output_tokens": a.sustained_life,
+        "admitted_per_step": round((k - k0) / max(len(us), 1), 2),
+        "stores_per_step": round((st1["planned_stores"] - st0["planned_stores"]) / max(len(us), 1), 2),
+        "scheduled_reqs_mean": round(sum(s[2] for s in samples) / len(samples), 1) if samples else None,
+        "breakdown_us_per_step": {m: round(v / 1000.0 / len(samples), 2) for m, v in sorted(by.items())},
+        "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
+        "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
+    }
 
 
 # --------------------------------------------------------------------------
@@ -408,6 +475,8 @@ def main() -> int:
     ap.add_argument("--prefix-bytes", type=int, default=95)
     ap.add_argument("--min-steps", type=int, default=300)
     ap.add_argument("--max-rounds", type=int, default=10)
+    ap.add_argument("--sustained-steps", type=int, default=200, help="step: sustained rows (0: none)")
+    ap.add_argument("--sustained-life", type=int, default=128, help="step: mean output tokens, sustained rows")
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=3)
     a = ap.parse_args()

@@ -211,7 +211,7 @@ class RingsideConnector(KVConnectorBase_V1):
         self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
-                      "deferred_lookups": 0,
+                      "deferred_lookups": 0, "planned_stores": 0, "planned_blocks": 0,
                       "step_ns_total": 0, "step_ns_max": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
@@ -608,6 +608,9 @@ class RingsideConnector(KVConnectorBase_V1):
                 ids = list(blocks[r.stored:full])
             if full > r.stored:
                 meta.stores.append(StoreSpec(rid, b"".join(hashes[r.stored:full]), ids))
+                st = self.stats
+                st["planned_stores"] += 1
+                st["planned_blocks"] += full - r.stored
                 r.stored = full
         if self._every_step:
             return
