@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -48,6 +49,9 @@ STEP_MODEL = {"kv-heads": 1}  # the e2e tiny model with one KV head: 16 KiB page
 TTFT_MODEL = {"hidden": 256, "intermediate": 688, "layers": 8, "heads": 4, "kv-heads": 2, "head-dim": 64,
               "max-pos": 4096}  # 256 KiB pages; >= 0.8 s to prefill 2048 tokens on this 2-vCPU VM
 DEFAULTS = {"hidden": 128, "layers": 2, "kv-heads": 2, "head-dim": 32}
+
+
+SIDECAR_ARGS: list[str] = []  # --sidecar-args: extra `ringside serve` flags for every part
 
 
 def log(msg: str) -> None:
@@ -112,6 +116,7 @@ class Sidecar:
                "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"]
         if prefill:
             cmd += ["--debug.prefill-blocks", str(prefill)]
+        cmd += SIDECAR_ARGS
         self.log = os.path.join(workdir, "sidecar-%s.log" % name)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"))
         deadline = time.time() + 120
@@ -341,7 +346,9 @@ def main() -> int:
     ap.add_argument("--tax-burst", type=int, default=96)
     ap.add_argument("--tax-prompt-bytes", type=int, default=256)
     ap.add_argument("--tax-max-tokens", type=int, default=32)
+    ap.add_argument("--sidecar-args", default="", help="extra `ringside serve` flags, e.g. \"--ring.spin=0\"")
     a = ap.parse_args()
+    SIDECAR_ARGS[:] = shlex.split(a.sidecar_args)
     if a.quick:
         a.cached_blocks, a.inflight, a.step_min_steps = [10000], [10], 40
         a.sustained_steps, a.sustained_life = 20, 16
