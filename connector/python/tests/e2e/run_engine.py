@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int)
     ap.add_argument("--num-blocks", type=int)
     ap.add_argument("--continue", dest="cont", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (worker processes)")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -51,6 +52,8 @@ def main() -> int:
         kw.update(max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=True)
     if a.num_blocks:
         kw["num_gpu_blocks_override"] = a.num_blocks
+    if a.tp > 1:
+        kw.update(tensor_parallel_size=a.tp, distributed_executor_backend="mp")
     if a.socket:
         from vllm.config import KVTransferConfig
 

@@ -196,6 +196,50 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         sc.stop()
 
 
+def _two_cpus():
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = []
+    return cpus[:2] if len(cpus) >= 2 else None
+
+
+def test_tensor_parallel_two_ranks(model_dir, prompts_file, ringside_bin, tmp_path):
+    """vLLM with tensor_parallel_size=2 (two CPU worker processes): both ranks
+    attach, each stores its shard of every block, a block counts once both
+    shards are there, and the second round loads every hit into both ranks,
+    with the tokens of the same TP=2 engine without the connector."""
+    cpus = _two_cpus()
+    if cpus is None:
+        pytest.skip("tensor parallelism on vLLM's CPU backend needs two CPUs (one per worker)")
+    tmp = str(tmp_path)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "%d|%d" % tuple(cpus)  # one core per rank (read by _env)
+    try:
+        base, _ = run_engine(model_dir, prompts_file, tmp, "tp-base", rounds=2, extra=["--tp", "2"])
+        sc = Sidecar(ringside_bin, tmp)
+        try:
+            res, stats = run_engine(model_dir, prompts_file, tmp, "tp", socket_path=sc.sock, rounds=2,
+                                    extra=["--tp", "2"])
+            for r in range(2):
+                assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
+            workers = [json.load(open(f)) for f in sorted(glob.glob("%s.worker.*.json" % stats))]
+            assert len(workers) == 2, "want one stats file per rank, got %d" % len(workers)
+            for w in workers:
+                assert w["stored_blocks"] > 0 and w["loaded_blocks"] > 0, w
+                assert w["store_errors"] == 0 and w["load_error_blocks"] == 0, w
+            assert workers[0]["stored_blocks"] == workers[1]["stored_blocks"], workers
+            assert workers[0]["loaded_blocks"] == workers[1]["loaded_blocks"], workers
+            pool = sc.state()["pool"]
+            # Every block is two shards (slots); every hit was loaded by both ranks.
+            assert pool["Stored"] == 2 * pool["Blocks"] and pool["Blocks"] > 0, pool
+            assert connector_stats(stats, "scheduler")["hit_blocks"] == workers[0]["loaded_blocks"], workers
+            assert pool["Leases"] == 0, pool
+        finally:
+            sc.stop()
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
 def test_sidecar_killed_mid_generation(model_dir, prompts_file, baseline, ringside_bin, tmp_path):
     tmp = str(tmp_path)
     sc = Sidecar(ringside_bin, tmp)
