@@ -67,6 +67,9 @@ func TestOverlays(t *testing.T) {
 				if err != nil || cfg.CopyBackend != "host" {
 					t.Errorf("the cpu overlay's sidecar should use the host copy backend: %q, %v", cfg.CopyBackend, err)
 				}
+				if err == nil && (cfg.Spin != 0 || cfg.Yield != 0) {
+					t.Errorf("the cpu overlay's sidecar should park at once (ring.spin 0, ring.yield 0): %v, %v", cfg.Spin, cfg.Yield)
+				}
 			}
 		})
 	}

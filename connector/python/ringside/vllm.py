@@ -446,9 +446,11 @@ class RingsideConnector(KVConnectorBase_V1):
         if s is not None:
             try:
                 # Let the sidecar answer this step's acquires while the
-                # stores are planned; consume stray replies so that the
+                # stores are planned (releases and drops alone need no
+                # prompt wake); consume stray replies so that the
                 # completion ring never fills.
-                s.kick()
+                if self._waiting_loads:
+                    s.kick()
                 s.drain()
             except RingsideError as e:
                 self._fail(e)
