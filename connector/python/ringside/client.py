@@ -358,10 +358,13 @@ class Session:
         latest at the end of the loop's current park slice (10 ms). Every
         wait for a reply (await_reply, the synchronous calls) and kick() wake
         it first, so a pipelined request is never left waiting for the slice."""
-        self._check()
+        if self._dead is not None or self._closed:
+            self._check()
         self._seq = seq = self._seq + 1
+        prod = self._prod
         try:
-            self._prod.write(payload, type, 0, seq, _monotonic() + self.timeout, wake=wake)
+            if not prod.put(payload, type, seq, wake):
+                prod.write(payload, type, 0, seq, _monotonic() + self.timeout, wake=wake)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
         if not wake:

@@ -762,6 +762,33 @@ class Producer:
             i[_I_CONS_FUTEX] = (i[_I_CONS_FUTEX] + 1) & 0xFFFFFFFF
             _futex_wake(self._cons_futex_addr, 1)
 
+    def put(self, payload, typ: int, seq: int, wake: bool = True) -> bool:
+        """Fast path of write() for the common case: a bytes payload, flags
+        0, a record that fits before the end of the data area in space known
+        to be free. Returns False, writing nothing, when any of that does
+        not hold; write() then does the general case (wrap, waiting for
+        space, validation errors)."""
+        if type(payload) is not bytes or not 0 < typ < TYPE_PAD or not 0 <= seq <= _U64_MAX:
+            return False
+        n = len(payload)
+        size = RECORD_HEADER_SIZE + ((n + 7) & ~7)
+        tail = self._tail
+        off = tail & self._mask
+        if size > self._max or self._cap - off < size or tail + size - self._head_cache > self._cap:
+            return False
+        dq = self._dq
+        w = off >> 3
+        dq[w] = n | (typ << 32)
+        dq[w + 1] = seq
+        if n & 7:
+            dq[w + (size >> 3) - 1] = 0  # the alignment padding (the payload overwrites its part)
+        if n:
+            start = off + RECORD_HEADER_SIZE
+            self._data[start:start + n] = payload
+        self._tail = tail + size
+        self.publish(wake)
+        return True
+
     def write(self, payload, typ: int = 1, flags: int = 0, seq: int = 0,
               deadline: float | None = None, timeout: float | None = None, wake: bool = True) -> None:
         """Append one record and publish it, waiting for space until deadline
