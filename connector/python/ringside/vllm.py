@@ -256,6 +256,12 @@ class RingsideConnector(KVConnectorBase_V1):
             rank = _tp_rank()
             self._rank = rank
             self._wbatch = 0
+            # Stores sent by wait_for_save, awaited at the start of the next
+            # step (handle_preemptions) instead of blocking the step that
+            # sent them; synchronous where vLLM has no such hook.
+            self._saving: list = []
+            self._deferred_saves = "handle_preemptions" in vars(KVConnectorBase_V1) and \
+                not extra.get("sync_saves", False)
             self.link = Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
                              dict(attach, role=_s.ROLE_WORKER, rank=rank))
             self.region: Optional[dict] = None
@@ -791,24 +797,52 @@ class RingsideConnector(KVConnectorBase_V1):
                 seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, n, REGION_ID, spec.block_ids),
                                      wake=False))
                 first += n
-            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=False)
-            deadline = time.monotonic() + self.save_timeout
-            for seq in seqs:
-                left = max(deadline - time.monotonic(), 0.001)
-                rep = _s.decode_store_reply(s.await_reply(seq, timeout=left))
-                self.stats["stores"] += 1
-                if rep.status == _s.Status.OK:
-                    self.stats["stored_blocks"] += rep.stored
-                    self.stats["present_blocks"] += rep.present
-                else:
-                    self.stats["store_errors"] += 1
+            # The last record wakes the sidecar: the copies start now.
+            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=True)
         except (RingsideError, _s.SchemaError) as e:
-            # The engine may reuse these blocks after we return: drop the
-            # session so the sidecar stops and discards whatever it holds.
-            self.stats["store_errors"] += 1
-            self._fail(e)
-            if self.link.session is not None:
-                self.link.drop(e)
+            self._save_failed(e)
+            return
+        self._saving.append((s, seqs, time.monotonic() + self.save_timeout))
+        if not self._deferred_saves:
+            self._finish_saves()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM calls this at the start of every step, before anything can
+        # write a block (zeroing, block copies, the forward pass): the
+        # previous step's stores must have read their blocks by then. Until
+        # here the copies overlap with the engine's output processing and
+        # scheduling.
+        if getattr(self, "_saving", None):
+            self._finish_saves()
+
+    def _finish_saves(self) -> None:
+        """Wait (bounded by save_timeout) for the replies of the stores sent
+        by wait_for_save."""
+        pending, self._saving = self._saving, []
+        for s, seqs, deadline in pending:
+            try:
+                for seq in seqs:
+                    if s is not self.link.session:
+                        break  # that session was dropped: the sidecar discarded its writes
+                    left = max(deadline - time.monotonic(), 0.001)
+                    rep = _s.decode_store_reply(s.await_reply(seq, timeout=left))
+                    self.stats["stores"] += 1
+                    if rep.status == _s.Status.OK:
+                        self.stats["stored_blocks"] += rep.stored
+                        self.stats["present_blocks"] += rep.present
+                    else:
+                        self.stats["store_errors"] += 1
+            except (RingsideError, _s.SchemaError) as e:
+                self._save_failed(e)
+
+    def _save_failed(self, e: Exception) -> None:
+        # The engine may reuse the blocks once we return: drop the session so
+        # the sidecar stops and discards whatever it holds (a write of a dead
+        # session never becomes visible).
+        self.stats["store_errors"] += 1
+        self._fail(e)
+        if self.link.session is not None:
+            self.link.drop(e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         s = self.link.session
@@ -865,6 +899,8 @@ class RingsideConnector(KVConnectorBase_V1):
         return errs
 
     def shutdown(self):
+        if getattr(self, "_saving", None):
+            self._finish_saves()
         self._write_stats()
         self.link.close()
 
