@@ -33,9 +33,11 @@ KV cache tensors (host memory by pid and address; CUDA IPC for GPU tensors),
 starts loads before the forward pass (the request waits in
 WAITING_FOR_REMOTE_KVS meanwhile), and stores the step's newly full blocks in
 ``wait_for_save``, i.e. after the forward pass that wrote them has finished:
-it registers the step's digests as a batch of its own, stores from it and
-waits for the copies (bounded) so that vLLM never frees or reuses a block
-that is being copied.
+it registers the step's digests as a batch of its own and stores from it,
+then waits for the copies (bounded) at the start of the next step
+(``handle_preemptions``, before vLLM can write any block), so that no block
+is rewritten while it is being copied and the copies overlap with vLLM's
+output processing and scheduling.
 
 Nothing here may fail or hang a request: every sidecar call has a deadline,
 every error is a miss (0 matched tokens) or a load error that vLLM recomputes
@@ -46,7 +48,9 @@ re-attaches in the background (at most once per ``reattach_interval``).
 Extra config keys (``kv_connector_extra_config``): ``socket``, ``timeout``
 (seconds per call, default 2), ``lease_ttl`` (seconds, default 30),
 ``save_timeout`` and ``load_timeout`` (seconds, default 5), ``reattach_interval`` (default 5),
-``tenant`` (tenant salt), ``stats_path`` (write connector counters as JSON at
+``tenant`` (tenant salt), ``max_wait_us`` (the most the scheduler waits for
+the sidecar in one step, default 100), ``sync_saves`` (wait for stores in
+``wait_for_save``), ``stats_path`` (write connector counters as JSON at
 shutdown and every ``stats_every`` steps, for tests and operators).
 """
 
