@@ -8,6 +8,7 @@ import (
 	"io"
 	"path/filepath"
 	"strings"
+	"sync"
 
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	appsv1 "k8s.io/api/apps/v1"
@@ -43,6 +44,11 @@ func newDecoder() runtime.Decoder {
 		kjson.SerializerOptions{Yaml: true, Strict: true})
 }
 
+// kustomizeMu serializes builds: kustomize's kyaml initialises its global
+// OpenAPI schema lazily without a lock (a data race the race detector
+// reports when two parallel subtests build at once).
+var kustomizeMu sync.Mutex
+
 // render builds one kustomization directory in-process (no kustomize or
 // kubectl binary, no network) and returns its YAML stream.
 func render(dir string) ([]byte, error) {
@@ -50,6 +56,8 @@ func render(dir string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	kustomizeMu.Lock()
+	defer kustomizeMu.Unlock()
 	fs := &dupCheckFS{FileSystem: filesys.MakeFsOnDisk()}
 	m, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(fs, abs)
 	if err != nil {

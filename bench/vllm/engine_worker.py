@@ -428,7 +428,8 @@ def paced_run(llm, rate, n, seed, prompt_bytes, max_tokens, poisson=True):
             "step_ns": step_ns}
 
 
-WORKER_METHODS = ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+WORKER_METHODS = ["handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
+                  "save_kv_layer", "finish_forward",
                   "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
                   "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
                   "clear_connector_metadata"]
