@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 
@@ -77,66 +76,13 @@ func parseServe(ct *corev1.Container) (sidecar.Config, error) {
 	return cfg, nil
 }
 
-// serveConfig mirrors internal/cli's sidecarConfig and the logger setup of
-// the serve action: every flag into a sidecar.Config, then EnsureDefaults
-// and Validate. (A `serve --check-config` flag would let the test call the
-// real function instead of this copy.)
+// serveConfig is what the serve action does before serving: the log
+// flags checked, then internal/cli's own ServeConfig.
 func serveConfig(c *ucli.Context) (sidecar.Config, error) {
-	var errs []string
 	if _, err := logx.New(io.Discard, c.String("log.format"), c.String("log.level")); err != nil {
-		errs = append(errs, "--log.*: "+err.Error())
+		return sidecar.Config{}, fmt.Errorf("invalid settings: --log.*: %w", err)
 	}
-	size := func(flag string) uint64 {
-		if c.String(flag) == "auto" {
-			return 0
-		}
-		v, err := rcli.ParseBytes(c.String(flag))
-		if err != nil {
-			errs = append(errs, fmt.Sprintf("--%s: %v", flag, err))
-		}
-		return v
-	}
-	cfg := sidecar.Config{
-		Dir:          c.String("dir"),
-		Socket:       c.String("socket"),
-		PoolBytes:    size("pool.bytes"),
-		SlotBytes:    size("pool.slot-bytes"),
-		Budget:       int64(size("budget")),
-		LeaseTTL:     c.Duration("lease.ttl"),
-		MaxLeaseTTL:  c.Duration("lease.max-ttl"),
-		WriteTimeout: c.Duration("write-timeout"),
-		RingCapacity: size("ring.capacity"),
-		Spin:         c.Duration("ring.spin"),
-		Yield:        c.Duration("ring.yield"),
-		CopyBackend:  c.String("copy.backend"),
-		CopyWorkers:  c.Int("copy.workers"),
-		MetricsAddr:  c.String("metrics.addr"),
-		GroupAccess:  c.Bool("group-access"),
-		MaxSessions:  c.Int("max-sessions"),
-	}
-	if s := c.String("allow-uid"); s != "" {
-		for _, f := range strings.Split(s, ",") {
-			u, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)
-			if err != nil {
-				errs = append(errs, fmt.Sprintf("--allow-uid: %q is not a uid", f))
-				continue
-			}
-			cfg.AllowUIDs = append(cfg.AllowUIDs, uint32(u))
-		}
-	}
-	if c.Args().Len() > 0 {
-		// serve ignores positional arguments: `--group-access true` or a
-		// flag value split off by mistake would go unnoticed.
-		errs = append(errs, fmt.Sprintf("unexpected arguments %q (serve takes none)", c.Args().Slice()))
-	}
-	cfg.EnsureDefaults()
-	if err := cfg.Validate(); err != nil {
-		errs = append(errs, strings.Split(err.Error(), "\n")...)
-	}
-	if len(errs) > 0 {
-		return cfg, fmt.Errorf("invalid settings: %s", strings.Join(errs, "; "))
-	}
-	return cfg, nil
+	return rcli.ServeConfig(c)
 }
 
 // envMu serialises withRingsideEnv: the CLI reads RINGSIDE_* variables from

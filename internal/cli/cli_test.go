@@ -73,4 +73,8 @@ func TestCheckConfig(t *testing.T) {
 	if err := app.Run([]string{"ringside", "serve", "--check-config", "--pool.bytes", "zz"}); err == nil {
 		t.Fatal("bad setting passed --check-config")
 	}
+	err := app.Run([]string{"ringside", "serve", "--check-config", "--dir", "/dev/shm/x", "--group-access", "true"})
+	if err == nil || !strings.Contains(err.Error(), "unexpected arguments") {
+		t.Fatalf("a stray positional argument: %v", err)
+	}
 }

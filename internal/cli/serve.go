@@ -48,7 +48,7 @@ func serveCommand() *cli.Command {
 			if err != nil {
 				return err
 			}
-			cfg, err := sidecarConfig(c)
+			cfg, err := ServeConfig(c)
 			if err != nil {
 				return err
 			}
@@ -68,10 +68,16 @@ func serveCommand() *cli.Command {
 	}
 }
 
-// sidecarConfig collects the flags into a Config and reports every bad
-// setting at once.
-func sidecarConfig(c *cli.Context) (sidecar.Config, error) {
+// ServeConfig collects serve's flags (and their RINGSIDE_* variables) into
+// a validated Config and reports every bad setting at once. Exported so
+// that the deployment tests run manifests through the real thing.
+func ServeConfig(c *cli.Context) (sidecar.Config, error) {
 	var errs []string
+	if c.Args().Len() > 0 {
+		// serve takes no positional arguments: `--group-access true` (a
+		// bool flag given a separate value) would otherwise go unnoticed.
+		errs = append(errs, fmt.Sprintf("unexpected arguments %q (serve takes none)", c.Args().Slice()))
+	}
 	size := func(flag string) uint64 {
 		if c.String(flag) == "auto" {
 			return 0
