@@ -513,13 +513,20 @@ class RingsideConnector(KVConnectorBase_V1):
                     # Waiting for the load budget: the poll sent last step.
                     payload = s.try_reply(ld["poll"]) if live else b""
                     if payload is None:
-                        continue
+                        if time.monotonic() - ld["t"] < self.timeout:
+                            s.kick()
+                            continue
+                        s.forget(ld["poll"])  # a sidecar that stopped answering: a miss
+                        payload = b""
+                        self._fail(RingsideTimeout("poll for %s got no reply in %.1fs" % (rid, self.timeout)))
+                        s = self.link.session
                     ld["poll"] = 0
                     lr = _s.decode_lease_reply(payload) if payload else None
                     ld["state"] = lr.state if lr is not None and lr.status == _s.Status.OK else _s.State.MISS
                 if ld["state"] == _s.State.WAITING:
-                    if live:
+                    if live and s is not None:
                         ld["poll"] = s.submit(_s.TYPE_POLL, _s.encode_poll(ld["lease"]), wake=False)
+                        ld["t"] = time.monotonic()
                         continue
                     ld["state"] = _s.State.MISS
             except (RingsideError, _s.SchemaError) as e:
