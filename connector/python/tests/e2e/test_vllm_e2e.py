@@ -67,13 +67,14 @@ def _free_port():
 
 
 class Sidecar:
-    def __init__(self, binary, tmp):
+    def __init__(self, binary, tmp, extra=()):
         self.dir = "/dev/shm/rs-e2e-%d-%d" % (os.getpid(), int(time.time() * 1000) % 100000)
         self.port = _free_port()
         self.sock = self.dir + "/ringside.sock"
         self.proc = subprocess.Popen(
             [binary, "serve", "--dir", self.dir, "--pool.bytes", "64MiB", "--pool.slot-bytes", "32KiB",
-             "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"],
+             "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"]
+            + list(extra),
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "sidecar.log"), "a"))
         deadline = time.time() + 20
         while True:
@@ -89,6 +90,14 @@ class Sidecar:
     def state(self):
         with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=2) as r:
             return json.load(r)
+
+    def requests(self, typ):
+        """ringside_requests_total for one record type."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith('ringside_requests_total{type="%s"}' % typ):
+                    return float(line.split()[-1])
+        return 0.0
 
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)
@@ -192,6 +201,25 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         want = [(n - 1) // 32 * 32 for n in turn2["prompt_tokens"]]
         assert turn2["cached_tokens"] == want, (turn2["cached_tokens"], want, sched, work)
         assert turn2["cached_tokens"] != base["rounds"][1]["cached_tokens"], "the engine alone got the same hits"
+    finally:
+        sc.stop()
+
+
+def test_load_budget_waits(model_dir, prompts_file, baseline, ringside_bin, tmp_path):
+    """A sidecar load budget of 8 blocks (256 KiB) for requests that each load
+    7: leases wait for the budget and the scheduler polls them across steps;
+    every hit is still loaded and the tokens are the engine's own."""
+    tmp = str(tmp_path)
+    sc = Sidecar(ringside_bin, tmp, extra=["--budget", "256KiB"])
+    try:
+        res, stats = run_engine(model_dir, prompts_file, tmp, "budget", socket_path=sc.sock, rounds=2)
+        for r in range(2):
+            assert res["rounds"][r]["tokens"] == baseline["rounds"][r]["tokens"], "round %d differs" % (r + 1)
+        sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
+        assert sc.requests("Poll") > 0, "no lease waited for the budget"
+        assert sched["hit_blocks"] > 0 and work["loaded_blocks"] == sched["hit_blocks"], (sched, work)
+        assert work["load_error_blocks"] == 0 and sched["sidecar_errors"] == 0, (sched, work)
+        assert sc.state()["pool"]["Leases"] == 0
     finally:
         sc.stop()
 
