@@ -256,9 +256,11 @@ func TestPeerStopsReading(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}()
-	gone := sc.waitGone(t, c.Info().Session, 6*time.Second) + time.Since(t0) - time.Since(t0)
+	sc.waitGone(t, c.Info().Session, 6*time.Second)
 	dropped := time.Since(t0)
 	<-done
+	// A lower bound, not a speed check: the sidecar must wait out its
+	// ReplyTimeout before dropping a session that stopped reading.
 	if dropped < 2*time.Second-200*time.Millisecond {
 		t.Errorf("dropped after %v, before ReplyTimeout", dropped)
 	}
@@ -268,7 +270,6 @@ func TestPeerStopsReading(t *testing.T) {
 		t.Errorf("a call after the drop: %v, want a closed peer", err)
 	}
 	failFast := time.Since(t1)
-	_ = gone
 	row.add("%d pings submitted until the rings filled (%v); session dropped %v after the flood began; next call failed in %v (%v); bystander: %d pings, 0 errors",
 		sent, full.Round(time.Millisecond), dropped.Round(time.Millisecond), failFast.Round(time.Microsecond), err, pings)
 }

@@ -386,17 +386,7 @@ class Session:
         fire-and-forget sends are discarded, others kept for their callers.
         Call it now and then on a session that mostly sends, so that the
         completion ring never fills."""
-        self._check()
-        cons = self._cons
-        try:
-            while True:
-                rec = cons.next()
-                if rec is None:
-                    cons.commit()
-                    return
-                self._stash(rec[2], rec[3])
-        except _UNAVAILABLE as e:
-            raise self._fail(e) from None
+        self.try_reply(0)  # no request has seq 0: every reply that arrived is stashed or dropped
 
     def await_reply(self, seq: int, timeout: Optional[float] = None, keep: bool = False) -> Optional[bytes]:
         """The reply payload of request seq (whatever its status), waiting at
@@ -487,12 +477,10 @@ class Session:
                 rec = cons.next()
                 if rec is None:
                     cons.commit()
-                    if self._unwoken:
-                        # About to wait: wake the sidecar for the records
-                        # published without waking it (only now: when the
-                        # reply is already there, no system call is made).
-                        self._unwoken = False
-                        self._prod.wake_consumer()
+                    # About to wait: wake the sidecar for records published
+                    # without waking it (only now: when the reply is already
+                    # there, no system call is made).
+                    self.kick()
                     cons.wait(deadline)
                     continue
                 rseq = rec[2]
@@ -509,8 +497,6 @@ class Session:
                 return None
             self._abandon(seq)
             raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
-        except OSError as e:  # the futex wake
-            raise self._fail(e) from None
 
     def _stash(self, seq: int, payload) -> None:
         if seq in self._abandoned:

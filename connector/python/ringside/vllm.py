@@ -256,6 +256,7 @@ class RingsideConnector(KVConnectorBase_V1):
             self._orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
             self._req_to_blocks: Any = False  # resolved at the first step (see _single_group_blocks)
             self._group_ids: Optional[tuple] = None
+            self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
         else:
             rank = _tp_rank()
             self._rank = rank
@@ -409,7 +410,7 @@ class RingsideConnector(KVConnectorBase_V1):
         start = (r.hit_tokens - num_external_tokens) // self.block_size
         count = num_external_tokens // self.block_size
         ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        want = ids[start:start + count] if len(ids) >= start + count else ids[-count:] if count else []
+        want = ids[start:start + count]  # vLLM passes all of the request's blocks
         # Blocks that come from the sidecar need no storing back.
         r.stored = max(r.stored, start + count)
         load = {"lease": 0, "state": _s.State.MISS, "block_ids": want, "seq": 0, "poll": 0}
@@ -652,7 +653,7 @@ class RingsideConnector(KVConnectorBase_V1):
     def _legacy_blocks(self, so: "SchedulerOutput"):
         """Block ids from the scheduler output's block lists, for vLLM
         versions without SchedulerOutput.kv_connector_block_state."""
-        blocks = self.__dict__.setdefault("_legacy", {})
+        blocks = self._legacy
         for nr in so.scheduled_new_reqs:
             if nr.block_ids:
                 blocks[nr.req_id] = list(nr.block_ids[0])
@@ -689,9 +690,7 @@ class RingsideConnector(KVConnectorBase_V1):
         r = self._reqs.pop(rid, None)
         self._waiting_loads.pop(rid, None)
         self._watch.discard(rid)
-        legacy = self.__dict__.get("_legacy")
-        if legacy:
-            legacy.pop(rid, None)
+        self._legacy.pop(rid, None)
         s = self.link.session
         if r is not None and s is not None and r.generation == self.link.generation:
             try:
