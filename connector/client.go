@@ -243,6 +243,15 @@ func (c *Client) PutHashesLookup(batch uint64, digests []byte) (int, error) {
 	return int(n), err
 }
 
+// PutHashesFlags sends a PutHashes with any flags (schema.FlagAppend,
+// FlagLookup, FlagReplace) and returns the Reply's value: the batch length,
+// or with FlagLookup the number of leading blocks the sidecar holds.
+func (c *Client) PutHashesFlags(batch uint64, digests []byte, flags uint32) (int, error) {
+	m := schema.PutHashes{Batch: batch, Flags: flags, Digests: digests}
+	n, err := c.simple(schema.TypePutHashes, m.Append(nil, c.opts.DigestWidth))
+	return int(n), err
+}
+
 // DropHashes forgets a batch.
 func (c *Client) DropHashes(batch uint64) error {
 	_, err := c.simple(schema.TypeDropHashes, schema.IDRequest{ID: batch}.Append(nil))

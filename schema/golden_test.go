@@ -121,7 +121,7 @@ func buildGoldenVectors() goldenFileT {
 		msg, f := goldenFields(s.value)
 		v := goldenVector{Name: s.name, Message: msg, RecordType: s.rtype, Fields: f, Hex: hx(s.enc())}
 		if _, ok := s.value.(schema.PutHashes); ok {
-			v.Width = map[string]int{"PutHashes/w32": 32, "PutHashes/w8": 8}[s.name]
+			v.Width = map[string]int{"PutHashes/w32": 32, "PutHashes/w8": 8, "PutHashes/w16": 16}[s.name]
 		}
 		g.Vectors = append(g.Vectors, v)
 	}

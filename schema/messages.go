@@ -219,6 +219,11 @@ const (
 	// (its value is the number of leading digests the cache holds, not the
 	// batch length): admission in one record instead of two.
 	FlagLookup uint32 = 2
+	// FlagReplace registers the batch whether or not the id is registered:
+	// an existing batch's digests are replaced. A client reuses the id of a
+	// finished request's batch this way instead of dropping it (one record
+	// fewer a request). Not with FlagAppend.
+	FlagReplace uint32 = 4
 )
 
 // Append encodes m; width is the session's digest width (8, 16 or 32) and
@@ -244,8 +249,11 @@ func (m *PutHashes) Decode(b []byte, width int) error {
 	if r.err == nil && n > MaxHashesPerRecord {
 		r.fail("%d hashes, at most %d per record", n, MaxHashesPerRecord)
 	}
-	if r.err == nil && m.Flags&^(FlagAppend|FlagLookup) != 0 {
+	if r.err == nil && m.Flags&^(FlagAppend|FlagLookup|FlagReplace) != 0 {
 		r.fail("unknown flags %#x", m.Flags)
+	}
+	if r.err == nil && m.Flags&FlagAppend != 0 && m.Flags&FlagReplace != 0 {
+		r.fail("flags %#x: FlagAppend and FlagReplace together", m.Flags)
 	}
 	m.Digests = r.bytes(int(n) * width)
 	return r.done()

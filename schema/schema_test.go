@@ -81,6 +81,7 @@ var (
 	}
 	sPutHashes32 = schema.PutHashes{Batch: 0x1122334455667788, Flags: schema.FlagAppend, Digests: digests(3, 32, 1)}
 	sPutHashes8  = schema.PutHashes{Batch: 0x0102030405060708, Flags: schema.FlagLookup, Digests: digests(5, 8, 9)}
+	sPutHashes16 = schema.PutHashes{Batch: 0x0a0b0c0d0e0f1011, Flags: schema.FlagReplace | schema.FlagLookup, Digests: digests(2, 16, 3)}
 	sDropHashes  = schema.IDRequest{ID: 0x1122334455667788}
 	sPoll        = schema.IDRequest{ID: 0x99AABBCCDDEEFF01}
 	sRelease     = schema.IDRequest{ID: 0x99AABBCCDDEEFF02}
@@ -152,6 +153,7 @@ func samples() []sample {
 		{"AttachReply", 0, sAttachReply, func() []byte { return sAttachReply.Append(nil) }, decAttachReply, 0, false},
 		{"PutHashes/w32", schema.TypePutHashes, sPutHashes32, func() []byte { return sPutHashes32.Append(nil, 32) }, decPutHashes(32), 0, false},
 		{"PutHashes/w8", schema.TypePutHashes, sPutHashes8, func() []byte { return sPutHashes8.Append(nil, 8) }, decPutHashes(8), 0, false},
+		{"PutHashes/w16", schema.TypePutHashes, sPutHashes16, func() []byte { return sPutHashes16.Append(nil, 16) }, decPutHashes(16), 0, false},
 		{"DropHashes", schema.TypeDropHashes, sDropHashes, func() []byte { return sDropHashes.Append(nil) }, decID, 8, false},
 		{"Lookup", schema.TypeLookup, sLookup, func() []byte { return sLookup.Append(nil) }, decLookup, 16, false},
 		{"Acquire", schema.TypeAcquire, sAcquire, func() []byte { return sAcquire.Append(nil) }, decAcquire, 24, false},
@@ -376,13 +378,14 @@ func TestPutHashesLimits(t *testing.T) {
 			wantMalformed(t, err, "encoded width %d decoded as 16", width)
 		}
 	}
-	for _, flags := range []uint32{4, 8, 0x80000000, 7, 0xffffffff} {
+	for _, flags := range []uint32{8, 0x80000000, 7, 0xffffffff, schema.FlagAppend | schema.FlagReplace} {
 		b := (&schema.PutHashes{Batch: 1, Flags: flags, Digests: digests(1, 8, 0)}).Append(nil, 8)
 		var got schema.PutHashes
 		err := got.Decode(b, 8)
 		wantMalformed(t, err, "flags %#x", flags)
 	}
-	for _, flags := range []uint32{0, schema.FlagAppend, schema.FlagLookup, schema.FlagAppend | schema.FlagLookup} {
+	for _, flags := range []uint32{0, schema.FlagAppend, schema.FlagLookup, schema.FlagAppend | schema.FlagLookup,
+		schema.FlagReplace, schema.FlagReplace | schema.FlagLookup} {
 		b := (&schema.PutHashes{Batch: 1, Flags: flags, Digests: digests(1, 8, 0)}).Append(nil, 8)
 		var got schema.PutHashes
 		if err := got.Decode(b, 8); err != nil || got.Flags != flags {

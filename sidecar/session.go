@@ -457,8 +457,16 @@ func (ss *session) putHashes(rec ring.Record) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b, exists := ss.inst.batches[m.Batch]
+	if m.Flags&schema.FlagReplace != 0 && exists {
+		// Reuse of the id: the old digests go (the limits below count the
+		// new ones alone; if they refuse, the batch is left empty). A new
+		// array: nothing may see the old one change.
+		ss.inst.hashBytes -= len(b)
+		b = nil
+		ss.inst.batches[m.Batch] = b
+	}
 	switch {
-	case m.Flags&schema.FlagAppend == 0 && exists:
+	case m.Flags&(schema.FlagAppend|schema.FlagReplace) == 0 && exists:
 		return schema.Errorf(schema.ErrCodeDuplicate, "batch %d is already registered (drop it first, or append)", m.Batch)
 	case m.Flags&schema.FlagAppend != 0 && !exists:
 		return schema.Errorf(schema.ErrCodeUnknownBatch, "batch %d: nothing to append to", m.Batch)

@@ -181,6 +181,29 @@ func TestStoreLookupAcquireLoad(t *testing.T) {
 	if _, err := c.PutHashesLookup(1, d); status(err) != schema.ErrCodeDuplicate {
 		t.Fatalf("put+lookup of a registered batch: %v", err)
 	}
+	// FlagReplace: an id reused without a drop (registered or not).
+	for _, tc := range []struct {
+		what  string
+		d     []byte
+		flags uint32
+		want  int
+	}{
+		{"new id", d[:2*32], schema.FlagReplace, 2},                                                   // registers
+		{"registered id", d, schema.FlagReplace, 8},                                                   // replaces: the length is the new one
+		{"shorter", d[:3*32], schema.FlagReplace, 3},                                                  // shrinks
+		{"with lookup", append(digests("other", 1), d...), schema.FlagReplace | schema.FlagLookup, 0}, // a miss first
+		{"with lookup, hits", d, schema.FlagReplace | schema.FlagLookup, 6},                           // the 6 stored blocks lead
+	} {
+		if n, err := c.PutHashesFlags(20, tc.d, tc.flags); err != nil || n != tc.want {
+			t.Fatalf("replace (%s): %d %v, want %d", tc.what, n, err, tc.want)
+		}
+	}
+	if n, err := c.Lookup(schema.View{Batch: 20, Count: 8}); err != nil || n != 6 {
+		t.Fatalf("lookup of the replaced batch: %d %v", n, err)
+	}
+	if err := c.DropHashes(20); err != nil {
+		t.Fatal(err)
+	}
 	l, err := c.Acquire(schema.View{Batch: 1, Count: 8}, time.Minute)
 	if err != nil || l.Blocks != 6 || l.State != schema.StateReady || l.Lease == 0 {
 		t.Fatalf("acquire: %+v %v", l, err)
@@ -530,6 +553,20 @@ func TestQuotas(t *testing.T) {
 	c.DropHashes(2)
 	if _, err := c.PutHashes(3, digests("s", 6), false); err != nil {
 		t.Fatalf("after a drop the quota is free again: %v", err)
+	}
+	// A replace gives the old digests back before counting the new ones:
+	// batch 3 (6 of the 10) can be replaced by 6 as often as wanted, not by 7.
+	for i := 0; i < 5; i++ {
+		if _, err := c.PutHashesFlags(3, digests("t", 6), schema.FlagReplace); err != nil {
+			t.Fatalf("replace %d within the quota: %v", i, err)
+		}
+	}
+	if _, err := c.PutHashesFlags(3, digests("t", 7), schema.FlagReplace); status(err) != schema.ErrCodeTooLarge {
+		t.Fatalf("replace past the quota: %v", err)
+	}
+	// That failed replace left batch 3 empty: its 6 are free again.
+	if _, err := c.PutHashesFlags(3, digests("t", 6), schema.FlagReplace); err != nil {
+		t.Fatalf("after a failed replace: %v", err)
 	}
 	c.Store(schema.View{Batch: 1, Count: 4}, 1, []uint32{0, 1, 2, 3})
 	var leases []uint64

@@ -143,6 +143,7 @@ REGION_CUDA_IPC = 2  # GPU memory exported with a CUDA IPC handle
 
 FLAG_APPEND = 1  # PutHashes: append to an existing batch
 FLAG_LOOKUP = 2  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
+FLAG_REPLACE = 4  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
 
 OP_STORED = 1
 OP_EVICTED = 2
@@ -414,8 +415,10 @@ def decode_put_hashes(b, width: int) -> PutHashes:
     batch, n, flags = _PUT_HASHES.unpack_from(b, 0)
     if n > MAX_HASHES_PER_RECORD:
         raise SchemaError("%s: %d hashes, at most %d per record" % (what, n, MAX_HASHES_PER_RECORD))
-    if flags & ~(FLAG_APPEND | FLAG_LOOKUP):
+    if flags & ~(FLAG_APPEND | FLAG_LOOKUP | FLAG_REPLACE):
         raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    if flags & FLAG_APPEND and flags & FLAG_REPLACE:
+        raise SchemaError("%s: flags %#x: FlagAppend and FlagReplace together" % (what, flags))
     _need(what, b, 16, n * width)
     _done(what, b, 16 + n * width)
     return PutHashes(batch, flags, bytes(_view(b)[16:]))

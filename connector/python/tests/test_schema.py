@@ -128,7 +128,7 @@ IDS = [v["name"] for v in VECTORS]
 
 def test_every_message_has_a_vector():
     assert set(CODECS) == {v["message"] for v in VECTORS}
-    assert {v["digest_width"] for v in VECTORS if v["message"] == "PutHashes"} == {8, 32}
+    assert {v["digest_width"] for v in VECTORS if v["message"] == "PutHashes"} == {8, 16, 32}
     assert {v["fields"]["width"] for v in VECTORS if v["message"] == "ChangesReply"} == {8, 32}
 
 
@@ -213,10 +213,11 @@ def test_put_hashes_limits(width):
         S.decode_put_hashes(_put(S.MAX_HASHES_PER_RECORD + 1, width), width)
     with pytest.raises(S.SchemaError, match="at most"):
         S.decode_put_hashes(_put(S.MAX_HASHES_PER_RECORD + 1, width)[:16], width)
-    for flags in (4, 7, 0x80000000):
+    for flags in (8, 7, 5, 0x80000000):
         with pytest.raises(S.SchemaError, match="flags"):
             S.decode_put_hashes(_put(1, width, flags), width)
-    for flags in (S.FLAG_APPEND, S.FLAG_LOOKUP, S.FLAG_APPEND | S.FLAG_LOOKUP):
+    for flags in (S.FLAG_APPEND, S.FLAG_LOOKUP, S.FLAG_APPEND | S.FLAG_LOOKUP, S.FLAG_REPLACE,
+                  S.FLAG_REPLACE | S.FLAG_LOOKUP):
         assert S.decode_put_hashes(_put(1, width, flags), width).flags == flags
     # Encoder refuses what it cannot express.
     with pytest.raises(S.SchemaError):
