@@ -10,6 +10,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/ring"
 	"github.com/ringside-kv/ringside/sidecar"
 )
@@ -27,6 +28,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "ring.capacity", Value: "1MiB", Usage: "data capacity of each session ring (power of two)", EnvVars: env("ring.capacity")},
 		&cli.DurationFlag{Name: "ring.spin", Value: ring.DefaultWait.Spin, Usage: "how long a session loop busy-polls before yielding and parking", EnvVars: env("ring.spin")},
 		&cli.DurationFlag{Name: "ring.yield", Value: ring.DefaultWait.Yield, Usage: "how long it yields after spinning, before parking on the futex", EnvVars: env("ring.yield")},
+		&cli.BoolFlag{Name: "sched.batch", Value: true, Usage: "run the sidecar's threads under SCHED_BATCH, so that waking one never preempts an engine thread on a shared CPU (--sched.batch=false: the default policy)", EnvVars: env("sched.batch")},
 		&cli.StringFlag{Name: "copy.backend", Value: "auto", Usage: "copy engine: auto (CUDA for GPU regions when a GPU and driver are usable, else host only), host, or cuda (fail at start without CUDA)", EnvVars: env("copy.backend")},
 		&cli.IntFlag{Name: "copy.workers", Value: 2, Usage: "host copy goroutines", EnvVars: env("copy.workers")},
 		&cli.StringFlag{Name: "metrics.addr", Value: sidecar.DefaultMetricsAddr, Usage: "address for /metrics, /healthz, /readyz and /debug/state (empty: off)", EnvVars: env("metrics.addr")},
@@ -57,6 +59,15 @@ func serveCommand() *cli.Command {
 				return nil
 			}
 			log.Info().Str("version", Version).Msg("starting ringside")
+			if c.Bool("sched.batch") {
+				// Before the sidecar starts its goroutines' threads: those
+				// created later inherit the policy.
+				if n, err := sys.SetBatchScheduling(); err != nil {
+					log.Warn().Err(err).Msg("could not switch to SCHED_BATCH; waking the sidecar may preempt the engine")
+				} else {
+					log.Debug().Int("threads", n).Msg("SCHED_BATCH")
+				}
+			}
 			srv, err := sidecar.New(cfg, log)
 			if err != nil {
 				return err
