@@ -169,6 +169,14 @@ def run_worker(cmd: list[str], logpath: str, kv_gib: int, timeout: float) -> lis
 # --------------------------------------------------------------------------
 
 
+def step_args(a) -> list[str]:
+    """engine_worker.py step flags shared by the ringside and baseline runs."""
+    return ["--inflight", ",".join(map(str, a.inflight)), "--max-num-seqs", str(max(a.inflight) + 24),
+            "--max-tokens", str(a.step_max_tokens), "--min-steps", str(a.step_min_steps),
+            "--max-num-batched-tokens", "8192", "--sustained-steps", str(a.sustained_steps),
+            "--sustained-life", str(a.sustained_life)]
+
+
 def part_step(a, workdir):
     model = build_model(a.python, workdir, "step", STEP_MODEL)
     slot = page_bytes(STEP_MODEL)
@@ -180,10 +188,7 @@ def part_step(a, workdir):
         try:
             st = sc.state()["pool"]
             assert st["Blocks"] >= blocks, st
-            extra = ["--cached-blocks", str(blocks), "--inflight", ",".join(map(str, a.inflight)),
-                     "--max-num-seqs", str(max(a.inflight) + 24), "--max-tokens", str(a.step_max_tokens),
-                     "--min-steps", str(a.step_min_steps), "--max-num-batched-tokens", "8192",
-                     "--sustained-steps", str(a.sustained_steps), "--sustained-life", str(a.sustained_life)]
+            extra = ["--cached-blocks", str(blocks)] + step_args(a)
             t = time.time()
             for r in run_worker(worker_cmd(a.python, "step", model, sc.sock, extra),
                                 os.path.join(workdir, "engine-step%d.log" % blocks), 1, 900):
@@ -191,6 +196,14 @@ def part_step(a, workdir):
             log("vllm_step: %d blocks done in %.0fs" % (blocks, time.time() - t))
         finally:
             sc.stop()
+    if a.step_baseline:
+        # The floor in the same run: the same workload with a connector whose
+        # hooks do nothing (bench/vllm/null_connector.py), so no sidecar.
+        log("vllm_step: baseline (null connector)")
+        extra = ["--connector", "null"] + step_args(a)
+        for r in run_worker(worker_cmd(a.python, "step", model, None, extra),
+                            os.path.join(workdir, "engine-step-null.log"), 1, 900):
+            out(r)
 
 
 def part_ttft(a, workdir):
@@ -334,6 +347,7 @@ def main() -> int:
     ap.add_argument("--inflight", type=ints, default=[10, 100, 1000])
     ap.add_argument("--step-max-tokens", type=int, default=32)
     ap.add_argument("--step-min-steps", type=int, default=300)
+    ap.add_argument("--step-baseline", type=int, default=1, help="step: also run the null connector (1) or not (0)")
     ap.add_argument("--sustained-steps", type=int, default=200, help="step: sustained rows, steps measured (0: none)")
     ap.add_argument("--sustained-life", type=int, default=128, help="step: sustained rows, mean output tokens")
     ap.add_argument("--prefix-tokens", type=int, default=2048)

@@ -55,7 +55,12 @@ def make_llm(a):
     kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32, enforce_eager=True,
               seed=0, distributed_executor_backend="uni", enable_prefix_caching=True,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
-    if a.socket:
+    if getattr(a, "connector", "ringside") == "null":
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector", kv_connector_module_path="null_connector",
+                                                    kv_role="kv_both")
+    elif a.socket:
         from vllm.config import KVTransferConfig
 
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
@@ -172,8 +177,9 @@ def run_step(a):
     llm = make_llm(a)
     sched = scheduler_of(llm)
     conn = sched.connector
-    if conn is None or type(conn).__name__ != "RingsideConnector":
-        raise SystemExit("step: no RingsideConnector on the scheduler (got %r)" % (conn,))
+    want = {"null": "NullConnector"}.get(a.connector, "RingsideConnector")
+    if conn is None or type(conn).__name__ != want:
+        raise SystemExit("step: no %s on the scheduler (got %r)" % (want, conn))
     timer = StepTimer(sched, conn)
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     # Warm-up: stores the shared prefix in the sidecar, warms the engine.
@@ -205,7 +211,7 @@ def run_step(a):
         steady = [s[0] / 1000.0 for s in samples
                   if not any(k in s[4] for k in ("get_num_new_matched_tokens", "request_finished"))]
         emit({
-            "bench": "vllm_step", "requests_in_flight": n, "cached_blocks": a.cached_blocks,
+            "bench": "vllm_step", "connector": a.connector, "requests_in_flight": n, "cached_blocks": a.cached_blocks,
             "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
             "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
             "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
@@ -280,7 +286,8 @@ def run_sustained(llm, timer, conn, a, n):
         for m, v in s[4].items():
             by[m] = by.get(m, 0) + v
     return {
-        "bench": "vllm_step_sustained", "requests_in_flight": n, "cached_blocks": a.cached_blocks,
+        "bench": "vllm_step_sustained", "connector": a.connector, "requests_in_flight": n,
+        "cached_blocks": a.cached_blocks,
         "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
         "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
         "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
@@ -467,6 +474,8 @@ def main() -> int:
     ap.add_argument("mode", choices=["step", "ttft", "serve"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket")
+    ap.add_argument("--connector", choices=["ringside", "null"], default="ringside",
+                    help="step: null = a connector that does nothing (the floor of vLLM's calls into one)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -59,6 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -83,6 +84,15 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("ringside.vllm")
 
 DEFAULT_SOCKET = "/dev/shm/ringside/ringside.sock"
+# Hot-path record layouts (schema.py's, without its argument checks: the
+# values here are built by this module).
+_PUT_HASHES = struct.Struct("<QII")  # batch, count, flags; the digests follow
+_REPLY = struct.Struct("<IIQ")  # status, zero, value; a message may follow
+_LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
+# Finished requests' batch ids kept for reuse (FlagReplace) at most; more are
+# dropped.
+_MAX_FREE_BATCHES = 4096
+_monotonic = time.monotonic
 REGION_ID = 1
 _NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
@@ -100,16 +110,13 @@ class LoadSpec:
 
 
 @dataclass
-class StoreSpec:
-    req_id: str
-    digests: bytes  # vLLM's block hashes of the blocks to store, joined
-    block_ids: list[int]  # engine blocks holding them, in the same order
-
-
-@dataclass
 class RingsideConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
+    # The blocks that become full in this step, of every request together:
+    # store_digests[i] holds vLLM's hashes (joined) of a run of blocks whose
+    # engine block ids come next in store_block_ids, in the same order.
+    store_digests: list[bytes] = field(default_factory=list)
+    store_block_ids: list[int] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------
@@ -215,7 +222,7 @@ class RingsideConnector(KVConnectorBase_V1):
         self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
-                      "deferred_lookups": 0, "planned_stores": 0, "planned_blocks": 0,
+                      "deferred_lookups": 0, "batches_reused": 0, "planned_stores": 0, "planned_blocks": 0,
                       "step_ns_total": 0, "step_ns_max": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
@@ -234,6 +241,8 @@ class RingsideConnector(KVConnectorBase_V1):
                              dict(attach, role=_s.ROLE_SCHEDULER, rank=0))
             self._reqs: dict[str, _Req] = {}
             self._next_batch = 0
+            self._free_batches: list[int] = []  # ids of finished requests' batches (see _batch_id)
+            self._free_gen = -1  # the link generation they belong to
             self._waiting_loads: dict[str, _Req] = {}
             # Store planning (build_connector_meta): requests that may advance
             # by more than one token a step (prefill chunks, resumed after a
@@ -253,6 +262,7 @@ class RingsideConnector(KVConnectorBase_V1):
             # slow sidecar delays a hit by a step, never the whole engine.
             self.max_wait_ns = int(float(extra.get("max_wait_us", 100)) * 1000)
             self._wait_left_ns = self.max_wait_ns
+            self._woke = False  # an arrival woke the sidecar in this step (on_new_request)
             self._orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
             self._req_to_blocks: Any = False  # resolved at the first step (see _single_group_blocks)
             self._group_ids: Optional[tuple] = None
@@ -299,22 +309,45 @@ class RingsideConnector(KVConnectorBase_V1):
         else:
             logger.debug("ringside: %s", err)
 
-    def _usable(self, request: "Request") -> int:
-        # Leave at least one token to compute: vLLM needs a forward pass.
-        return min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+    # A request may load at most min(len(block_hashes), (num_tokens - 1) //
+    # block_size) blocks: at least one token is left to compute (vLLM needs
+    # a forward pass). Inlined in the hooks below.
 
     def _req(self, request: "Request") -> _Req:
         """The request's state in the current link generation."""
         rid = request.request_id
         r = self._reqs.get(rid)
-        if r is None or r.generation != self.link.generation:
-            self._next_batch += 1
+        gen = self.link.generation
+        if r is None or r.generation != gen:
             old = r
-            r = _Req(request, self._next_batch, self.link.generation)
+            r = _Req(request, self._batch_id(gen), gen)
             if old is not None:  # a new sidecar session: keep the cursor
                 r.stored = old.stored
             self._reqs[rid] = r
         return r
+
+    def _batch_id(self, gen: int) -> int:
+        """A batch id for a request: one a finished request left in this
+        session (re-registered with FlagReplace, so finishing a request
+        sends no DropHashes), else a new one."""
+        free = self._free_batches
+        if free and self._free_gen == gen:
+            self.stats["batches_reused"] += 1
+            return free.pop()
+        self._next_batch += 1
+        return self._next_batch
+
+    def _recycle(self, r: _Req, s: Session) -> None:
+        """A finished request's batch: kept registered for the next request
+        (up to _MAX_FREE_BATCHES), else dropped."""
+        free = self._free_batches
+        if self._free_gen != r.generation:
+            free.clear()
+            self._free_gen = r.generation
+        if len(free) < _MAX_FREE_BATCHES:
+            free.append(r.batch)
+        else:
+            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch), wake=False)
 
     def _put_hashes(self, r: _Req, s: Session, upto: int) -> None:
         """Register the request's hashes [registered, upto) in its batch,
@@ -325,62 +358,73 @@ class RingsideConnector(KVConnectorBase_V1):
         hashes = r.request.block_hashes
         for a in range(r.registered, upto, _s.MAX_HASHES_PER_RECORD):
             new = b"".join(hashes[a:min(upto, a + _s.MAX_HASHES_PER_RECORD)])
-            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else 0), wake=False)
+            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else _s.FLAG_REPLACE),
+                   wake=False)
         r.registered = upto
 
     def on_new_request(self, request: "Request") -> None:
         # Pipelined admission: the lookup goes out as the request arrives and
         # the sidecar answers while vLLM finishes adding requests and starts
         # the step; get_num_new_matched_tokens collects the answer.
-        usable = self._usable(request)
-        if usable <= 0:
-            return
-        s = self._session()
+        hashes = request.block_hashes
+        usable = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        if usable <= 0 or usable > _s.MAX_HASHES_PER_RECORD:
+            return  # nothing to load, or looked up when vLLM asks
+        s = self.link.get()
         if s is None:
             return
         try:
             r = self._req(request)
-            if r.registered == 0 and usable <= _s.MAX_HASHES_PER_RECORD:
+            if r.registered == 0:
                 # One record: register the blocks it may load and look them
-                # up (FlagLookup: the reply is the number of leading hits).
-                p = _s.encode_put_hashes(r.batch, b"".join(request.block_hashes[:usable]), 32, _s.FLAG_LOOKUP)
-                # Not woken here: a futex wake per arrival costs more than the
-                # lookup (35-150 us on a VM). The scheduler's first wait of the
-                # step wakes the sidecar, which then answers every pending
-                # lookup in one pass.
-                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=False)
-                r.lookup_t = time.monotonic()
+                # up (FlagLookup: the reply is the number of leading hits;
+                # FlagReplace: the id may be a finished request's).
+                p = _PUT_HASHES.pack(r.batch, usable, _LOOKUP_REPLACE) + b"".join(hashes[:usable])
+                # The first arrival of a step wakes the sidecar (if parked),
+                # so that it answers while vLLM goes on to schedule; later
+                # ones in the same step do not (a futex wake is a system
+                # call, 25-40 us on a VM): the sidecar, once up, handles
+                # every record published meanwhile in the same pass, and a
+                # wait for a reply wakes it if it parked again.
+                wake = not self._woke
+                r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=wake)
+                self._woke = True
+                r.lookup_t = _monotonic()
                 r.registered = r.lookup_count = usable
         except (RingsideError, _s.SchemaError) as e:
             self._fail(e)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        usable = self._usable(request)
+        hashes = request.block_hashes
+        usable = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         if usable <= 0:
             return 0, False
-        s = self._session()
+        s = self.link.get()
         if s is None:
             return 0, False
         try:
             r = self._req(request)
             seq = r.lookup_seq
-            rep = None
+            value = -1
             if seq:
                 payload = self._reply(s, seq)
                 if payload is None:
-                    if time.monotonic() - r.lookup_t < self.timeout:
+                    if _monotonic() - r.lookup_t < self.timeout:
                         self.stats["deferred_lookups"] += 1
                         return None, False  # not answered yet: vLLM asks again next step
                     r.lookup_seq = 0
                     s.forget(seq)
                     raise RingsideTimeout("lookup of %s got no reply in %.1fs" % (request.request_id, self.timeout))
                 r.lookup_seq = 0
-                rep = _s.decode_reply(payload)
-            if rep is not None and rep.status != _s.Status.OK:
-                raise RingsideError(rep.status, rep.message)
-            if rep is not None and r.lookup_count == usable:
-                hits = rep.value
-            elif rep is None and not r.allocated and r.looked == usable:
+                if len(payload) < 16:
+                    raise _s.SchemaError("Reply: %d bytes, want at least 16" % len(payload))
+                status, _, value = _REPLY.unpack_from(payload, 0)
+                if status:
+                    rep = _s.decode_reply(payload)
+                    raise RingsideError(rep.status, rep.message)
+            if value >= 0 and r.lookup_count == usable:
+                hits = value
+            elif value < 0 and not r.allocated and r.looked == usable:
                 # Asked again while it waits for KV blocks (vLLM asks every
                 # step): the answer of the last lookup. The acquire checks it.
                 hits = r.hits
@@ -391,9 +435,10 @@ class RingsideConnector(KVConnectorBase_V1):
             self._fail(e)
             return 0, False
         r.looked, r.hits = usable, hits
-        self.stats["lookups"] += 1
-        self.stats["lookup_blocks"] += usable
-        self.stats["hit_blocks"] += hits
+        st = self.stats
+        st["lookups"] += 1
+        st["lookup_blocks"] += usable
+        st["hit_blocks"] += hits
         ext = hits * self.block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -475,6 +520,7 @@ class RingsideConnector(KVConnectorBase_V1):
         if self._orphans:
             self._release_orphans(s)
         self._wait_left_ns = self.max_wait_ns  # the next step's budget
+        self._woke = False
         dt = time.perf_counter_ns() - t0
         st = self.stats
         st["steps"] += 1
@@ -576,30 +622,37 @@ class RingsideConnector(KVConnectorBase_V1):
         if self._req_to_blocks is False:
             self._req_to_blocks = _single_group_blocks(getattr(self, "_kv_cache_manager", None))
         nst = so.num_scheduled_tokens
+        check = self._check_store
         if resolve is None or self._every_step:
             # vLLM without per-request block resolution, or speculative
             # decoding: check every scheduled request.
             if resolve is None:
                 resolve = self._legacy_blocks(so)
             for rid in nst:
-                self._check_store(rid, nst, resolve, meta)
-            return
-        watch = self._watch
-        for nr in so.scheduled_new_reqs:
-            watch.add(nr.req_id)
-        resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
-        if resumed:
-            watch.update(resumed)
-            self.stats["resumed"] += len(resumed)
-        due = self._due.pop(self._step, None)
-        if due:
-            for rid in due:
-                r = self._reqs.get(rid)
-                if r is not None and r.due == self._step and rid not in watch:
-                    self._check_store(rid, nst, resolve, meta)
-        if watch:
-            for rid in list(watch):
-                self._check_store(rid, nst, resolve, meta)
+                check(rid, nst, resolve, meta)
+        else:
+            watch = self._watch
+            for nr in so.scheduled_new_reqs:
+                watch.add(nr.req_id)
+            resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
+            if resumed:
+                watch.update(resumed)
+                self.stats["resumed"] += len(resumed)
+            step = self._step
+            due = self._due.pop(step, None)
+            if due:
+                reqs = self._reqs
+                for rid in due:
+                    r = reqs.get(rid)
+                    if r is not None and r.due == step and rid not in watch:
+                        check(rid, nst, resolve, meta)
+            if watch:
+                for rid in list(watch):
+                    check(rid, nst, resolve, meta)
+        if meta.store_digests:
+            st = self.stats
+            st["planned_stores"] += len(meta.store_digests)
+            st["planned_blocks"] += len(meta.store_block_ids)
 
     def _check_store(self, rid: str, nst: dict, resolve, meta: RingsideConnectorMetadata) -> None:
         r = self._reqs.get(rid)
@@ -611,26 +664,32 @@ class RingsideConnector(KVConnectorBase_V1):
         done = req.num_computed_tokens + n  # tokens whose KV exists after this step
         bs = self.block_size
         hashes = req.block_hashes
-        full = min(done // bs, len(hashes))
-        if full > r.stored:
+        full = done // bs
+        if full > len(hashes):
+            full = len(hashes)
+        a = r.stored
+        if full > a:
             rtb = self._req_to_blocks
             if rtb is not None:  # the manager's own block list: no copy of the whole table
                 blks = rtb.get(rid) or ()
-                full = min(full, len(blks))
-                ids = [b.block_id for b in blks[r.stored:full]]
+                if full > len(blks):
+                    full = len(blks)
+                if full == a + 1:  # the common case: one block filled (decoding)
+                    meta.store_block_ids.append(blks[a].block_id)
+                elif full > a:
+                    meta.store_block_ids.extend([b.block_id for b in blks[a:full]])
             else:
                 try:
                     got = resolve(rid)
                 except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
                     got = None
                 blocks = got[0] if got else ()
-                full = min(full, len(blocks))
-                ids = list(blocks[r.stored:full])
-            if full > r.stored:
-                meta.stores.append(StoreSpec(rid, b"".join(hashes[r.stored:full]), ids))
-                st = self.stats
-                st["planned_stores"] += 1
-                st["planned_blocks"] += full - r.stored
+                if full > len(blocks):
+                    full = len(blocks)
+                if full > a:
+                    meta.store_block_ids.extend(blocks[a:full])
+            if full > a:
+                meta.store_digests.append(hashes[a] if full == a + 1 else b"".join(hashes[a:full]))
                 r.stored = full
         if self._every_step:
             return
@@ -648,7 +707,11 @@ class RingsideConnector(KVConnectorBase_V1):
         self._watch.discard(rid)
         step = self._step + max(1, (r.stored + 1) * bs - done) if full >= done // bs else self._step + 1
         r.due = step
-        self._due.setdefault(step, []).append(rid)
+        d = self._due.get(step)
+        if d is None:
+            self._due[step] = [rid]
+        else:
+            d.append(rid)
 
     def _legacy_blocks(self, so: "SchedulerOutput"):
         """Block ids from the scheduler output's block lists, for vLLM
@@ -687,22 +750,27 @@ class RingsideConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = request.request_id
+        if self._legacy:
+            self._legacy.pop(rid, None)
         r = self._reqs.pop(rid, None)
-        self._waiting_loads.pop(rid, None)
-        self._watch.discard(rid)
-        self._legacy.pop(rid, None)
+        if r is None:
+            return False, None
+        if r.load is not None:
+            self._waiting_loads.pop(rid, None)
+        self._watch.discard(rid)  # an entry in the calendar is skipped (no state)
         s = self.link.session
-        if r is not None and s is not None and r.generation == self.link.generation:
+        if s is not None and r.generation == self.link.generation:
             try:
                 if r.lookup_seq:  # looked up ahead, never asked for
                     s.forget(r.lookup_seq)
                 ld = r.load
-                if ld and ld.get("seq"):  # acquired, never collected: release it once answered
-                    self._orphans.append((ld["seq"], time.monotonic()))
-                if ld and ld.get("lease"):
-                    s.send(_s.TYPE_RELEASE, _s.encode_release(ld["lease"]), wake=False)
+                if ld is not None:
+                    if ld.get("seq"):  # acquired, never collected: release it once answered
+                        self._orphans.append((ld["seq"], _monotonic()))
+                    if ld.get("lease"):
+                        s.send(_s.TYPE_RELEASE, _s.encode_release(ld["lease"]), wake=False)
                 if r.registered:
-                    s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch), wake=False)
+                    self._recycle(r, s)
             except (RingsideError, _s.SchemaError) as e:
                 self._fail(e)
         return False, None
@@ -780,7 +848,7 @@ class RingsideConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
-        if not isinstance(meta, RingsideConnectorMetadata) or not meta.stores or self.region is None:
+        if not isinstance(meta, RingsideConnectorMetadata) or not meta.store_block_ids or self.region is None:
             return
         s = self._register()
         if s is None:
@@ -796,17 +864,19 @@ class RingsideConnector(KVConnectorBase_V1):
         batch = (1 << 63) | (self._rank << 40) | (self._wbatch & ((1 << 40) - 1))
         seqs = []
         try:
-            digests = b"".join(spec.digests for spec in meta.stores)
+            digests = b"".join(meta.store_digests)
             step = _s.MAX_HASHES_PER_RECORD * 32
             for off in range(0, len(digests), step):
                 s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(batch, digests[off:off + step], 32,
                                                                _s.FLAG_APPEND if off else 0), wake=False)
-            first = 0
-            for spec in meta.stores:
-                n = len(spec.block_ids)
-                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, n, REGION_ID, spec.block_ids),
+            # The batch holds every spec's digests in order, and the block
+            # ids in the same order make one list: one Store record for the
+            # whole step (8192 pages per record at most), not one a request.
+            ids = meta.store_block_ids
+            for first in range(0, len(ids), _s.MAX_PAGES_PER_RECORD):
+                chunk = ids[first:first + _s.MAX_PAGES_PER_RECORD]
+                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, len(chunk), REGION_ID, chunk),
                                      wake=False))
-                first += n
             # The last record wakes the sidecar: the copies start now.
             s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=True)
         except (RingsideError, _s.SchemaError) as e:

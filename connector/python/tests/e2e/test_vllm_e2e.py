@@ -157,6 +157,9 @@ def test_hits_identical_tokens_and_restart(model_dir, prompts_file, baseline, ri
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
         assert work["stored_blocks"] > 0, work
         assert sched["hit_blocks"] > 0, sched
+        # Round 2's requests registered their hashes under round 1's batch
+        # ids (FlagReplace), with no DropHashes when a request finished.
+        assert sched["batches_reused"] > 0, sched
         assert work["loaded_blocks"] > 0 and work["load_error_blocks"] == 0, work
         pool = sc.state()["pool"]
         assert pool["HitBlocks"] > 0 and pool["Leases"] == 0, pool
