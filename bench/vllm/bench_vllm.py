@@ -131,6 +131,15 @@ class Sidecar:
                 raise RuntimeError("sidecar %s did not become ready: see %s" % (name, self.log))
             time.sleep(0.1)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the sidecar process so far."""
+        try:
+            with open("/proc/%d/stat" % self.proc.pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     def state(self) -> dict:
         with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=5) as r:
             return json.load(r)
@@ -281,40 +290,54 @@ def part_tax(a, workdir):
         rates = a.tax_rates or [round(f * cap, 2 if f * cap < 10 else 1) for f in a.tax_fractions]
         for rate in rates:
             n = max(a.tax_min_requests, int(rate * a.tax_seconds))
-            res = {k: {"ttft": [], "tpot": [], "rps": [], "hits": 0, "err": 0, "conn_ns": [0, 0], "step_ns": 0}
-                   for k in (False, True)}
+            res = {k: {"ttft": [], "tpot": [], "rps": [], "hits": 0, "err": 0, "step_ns": 0,
+                       "steps": 0, "sc_cpu": 0.0, "secs": 0.0} for k in (False, True)}
             # ABBA: plain, connector, connector, plain ... (drift cancels);
             # each repetition has fresh prompts, the same for both engines.
             for rep in range(a.tax_reps):
                 order = [False, True] if rep % 2 == 0 else [True, False]
                 for with_conn in order:
-                    r = (conn if with_conn else plain).run(rate=rate, n=n, seed=seed, **common)
+                    cpu0 = sc.cpu_seconds()
+                    r = (conn if with_conn else plain).run(rate=rate, n=n, seed=seed, timers=False, **common)
                     d = res[with_conn]
+                    d["sc_cpu"] += sc.cpu_seconds() - cpu0
+                    d["secs"] += r["seconds"]
+                    d["steps"] += r["steps"]
                     d["ttft"] += r["ttft_ms"]
                     d["tpot"] += r["tpot_ms"]
                     d["rps"].append(r["throughput_rps"])
-                    d["conn_ns"] = [x + y for x, y in zip(d["conn_ns"], r["connector_ns"] or [0, 0])]
                     d["step_ns"] += r["step_ns"]
                     d["hits"] += r["hit_blocks"]
                     d["err"] = r["sidecar_errors"]
                 seed += 1
-            p90 = {k: (pct(v["ttft"], 90), pct(v["tpot"], 90)) for k, v in res.items()}
+            # One more run of the connector engine with its calls timed: the
+            # share of step time inside connector calls (not in the p90s).
+            r = conn.run(rate=rate, n=n, seed=seed, timers=True, **common)
+            seed += 1
+            shares = [100.0 * x / max(1, r["step_ns"]) for x in (r["connector_ns"] or [0, 0])]
             for with_conn in (False, True):
                 d = res[with_conn]
                 row = {"bench": "vllm_tax", "rate": rate, "connector": with_conn,
                        "ttft_p90_ms": round(p90[with_conn][0], 2), "tpot_p90_ms": round(p90[with_conn][1], 3),
                        "ttft_p50_ms": round(pct(d["ttft"], 50), 2), "tpot_p50_ms": round(pct(d["tpot"], 50), 3),
                        "requests": len(d["ttft"]), "throughput_rps": round(sum(d["rps"]) / len(d["rps"]), 2),
-                       "capacity_rps": cap, "saturated": rate >= 0.95 * cap}
+                       "capacity_rps": cap, "saturated": rate >= 0.95 * cap,
+                       # Mean engine step (schedule + forward + output) and
+                       # the sidecar's CPU time over the runs' wall time.
+                       "step_us_mean": round(d["step_ns"] / 1000.0 / max(1, d["steps"]), 1),
+                       "sidecar_cpu_pct": round(100.0 * d["sc_cpu"] / max(d["secs"], 1e-9), 2)}
                 if with_conn:
                     row["ttft_p90_tax_pct"] = round(100.0 * (p90[True][0] / p90[False][0] - 1), 1)
                     row["tpot_p90_tax_pct"] = round(100.0 * (p90[True][1] / p90[False][1] - 1), 1)
                     # Time inside connector calls (scheduler and worker side)
-                    # over the time inside engine steps, in the same runs: a
-                    # low-noise bound on the tax that the p90s cannot resolve here.
-                    sh = [100.0 * x / max(1, d["step_ns"]) for x in d["conn_ns"]]
+                    # over the time inside engine steps, from the extra timed
+                    # run at this rate: a low-noise bound on the tax that the
+                    # p90s cannot resolve here.
+                    sh = shares
                     row["connector_share_pct"] = round(sum(sh), 2)
                     row["scheduler_share_pct"], row["worker_share_pct"] = round(sh[0], 2), round(sh[1], 2)
+                    plain_step = res[False]["step_ns"] / max(1, res[False]["steps"])
+                    row["step_tax_pct"] = round(100.0 * (d["step_ns"] / max(1, d["steps"]) / max(plain_step, 1) - 1), 1)
                     row["hit_blocks"] = d["hits"]
                     row["sidecar_errors"] = d["err"]
                 out(row)

@@ -100,11 +100,23 @@ class StepTimer:
         self.calls = 0
         self.samples = []  # (ns, calls, scheduled reqs, requests in the scheduler, {method: ns}, cpu ns)
         self.recording = False
+        self.conn = conn
+        self.wrapped = {}
         for name in names or NAMED + HOOKS:
             fn = getattr(conn, name, None)
             if fn is None:
                 continue
-            setattr(conn, name, self._wrap(name, fn, name == end_name))
+            self.wrapped[name] = self._wrap(name, fn, name == end_name)
+        self.install(True)
+
+    def install(self, on: bool) -> None:
+        """Timers in (on) or out: out, the connector's own methods are called
+        directly (no timer cost at all; the instance attributes go)."""
+        for name, w in self.wrapped.items():
+            if on:
+                setattr(self.conn, name, w)
+            else:
+                self.conn.__dict__.pop(name, None)
 
     def _wrap(self, name, fn, ends_step):
         clock, cpu = time.perf_counter_ns, time.thread_time_ns
@@ -459,12 +471,18 @@ def run_serve(a):
         if cmd.get("quit"):
             break
         h0 = conn.stats["hit_blocks"] if conn is not None else 0
+        # Timed runs give the time inside connector calls; the latency runs
+        # are untimed (the timers cost ~3 us a call, which the plain engine
+        # does not pay).
+        timed = bool(cmd.get("timers", True))
+        for t in timers:
+            t.install(timed)
         c0 = [t.total for t in timers]
         r = paced_run(llm, cmd["rate"], cmd["n"], cmd["seed"], cmd["prompt_bytes"], cmd["max_tokens"],
                       cmd.get("poisson", True))
         r["hit_blocks"] = (conn.stats["hit_blocks"] - h0) if conn is not None else 0
         r["sidecar_errors"] = conn.stats["sidecar_errors"] if conn is not None else 0
-        r["connector_ns"] = [t.total - c for t, c in zip(timers, c0)]  # [scheduler side, worker side]
+        r["connector_ns"] = [t.total - c for t, c in zip(timers, c0)] if timed else None  # [scheduler, worker]
         emit(r)
     del llm
 

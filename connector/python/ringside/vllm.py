@@ -117,6 +117,11 @@ class RingsideConnectorMetadata(KVConnectorMetadata):
     # engine block ids come next in store_block_ids, in the same order.
     store_digests: list[bytes] = field(default_factory=list)
     store_block_ids: list[int] = field(default_factory=list)
+    # The previous step's stores must be complete before this step's forward
+    # pass: a request whose blocks they read finished or was preempted since,
+    # so those blocks may be handed to another request now. Otherwise the
+    # workers leave them running one more step (never longer).
+    wait_saves: bool = True
 
 
 # --------------------------------------------------------------------------
@@ -174,7 +179,7 @@ class _Req:
     """Scheduler-side state of one request."""
 
     __slots__ = ("request", "batch", "generation", "registered", "stored", "lookup_seq", "lookup_count",
-                 "load", "hit_tokens", "due", "looked", "hits", "allocated", "lookup_t")
+                 "load", "hit_tokens", "due", "looked", "hits", "allocated", "lookup_t", "store_step")
 
     def __init__(self, request: Any, batch: int, generation: int):
         self.request = request
@@ -191,6 +196,7 @@ class _Req:
         self.hits = 0  # and its answer
         self.allocated = False  # vLLM allocated blocks for it (update_state_after_alloc)
         self.lookup_t = 0.0  # when the lookup was sent (time.monotonic)
+        self.store_step = 0  # the last step that planned a store of its blocks
 
 
 class RingsideConnector(KVConnectorBase_V1):
@@ -222,7 +228,7 @@ class RingsideConnector(KVConnectorBase_V1):
         self.stats = {"role": role.name, "lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "loads": 0,
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
-                      "deferred_lookups": 0, "batches_reused": 0, "planned_stores": 0, "planned_blocks": 0,
+                      "deferred_lookups": 0, "batches_reused": 0, "saves_unwaited": 0, "planned_stores": 0, "planned_blocks": 0,
                       "step_ns_total": 0, "step_ns_max": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
@@ -263,8 +269,12 @@ class RingsideConnector(KVConnectorBase_V1):
             self.max_wait_ns = int(float(extra.get("max_wait_us", 100)) * 1000)
             self._wait_left_ns = self.max_wait_ns
             self._woke = False  # an arrival woke the sidecar in this step (on_new_request)
+            self._saves_exposed = False  # a request with stores in flight finished (see wait_saves)
             self._orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
             self._req_to_blocks: Any = False  # resolved at the first step (see _single_group_blocks)
+            # Only full attention keeps every block of a live request until
+            # it finishes or is preempted (sliding windows free old blocks).
+            self._full_attention: Optional[bool] = None
             self._group_ids: Optional[tuple] = None
             self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
         else:
@@ -511,6 +521,13 @@ class RingsideConnector(KVConnectorBase_V1):
             except RingsideError as e:
                 self._fail(e)
                 s = None
+        # The stores planned last step may still be copying: the workers
+        # must wait for them only if their blocks can be reused now.
+        if self._full_attention is None:
+            self._full_attention = _full_attention_only(getattr(self, "_kv_cache_manager", None))
+        pre = getattr(scheduler_output, "preempted_req_ids", None)
+        meta.wait_saves = self._saves_exposed or pre is None or bool(pre) or not self._full_attention
+        self._saves_exposed = False
         self._step += 1
         self._plan_stores(meta, scheduler_output)
         if s is not None and s is not self.link.session:
@@ -691,6 +708,7 @@ class RingsideConnector(KVConnectorBase_V1):
             if full > a:
                 meta.store_digests.append(hashes[a] if full == a + 1 else b"".join(hashes[a:full]))
                 r.stored = full
+                r.store_step = self._step
         if self._every_step:
             return
         if n == 0 or done < req.num_tokens:
@@ -755,6 +773,10 @@ class RingsideConnector(KVConnectorBase_V1):
         r = self._reqs.pop(rid, None)
         if r is None:
             return False, None
+        if r.store_step and r.store_step >= self._step:
+            # Its blocks are freed now, and the last step's stores may still
+            # be reading some of them.
+            self._saves_exposed = True
         if r.load is not None:
             self._waiting_loads.pop(rid, None)
         self._watch.discard(rid)  # an entry in the calendar is skipped (no state)
@@ -884,36 +906,58 @@ class RingsideConnector(KVConnectorBase_V1):
             return
         self._saving.append((s, seqs, time.monotonic() + self.save_timeout))
         if not self._deferred_saves:
-            self._finish_saves()
+            self._finish_saves(True)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # vLLM calls this at the start of every step, before anything can
-        # write a block (zeroing, block copies, the forward pass): the
-        # previous step's stores must have read their blocks by then. Until
-        # here the copies overlap with the engine's output processing and
-        # scheduling.
+        # write a block (zeroing, block copies, the forward pass). A store's
+        # blocks are full and belong to a live request, so nothing writes
+        # them again until they are freed: the scheduler marks the steps in
+        # which stores still copying may have lost their blocks (a request
+        # finished or was preempted, wait_saves) and only then does this
+        # wait; otherwise the copies go on through this step's forward pass
+        # and are waited for at the next step at the latest.
         if getattr(self, "_saving", None):
-            self._finish_saves()
+            self._finish_saves(getattr(kv_connector_metadata, "wait_saves", True))
 
-    def _finish_saves(self) -> None:
+    def _finish_saves(self, wait_all: bool = True) -> None:
         """Wait (bounded by save_timeout) for the replies of the stores sent
-        by wait_for_save."""
+        by wait_for_save. With wait_all False the latest step's stores are
+        only collected if answered; the rest stay pending one more step (the
+        next call waits for them, as for everything older)."""
         pending, self._saving = self._saving, []
-        for s, seqs, deadline in pending:
+        last = len(pending) - 1
+        for i, (s, seqs, deadline) in enumerate(pending):
             try:
+                if not wait_all and i == last and s is self.link.session:
+                    self.stats["saves_unwaited"] += 1
+                    left = []
+                    for seq in seqs:
+                        p = s.try_reply(seq)
+                        if p is None:
+                            left.append(seq)
+                        else:
+                            self._store_done(p)
+                    if left:
+                        self._saving.append((s, left, deadline))
+                    continue
                 for seq in seqs:
                     if s is not self.link.session:
                         break  # that session was dropped: the sidecar discarded its writes
-                    left = max(deadline - time.monotonic(), 0.001)
-                    rep = _s.decode_store_reply(s.await_reply(seq, timeout=left))
-                    self.stats["stores"] += 1
-                    if rep.status == _s.Status.OK:
-                        self.stats["stored_blocks"] += rep.stored
-                        self.stats["present_blocks"] += rep.present
-                    else:
-                        self.stats["store_errors"] += 1
+                    left_s = max(deadline - time.monotonic(), 0.001)
+                    self._store_done(s.await_reply(seq, timeout=left_s))
             except (RingsideError, _s.SchemaError) as e:
                 self._save_failed(e)
+
+    def _store_done(self, payload: bytes) -> None:
+        rep = _s.decode_store_reply(payload)
+        st = self.stats
+        st["stores"] += 1
+        if rep.status == _s.Status.OK:
+            st["stored_blocks"] += rep.stored
+            st["present_blocks"] += rep.present
+        else:
+            st["store_errors"] += 1
 
     def _save_failed(self, e: Exception) -> None:
         # The engine may reuse the blocks once we return: drop the session so
@@ -1019,6 +1063,17 @@ def _single_group_blocks(kvm: Any) -> Optional[dict]:
     except AttributeError:
         pass
     return None
+
+
+def _full_attention_only(kvm: Any) -> bool:
+    """Whether every KV cache group is plain full attention: then a full
+    block of a live request is never freed before the request finishes or
+    is preempted (other kinds, e.g. sliding windows, free blocks earlier)."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        return len(managers) > 0 and all(type(m).__name__ == "FullAttentionManager" for m in managers)
+    except AttributeError:
+        return False
 
 
 def _tp_rank() -> int:
