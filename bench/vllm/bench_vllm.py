@@ -315,6 +315,7 @@ def part_tax(a, workdir):
             r = conn.run(rate=rate, n=n, seed=seed, timers=True, **common)
             seed += 1
             shares = [100.0 * x / max(1, r["step_ns"]) for x in (r["connector_ns"] or [0, 0])]
+            p90 = {k: (pct(v["ttft"], 90), pct(v["tpot"], 90)) for k, v in res.items()}
             for with_conn in (False, True):
                 d = res[with_conn]
                 row = {"bench": "vllm_tax", "rate": rate, "connector": with_conn,

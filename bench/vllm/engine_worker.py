@@ -367,9 +367,13 @@ def run_ttft(a):
         rec, ntok, tok_rec, rec_steps = timed(p)  # a sidecar miss: the whole prompt is computed, its blocks stored
         miss_hits = conn.stats["hit_blocks"] - h0
         # The engine's own prefix cache now holds the prompt: drop it so the
-        # only copy of the prefix is the sidecar's.
+        # only copy of the prefix is the sidecar's. The prefix's stores were
+        # sent at the end of the last step and a block is visible only once
+        # copied (a lookup before that is a miss): give the copies time, as
+        # the next turn of a conversation would.
         if not llm.reset_prefix_cache():
             raise SystemExit("ttft: reset_prefix_cache failed")
+        time.sleep(0.2)
         h0 = conn.stats["hit_blocks"]
         hit, _, tok_hit, hit_steps = timed(p)
         hit_blocks = conn.stats["hit_blocks"] - h0

@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int)
     ap.add_argument("--continue", dest="cont", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (worker processes)")
+    ap.add_argument("--connector-config", default="{}", help="JSON merged into kv_connector_extra_config")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -60,6 +61,7 @@ def main() -> int:
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
         if a.stats_path:
             extra.update(stats_path=a.stats_path, stats_every=1)
+        extra.update(json.loads(a.connector_config))
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RingsideConnector", kv_connector_module_path="ringside.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
