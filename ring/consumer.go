@@ -18,6 +18,7 @@ type Consumer struct {
 	wait      WaitConfig
 	stats     WaitStats
 	stop      atomic.Bool
+	alive     aliveCheck
 }
 
 // NewConsumer takes the consumer role of r for this process and resumes
@@ -145,7 +146,7 @@ func (c *Consumer) Wait(deadline time.Time) error {
 			}
 			return ErrPeerClosed
 		}
-		if !c.r.ProducerAlive() {
+		if !c.alive.ok(c.r.ProducerAlive) {
 			if cond() {
 				return nil
 			}

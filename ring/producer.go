@@ -16,6 +16,7 @@ type Producer struct {
 	headCache uint64
 	wait      WaitConfig
 	stats     WaitStats
+	alive     aliveCheck
 }
 
 // NewProducer takes the producer role of r for this process: it records this
@@ -164,7 +165,7 @@ func (p *Producer) WaitSpace(size int, deadline time.Time) error {
 		if p.r.consState.Load() != 0 {
 			return ErrPeerClosed
 		}
-		if !p.r.ConsumerAlive() {
+		if !p.alive.ok(p.r.ConsumerAlive) {
 			return ErrPeerDead
 		}
 		return nil
