@@ -6,6 +6,9 @@ connector/python. Results are printed as lines starting with ``@@BENCH ``
 followed by JSON (vLLM logs to the same streams; the orchestrator reads only
 those lines).
 
+RINGSIDE_BENCH_CONNECTOR_CONFIG (JSON) is merged into the connector's
+kv_connector_extra_config, for experiments with its settings.
+
 Modes:
 
   step   connector time per scheduler step (all requests arriving together,
@@ -64,6 +67,7 @@ def make_llm(a):
         from vllm.config import KVTransferConfig
 
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
+        extra.update(json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}")))
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RingsideConnector", kv_connector_module_path="ringside.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra)
