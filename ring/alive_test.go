@@ -3,6 +3,8 @@ package ring
 import (
 	"testing"
 	"time"
+
+	"github.com/ringside-kv/ringside/internal/shm"
 )
 
 func TestAliveCheckRateLimited(t *testing.T) {
@@ -28,5 +30,52 @@ func TestAliveCheckRateLimited(t *testing.T) {
 	}
 	if calls != 4 {
 		t.Fatalf("%d probes, want 4 (each answer of dead is fresh)", calls)
+	}
+}
+
+// A wait that keeps timing out sleeps longer each time, up to IdlePark; a
+// record published meanwhile still ends it at once (the futex wake).
+func TestIdleParkGrows(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		idle     time.Duration
+		maxParks uint64
+	}{
+		{"fixed", 0, 1000}, // 10 ms slices: ~30 parks in 300 ms
+		{"growing", 80 * time.Millisecond, 8},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mem := shm.Aligned(HeaderSize + 4096)
+			r, err := Format(mem, 4096, 256, 42, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := WaitConfig{Park: 10 * time.Millisecond, IdlePark: tc.idle}
+			p, err := NewProducer(r, w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c, err := NewConsumer(r, w)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := c.Wait(time.Now().Add(300 * time.Millisecond)); err == nil {
+				t.Fatal("a wait on an empty ring returned without a record")
+			}
+			parks := c.Stats().Parks
+			if parks > tc.maxParks || (tc.idle == 0 && parks < 10) {
+				t.Fatalf("%d parks in 300 ms", parks)
+			}
+			// A record published while it parks ends the wait.
+			done := make(chan error, 1)
+			go func() { done <- c.Wait(time.Now().Add(5 * time.Second)) }()
+			time.Sleep(150 * time.Millisecond)
+			if err := p.Write(1, 0, 1, []byte("x"), time.Now().Add(time.Second)); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("wait after a publish: %v", err)
+			}
+		})
 	}
 }

@@ -181,7 +181,8 @@ func (s *Server) newSession(conn *net.UnixConn, cred sys.Cred, req *schema.Attac
 		sub.Close()
 		return nil, err
 	}
-	wait := ring.WaitConfig{Spin: s.cfg.Spin, Yield: s.cfg.Yield, Park: 10 * time.Millisecond}
+	wait := ring.WaitConfig{Spin: s.cfg.Spin, Yield: s.cfg.Yield, Park: 10 * time.Millisecond,
+		IdlePark: 160 * time.Millisecond}
 	cons, err1 := ring.NewConsumer(sub.Ring, wait)
 	prod, err2 := ring.NewProducer(cmp.Ring, wait)
 	if err := errors.Join(err1, err2); err != nil {
@@ -227,7 +228,8 @@ func (ss *session) run() {
 	}()
 	for !ss.closed.Load() {
 		t0 := time.Now()
-		err := ss.cons.Wait(t0.Add(100 * time.Millisecond))
+		// Closing interrupts the wait; the deadline only bounds it.
+		err := ss.cons.Wait(t0.Add(time.Second))
 		ss.srv.met.ringWait.Add(time.Since(t0).Seconds())
 		switch {
 		case err == nil:
