@@ -41,7 +41,7 @@ func TestIdleParkGrows(t *testing.T) {
 		idle     time.Duration
 		maxParks uint64
 	}{
-		{"fixed", 0, 1000}, // 10 ms slices: ~60 parks in 600 ms
+		{"fixed", 0, 1000},                     // 10 ms slices: ~60 parks in 600 ms
 		{"growing", 80 * time.Millisecond, 12}, // 10, 20, 40, then 80 ms: ~10
 	} {
 		t.Run(tc.name, func(t *testing.T) {
