@@ -3,8 +3,6 @@ package ring
 import (
 	"testing"
 	"time"
-
-	"github.com/ringside-kv/ringside/internal/shm"
 )
 
 func TestAliveCheckRateLimited(t *testing.T) {
@@ -45,20 +43,7 @@ func TestIdleParkGrows(t *testing.T) {
 		{"growing", 80 * time.Millisecond, 12}, // 10, 20, 40, then 80 ms: ~10
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			mem := shm.Aligned(HeaderSize + 4096)
-			r, err := Format(mem, 4096, 256, 42, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			w := WaitConfig{Park: 10 * time.Millisecond, IdlePark: tc.idle}
-			p, err := NewProducer(r, w)
-			if err != nil {
-				t.Fatal(err)
-			}
-			c, err := NewConsumer(r, w)
-			if err != nil {
-				t.Fatal(err)
-			}
+			_, p, c := newHeapRingWait(t, 4096, 256, WaitConfig{Park: 10 * time.Millisecond, IdlePark: tc.idle})
 			if err := c.Wait(time.Now().Add(600 * time.Millisecond)); err == nil {
 				t.Fatal("a wait on an empty ring returned without a record")
 			}

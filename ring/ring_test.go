@@ -19,16 +19,22 @@ import (
 // shared mapping, testable with the race detector.
 func newHeapRing(t testing.TB, capacity uint64, maxRecord uint32) (*Ring, *Producer, *Consumer) {
 	t.Helper()
+	return newHeapRingWait(t, capacity, maxRecord, DefaultWait)
+}
+
+// newHeapRingWait is newHeapRing with both sides waiting as w says.
+func newHeapRingWait(t testing.TB, capacity uint64, maxRecord uint32, w WaitConfig) (*Ring, *Producer, *Consumer) {
+	t.Helper()
 	mem := shm.Aligned(HeaderSize + int(capacity))
 	r, err := Format(mem, capacity, maxRecord, 42, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := NewProducer(r, DefaultWait)
+	p, err := NewProducer(r, w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := NewConsumer(r, DefaultWait)
+	c, err := NewConsumer(r, w)
 	if err != nil {
 		t.Fatal(err)
 	}
