@@ -147,3 +147,17 @@ func FuzzChangesReply(f *testing.F) {
 		fuzzCodec(t, b, decChangesReply, func(v any) []byte { m := v.(schema.ChangesReply); return m.Append(nil) })
 	})
 }
+
+func FuzzSnapshot(f *testing.F) {
+	seeds(f, sSnapshot.Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzCodec(t, b, decSnapshot, func(v any) []byte { m := v.(schema.Snapshot); return m.Append(nil) })
+	})
+}
+
+func FuzzSnapshotReply(f *testing.F) {
+	seeds(f, sSnapshotReply16.Append(nil), sSnapshotReply32.Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzCodec(t, b, decSnapshotReply, func(v any) []byte { m := v.(schema.SnapshotReply); return m.Append(nil) })
+	})
+}

@@ -100,6 +100,17 @@ func goldenFields(v any) (msg string, f map[string]any) {
 		return "LeaseReply", map[string]any{"status": m.Status, "state": m.State, "lease": m.Lease, "blocks": m.Blocks, "message": m.Message}
 	case schema.StoreReply:
 		return "StoreReply", map[string]any{"status": m.Status, "stored": m.Stored, "present": m.Present, "skipped": m.Skipped, "message": m.Message}
+	case schema.Snapshot:
+		return "Snapshot", map[string]any{"from": m.From, "max": m.Max}
+	case schema.SnapshotReply:
+		ds := []string{}
+		for i := 0; i < m.Len(); i++ {
+			ds = append(ds, hx(m.DigestAt(i)))
+		}
+		return "SnapshotReply", map[string]any{
+			"status": m.Status, "done": m.Done, "epoch": m.Epoch, "seq": m.Seq, "next": m.Next, "width": m.Width,
+			"entries": ds,
+		}
 	case schema.ChangesReply:
 		return "ChangesReply", map[string]any{
 			"status": m.Status, "resync": m.Resync, "epoch": m.Epoch, "next": m.Next, "width": m.Width,
@@ -190,7 +201,8 @@ func TestGolden(t *testing.T) {
 		}
 	}
 	for _, m := range []string{"AttachRequest", "AttachReply", "PutHashes", "IDRequest", "Lookup", "Acquire",
-		"RegisterRegion", "Load", "Store", "Changes", "Reply", "LeaseReply", "StoreReply", "ChangesReply"} {
+		"RegisterRegion", "Load", "Store", "Changes", "Reply", "LeaseReply", "StoreReply", "ChangesReply",
+		"Snapshot", "SnapshotReply"} {
 		if !seen[m] {
 			t.Errorf("no golden vector for %s", m)
 		}

@@ -514,6 +514,34 @@ func (m *Changes) Decode(b []byte) error {
 	return r.done()
 }
 
+// Snapshot reads one page of the digests of the namespace's present blocks
+// (see SnapshotReply). From is an opaque scan position: 0 starts a
+// snapshot, each later page sends the previous reply's Next.
+//
+//	0 u64 from   8 u32 max entries (0: the sidecar's bound)   12 u32 zero
+type Snapshot struct {
+	From uint64
+	Max  uint32
+}
+
+// Append encodes m.
+func (m *Snapshot) Append(dst []byte) []byte {
+	w := writer{dst}
+	w.u64(m.From)
+	w.u32(m.Max)
+	w.u32(0)
+	return w.b
+}
+
+// Decode parses m.
+func (m *Snapshot) Decode(b []byte) error {
+	r := reader{b: b, what: "Snapshot"}
+	m.From = r.u64()
+	m.Max = r.u32()
+	r.u32()
+	return r.done()
+}
+
 // Reply is the common reply: status, a value, and a message.
 //
 //	0 u32 status   4 u32 zero   8 u64 value   16 message (UTF-8, to the end)
@@ -705,4 +733,83 @@ func (m *ChangesReply) ChangeAt(i int) (op uint8, digest []byte) {
 func AppendChange(dst []byte, op uint8, digest []byte) []byte {
 	dst = append(dst, op, 0, 0, 0, 0, 0, 0, 0)
 	return append(dst, digest...)
+}
+
+// SnapshotFlagDone is SnapshotReply's flags bit 0: the scan reached the end
+// of the pool, there are no more pages.
+const SnapshotFlagDone uint32 = 1
+
+// SnapshotReply answers Snapshot with one page of digests of present blocks.
+// (Epoch, Seq) is the head cursor of the namespace's change log when the
+// page was read; Next is the From of the next page.
+//
+//	 0 u32 status   4 u32 flags (bit 0: done)   8 u64 epoch   16 u64 seq
+//	24 u64 next   32 u32 count   36 u8 digest width   37 u8[3] zero
+//	40 count × digest (width bytes)
+type SnapshotReply struct {
+	Status  Status
+	Done    bool
+	Epoch   uint64
+	Seq     uint64
+	Next    uint64
+	Width   uint8
+	Entries []byte // count × width digest bytes, see DigestAt
+}
+
+// Append encodes m.
+func (m *SnapshotReply) Append(dst []byte) []byte {
+	w := writer{dst}
+	w.u32(uint32(m.Status))
+	var flags uint32
+	if m.Done {
+		flags = SnapshotFlagDone
+	}
+	w.u32(flags)
+	w.u64(m.Epoch)
+	w.u64(m.Seq)
+	w.u64(m.Next)
+	n := 0
+	if m.Width != 0 {
+		n = len(m.Entries) / int(m.Width)
+	}
+	w.u32(uint32(n))
+	w.u8(m.Width)
+	w.zero(3)
+	w.raw(m.Entries)
+	return w.b
+}
+
+// Decode parses m; Entries aliases b.
+func (m *SnapshotReply) Decode(b []byte) error {
+	r := reader{b: b, what: "snapshot reply"}
+	m.Status = Status(r.u32())
+	m.Done = r.u32()&SnapshotFlagDone != 0
+	m.Epoch = r.u64()
+	m.Seq = r.u64()
+	m.Next = r.u64()
+	n := r.u32()
+	m.Width = r.u8()
+	r.bytes(3)
+	if r.err == nil && m.Width != 8 && m.Width != 16 && m.Width != 32 {
+		r.fail("digest width %d", m.Width)
+	}
+	if r.err == nil && n > MaxSnapshotPerReply {
+		r.fail("%d entries, at most %d", n, MaxSnapshotPerReply)
+	}
+	m.Entries = r.bytes(int(n) * int(m.Width))
+	return r.done()
+}
+
+// Len is the number of digests.
+func (m *SnapshotReply) Len() int {
+	if m.Width == 0 {
+		return 0
+	}
+	return len(m.Entries) / int(m.Width)
+}
+
+// DigestAt returns digest i (aliasing Entries).
+func (m *SnapshotReply) DigestAt(i int) []byte {
+	w := int(m.Width)
+	return m.Entries[i*w : (i+1)*w : (i+1)*w]
 }

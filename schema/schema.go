@@ -38,6 +38,7 @@ const (
 	TypeChanges        uint16 = 0x0A // read the namespace's change log since a cursor
 	TypeDetach         uint16 = 0x0B // end the session cleanly
 	TypePing           uint16 = 0x0C // liveness and round-trip check
+	TypeSnapshot       uint16 = 0x0D // read a page of the namespace's present blocks
 
 	ReplyBit uint16 = 0x8000
 )
@@ -58,7 +59,7 @@ var typeNames = map[uint16]string{
 	TypePutHashes: "PutHashes", TypeDropHashes: "DropHashes", TypeLookup: "Lookup",
 	TypeAcquire: "Acquire", TypePoll: "Poll", TypeRelease: "Release",
 	TypeRegisterRegion: "RegisterRegion", TypeLoad: "Load", TypeStore: "Store",
-	TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping",
+	TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping", TypeSnapshot: "Snapshot",
 }
 
 // Status is the result code at the start of every reply.
@@ -123,11 +124,12 @@ var ErrMalformed = errors.New("schema: malformed")
 // Limits on what one record may carry. A ring's maximum record size bounds
 // them further.
 const (
-	MaxHashesPerRecord = 4096
-	MaxPagesPerRecord  = 8192
-	MaxSegments        = 1024
-	MaxStringLen       = 1024
-	MaxChangesPerReply = 4096
+	MaxHashesPerRecord  = 4096
+	MaxPagesPerRecord   = 8192
+	MaxSegments         = 1024
+	MaxStringLen        = 1024
+	MaxChangesPerReply  = 4096
+	MaxSnapshotPerReply = 4096
 )
 
 // Query (lease) states reported by Acquire and Poll.

@@ -2,6 +2,7 @@ package schema_test
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"reflect"
@@ -110,6 +111,15 @@ var (
 		Status: schema.OK, Epoch: 0xCAFEBABE12345678, Next: 4247, Width: 32,
 		Entries: changes(32, schema.OpStored, schema.OpEvicted),
 	}
+	sSnapshot        = schema.Snapshot{From: 0x0000000100002000, Max: 1024}
+	sSnapshotReply16 = schema.SnapshotReply{
+		Status: schema.OK, Epoch: 0xCAFEBABE12345678, Seq: 4242, Next: 8192, Width: 16,
+		Entries: digests(3, 16, 0x21),
+	}
+	sSnapshotReply32 = schema.SnapshotReply{
+		Status: schema.OK, Done: true, Epoch: 0xCAFEBABE12345678, Seq: 4250, Next: 1 << 20, Width: 32,
+		Entries: digests(2, 32, 0x61),
+	}
 )
 
 func decAttachRequest(b []byte) (any, error) {
@@ -144,6 +154,12 @@ func decChangesReply(b []byte) (any, error) {
 	err := m.Decode(b)
 	return m, err
 }
+func decSnapshot(b []byte) (any, error) { var m schema.Snapshot; err := m.Decode(b); return m, err }
+func decSnapshotReply(b []byte) (any, error) {
+	var m schema.SnapshotReply
+	err := m.Decode(b)
+	return m, err
+}
 
 // samples lists one or more values of every message type.
 func samples() []sample {
@@ -168,6 +184,9 @@ func samples() []sample {
 		{"StoreReply", schema.TypeStore | r, sStoreReply, func() []byte { return sStoreReply.Append(nil) }, decStoreReply, 16, true},
 		{"ChangesReply/w8", schema.TypeChanges | r, sChangesReply, func() []byte { return sChangesReply.Append(nil) }, decChangesReply, 32 + 3*16, false},
 		{"ChangesReply/w32", schema.TypeChanges | r, sChangesReply32, func() []byte { return sChangesReply32.Append(nil) }, decChangesReply, 32 + 2*40, false},
+		{"Snapshot", schema.TypeSnapshot, sSnapshot, func() []byte { return sSnapshot.Append(nil) }, decSnapshot, 16, false},
+		{"SnapshotReply/w16", schema.TypeSnapshot | r, sSnapshotReply16, func() []byte { return sSnapshotReply16.Append(nil) }, decSnapshotReply, 40 + 3*16, false},
+		{"SnapshotReply/w32", schema.TypeSnapshot | r, sSnapshotReply32, func() []byte { return sSnapshotReply32.Append(nil) }, decSnapshotReply, 40 + 2*32, false},
 	}
 }
 
@@ -243,6 +262,8 @@ func TestAppendKeepsPrefix(t *testing.T) {
 		"LeaseReply":     {sLeaseReply.Append(bytes.Clone(pre)), sLeaseReply.Append(nil)},
 		"StoreReply":     {sStoreReply.Append(bytes.Clone(pre)), sStoreReply.Append(nil)},
 		"ChangesReply":   {sChangesReply.Append(bytes.Clone(pre)), sChangesReply.Append(nil)},
+		"Snapshot":       {sSnapshot.Append(bytes.Clone(pre)), sSnapshot.Append(nil)},
+		"SnapshotReply":  {sSnapshotReply16.Append(bytes.Clone(pre)), sSnapshotReply16.Append(nil)},
 	}
 	for name, c := range cases {
 		if !bytes.Equal(c[0], append(bytes.Clone(pre), c[1]...)) {
@@ -269,6 +290,7 @@ func TestRoundTripEmpty(t *testing.T) {
 		{"LeaseReply", schema.LeaseReply{State: schema.StateMiss}, (&schema.LeaseReply{State: schema.StateMiss}).Append(nil), decLeaseReply},
 		{"StoreReply", schema.StoreReply{Stored: 1}, (&schema.StoreReply{Stored: 1}).Append(nil), decStoreReply},
 		{"ChangesReply", schema.ChangesReply{Width: 16}, (&schema.ChangesReply{Width: 16}).Append(nil), decChangesReply},
+		{"SnapshotReply", schema.SnapshotReply{Width: 8, Done: true}, (&schema.SnapshotReply{Width: 8, Done: true}).Append(nil), decSnapshotReply},
 	}
 	for _, c := range cases {
 		got, err := c.dec(c.b)
@@ -518,6 +540,84 @@ func TestChangesReplyEntries(t *testing.T) {
 	}
 }
 
+func TestSnapshotLength(t *testing.T) {
+	// Exactly 16 bytes; the reserved word is not checked.
+	var m schema.Snapshot
+	b := sSnapshot.Append(nil)
+	if len(b) != 16 {
+		t.Fatalf("Snapshot is %d bytes", len(b))
+	}
+	c := bytes.Clone(b)
+	c[12], c[15] = 0xAA, 0x55
+	if err := m.Decode(c); err != nil || m != sSnapshot {
+		t.Errorf("reserved bytes set: %+v, %v", m, err)
+	}
+	for _, n := range []int{0, 8, 12, 15, 17, 24} {
+		wantMalformed(t, m.Decode(make([]byte, n)), "Snapshot of %d bytes", n)
+	}
+}
+
+func TestSnapshotReplyLimits(t *testing.T) {
+	var got schema.SnapshotReply
+	for _, w := range []uint8{0, 1, 7, 9, 15, 24, 33, 64, 255} {
+		m := schema.SnapshotReply{Width: w}
+		wantMalformed(t, got.Decode(m.Append(nil)), "digest width %d", w)
+	}
+	for _, w := range []int{8, 16, 32} {
+		m := schema.SnapshotReply{Next: 1, Width: uint8(w), Entries: digests(schema.MaxSnapshotPerReply, w, 5)}
+		if err := got.Decode(m.Append(nil)); err != nil || !same(got, m) || got.Len() != schema.MaxSnapshotPerReply {
+			t.Errorf("width %d: %d entries: %v", w, schema.MaxSnapshotPerReply, err)
+		}
+		m.Entries = digests(schema.MaxSnapshotPerReply+1, w, 5)
+		b := m.Append(nil)
+		wantMalformed(t, got.Decode(b), "width %d: %d entries", w, schema.MaxSnapshotPerReply+1)
+		// The count alone is enough: the limit is checked before the digests.
+		wantMalformed(t, got.Decode(b[:40]), "width %d: count over the limit, no digests", w)
+		// A count that does not match the bytes present.
+		b = (&schema.SnapshotReply{Width: uint8(w), Entries: digests(2, w, 1)}).Append(nil)
+		wantMalformed(t, got.Decode(b[:len(b)-1]), "width %d: short digest", w)
+	}
+}
+
+func TestSnapshotReplyDigests(t *testing.T) {
+	var got schema.SnapshotReply
+	if err := got.Decode(sSnapshotReply16.Append(nil)); err != nil {
+		t.Fatal(err)
+	}
+	if got.Len() != 3 || got.Done {
+		t.Fatalf("Len = %d, done %v", got.Len(), got.Done)
+	}
+	for i := 0; i < 3; i++ {
+		if d := got.DigestAt(i); !bytes.Equal(d, sSnapshotReply16.Entries[i*16:(i+1)*16]) || cap(d) != 16 {
+			t.Errorf("digest %d = %x (cap %d)", i, d, cap(d))
+		}
+	}
+	if (&schema.SnapshotReply{}).Len() != 0 {
+		t.Error("Len of a zero reply is not 0")
+	}
+	// Flag bits other than done are ignored; done is bit 0.
+	b := sSnapshotReply32.Append(nil)
+	if b[4] != 1 {
+		t.Fatalf("done is not flags bit 0: %x", b[:8])
+	}
+	b[4] = 0xfe
+	b[37], b[39] = 0xAA, 0x55 // reserved bytes are not checked
+	if err := got.Decode(b); err != nil || got.Done {
+		t.Errorf("flags 0xfe: done %v, %v", got.Done, err)
+	}
+	b[4], b[7] = 0x01, 0x80
+	if err := got.Decode(b); err != nil || !got.Done {
+		t.Errorf("flags 0x80000001: done %v, %v", got.Done, err)
+	}
+	// Offsets of the header fields.
+	b = sSnapshotReply16.Append(nil)
+	le := binary.LittleEndian
+	if le.Uint64(b[8:]) != sSnapshotReply16.Epoch || le.Uint64(b[16:]) != sSnapshotReply16.Seq ||
+		le.Uint64(b[24:]) != sSnapshotReply16.Next || le.Uint32(b[32:]) != 3 || b[36] != 16 || len(b) != 40+3*16 {
+		t.Errorf("layout: %x", b[:40])
+	}
+}
+
 func TestAttachRequestValidate(t *testing.T) {
 	ok := sAttachRequest
 	if err := ok.Validate(); err != nil {
@@ -670,8 +770,8 @@ func TestStateString(t *testing.T) {
 
 func TestTypeName(t *testing.T) {
 	names := []string{"", "PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release",
-		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping"}
-	for ty := schema.TypePutHashes; ty <= schema.TypePing; ty++ {
+		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping", "Snapshot"}
+	for ty := schema.TypePutHashes; ty <= schema.TypeSnapshot; ty++ {
 		if got := schema.TypeName(ty); got != names[ty] {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, names[ty])
 		}
@@ -679,7 +779,7 @@ func TestTypeName(t *testing.T) {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty|schema.ReplyBit, got, names[ty]+"Reply")
 		}
 	}
-	for ty, want := range map[uint16]string{0: "type(0x0)", 0x0D: "type(0xd)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x800D: "type(0x800d)"} {
+	for ty, want := range map[uint16]string{0: "type(0x0)", 0x0E: "type(0xe)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x800E: "type(0x800e)"} {
 		if got := schema.TypeName(ty); got != want {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, want)
 		}
@@ -695,10 +795,11 @@ func TestConstants(t *testing.T) {
 		t.Error("attach magics changed")
 	}
 	if schema.MaxHashesPerRecord != 4096 || schema.MaxPagesPerRecord != 8192 || schema.MaxSegments != 1024 ||
-		schema.MaxStringLen != 1024 || schema.MaxChangesPerReply != 4096 {
+		schema.MaxStringLen != 1024 || schema.MaxChangesPerReply != 4096 || schema.MaxSnapshotPerReply != 4096 {
 		t.Error("limits changed")
 	}
-	if schema.TypePutHashes != 1 || schema.TypePing != 0x0C || schema.FlagAppend != 1 {
+	if schema.TypePutHashes != 1 || schema.TypePing != 0x0C || schema.TypeSnapshot != 0x0D || schema.FlagAppend != 1 ||
+		schema.SnapshotFlagDone != 1 {
 		t.Error("type codes or flags changed")
 	}
 }

@@ -42,6 +42,7 @@ TYPE_STORE = 0x09
 TYPE_CHANGES = 0x0A
 TYPE_DETACH = 0x0B
 TYPE_PING = 0x0C
+TYPE_SNAPSHOT = 0x0D
 
 REPLY_BIT = 0x8000
 
@@ -58,6 +59,7 @@ TYPE_NAMES = {
     TYPE_CHANGES: "Changes",
     TYPE_DETACH: "Detach",
     TYPE_PING: "Ping",
+    TYPE_SNAPSHOT: "Snapshot",
 }
 
 
@@ -150,6 +152,7 @@ OP_EVICTED = 2
 OP_CLEARED = 3  # the whole namespace was cleared; digest is zero
 
 CHANGES_FLAG_RESYNC = 1
+SNAPSHOT_FLAG_DONE = 1  # SnapshotReply: the scan reached the end, no more pages
 
 DIGEST_WIDTHS = (8, 16, 32)
 
@@ -158,6 +161,7 @@ MAX_PAGES_PER_RECORD = 8192
 MAX_SEGMENTS = 1024
 MAX_STRING_LEN = 1024
 MAX_CHANGES_PER_REPLY = 4096
+MAX_SNAPSHOT_PER_REPLY = 4096
 MAX_WORLD_SIZE = 64
 
 VIEW_SIZE = 16
@@ -204,11 +208,13 @@ _SEGMENT = struct.Struct("<QQQ")  # 24
 _LOAD = struct.Struct("<QIIII")  # 24: lease, region, count, first, zero
 _STORE = struct.Struct("<QIIII")  # 24: view, region, count
 _CHANGES = struct.Struct("<QQII")  # 24
+_SNAPSHOT = struct.Struct("<QII")  # 16: from, max, zero
 _REPLY = struct.Struct("<IIQ")  # 16
 _LEASE_REPLY = struct.Struct("<IIQII")  # 24
 _STORE_REPLY = struct.Struct("<IIII")  # 16
 _CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # 32
 _CHANGE_HEAD = struct.Struct("<B7x")  # 8
+_SNAPSHOT_REPLY = struct.Struct("<IIQQQIB3x")  # 40
 _CUDA_IPC_EXTRA = struct.Struct("<64s16sQ")  # 88
 
 _NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
@@ -639,6 +645,26 @@ def decode_changes(b) -> Changes:
     return Changes(epoch, seq, mx)
 
 
+class Snapshot(NamedTuple):
+    from_pos: int  # scan position to resume at: 0 starts, later pages send the previous reply's next
+    max: int  # at most this many digests (0: the sidecar's bound)
+
+
+def encode_snapshot(from_pos: int, max: int = 0) -> bytes:  # noqa: A002 (mirrors the Go field)
+    try:
+        return _SNAPSHOT.pack(from_pos, max, 0)
+    except struct.error as e:
+        raise SchemaError("Snapshot: %s" % e) from None
+
+
+def decode_snapshot(b) -> Snapshot:
+    what = "Snapshot"
+    _need(what, b, 0, 16)
+    _done(what, b, 16)
+    from_pos, mx, _zero = _SNAPSHOT.unpack_from(b, 0)
+    return Snapshot(from_pos, mx)
+
+
 # --------------------------------------------------------------------------
 # Replies (completion ring, sidecar -> engine; record type = request type | REPLY_BIT)
 
@@ -788,6 +814,69 @@ def decode_changes_reply(b) -> ChangesReply:
     return ChangesReply(status, bool(flags & CHANGES_FLAG_RESYNC), epoch, nxt, width, bytes(_view(b)[32:]))
 
 
+class SnapshotReply(NamedTuple):
+    """Answers Snapshot: one page of digests of present blocks. (epoch, seq)
+    is the namespace's change-log head cursor when the page was read; next is
+    the from_pos of the next page; done: no more pages. entries: count x
+    width digest bytes; see digests()."""
+
+    status: int
+    done: bool
+    epoch: int
+    seq: int
+    next: int
+    width: int
+    entries: bytes
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, "")
+
+    @property
+    def count(self) -> int:
+        return len(self.entries) // self.width if self.width else 0
+
+    def digest_at(self, i: int) -> bytes:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        w = self.width
+        return self.entries[i * w:(i + 1) * w]
+
+    def digests(self) -> list[bytes]:
+        """The page's digests, each a bytes of width bytes."""
+        w, e = self.width, self.entries
+        return [e[off:off + w] for off in range(0, self.count * w, w)]
+
+
+def encode_snapshot_reply(status: int, done: bool, epoch: int, seq: int, next: int, width: int,  # noqa: A002
+                          entries=b"") -> bytes:
+    """entries: joined digests, a multiple of width bytes."""
+    if width <= 0:
+        n, rem = 0, len(entries)
+    else:
+        n, rem = divmod(len(entries), width)
+    if rem:
+        raise SchemaError("snapshot reply: %d digest bytes is not a multiple of width %d" % (len(entries), width))
+    try:
+        head = _SNAPSHOT_REPLY.pack(status, SNAPSHOT_FLAG_DONE if done else 0, epoch, seq, next, n, width)
+        return head + bytes(entries)
+    except struct.error as e:
+        raise SchemaError("snapshot reply: %s" % e) from None
+
+
+def decode_snapshot_reply(b) -> SnapshotReply:
+    what = "snapshot reply"
+    _need(what, b, 0, 40)
+    status, flags, epoch, seq, nxt, n, width = _SNAPSHOT_REPLY.unpack_from(b, 0)
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("%s: digest width %d" % (what, width))
+    if n > MAX_SNAPSHOT_PER_REPLY:
+        raise SchemaError("%s: %d entries, at most %d" % (what, n, MAX_SNAPSHOT_PER_REPLY))
+    size = n * width
+    _need(what, b, 40, size)
+    _done(what, b, 40 + size)
+    return SnapshotReply(status, bool(flags & SNAPSHOT_FLAG_DONE), epoch, seq, nxt, width, bytes(_view(b)[40:]))
+
+
 # Which decoder reads the reply to each request type.
 REPLY_DECODERS = {
     TYPE_PUT_HASHES: decode_reply,
@@ -802,6 +891,7 @@ REPLY_DECODERS = {
     TYPE_CHANGES: decode_changes_reply,
     TYPE_DETACH: decode_reply,
     TYPE_PING: decode_reply,
+    TYPE_SNAPSHOT: decode_snapshot_reply,
 }
 
 

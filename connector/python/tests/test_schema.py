@@ -121,6 +121,20 @@ CODECS = {
             b"".join(S.encode_change(e["op"], _hex(e["digest"])) for e in f["entries"])),
         None,
     ),
+    "Snapshot": (
+        lambda f, v: S.encode_snapshot(f["from"], f["max"]),
+        lambda b, v: S.decode_snapshot(b),
+        lambda f, v: S.Snapshot(f["from"], f["max"]),
+        None,
+    ),
+    "SnapshotReply": (
+        lambda f, v: S.encode_snapshot_reply(f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"],
+                                             b"".join(_hex(d) for d in f["entries"])),
+        lambda b, v: S.decode_snapshot_reply(b),
+        lambda f, v: S.SnapshotReply(f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"],
+                                     b"".join(_hex(d) for d in f["entries"])),
+        None,
+    ),
 }
 
 IDS = [v["name"] for v in VECTORS]
@@ -130,6 +144,8 @@ def test_every_message_has_a_vector():
     assert set(CODECS) == {v["message"] for v in VECTORS}
     assert {v["digest_width"] for v in VECTORS if v["message"] == "PutHashes"} == {8, 16, 32}
     assert {v["fields"]["width"] for v in VECTORS if v["message"] == "ChangesReply"} == {8, 32}
+    assert {v["fields"]["width"] for v in VECTORS if v["message"] == "SnapshotReply"} == {16, 32}
+    assert {v["fields"]["done"] for v in VECTORS if v["message"] == "SnapshotReply"} == {False, True}
 
 
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
@@ -165,7 +181,7 @@ def test_record_type(v):
     if rt & S.REPLY_BIT:
         assert S.REPLY_DECODERS[rt & ~S.REPLY_BIT].__name__ == "decode_" + {
             "Reply": "reply", "LeaseReply": "lease_reply", "StoreReply": "store_reply",
-            "ChangesReply": "changes_reply"}[v["message"]]
+            "ChangesReply": "changes_reply", "SnapshotReply": "snapshot_reply"}[v["message"]]
 
 
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
@@ -343,6 +359,62 @@ def test_changes_reply_entries():
         S.encode_changes_reply(0, False, 1, 2, 8, bytes(15))
 
 
+def test_snapshot_length():
+    b = S.encode_snapshot(5, 7)
+    assert b == struct.pack("<QII", 5, 7, 0) and S.encode_snapshot(5) == struct.pack("<QII", 5, 0, 0)
+    # The reserved word is not checked; any other length is malformed.
+    assert S.decode_snapshot(b[:12] + b"\xaa\x00\x00\x55") == S.Snapshot(5, 7)
+    for n in (0, 8, 12, 15, 17, 24):
+        with pytest.raises(S.SchemaError):
+            S.decode_snapshot(bytes(n))
+    for bad in ((-1, 0), (1 << 64, 0), (0, 1 << 32), (0, -1)):
+        with pytest.raises(S.SchemaError):
+            S.encode_snapshot(*bad)
+
+
+def _snapshot_reply(width, n, flags=0):
+    return struct.pack("<IIQQQIB3x", 0, flags, 1, 2, 3, n, width) + bytes(n * width)
+
+
+def test_snapshot_reply_limits():
+    for w in (0, 1, 7, 9, 24, 33, 64, 255):
+        with pytest.raises(S.SchemaError, match="width"):
+            S.decode_snapshot_reply(_snapshot_reply(w, 0))
+    for w in S.DIGEST_WIDTHS:
+        m = S.decode_snapshot_reply(_snapshot_reply(w, S.MAX_SNAPSHOT_PER_REPLY))
+        assert m.count == S.MAX_SNAPSHOT_PER_REPLY and (m.epoch, m.seq, m.next) == (1, 2, 3)
+        with pytest.raises(S.SchemaError, match="at most"):
+            S.decode_snapshot_reply(_snapshot_reply(w, S.MAX_SNAPSHOT_PER_REPLY + 1))
+        with pytest.raises(S.SchemaError, match="at most"):
+            S.decode_snapshot_reply(_snapshot_reply(w, S.MAX_SNAPSHOT_PER_REPLY + 1)[:40])
+        with pytest.raises(S.SchemaError):
+            S.decode_snapshot_reply(_snapshot_reply(w, 2)[:-1])
+    # Flag bits other than done are ignored, and so are the reserved bytes.
+    assert S.decode_snapshot_reply(_snapshot_reply(8, 0, 0xFE)).done is False
+    assert S.decode_snapshot_reply(_snapshot_reply(8, 0, 0x80000001)).done is True
+    b = bytearray(_snapshot_reply(8, 1))
+    b[37], b[39] = 0xAA, 0x55
+    assert S.decode_snapshot_reply(b).count == 1
+
+
+def test_snapshot_reply_digests():
+    v = next(v for v in VECTORS if v["name"] == "SnapshotReply/w16")
+    m = S.decode_snapshot_reply(_hex(v["hex"]))
+    assert m.count == 3 and not m.done and m.width == 16
+    assert [d.hex() for d in m.digests()] == v["fields"]["entries"]
+    assert all(isinstance(d, bytes) for d in m.digests())
+    assert m.digest_at(2) == _hex(v["fields"]["entries"][2])
+    with pytest.raises(IndexError):
+        m.digest_at(3)
+    assert S.SnapshotReply(0, False, 0, 0, 0, 0, b"").count == 0
+    assert S.SnapshotReply(0, True, 0, 0, 0, 8, b"").digests() == []
+    assert m.err() is None and S.SnapshotReply(12, False, 0, 0, 0, 16, b"").err().status == S.Status.NOT_PERMITTED
+    with pytest.raises(S.SchemaError):
+        S.encode_snapshot_reply(0, False, 1, 2, 3, 8, bytes(15))
+    # A bare header: status, done, cursor, next, count 0.
+    assert S.encode_snapshot_reply(4, True, 1, 2, 3, 32) == struct.pack("<IIQQQIB3x", 4, 1, 1, 2, 3, 0, 32)
+
+
 def _attach(**kw):
     f = dict(version=1, role=S.ROLE_WORKER, rank=1, world_size=2, digest_width=16, ring_capacity=0,
              instance="i", model="m", layout="l", salt="")
@@ -427,15 +499,16 @@ def test_names():
     assert [S.state_name(i) for i in range(8)] == [
         "state(0)", "waiting", "ready", "loading", "loaded", "miss", "released", "state(7)"]
     names = ["PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release", "RegisterRegion", "Load",
-             "Store", "Changes", "Detach", "Ping"]
+             "Store", "Changes", "Detach", "Ping", "Snapshot"]
     for t, n in enumerate(names, 1):
         assert S.type_name(t) == n
         assert S.type_name(t | S.REPLY_BIT) == n + "Reply"
     assert S.type_name(0) == "type(0x0)"
-    assert S.type_name(0x0D) == "type(0xd)"
-    assert S.type_name(0x800D) == "type(0x800d)"
+    assert S.type_name(0x0E) == "type(0xe)"
+    assert S.type_name(0x800E) == "type(0x800e)"
     assert S.type_name(0xFFFF) == "type(0xffff)"
-    assert set(S.REPLY_DECODERS) == set(range(1, 13))
+    assert set(S.REPLY_DECODERS) == set(range(1, 14))
+    assert S.TYPE_SNAPSHOT == 0x0D and S.SNAPSHOT_FLAG_DONE == 1 and S.MAX_SNAPSHOT_PER_REPLY == 4096
 
 
 def test_reply_status():
@@ -450,7 +523,8 @@ def test_garbage_never_crashes():
     rng = random.Random(1)
     decoders = [S.decode_attach_request, S.decode_attach_reply, S.decode_id, S.decode_lookup, S.decode_acquire,
                 S.decode_register_region, S.decode_load, S.decode_store, S.decode_changes, S.decode_reply,
-                S.decode_lease_reply, S.decode_store_reply, S.decode_changes_reply,
+                S.decode_lease_reply, S.decode_store_reply, S.decode_changes_reply, S.decode_snapshot,
+                S.decode_snapshot_reply,
                 lambda b: S.decode_put_hashes(b, 8), lambda b: S.decode_put_hashes(b, 32)]
     seeds = [_hex(v["hex"]) for v in VECTORS]
     for _ in range(3000):
