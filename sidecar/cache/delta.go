@@ -141,14 +141,69 @@ func (c *Cache) Snapshot(ns NamespaceID, fn func(digest []byte) bool) (Cursor, e
 	cur := Cursor{Epoch: n.log.epoch, Seq: n.log.head}
 	id := uint16(ns)
 	for s := uint32(0); s < c.capacity; s++ {
-		if c.nsOf[s] != id || c.meta[s] != stStored || int(c.done[s]) != n.world {
-			continue // meta == stStored means rank 0 and stored
+		if !c.presentHeadOf(s, id, n.world) {
+			continue
 		}
 		if !fn(c.digest[s][:n.width]) {
 			break
 		}
 	}
 	return cur, nil
+}
+
+// presentHeadOf reports whether slot s is the head of a present block of
+// namespace id (of world size world): meta == stStored means rank 0 and
+// stored, and done counts the ranks stored.
+func (c *Cache) presentHeadOf(s uint32, id uint16, world int) bool {
+	return c.nsOf[s] == id && c.meta[s] == stStored && int(c.done[s]) == world
+}
+
+// SnapshotPage is Snapshot in pages, for a consumer that must not hold the
+// caller's lock for a whole scan. It scans slots from position from on, in
+// slot order, and calls fn with the digest of each present block of ns it
+// finds: at most maxEntries digests and at most maxScan slots (either <= 0:
+// no bound). It returns the head cursor of ns's log at the time of the call,
+// the position from which the next page continues, and done when the scan
+// reached the end of the pool (no more pages). next > from unless done;
+// from >= capacity is done at once. The digest slice is only valid during
+// the call and fn must not call into the Cache. Cost is proportional to the
+// slots scanned.
+//
+// Paging with nothing changing between pages visits every present block
+// exactly once. With changes between pages, a page holds only digests
+// present when it was read, so a mirror of the pages followed by the log
+// from the first page's cursor ends equal to the namespace (docs/protocol.md,
+// section 11).
+func (c *Cache) SnapshotPage(ns NamespaceID, from uint64, maxEntries, maxScan int, fn func(digest []byte)) (cur Cursor, next uint64, done bool, err error) {
+	n, err := c.ns(ns)
+	if err != nil {
+		return Cursor{}, from, false, err
+	}
+	cur = Cursor{Epoch: n.log.epoch, Seq: n.log.head}
+	capacity := uint64(c.capacity)
+	if from >= capacity {
+		return cur, from, true, nil
+	}
+	if n.blocks == 0 {
+		return cur, capacity, true, nil // nothing present anywhere
+	}
+	end := capacity
+	if maxScan > 0 && capacity-from > uint64(maxScan) {
+		end = from + uint64(maxScan)
+	}
+	id := uint16(ns)
+	got := 0
+	for s := from; s < end; s++ {
+		if !c.presentHeadOf(uint32(s), id, n.world) {
+			continue
+		}
+		fn(c.digest[s][:n.width])
+		if got++; maxEntries > 0 && got >= maxEntries {
+			end = s + 1
+			break
+		}
+	}
+	return cur, end, end >= capacity, nil
 }
 
 // Clear drops every present, unpinned block of ns and logs OpCleared,

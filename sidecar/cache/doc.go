@@ -101,8 +101,11 @@
 // cursor from an earlier process never validates. ChangesSince returns
 // ErrResync when the epoch differs, the seq is ahead of the log, or the
 // ring has overwritten it (gap); the consumer then rebuilds from Snapshot,
-// which returns the cursor to continue from. ChangesSince costs O(changes);
-// Snapshot and Clear cost O(capacity).
+// which returns the cursor to continue from. SnapshotPage reads the same
+// in pages of bounded scan length, each with the log's head cursor at the
+// time: all pages, followed by the log from the first page's cursor,
+// rebuild the namespace exactly. ChangesSince costs O(changes);
+// Snapshot and Clear cost O(capacity), a SnapshotPage O(slots scanned).
 //
 // # Admission
 //
