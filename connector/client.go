@@ -8,6 +8,7 @@
 package connector
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -336,6 +337,37 @@ func (c *Client) Changes(epoch, seq uint64, max uint32) (schema.ChangesReply, er
 	}
 	if r.Status != schema.OK {
 		return r, &schema.Error{Status: r.Status}
+	}
+	return r, nil
+}
+
+// Snapshot reads one page of the digests of the namespace's present blocks
+// from scan position from (0 starts; then the previous reply's Next), at
+// most max of them (0: the sidecar's bound). docs/protocol.md section 11
+// tells how pages and Changes rebuild a mirror. The reply's Entries alias an
+// internal buffer until the next call. A refusal (status) is an
+// *schema.Error, also when it comes as a common Reply (a sidecar that does
+// not know Snapshot answers status 2 that way).
+func (c *Client) Snapshot(from uint64, max uint32) (schema.SnapshotReply, error) {
+	var r schema.SnapshotReply
+	b, err := c.call(schema.TypeSnapshot, (&schema.Snapshot{From: from, Max: max}).Append(nil))
+	if err != nil {
+		return r, err
+	}
+	if len(b) >= 4 && binary.LittleEndian.Uint32(b) != 0 {
+		st := schema.Status(binary.LittleEndian.Uint32(b))
+		var msg string
+		if r.Decode(b) != nil { // not a SnapshotReply: a common Reply carries a message
+			var common schema.Reply
+			if common.Decode(b) == nil {
+				msg = common.Message
+			}
+			r = schema.SnapshotReply{Status: st}
+		}
+		return r, &schema.Error{Status: st, Message: msg}
+	}
+	if err := r.Decode(b); err != nil {
+		return r, err
 	}
 	return r, nil
 }

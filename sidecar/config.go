@@ -66,6 +66,10 @@ type Config struct {
 	MaxLeases int
 	// DeltaLogSize is each namespace's change-log length (power of two).
 	DeltaLogSize int
+	// SnapshotScan bounds the pool slots one Snapshot page scans (under
+	// the sidecar's lock), default 65,536: a page of a large, sparse pool
+	// may then hold few digests, or none.
+	SnapshotScan int
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration
 	// PrefillBlocks fills the index with this many synthetic blocks of a
@@ -87,6 +91,7 @@ const (
 	DefaultWriteTimeout = 30 * time.Second
 	DefaultRingCapacity = 1 << 20
 	DefaultMetricsAddr  = ":9477"
+	DefaultSnapshotScan = 1 << 16
 )
 
 // EnsureDefaults fills zero fields with defaults.
@@ -138,6 +143,9 @@ func (c *Config) EnsureDefaults() {
 	}
 	if c.DeltaLogSize == 0 {
 		c.DeltaLogSize = 1 << 16
+	}
+	if c.SnapshotScan == 0 {
+		c.SnapshotScan = DefaultSnapshotScan
 	}
 	if c.ReapInterval == 0 {
 		c.ReapInterval = 100 * time.Millisecond
@@ -196,6 +204,9 @@ func (c *Config) Validate() error {
 	}
 	if c.DeltaLogSize <= 0 || c.DeltaLogSize&(c.DeltaLogSize-1) != 0 {
 		bad("delta-log-size", "%d must be a power of two", c.DeltaLogSize)
+	}
+	if c.SnapshotScan < 1 {
+		bad("snapshot-scan", "%d must be positive", c.SnapshotScan)
 	}
 	if c.ReapInterval <= 0 || c.ReplyTimeout <= 0 {
 		bad("reap-interval", "reap interval and reply timeout must be positive")

@@ -24,6 +24,7 @@ func FuzzSession(f *testing.F) {
 	for i, s := range seeds {
 		f.Add(uint8(i+1), s)
 	}
+	f.Add(uint8(schema.TypeSnapshot), (&schema.Snapshot{From: 1, Max: 2}).Append(nil))
 	f.Add(uint8(0x7F), []byte{})
 	// One live sidecar serves every input; each input gets a new session.
 	h := newHarness(f, nil)

@@ -55,6 +55,7 @@ type session struct {
 	slots   []uint32
 	tickets []cache.Ticket
 	changes []cache.Change
+	snap    []byte // a Snapshot page's digests
 	load    schema.Load
 	store   schema.Store
 }
@@ -378,6 +379,11 @@ func (ss *session) fail(typ uint16, seq uint64, err error) {
 		ss.send(typ, seq, (&schema.ChangesReply{Status: se.Status, Width: uint8(ss.inst.width)}).Append)
 		return
 	}
+	if typ == schema.TypeSnapshot {
+		ss.srv.met.errors.WithLabelValues(se.Status.String()).Inc()
+		ss.send(typ, seq, (&schema.SnapshotReply{Status: se.Status, Width: uint8(ss.inst.width)}).Append)
+		return
+	}
 	if typ == schema.TypeStore {
 		ss.srv.met.errors.WithLabelValues(se.Status.String()).Inc()
 		ss.send(typ, seq, (&schema.StoreReply{Status: se.Status, Message: se.Message}).Append)
@@ -430,6 +436,8 @@ func (ss *session) handle(rec ring.Record) bool {
 		err = ss.storeBlocks(rec)
 	case schema.TypeChanges:
 		err = ss.changesSince(rec)
+	case schema.TypeSnapshot:
+		err = ss.snapshot(rec)
 	case schema.TypePing:
 		var m schema.IDRequest
 		if err = m.Decode(rec.Payload); err == nil {
@@ -884,6 +892,42 @@ func (ss *session) changesSince(rec ring.Record) error {
 		entries = schema.AppendChange(entries, uint8(c.Op), d)
 	}
 	r.Entries = entries
+	ss.send(rec.Type, rec.Seq, r.Append)
+	return nil
+}
+
+// snapshot answers one page of the digests of the namespace's present
+// blocks, with the log's head cursor when the page was read
+// (docs/protocol.md, sections 5.10 and 11). A page scans at most
+// cfg.SnapshotScan slots under s.mu.
+func (ss *session) snapshot(rec ring.Record) error {
+	s := ss.srv
+	if ss.role == schema.RoleWorker {
+		// The only request refused by role: a worker has no use for the
+		// namespace's index, and a page holds the lock for a while.
+		return schema.Errorf(schema.ErrCodeNotPermitted, "Snapshot is for scheduler and client sessions, not workers")
+	}
+	var m schema.Snapshot
+	if err := m.Decode(rec.Payload); err != nil {
+		return malformed(err)
+	}
+	w := ss.inst.width
+	limit := min((ss.cmp.MaxPayload()-40)/w, schema.MaxSnapshotPerReply)
+	if m.Max != 0 {
+		limit = min(limit, int(m.Max))
+	}
+	limit = max(limit, 1) // never unbounded (a ring too small for one digest gets "reply too large")
+	d := ss.snap[:0]
+	s.mu.Lock()
+	cur, next, done, err := s.cache.SnapshotPage(ss.inst.ns, m.From, limit, s.cfg.SnapshotScan, func(dg []byte) {
+		d = append(d, dg...)
+	})
+	s.mu.Unlock()
+	ss.snap = d
+	if err != nil {
+		return schema.Errorf(schema.ErrCodeInternal, "%v", err)
+	}
+	r := schema.SnapshotReply{Done: done, Epoch: cur.Epoch, Seq: cur.Seq, Next: next, Width: uint8(w), Entries: d}
 	ss.send(rec.Type, rec.Seq, r.Append)
 	return nil
 }

@@ -283,6 +283,8 @@ func TestBadInput(t *testing.T) {
 		{"duplicate region", schema.TypeRegisterRegion, src.reg.Append(nil), schema.ErrCodeDuplicate},
 		{"cuda region on host backend", schema.TypeRegisterRegion, (&schema.RegisterRegion{Region: 3, Kind: schema.RegionCUDAIPC, PID: uint64(os.Getpid()), Length: 1, PageSize: 1, PageCount: 1}).Append(nil), schema.ErrCodeNotPermitted},
 		{"garbage acquire", schema.TypeAcquire, bytes.Repeat([]byte{0xFF}, 24), schema.ErrCodeMalformed},
+		{"short snapshot", schema.TypeSnapshot, []byte{1, 2, 3}, schema.ErrCodeMalformed},
+		{"long snapshot", schema.TypeSnapshot, make([]byte, 24), schema.ErrCodeMalformed},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -483,6 +485,251 @@ func TestChangesAndPeerDeath(t *testing.T) {
 	if n := len(h.srv.State().Sessions); n != 1 {
 		t.Fatalf("%d sessions, want 1", n)
 	}
+}
+
+// TestSnapshot pages through a live session's namespace: every present
+// block once, bounded pages, and pages plus the log from the first page's
+// cursor equal to what Lookup answers when blocks are stored and evicted
+// between pages.
+func TestSnapshot(t *testing.T) {
+	h := newHarness(t, func(c *sidecar.Config) { c.SnapshotScan = 8 }) // 64 slots: 8 slots a page
+	c := h.dial(nil)
+	src := newRegion(1, 64)
+	if err := c.RegisterRegion(src.reg); err != nil {
+		t.Fatal(err)
+	}
+	slots := h.srv.State().Pool.Capacity
+	// pages reads a whole snapshot, with between() run after every page
+	// but the last, and returns the digests and the first page's cursor.
+	pages := func(max uint32, between func()) (map[string]int, uint64, uint64, int) {
+		t.Helper()
+		got := map[string]int{}
+		var epoch, seq, from uint64
+		n := 0
+		for {
+			r, err := c.Snapshot(from, max)
+			if err != nil {
+				t.Fatal(err)
+			}
+			n++
+			if n == 1 {
+				epoch, seq = r.Epoch, r.Seq
+			}
+			if r.Width != 32 || (max != 0 && r.Len() > int(max)) {
+				t.Fatalf("page %d: width %d, %d digests (max %d)", n, r.Width, r.Len(), max)
+			}
+			for i := 0; i < r.Len(); i++ {
+				got[string(r.DigestAt(i))]++
+			}
+			if r.Done {
+				if r.Next != uint64(slots) {
+					t.Fatalf("done with next %d, %d slots", r.Next, slots)
+				}
+				return got, epoch, seq, n
+			}
+			if r.Next <= from || r.Next-from > 8 {
+				t.Fatalf("page %d: from %d, next %d (scan bound 8)", n, from, r.Next)
+			}
+			from = r.Next
+			if between != nil {
+				between()
+			}
+		}
+	}
+	// Empty: one page, done, at the log's head.
+	head, err := c.Changes(0, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, epoch, seq, n := pages(0, nil)
+	if len(got) != 0 || n != 1 || epoch != head.Epoch || seq != head.Next || epoch != c.Info().Epoch {
+		t.Fatalf("empty namespace: %d digests in %d pages, cursor (%d, %d), head (%d, %d)", len(got), n, epoch, seq, head.Epoch, head.Next)
+	}
+	// Ten blocks: each once, in pages of at most 3 digests and 8 slots
+	// (some pages of the sparse rest hold none).
+	d := digests("snap", 40)
+	if _, err := c.PutHashes(1, d, false); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := c.Store(schema.View{Batch: 1, Count: 10}, 1, pagesN(0, 10)); err != nil || r.Stored != 10 {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	got, _, seq, n = pages(3, nil)
+	if len(got) != 10 || n < slots/8 {
+		t.Fatalf("%d digests in %d pages", len(got), n)
+	}
+	for i := 0; i < 10; i++ {
+		if got[string(d[i*32:(i+1)*32])] != 1 {
+			t.Fatalf("block %d seen %d times", i, got[string(d[i*32:(i+1)*32])])
+		}
+	}
+	if seq != head.Next+10 {
+		t.Fatalf("cursor seq %d, want %d", seq, head.Next+10)
+	}
+	// Past the end, and max 1.
+	for _, from := range []uint64{uint64(slots), 1 << 40, ^uint64(0)} {
+		if r, err := c.Snapshot(from, 0); err != nil || !r.Done || r.Len() != 0 || r.Next != from {
+			t.Fatalf("from %d: %+v %v", from, r, err)
+		}
+	}
+	if r, err := c.Snapshot(0, 1); err != nil || r.Len() != 1 || r.Done {
+		t.Fatalf("max 1: %+v %v", r, err)
+	}
+	// Blocks stored (and, the pool being full, evicted) between pages:
+	// the pages, then the log from the first page's cursor, equal Lookup.
+	more := digests("more", 200)
+	if _, err := c.PutHashes(2, more[:100*32], false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.PutHashes(2, more[100*32:], true); err != nil {
+		t.Fatal(err)
+	}
+	next := 0
+	between := func() {
+		k := 1 + next%7
+		if next+k > 200 {
+			return
+		}
+		if _, err := c.Store(schema.View{Batch: 2, Start: uint32(next), Count: uint32(k)}, 1, pagesN(next%50, k)); err != nil {
+			t.Fatal(err)
+		}
+		next += k
+	}
+	for round := 0; round < 4; round++ {
+		got, epoch, seq, _ := pages(uint32(1+round), between)
+		between() // and after the last page
+		mirror := map[string]bool{}
+		for dg := range got {
+			mirror[dg] = true
+		}
+		for {
+			r, err := c.Changes(epoch, seq, 5)
+			if err != nil || r.Resync {
+				t.Fatalf("changes from the first page's cursor: %+v %v", r, err)
+			}
+			if r.Len() == 0 {
+				break
+			}
+			for i := 0; i < r.Len(); i++ {
+				op, dg := r.ChangeAt(i)
+				switch op {
+				case schema.OpStored:
+					mirror[string(dg)] = true
+				case schema.OpEvicted:
+					delete(mirror, string(dg))
+				default:
+					t.Fatalf("op %d", op)
+				}
+			}
+			epoch, seq = r.Epoch, r.Next
+		}
+		want := 0
+		for b, all := range map[uint64][]byte{1: d, 2: more} {
+			for i := 0; i < len(all)/32; i++ {
+				hit, err := c.Lookup(schema.View{Batch: b, Start: uint32(i), Count: 1})
+				if err != nil {
+					t.Fatal(err)
+				}
+				want += hit
+				if (hit == 1) != mirror[string(all[i*32:(i+1)*32])] {
+					t.Fatalf("round %d: batch %d block %d: Lookup %d, mirror %v", round, b, i, hit, mirror[string(all[i*32:(i+1)*32])])
+				}
+			}
+		}
+		if len(mirror) != want || want == 0 {
+			t.Fatalf("round %d: mirror of %d blocks, Lookup finds %d", round, len(mirror), want)
+		}
+	}
+	if next < 64+10 {
+		t.Fatalf("only %d blocks stored between pages: nothing was evicted", next)
+	}
+	// Roles: a scheduler may read it, a worker may not (status 12 in a
+	// SnapshotReply); malformed requests get status 1 in the same layout.
+	sched := h.dial(func(o *connector.Options) { o.Role = schema.RoleScheduler })
+	if r, err := sched.Snapshot(0, 0); err != nil || r.Len() == 0 {
+		t.Fatalf("scheduler: %d digests, %v", r.Len(), err)
+	}
+	worker := h.dial(func(o *connector.Options) { o.Role = schema.RoleWorker })
+	if _, err := worker.Snapshot(0, 0); status(err) != schema.ErrCodeNotPermitted {
+		t.Fatalf("worker: %v", err)
+	}
+	for _, tc := range []struct {
+		cl   *connector.Client
+		pay  []byte
+		want schema.Status
+	}{
+		{worker, (&schema.Snapshot{}).Append(nil), schema.ErrCodeNotPermitted},
+		{c, nil, schema.ErrCodeMalformed},
+		{c, make([]byte, 15), schema.ErrCodeMalformed},
+		{c, make([]byte, 17), schema.ErrCodeMalformed},
+	} {
+		seq, err := tc.cl.Submit(schema.TypeSnapshot, tc.pay)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := tc.cl.Await(seq)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r schema.SnapshotReply
+		if err := r.Decode(b); err != nil || r.Status != tc.want || r.Width != 32 || r.Len() != 0 || r.Done || r.Next != 0 || r.Epoch != 0 {
+			t.Fatalf("payload of %d bytes: %+v %v, want status %v", len(tc.pay), r, err, tc.want)
+		}
+	}
+	// Another namespace (another model) sees none of these blocks; a
+	// narrower digest width gets narrower entries.
+	other := h.dial(func(o *connector.Options) { o.Model = "other"; o.DigestWidth = 8 })
+	if r, err := other.Snapshot(0, 0); err != nil || !r.Done || r.Len() != 0 || r.Width != 8 {
+		t.Fatalf("other namespace: %+v %v", r, err)
+	}
+	if err := c.Ping(1); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSnapshotPageBound: a page holds at most what the completion ring
+// carries, (max payload - 40) / width digests (and at most 4096).
+func TestSnapshotPageBound(t *testing.T) {
+	h := newHarness(t, func(c *sidecar.Config) { c.PoolBytes = 1024 * slot })
+	c := h.dial(nil)
+	bound := (c.MaxPayload() - 40) / 32
+	if bound >= 1000 || bound > schema.MaxSnapshotPerReply {
+		t.Fatalf("max payload %d: bound %d", c.MaxPayload(), bound)
+	}
+	n := bound + 50
+	src := newRegion(1, n)
+	if err := c.RegisterRegion(src.reg); err != nil {
+		t.Fatal(err)
+	}
+	d := digests("bound", n)
+	for off := 0; off < n; off += 256 {
+		if _, err := c.PutHashes(1, d[off*32:min(off+256, n)*32], off > 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, pagesN(0, n)); err != nil || int(r.Stored) != n {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	r, err := c.Snapshot(0, 0)
+	if err != nil || r.Len() != bound || r.Done {
+		t.Fatalf("first page: %d digests (bound %d), done %v, %v", r.Len(), bound, r.Done, err)
+	}
+	r, err = c.Snapshot(r.Next, 0)
+	if err != nil || r.Len() != 50 || !r.Done {
+		t.Fatalf("second page: %d digests, done %v, %v", r.Len(), r.Done, err)
+	}
+	if r, err := c.Snapshot(0, 7); err != nil || r.Len() != 7 {
+		t.Fatalf("max 7: %d digests, %v", r.Len(), err)
+	}
+}
+
+// pagesN returns the page indices first, first+1, ... (n of them).
+func pagesN(first, n int) []uint32 {
+	p := make([]uint32, n)
+	for i := range p {
+		p[i] = uint32(first + i)
+	}
+	return p
 }
 
 // dropWithoutDetach closes the client's socket as a crashed process would.
