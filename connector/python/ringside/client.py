@@ -57,6 +57,7 @@ from .schema import (
     ChangesReply,
     LeaseReply,
     RingsideError,
+    SnapshotReply,
     State,
     Status,
     StoreReply,
@@ -73,6 +74,7 @@ __all__ = [
     "LeaseReply",
     "StoreReply",
     "ChangesReply",
+    "SnapshotReply",
     "AttachReply",
     "State",
     "Status",
@@ -131,6 +133,7 @@ _T_STORE = _schema.TYPE_STORE
 _T_CHANGES = _schema.TYPE_CHANGES
 _T_DETACH = _schema.TYPE_DETACH
 _T_PING = _schema.TYPE_PING
+_T_SNAPSHOT = _schema.TYPE_SNAPSHOT
 
 _MAX_PENDING = 1 << 16  # unclaimed out-of-order replies kept (as Go)
 _MAX_ABANDONED = 1 << 12  # seqs of timed-out calls whose late replies are dropped
@@ -191,6 +194,23 @@ def _dec_changes(mv) -> ChangesReply:
         if status:
             raise RingsideError(status, _msg(mv, 16) if len(mv) >= 16 else "")
         return _schema.decode_changes_reply(mv)
+    except _schema.SchemaError as e:
+        raise _malformed(e) from None
+
+
+def _dec_snapshot(mv) -> SnapshotReply:
+    # As _dec_changes: a non-OK reply may be a bare Reply (a sidecar that
+    # does not know Snapshot answers status 2 that way).
+    try:
+        status = _schema.reply_status(mv)
+        if status:
+            msg = ""
+            try:
+                _schema.decode_snapshot_reply(mv)  # the sidecar's SnapshotReply: no message
+            except _schema.SchemaError:
+                msg = _msg(mv, 16) if len(mv) >= 16 else ""
+            raise RingsideError(status, msg)
+        return _schema.decode_snapshot_reply(mv)
     except _schema.SchemaError as e:
         raise _malformed(e) from None
 
@@ -589,6 +609,19 @@ class Session:
         resync set). Iterate ``reply.changes()`` for (op, digest) pairs; the
         next cursor is (reply.epoch, reply.next)."""
         return self._call(_T_CHANGES, _schema.encode_changes(epoch, seq, max), _dec_changes)
+
+    def snapshot(self, from_pos: int = 0, max: int = 0) -> SnapshotReply:  # noqa: A002
+        """One page of the digests of the namespace's present blocks, from
+        scan position from_pos (0 starts; then the previous reply's next), at
+        most max of them (0: the sidecar's bound). reply.digests() lists them;
+        reply.done says there are no more pages; (reply.epoch, reply.seq) is
+        the change-log head cursor when the page was read. To rebuild a
+        mirror (docs/protocol.md section 11): keep the FIRST page's cursor,
+        read pages until done, then apply changes() from that cursor; on
+        resync, start the snapshot again. A worker session is refused
+        (status NOT_PERMITTED); a sidecar without Snapshot answers
+        UNKNOWN_TYPE."""
+        return self._call(_T_SNAPSHOT, _schema.encode_snapshot(from_pos, max), _dec_snapshot)
 
     def ping(self, v: int = 0) -> int:
         """Round trip; returns the echoed value."""

@@ -64,7 +64,7 @@ TYPE_NAMES = {
 
 
 def type_name(t: int) -> str:
-    """Name of a record type, as Go's schema.TypeName ("Lookup", "LookupReply", "type(0xd)")."""
+    """Name of a record type, as Go's schema.TypeName ("Lookup", "LookupReply", "type(0xe)")."""
     n = TYPE_NAMES.get(t & ~REPLY_BIT & 0xFFFF)
     if n is None:
         return "type(%#x)" % t

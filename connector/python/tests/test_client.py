@@ -73,11 +73,11 @@ def wait_stopped(pid, timeout=5):
 
 
 class Sidecar:
-    def __init__(self, binary, budget=None, metrics=False):
+    def __init__(self, binary, budget=None, metrics=False, pool="4MiB"):
         self.dir = tempfile.mkdtemp(prefix="rs-py-", dir=BASE)
         self.sock = os.path.join(self.dir, "ringside.sock")
         self.metrics = "127.0.0.1:%d" % free_port() if metrics else ""
-        args = [binary, "serve", "--dir", self.dir, "--pool.bytes", "4MiB", "--pool.slot-bytes", "4KiB",
+        args = [binary, "serve", "--dir", self.dir, "--pool.bytes", pool, "--pool.slot-bytes", "4KiB",
                 "--metrics.addr", self.metrics, "--ring.capacity", "64KiB"]
         if budget:
             args += ["--budget", budget]
@@ -141,7 +141,7 @@ class Sidecar:
 
 @pytest.fixture
 def start_sidecar(ringside_bin):
-    """Factory: start_sidecar(budget="16KiB", metrics=True) -> Sidecar."""
+    """Factory: start_sidecar(budget="16KiB", metrics=True, pool="256KiB") -> Sidecar."""
     started = []
 
     def start(**kw):
@@ -278,6 +278,8 @@ def test_bad_input(sidecar):
         ("cuda region on host backend", S.TYPE_REGISTER_REGION, S.encode_register_region(**cuda),
          Status.NOT_PERMITTED),
         ("short changes", S.TYPE_CHANGES, b"\x01", Status.MALFORMED),
+        ("short snapshot", S.TYPE_SNAPSHOT, b"\x01", Status.MALFORMED),
+        ("long snapshot", S.TYPE_SNAPSHOT, bytes(17), Status.MALFORMED),
         ("garbage acquire", S.TYPE_ACQUIRE, b"\xff" * 24, Status.MALFORMED),
         ("unknown batch acquire", S.TYPE_ACQUIRE, S.encode_acquire(99, 0, 1), Status.UNKNOWN_BATCH),
     ]
@@ -472,6 +474,127 @@ def test_changes(sidecar):
     # A wrong epoch must resync.
     r2 = c.changes(epoch + 1, r.next)
     assert r2.resync
+
+
+def test_snapshot(start_sidecar):
+    """Snapshot pages, then Changes from the first page's cursor, equal what
+    Lookup answers, also when blocks are stored (and, the pool being full,
+    evicted) between pages (docs/protocol.md section 11)."""
+    sc = start_sidecar(pool="256KiB")  # 64 slots
+    c = sc.attach()
+    slots = c.info.pool_slots
+    assert slots == 64
+    reg = Region(1, 64)
+    reg.register(c)
+    # Empty: one page, done, at the log's head.
+    head = c.changes()
+    r = c.snapshot()
+    assert r.done and r.count == 0 and r.digests() == [] and r.width == 32 and r.next == slots
+    assert (r.epoch, r.seq) == (head.epoch, head.next) and r.epoch == c.info.epoch
+    d = digests("snap", 40)
+    more = digests("more", 250)
+    c.put_hashes(1, d)
+    for off in range(0, 250, 125):
+        c.put_hashes(2, more[off * 32:(off + 125) * 32], append=off > 0)
+    assert c.store(1, 0, 10, 1, list(range(10))).stored == 10
+    # Each block once, in pages of at most 3.
+    seen, pos, pages = [], 0, 0
+    while True:
+        r = c.snapshot(pos, 3)
+        pages += 1
+        assert r.count <= 3 and all(isinstance(x, bytes) and len(x) == 32 for x in r.digests())
+        seen += r.digests()
+        if r.done:
+            break
+        assert r.next > pos
+        pos = r.next
+    assert sorted(seen) == sorted(d[i * 32:(i + 1) * 32] for i in range(10)) and pages >= 4
+    # Past the end; max 1.
+    for pos in (slots, 1 << 40, (1 << 64) - 1):
+        r = c.snapshot(pos)
+        assert r.done and r.count == 0 and r.next == pos
+    assert c.snapshot(0, 1).count == 1
+    stored = [0]
+
+    def between():  # store the next few blocks of batch 2, round and round
+        start = stored[0] % 250
+        k = min(1 + stored[0] % 7, 250 - start)
+        c.store(2, start, k, 1, [(start + i) % 64 for i in range(k)])
+        stored[0] += k
+
+    def truth():
+        out = set()
+        for batch, all_ in ((1, d), (2, more)):
+            for i in range(len(all_) // 32):
+                if c.lookup(batch, i, 1):
+                    out.add(all_[i * 32:(i + 1) * 32])
+        return out
+
+    for rnd in range(5):
+        mirror, c0, pos = set(), None, 0
+        while True:
+            r = c.snapshot(pos, 1 + rnd)
+            if c0 is None:
+                c0 = (r.epoch, r.seq)
+            mirror.update(r.digests())
+            if r.done:
+                break
+            pos = r.next
+            between()
+        between()  # and after the last page
+        epoch, seq = c0
+        while True:
+            ch = c.changes(epoch, seq, 7)
+            assert not ch.resync
+            if ch.n_entries == 0:
+                break
+            for op, dg in ch.changes():
+                if op == S.OP_STORED:
+                    mirror.add(dg)
+                elif op == S.OP_EVICTED:
+                    mirror.discard(dg)
+                else:
+                    assert op == S.OP_CLEARED
+                    mirror.clear()
+            epoch, seq = ch.epoch, ch.next
+        want = truth()
+        assert want and mirror == want, "round %d: mirror %d blocks, Lookup %d" % (rnd, len(mirror), len(want))
+    assert stored[0] > 250, "too few blocks stored between pages"
+    # A scheduler may read it; a worker is refused with NOT_PERMITTED.
+    assert sc.attach(role=S.ROLE_SCHEDULER).snapshot().count > 0
+    w = sc.attach(role=S.ROLE_WORKER)
+    with pytest.raises(RingsideError) as e:
+        w.snapshot()
+    assert not isinstance(e.value, (RingsideTimeout, RingsideUnavailable))
+    assert status_of(e) == Status.NOT_PERMITTED
+    # Refusals come in the SnapshotReply layout, with the session's width.
+    for s, payload, want in ((w, S.encode_snapshot(0), Status.NOT_PERMITTED), (c, b"\x01", Status.MALFORMED)):
+        rep = S.decode_snapshot_reply(s.await_reply(s.submit(S.TYPE_SNAPSHOT, payload)))
+        assert (rep.status, rep.done, rep.epoch, rep.seq, rep.next, rep.width, rep.entries) == (want, False, 0, 0, 0, 32, b"")
+    # Another namespace with 8-byte digests sees nothing of it.
+    o = sc.attach(model="other", digest_width=8)
+    r = o.snapshot()
+    assert r.done and r.count == 0 and r.width == 8
+    assert c.ping(5) == 5
+
+
+def test_snapshot_error_reply_shapes():
+    """A refused Snapshot raises RingsideError whether the status comes in a
+    SnapshotReply or in a bare common Reply (a sidecar without Snapshot
+    answers UNKNOWN_TYPE that way)."""
+    from ringside import client as C
+
+    with pytest.raises(RingsideError) as e:
+        C._dec_snapshot(memoryview(S.encode_reply(Status.UNKNOWN_TYPE, 0, "record type 0xd")))
+    assert (e.value.status, e.value.message) == (Status.UNKNOWN_TYPE, "record type 0xd")
+    with pytest.raises(RingsideError) as e:
+        C._dec_snapshot(memoryview(S.encode_snapshot_reply(Status.NOT_PERMITTED, False, 0, 0, 0, 32)))
+    assert (e.value.status, e.value.message) == (Status.NOT_PERMITTED, "")
+    with pytest.raises(RingsideError) as e:
+        C._dec_snapshot(memoryview(b"\x00" * 12))
+    assert e.value.status == Status.MALFORMED
+    r = C._dec_snapshot(memoryview(S.encode_snapshot_reply(0, True, 1, 2, 3, 8, bytes(range(16)))))
+    assert r.done and r.digests() == [bytes(range(8)), bytes(range(8, 16))]
 
 
 CHILD = r"""
