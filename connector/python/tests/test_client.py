@@ -164,7 +164,7 @@ def digests(seed, n):
     out = []
     prev = hashlib.sha256(seed.encode()).digest()
     for i in range(n):
-        prev = hashlib.sha256(prev + bytes([i])).digest()
+        prev = hashlib.sha256(prev + bytes([i & 0xFF])).digest()  # byte(i) in Go: wraps past 255
         out.append(prev)
     return b"".join(out)
 
