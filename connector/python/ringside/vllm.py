@@ -14,11 +14,16 @@ factory (then ``kv_connector_module_path`` can be left out).
 How it works
 ------------
 Scheduler (EngineCore process): attaches to the sidecar as the scheduler of
-this engine instance. When a request arrives (``on_new_request``) it registers
-the request's own block hashes (``request.block_hashes``: vLLM's digests,
-joined once, never converted one by one) as a hash batch and sends the lookup
-of its leading blocks without waiting; ``get_num_new_matched_tokens`` collects
-the answer and answers with an asynchronous load. After allocation it sends
+this engine instance and keeps a local index of the digests the sidecar holds
+for its namespace (``mirror.py``: a snapshot copied once, then the change log,
+polled once a step without waking the sidecar). A request that arrives while
+the engine is busy is looked up in that index (a set probe a block, no round
+trip). After an idle gap, or while the index is not live, the request's own
+block hashes (``request.block_hashes``: vLLM's digests, joined once, never
+converted one by one) are registered as a hash batch and looked up in the
+sidecar as they arrive (``on_new_request``, without waiting);
+``get_num_new_matched_tokens`` collects the answer. Either way a hit is
+answered with an asynchronous load. After allocation it sends
 an acquire of a lease on those blocks, collected when the step's metadata is
 built; while the lease waits for the sidecar's load budget it polls (a few
 bytes a step, collected the next step). Each step it sends the workers the
@@ -53,7 +58,13 @@ the sidecar in one step, default 100), ``sync_saves`` (wait for stores in
 ``wait_for_save``), ``overlap_saves`` (let a step's stores run on through
 the next forward pass when no block they read can have been handed to
 another request: "auto", the default, for GPU memory only; true; false),
-``stats_path`` (write connector counters as JSON at
+``mirror`` (the local index, default true), ``mirror_max_blocks`` (default
+4,000,000, ~110 bytes a block; a larger namespace turns the index off),
+``mirror_idle_ms`` (default 5: an arrival when no request is in flight and
+no step ended for longer asks the sidecar), ``mirror_poll_ms`` (default 50: the change log is polled in a step
+that follows arrivals, else this often), ``mirror_max_lag_ms`` (default 250:
+an index whose last answered poll is older is not used), ``mirror_sync_us`` (time a step may wait while the snapshot is
+copied, default 500), ``stats_path`` (write connector counters as JSON at
 shutdown and every ``stats_every`` steps, for tests and operators).
 """
 
@@ -76,6 +87,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import schema as _s
 from .client import Link, RingsideError, RingsideTimeout, Session
+from .mirror import Mirror
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -232,7 +244,7 @@ class RingsideConnector(KVConnectorBase_V1):
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
                       "deferred_lookups": 0, "batches_reused": 0, "saves_unwaited": 0, "planned_stores": 0, "planned_blocks": 0,
-                      "step_ns_total": 0, "step_ns_max": 0}
+                      "step_ns_total": 0, "step_ns_max": 0, "mirror_lookups": 0, "mirror_hit_blocks": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             # A cache failure must never fail a request: recompute instead.
@@ -280,6 +292,31 @@ class RingsideConnector(KVConnectorBase_V1):
             self._full_attention: Optional[bool] = None
             self._group_ids: Optional[tuple] = None
             self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
+            # The local index of the cache (mirror.py): lookups of requests
+            # arriving while the engine is busy (requests in flight, or a
+            # step ended in the last mirror_idle_ms) are answered from it,
+            # with no sidecar round trip. After an idle gap it may miss the
+            # last steps' stores, so the sidecar is asked, as when the mirror
+            # is off or not synced yet.
+            self.mirror: Optional[Mirror] = None
+            if _truthy(extra.get("mirror", True)):
+                self.mirror = Mirror(32, int(extra.get("mirror_max_blocks", 4_000_000)), self.timeout,
+                                     float(extra.get("mirror_max_lag_ms", 250)) / 1000.0)
+            self._idle_s = float(extra.get("mirror_idle_ms", 5)) / 1000.0
+            # The change log is polled in a step that follows arrivals (the
+            # index is used), else every mirror_poll_ms while the engine runs.
+            self._poll_s = float(extra.get("mirror_poll_ms", 50)) / 1000.0
+            self._arrived = False
+            self._sync_budget_ns = int(float(extra.get("mirror_sync_us", 500)) * 1000)
+            self._out_t = 0.0  # when vLLM last took a step's output (take_events, update_connector_output)
+            if self.mirror is not None:
+                # Copy the index now, while the engine starts (bounded).
+                s = self.link.get()
+                if s is not None:
+                    try:
+                        self.mirror.pump(s, 0, int(min(self.timeout, 2.0) * 1e9))
+                    except (RingsideError, _s.SchemaError) as e:
+                        self._fail(e)
         else:
             rank = _tp_rank()
             self._rank = rank
@@ -295,6 +332,7 @@ class RingsideConnector(KVConnectorBase_V1):
             self._overlap = extra.get("overlap_saves", "auto")
             self.link = Link(self.socket, self.timeout, float(extra.get("reattach_interval", 5.0)),
                              dict(attach, role=_s.ROLE_WORKER, rank=rank))
+            self.mirror = None
             self.region: Optional[dict] = None
             self._region_gen = -1
             self._inflight: dict[str, list] = {}  # req_id -> [(seq, spec)]
@@ -365,7 +403,7 @@ class RingsideConnector(KVConnectorBase_V1):
         else:
             s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch), wake=False)
 
-    def _put_hashes(self, r: _Req, s: Session, upto: int) -> None:
+    def _put_hashes(self, r: _Req, s: Session, upto: int, first_flags: int = _s.FLAG_REPLACE) -> None:
         """Register the request's hashes [registered, upto) in its batch,
         without waiting (the lookup or acquire that follows on this session is
         handled after it; a failed put shows up as a miss there)."""
@@ -374,7 +412,7 @@ class RingsideConnector(KVConnectorBase_V1):
         hashes = r.request.block_hashes
         for a in range(r.registered, upto, _s.MAX_HASHES_PER_RECORD):
             new = b"".join(hashes[a:min(upto, a + _s.MAX_HASHES_PER_RECORD)])
-            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else _s.FLAG_REPLACE),
+            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else first_flags),
                    wake=False)
         r.registered = upto
 
@@ -389,6 +427,17 @@ class RingsideConnector(KVConnectorBase_V1):
         s = self.link.get()
         if s is None:
             return
+        m = self.mirror
+        if m is not None and m.state == Mirror.LIVE:
+            now = _monotonic()
+            if (self._reqs or now - self._out_t < self._idle_s) and m.fresh(now):
+                self._arrived = True
+                return  # looked up in the local index when vLLM asks
+            try:
+                m.pump(s, self._step)  # after an idle gap: catch up (the lookup below wakes the sidecar)
+            except (RingsideError, _s.SchemaError) as e:
+                self._fail(e)
+                return
         try:
             r = self._req(request)
             if r.registered == 0:
@@ -444,9 +493,17 @@ class RingsideConnector(KVConnectorBase_V1):
                 # Asked again while it waits for KV blocks (vLLM asks every
                 # step): the answer of the last lookup. The acquire checks it.
                 hits = r.hits
-            else:  # not looked up ahead (resumed, re-attached, or grown)
-                self._put_hashes(r, s, usable)
-                hits = s.lookup(r.batch, 0, usable)
+            else:  # not looked up ahead (busy engine, resumed, re-attached, or grown)
+                m = self.mirror
+                if m is not None and m.fresh(_monotonic()):
+                    self._arrived = True
+                    hits = m.leading(hashes, usable)
+                    st = self.stats
+                    st["mirror_lookups"] += 1
+                    st["mirror_hit_blocks"] += hits
+                else:
+                    self._put_hashes(r, s, usable)
+                    hits = s.lookup(r.batch, 0, usable)
         except (RingsideError, _s.SchemaError) as e:
             self._fail(e)
             return 0, False
@@ -481,6 +538,11 @@ class RingsideConnector(KVConnectorBase_V1):
             # Submitted now, collected in build_connector_meta: the step's
             # acquires are answered together, while the scheduler works.
             try:
+                if r.registered < start + count:
+                    # Looked up in the local index: register the blocks to
+                    # acquire (with FlagLookup, so that the sidecar's lookup
+                    # and hit counters see the hit; its reply is dropped).
+                    self._put_hashes(r, s, start + count, _LOOKUP_REPLACE)
                 load["seq"] = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, self._ttl_ms),
                                        wake=False)
                 load["gen"] = self.link.generation
@@ -755,7 +817,29 @@ class RingsideConnector(KVConnectorBase_V1):
                     blocks[rid].extend(nb[0])
         return lambda rid: (blocks.get(rid, []),)
 
+    def take_events(self):
+        # vLLM calls this once a step, after the step's output: the local
+        # index collects its last poll of the change log and sends the next
+        # one (no wait, no wake), in a step that followed arrivals looked up
+        # in it or mirror_poll_ms after the last poll; while it copies the
+        # snapshot it may wait up to mirror_sync_us a step.
+        now = self._out_t = _monotonic()
+        m = self.mirror
+        if m is not None and not m.disabled:
+            s = self.link.session
+            if s is not None:
+                try:
+                    if m.state != Mirror.LIVE:
+                        m.pump(s, self._step, self._sync_budget_ns)
+                    elif self._arrived or now - m.sent_t >= self._poll_s:
+                        self._arrived = False
+                        m.pump(s, self._step)
+                except (RingsideError, _s.SchemaError) as e:
+                    self._fail(e)
+        return ()
+
     def update_connector_output(self, connector_output) -> None:
+        self._out_t = _monotonic()
         rec = getattr(connector_output, "finished_recving", None) or ()
         if not rec:
             return
@@ -1058,6 +1142,12 @@ class RingsideConnector(KVConnectorBase_V1):
         self._steps_since_stats = 0
         if not self.stats_path:
             return
+        m = getattr(self, "mirror", None)
+        if m is not None:
+            self.stats["mirror_state"] = Mirror.STATE_NAMES[m.state]
+            self.stats["mirror_blocks"] = len(m.present)
+            for k, v in m.stats.items():
+                self.stats["mirror_" + k] = v
         path = "%s.%s.%d.json" % (self.stats_path, self.stats["role"].lower(), os.getpid())
         tmp = path + ".tmp"
         try:
@@ -1066,6 +1156,12 @@ class RingsideConnector(KVConnectorBase_V1):
             os.replace(tmp, path)
         except OSError as e:
             logger.debug("ringside: stats: %s", e)
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(v)
 
 
 def _single_group_blocks(kvm: Any) -> Optional[dict]:

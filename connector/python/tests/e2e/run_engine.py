@@ -14,7 +14,10 @@ engine's own prefix cache is reset, so every reuse must come from ringside.
 --max-num-batched-tokens below the prompt length makes vLLM prefill in
 chunks; --num-blocks caps the engine's KV blocks so that running requests get
 preempted; --continue makes each round after the first a conversation turn
-(its prompts are the previous round's prompt and output tokens).
+(its prompts are the previous round's prompt and output tokens); --stagger
+makes each round after the first arrive while the engine is busy: a long
+request runs first (30 steps: the connector's local index of the cache is
+live by then) and the round's prompts are added one a step, as in serving.
 """
 
 import argparse
@@ -43,6 +46,7 @@ def main() -> int:
     ap.add_argument("--continue", dest="cont", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (worker processes)")
     ap.add_argument("--connector-config", default="{}", help="JSON merged into kv_connector_extra_config")
+    ap.add_argument("--stagger", action="store_true", help="rounds after the first arrive while the engine is busy")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -78,7 +82,10 @@ def main() -> int:
         if a.ready_file and r == a.rounds - 1:
             open(a.ready_file, "w").write("generating\n")
         t = time.time()
-        outs = llm.generate(inputs, sp, use_tqdm=False)
+        if a.stagger and r > 0:
+            outs = staggered(llm, inputs, sp, r)
+        else:
+            outs = llm.generate(inputs, sp, use_tqdm=False)
         rounds.append({"seconds": time.time() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs],
                        "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
                        "cached_tokens": [o.num_cached_tokens for o in outs]})
@@ -88,6 +95,37 @@ def main() -> int:
     # Shut the engine down so the connector writes its final counters.
     del llm
     return 0
+
+
+def staggered(llm, inputs, sp, r):
+    """Generate inputs while a long request keeps the engine busy: the
+    keeper runs 30 steps (by then the scheduler-side connector's mirror
+    must be live), then one input is added a step. Returns the
+    inputs' outputs in order (the keeper's is not)."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    conn = eng.engine_core.engine_core.scheduler.connector
+    keeper = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    eng.add_request("keeper-%d" % r, "A long unrelated request keeps the engine stepping. %d" % r, keeper)
+    for _ in range(30):  # the same steps with and without the connector
+        eng.step()
+    mirror = getattr(conn, "mirror", None)
+    if mirror is not None and mirror.state != mirror.LIVE:
+        raise SystemExit("stagger: the connector's mirror is not live after 30 steps: %r" % mirror.stats)
+    done, want = {}, ["r%d-%d" % (r, i) for i in range(len(inputs))]
+    pending = list(zip(want, inputs))
+    while len(done) < len(want):
+        if pending:
+            rid, prompt = pending.pop(0)
+            eng.add_request(rid, prompt, sp)
+        for o in eng.step():
+            if o.finished and o.request_id in want:
+                done[o.request_id] = o
+    eng.abort_request(["keeper-%d" % r])
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [done[rid] for rid in want]
 
 
 if __name__ == "__main__":

@@ -216,6 +216,31 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         sc.stop()
 
 
+def test_local_index_hits_while_busy(model_dir, prompts_file, ringside_bin, tmp_path):
+    """Requests that arrive one a step while the engine is busy are looked up
+    in the connector's local index of the cache (a snapshot, then the change
+    log), not in the sidecar; their hits are loaded and their tokens are the
+    engine's own."""
+    tmp = str(tmp_path)
+    base, _ = run_engine(model_dir, prompts_file, tmp, "stagger-base", rounds=2, extra=["--stagger"])
+    sc = Sidecar(ringside_bin, tmp)
+    try:
+        res, stats = run_engine(model_dir, prompts_file, tmp, "stagger", socket_path=sc.sock, rounds=2,
+                                extra=["--stagger"])
+        for r in range(2):
+            assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
+        sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
+        assert sched["mirror_lookups"] >= len(PROMPTS) and sched["mirror_hit_blocks"] > 0, sched
+        # A later request with the same prefix finds it in vLLM's own prefix
+        # cache (filled by the earlier one's load): it loads only the rest.
+        assert 0 < work["loaded_blocks"] <= sched["hit_blocks"], (sched, work)
+        assert work["load_error_blocks"] == 0 and sched["sidecar_errors"] == 0, (sched, work)
+        assert sc.requests("Snapshot") > 0 and sc.requests("Changes") > 0
+        assert res["rounds"][1]["cached_tokens"] != base["rounds"][1]["cached_tokens"], "no hit reached vLLM"
+    finally:
+        sc.stop()
+
+
 def test_load_budget_waits(model_dir, prompts_file, baseline, ringside_bin, tmp_path):
     """A sidecar load budget of 8 blocks (256 KiB) for requests that each load
     7: leases wait for the budget and the scheduler polls them across steps;

@@ -1,0 +1,241 @@
+"""A local copy of the digests present in a sidecar namespace.
+
+An engine's scheduler asks "how many leading blocks of this request does the
+cache hold?" for every arriving request. Asked of the sidecar, that is a round
+trip (a futex wake of the parked sidecar and a wait for its answer: 50-150 us
+on a virtual machine) in the engine's scheduling loop. A :class:`Mirror`
+answers it locally instead: it copies the namespace's present digests once
+(Snapshot pages, protocol.md section 11) and then follows the namespace's
+change log (Changes), one request a step, published without waking the
+sidecar and collected the next step. Per-step work is proportional to what
+changed, never to the size of the cache.
+
+The mirror lags the sidecar by the time a poll takes to be answered (a step
+or a park slice of the sidecar's loop, ~10 ms): a block stored in that window
+is a miss, never a wrong hit; a block evicted in that window is a hit that the
+acquire then does not get (a load error the engine recomputes). Callers check
+:meth:`Mirror.fresh` before trusting it and ask the sidecar otherwise.
+
+Memory: a Python set of digest bytes, ~110 bytes a block (110 MB for a
+million blocks). ``max_blocks`` bounds it: a namespace larger than that turns
+the mirror off for the session (the caller asks the sidecar as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from typing import Optional
+
+from . import schema as _s
+
+logger = logging.getLogger("ringside.mirror")
+
+_monotonic = time.monotonic
+_CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # status, flags, epoch, next, count, width (protocol.md 6.4)
+_clock_ns = time.perf_counter_ns
+
+# Entries asked for per Changes poll. A reply with fewer means the mirror has
+# caught up with the log's head as of the moment the sidecar read it.
+CHANGES_PER_POLL = 1024
+
+
+class Mirror:
+    """The present digests of one session's namespace (see the module doc).
+
+    States: OFF (not started, or turned off: the sidecar does not know
+    Snapshot, or the namespace holds more than max_blocks), SYNC (snapshot
+    pages in flight), CATCHUP (following the log from the first page's
+    cursor), LIVE (caught up with the log at least once since the last sync).
+    """
+
+    OFF, SYNC, CATCHUP, LIVE = range(4)
+    STATE_NAMES = ("off", "sync", "catchup", "live")
+
+    def __init__(self, width: int = 32, max_blocks: int = 4_000_000, timeout: float = 2.0,
+                 max_lag: float = 0.25, page_max: int = 0):
+        self.width = width
+        self.page_max = page_max  # snapshot entries asked for per page (0: the sidecar's bound)
+        self.max_blocks = max_blocks
+        self.timeout = timeout
+        self.max_lag = max_lag
+        self.present: set = set()
+        self.state = Mirror.OFF
+        self.disabled = ""  # why the mirror is off for this session, if it is
+        self._session = None
+        self._pending = 0  # seq of the request in flight (0: none)
+        self._pending_t = 0.0
+        self._pending_step = 0
+        self._applied_t = 0.0  # when the request whose reply is being applied was sent
+        self._applied_step = 0
+        self._from = 0  # next snapshot position
+        self._c0: Optional[tuple[int, int]] = None  # cursor of the first page
+        self._epoch = 0
+        self._seq = 0
+        self.fresh_t = -1e9  # when the poll that last caught up was sent
+        self.fresh_step = -(1 << 30)  # and in which step
+        self.sent_t = -1e9  # when the last request was sent
+        self.stats = {"syncs": 0, "resyncs": 0, "pages": 0, "polls": 0, "changes": 0, "lost_replies": 0}
+
+    # ------------------------------------------------------------------
+
+    def fresh(self, now: float) -> bool:
+        """True if the mirror may answer lookups: it is live and a poll sent
+        at most max_lag seconds ago was answered with the log's head (a
+        sidecar that stopped answering makes it stale)."""
+        return self.state == Mirror.LIVE and now - self.fresh_t <= self.max_lag
+
+    def leading(self, hashes, n: int) -> int:
+        """How many of hashes[:n] are present, from the first one on."""
+        pres = self.present
+        if n <= 0 or hashes[0] not in pres:
+            return 0
+        if pres.issuperset(hashes[:n]):  # one C loop (~15 ns a block): the common hit
+            return n
+        i = 1
+        while hashes[i] in pres:
+            i += 1
+        return i
+
+    def reset(self) -> None:
+        """Forget everything (a new session starts a new sync)."""
+        self.present = set()
+        self.state = Mirror.OFF
+        self.disabled = ""
+        self._session = None
+        self._pending = 0
+        self._c0 = None
+
+    def _restart(self) -> None:
+        self.present = set()
+        self.state = Mirror.SYNC
+        self._from = 0
+        self._c0 = None
+        self.stats["syncs"] += 1
+
+    def _off(self, why: str) -> None:
+        if not self.disabled:
+            logger.warning("ringside: local index of the cache off for this session (%s); lookups ask the sidecar",
+                           why)
+        self.disabled = why
+        self.present = set()
+        self.state = Mirror.OFF
+
+    # ------------------------------------------------------------------
+
+    def pump(self, s, step: int, budget_ns: int = 0, wake: bool = False) -> None:
+        """Advance the mirror on session s: collect the reply of the request
+        in flight if it has arrived (waiting for replies for at most budget_ns
+        in all), apply it, and send the next request (the next snapshot page,
+        or a Changes poll; at most one poll a call once live). Raises
+        RingsideError / SchemaError like any session call."""
+        if s is not self._session:
+            self.reset()
+            self._session = s
+            self._restart()
+        if self.disabled:
+            return
+        end = _clock_ns() + budget_ns
+        polled = False
+        while True:
+            if self._pending:
+                p = s.try_reply(self._pending)
+                if p is None:
+                    left = end - _clock_ns()
+                    if left > 0:
+                        p = s.await_reply(self._pending, timeout=left / 1e9, keep=True)
+                    if p is None:
+                        if _monotonic() - self._pending_t < self.timeout:
+                            return
+                        # No answer: ask again (pages and polls are cursor-based).
+                        s.forget(self._pending)
+                        self._pending = 0
+                        self.stats["lost_replies"] += 1
+                if p is not None:
+                    self._pending = 0
+                    self._applied_t, self._applied_step = self._pending_t, self._pending_step
+                    polled = self._apply(p) or polled
+                    if self.disabled:
+                        return
+            if self.state == Mirror.LIVE and polled:
+                return  # one poll a call once live
+            if self.state == Mirror.SYNC:
+                typ, payload = _s.TYPE_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
+            else:
+                typ, payload = _s.TYPE_CHANGES, _s.encode_changes(self._epoch, self._seq, CHANGES_PER_POLL)
+                self.stats["polls"] += 1
+            waiting = _clock_ns() < end
+            self._pending = s.submit(typ, payload, wake=wake or waiting)
+            self._pending_t = self.sent_t = _monotonic()
+            self._pending_step = step
+            if not waiting:
+                return
+
+    def _apply(self, p: bytes) -> bool:
+        """Apply one reply; True if it was a poll that caught up."""
+        status = _s.reply_status(p)
+        if self.state == Mirror.SYNC:
+            if status:
+                # A sidecar without Snapshot (unknown type), or a namespace
+                # error: no mirror on this session.
+                self._off("snapshot refused, status %d" % status)
+                return False
+            rep = _s.decode_snapshot_reply(p)
+            if rep.width != self.width:
+                self._off("snapshot digests are %d bytes, want %d" % (rep.width, self.width))
+                return False
+            self.stats["pages"] += 1
+            if self._c0 is None:
+                self._c0 = (rep.epoch, rep.seq)
+            e = rep.entries
+            w = self.width
+            if e:
+                self.present.update([e[i:i + w] for i in range(0, len(e), w)])
+                if len(self.present) > self.max_blocks:
+                    self._off("the namespace holds more than %d blocks (mirror_max_blocks)" % self.max_blocks)
+                    return False
+            if rep.done:
+                self._epoch, self._seq = self._c0
+                self.state = Mirror.CATCHUP
+            else:
+                self._from = rep.next
+            return False
+        if status:
+            raise _s.SchemaError("Changes refused: status %d" % status)
+        # The ChangesReply, checked as schema.decode_changes_reply does,
+        # without copying the entries out.
+        if len(p) < 32:
+            raise _s.SchemaError("changes reply: %d bytes, want at least 32" % len(p))
+        _, flags, epoch, nxt, n, w = _CHANGES_REPLY.unpack_from(p, 0)
+        if flags & _s.CHANGES_FLAG_RESYNC:
+            # The log moved past our cursor (or the sidecar restarted): copy again.
+            self.stats["resyncs"] += 1
+            self._restart()
+            return False
+        es = 8 + w
+        if w != self.width or n > _s.MAX_CHANGES_PER_REPLY or len(p) != 32 + n * es:
+            raise _s.SchemaError("changes reply: %d entries of %d-byte digests in %d bytes (want %d-byte digests)"
+                                 % (n, w, len(p), self.width))
+        if n:
+            pres = self.present
+            end = 32 + n * es
+            for off in range(32, end, es):
+                op = p[off]
+                if op == 1:  # OpStored
+                    pres.add(p[off + 8:off + es])
+                elif op == 2:  # OpEvicted
+                    pres.discard(p[off + 8:off + es])
+                elif op == 3:  # OpCleared
+                    pres.clear()
+            self.stats["changes"] += n
+            if len(pres) > self.max_blocks:
+                self._off("the namespace holds more than %d blocks (mirror_max_blocks)" % self.max_blocks)
+                return False
+        self._epoch, self._seq = epoch, nxt
+        if n < CHANGES_PER_POLL:
+            self.state = Mirror.LIVE
+            self.fresh_t = self._applied_t
+            self.fresh_step = self._applied_step
+            return True
+        return False

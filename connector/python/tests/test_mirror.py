@@ -1,0 +1,160 @@
+"""ringside.mirror.Mirror against the real sidecar: the local index equals
+what the sidecar holds after a snapshot copied in pages while blocks are
+stored and evicted, follows the change log, starts again after a resync, and
+turns itself off where Snapshot is refused."""
+import random
+
+import pytest
+
+from ringside import schema as S
+from ringside.mirror import Mirror
+from test_client import Region, digests, sidecar, start_sidecar  # noqa: F401 (fixtures)
+
+POOL_BLOCKS = 1024  # the test sidecar's pool: 4 MiB of 4 KiB slots
+
+
+def store(c, region, batch, d, first, n):
+    """Store blocks [first, first+n) of digest string d from region pages."""
+    for a in range(0, n, 256):  # the test rings carry ~500 digests a record
+        c.put_hashes(batch, d[(first + a) * 32:(first + min(n, a + 256)) * 32], append=a > 0)
+    for i in range(n):
+        region.fill(i % region.pages, first + i)
+    done = 0
+    while done < n:
+        k = min(n - done, region.pages)
+        r = c.store(batch, done, k, region.id, list(range(k)))
+        assert r.status == 0
+        done += k
+    c.drop_hashes(batch)
+
+
+def present(c, d, n):
+    """The set of d's first n digests the sidecar holds (one lookup each)."""
+    for a in range(0, n, 256):
+        c.put_hashes(99, d[a * 32:min(n, a + 256) * 32], append=a > 0)
+    out = {d[i * 32:(i + 1) * 32] for i in range(n) if c.lookup(99, i, 1) == 1}
+    c.drop_hashes(99)
+    return out
+
+
+def sync(m, c, step=0):
+    for _ in range(1000):
+        m.pump(c, step, budget_ns=50_000_000)
+        if m.state == Mirror.LIVE:
+            return
+    raise AssertionError("mirror not live: state %s" % Mirror.STATE_NAMES[m.state])
+
+
+def test_snapshot_then_log(sidecar):
+    c = sidecar.attach()
+    reg = Region(1, 64)
+    reg.register(c)
+    d = digests("mirror", 300)
+    store(c, reg, 1, d, 0, 100)
+    m = Mirror(page_max=7)  # 15 pages
+    sync(m, c)
+    assert m.present == present(c, d, 300) and len(m.present) == 100
+    assert m.stats["pages"] >= 15
+    assert m.leading([d[i * 32:(i + 1) * 32] for i in range(300)], 300) == 100
+    # Stores after the sync come through the change log.
+    store(c, reg, 2, d, 100, 50)
+    m.pump(c, 1, budget_ns=50_000_000)
+    assert m.state == Mirror.LIVE and len(m.present) == 150
+    assert m.present == present(c, d, 300)
+
+
+def test_changes_between_pages_and_evictions(sidecar):
+    """Blocks stored (evicting the oldest: the pool holds 1024) while the
+    snapshot is being copied page by page: the mirror ends up equal to the
+    sidecar's contents."""
+    c = sidecar.attach()
+    reg = Region(1, 64)
+    reg.register(c)
+    n = POOL_BLOCKS + 400
+    d = digests("evict", n)
+    store(c, reg, 1, d, 0, POOL_BLOCKS)
+    m = Mirror(page_max=64)
+    rng = random.Random(5)
+    nxt, step = POOL_BLOCKS, 0
+    while m.state != Mirror.LIVE:
+        step += 1
+        m.pump(c, step, budget_ns=0 if step % 3 else 20_000_000, wake=True)
+        if nxt < n and m.state == Mirror.SYNC:
+            k = min(n - nxt, rng.randint(1, 40))
+            store(c, reg, 2, d, nxt, k)
+            nxt += k
+        assert step < 10000
+    want = present(c, d, n)
+    assert len(want) == POOL_BLOCKS, "the test meant to evict"
+    assert m.present == want
+    assert m.stats["changes"] > 0
+
+
+def test_resync_starts_over(sidecar):
+    c = sidecar.attach()
+    reg = Region(1, 16)
+    reg.register(c)
+    d = digests("resync", 40)
+    store(c, reg, 1, d, 0, 20)
+    m = Mirror()
+    sync(m, c)
+    syncs = m.stats["syncs"]
+    # A cursor of another epoch (as after a sidecar restart): the sidecar
+    # answers resync and the mirror copies the snapshot again.
+    m._epoch += 1
+    store(c, reg, 2, d, 20, 20)
+    sync(m, c, 1)
+    m.pump(c, 2, budget_ns=50_000_000)
+    assert m.stats["resyncs"] == 1 and m.stats["syncs"] == syncs + 1
+    assert m.present == present(c, d, 40) and len(m.present) == 40
+
+
+def test_leading():
+    m = Mirror()
+    hs = [bytes([i]) * 32 for i in range(80)]
+    m.present.update(hs[:70])
+    m.present.add(hs[75])  # present after a miss: not leading
+    for n, want in [(0, 0), (1, 1), (64, 64), (70, 70), (80, 70)]:
+        assert m.leading(hs, n) == want, n
+    m.present.discard(hs[10])  # a hole
+    for n, want in [(10, 10), (11, 10), (70, 10)]:
+        assert m.leading(hs, n) == want, n
+    m.present.discard(hs[0])
+    assert m.leading(hs, 70) == 0
+
+
+def test_fresh_rules():
+    m = Mirror(max_lag=0.25)
+    assert not m.fresh(0.0)  # not live
+    m.state = Mirror.LIVE
+    m.fresh_t = 100.0
+    for now, want in [(100.0, True), (100.25, True), (100.26, False), (200.0, False)]:
+        assert m.fresh(now) is want, now
+
+
+def test_refused_snapshot_turns_it_off(sidecar):
+    """A worker session may not read the index: the mirror turns itself off
+    (the caller asks the sidecar) instead of failing."""
+    w = sidecar.attach(role=S.ROLE_WORKER)
+    m = Mirror()
+    m.pump(w, 0, budget_ns=1_000_000_000)
+    assert m.state == Mirror.OFF and m.disabled
+    m.pump(w, 1, budget_ns=1_000_000_000)  # stays off, sends nothing
+    assert m._pending == 0
+    # A new session starts over.
+    c = sidecar.attach()
+    sync(m, c)
+    assert m.state == Mirror.LIVE and not m.disabled
+
+
+def test_over_max_blocks_turns_it_off(sidecar):
+    c = sidecar.attach()
+    reg = Region(1, 16)
+    reg.register(c)
+    store(c, reg, 1, digests("big", 30), 0, 30)
+    m = Mirror(max_blocks=20, page_max=8)
+    for _ in range(50):
+        m.pump(c, 0, budget_ns=20_000_000)
+        if m.state == Mirror.OFF:
+            break
+    assert m.state == Mirror.OFF and "20" in m.disabled and not m.present
