@@ -51,6 +51,9 @@ type Client struct {
 	// unmapped is set once the rings are unmapped (Close, Abandon): a call
 	// after that returns an error instead of faulting.
 	unmapped bool
+	// Failed fire-and-forget requests (Send) seen by Await.
+	quietFailures int
+	lastQuiet     schema.Status
 }
 
 // Dial attaches to the sidecar.
@@ -169,6 +172,21 @@ func (c *Client) Submit(typ uint16, payload []byte) (uint64, error) {
 	return c.seq, err
 }
 
+// Send sends one request whose reply nobody waits for (fire and forget),
+// with seq 0: the sidecar answers it only if it fails, and Await counts such
+// replies in QuietFailures and drops them. Records are handled in order, so
+// a later request sees this one's effect.
+func (c *Client) Send(typ uint16, payload []byte) error {
+	if c.unmapped {
+		return fmt.Errorf("connector: %w", ring.ErrClosed)
+	}
+	return c.prod.Write(typ, 0, 0, payload, time.Now().Add(c.opts.Timeout))
+}
+
+// QuietFailures returns how many requests sent with Send failed (their
+// replies seen so far) and the last such reply's status.
+func (c *Client) QuietFailures() (int, schema.Status) { return c.quietFailures, c.lastQuiet }
+
 // Await waits for the reply to request seq and returns its payload (valid
 // until the next call on c).
 func (c *Client) Await(seq uint64) ([]byte, error) {
@@ -196,6 +214,15 @@ func (c *Client) Await(seq uint64) ([]byte, error) {
 			c.buf = append(c.buf[:0], rec.Payload...)
 			c.cons.Commit()
 			return c.buf, nil
+		}
+		if rec.Seq == 0 { // a failed Send (an old sidecar answers every one: status 0 is not counted)
+			if len(rec.Payload) >= 4 {
+				if st := schema.Status(binary.LittleEndian.Uint32(rec.Payload)); st != schema.OK {
+					c.quietFailures++
+					c.lastQuiet = st
+				}
+			}
+			continue
 		}
 		if len(c.pending) > 1<<16 {
 			return nil, errors.New("connector: too many unclaimed replies")

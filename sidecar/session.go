@@ -360,6 +360,10 @@ func (ss *session) send(typ uint16, seq uint64, enc func([]byte) []byte) {
 func (ss *session) reply(typ uint16, seq uint64, r schema.Reply) {
 	if r.Status != schema.OK {
 		ss.srv.met.errors.WithLabelValues(r.Status.String()).Inc()
+	} else if seq == 0 {
+		// A fire-and-forget request (protocol.md 3.2): answered only if
+		// it fails.
+		return
 	}
 	ss.send(typ, seq, r.Append)
 }

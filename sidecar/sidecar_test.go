@@ -317,6 +317,58 @@ func TestBadInput(t *testing.T) {
 	}
 }
 
+// TestQuietRequests: a request with seq 0 (fire and forget) is answered
+// only if it fails, and is handled in order like any other.
+func TestQuietRequests(t *testing.T) {
+	h := newHarness(t, nil)
+	c := h.dial(nil)
+	d := digests("quiet", 4)
+	tests := []struct {
+		name string
+		typ  uint16
+		pay  []byte
+		fail bool
+	}{
+		{"put", schema.TypePutHashes, (&schema.PutHashes{Batch: 1, Digests: d}).Append(nil, 32), false},
+		{"duplicate put", schema.TypePutHashes, (&schema.PutHashes{Batch: 1, Digests: d}).Append(nil, 32), true},
+		{"drop", schema.TypeDropHashes, schema.IDRequest{ID: 1}.Append(nil), false},
+		{"drop again", schema.TypeDropHashes, schema.IDRequest{ID: 1}.Append(nil), true},
+		{"put again", schema.TypePutHashes, (&schema.PutHashes{Batch: 2, Digests: d}).Append(nil, 32), false},
+		{"release unknown", schema.TypeRelease, schema.IDRequest{ID: 777}.Append(nil), true},
+		{"malformed", schema.TypePutHashes, []byte{1, 2, 3}, true},
+		{"unknown type", 0x77, nil, true},
+	}
+	fails := 0
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := c.Send(tt.typ, tt.pay); err != nil {
+				t.Fatal(err)
+			}
+			// A round trip after it: by then its reply, if any, is in.
+			if err := c.Ping(1); err != nil {
+				t.Fatal(err)
+			}
+			if tt.fail {
+				fails++
+			}
+			if n, _ := c.QuietFailures(); n != fails {
+				t.Fatalf("%d failed quiet requests seen, want %d", n, fails)
+			}
+		})
+	}
+	// Handled in order: batch 2 exists, batch 1 does not.
+	if n, err := c.Lookup(schema.View{Batch: 2, Count: 4}); err != nil || n != 0 {
+		t.Fatalf("lookup of batch 2: %d, %v", n, err)
+	}
+	var se *schema.Error
+	if _, err := c.Lookup(schema.View{Batch: 1, Count: 4}); !errors.As(err, &se) || se.Status != schema.ErrCodeUnknownBatch {
+		t.Fatalf("lookup of dropped batch 1: %v", err)
+	}
+	if _, st := c.QuietFailures(); st != schema.ErrCodeUnknownType {
+		t.Fatalf("last quiet failure %v", st)
+	}
+}
+
 func TestBudgetWaitingAndExpiry(t *testing.T) {
 	// Budget of 4 slots: a lease of 4 blocks fills it; the next waits.
 	h := newHarness(t, func(c *sidecar.Config) { c.Budget = 4 * slot })

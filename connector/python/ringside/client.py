@@ -233,6 +233,8 @@ class Session:
         self._seq = 0
         self._pending: Dict[int, bytes] = {}
         self._abandoned: Dict[int, None] = {}
+        self.quiet_failures = 0  # failed fire-and-forget requests (send)
+        self.last_quiet_failure: Optional[tuple] = None  # (status, message) of the last one
         self._dead: Optional[str] = None
         self._closed = False
         self._unwoken = False  # records published with wake=False since the last wake
@@ -406,7 +408,7 @@ class Session:
         fire-and-forget sends are discarded, others kept for their callers.
         Call it now and then on a session that mostly sends, so that the
         completion ring never fills."""
-        self.try_reply(0)  # no request has seq 0: every reply that arrived is stashed or dropped
+        self.try_reply(-1)  # no request has seq -1: every reply that arrived is stashed or dropped
 
     def await_reply(self, seq: int, timeout: Optional[float] = None, keep: bool = False) -> Optional[bytes]:
         """The reply payload of request seq (whatever its status), waiting at
@@ -431,13 +433,23 @@ class Session:
             self._abandon(seq)
 
     def send(self, type: int, payload=b"", wake: bool = True) -> None:  # noqa: A002
-        """Send one request whose reply nobody waits for (fire and forget):
-        its reply is discarded when it arrives. Records are handled in order,
-        so a later request sees this one's effect (e.g. a PutHashes before
-        the Lookup that uses the batch); an error in it shows up as an error
-        of the requests that depend on it. wake: see submit()."""
-        seq = self.submit(type, payload, wake)
-        self._abandon(seq)
+        """Send one request whose reply nobody waits for (fire and forget),
+        with seq 0: the sidecar answers it only if it fails (protocol.md
+        section 3.2), and such a reply is counted in ``quiet_failures`` and
+        dropped. Records are handled in order, so a later request sees this
+        one's effect (e.g. a PutHashes before the Lookup that uses the
+        batch); an error in it also shows up as an error of the requests
+        that depend on it. wake: see submit()."""
+        if self._dead is not None or self._closed:
+            self._check()
+        prod = self._prod
+        try:
+            if not prod.put(payload, type, 0, wake):
+                prod.write(payload, type, 0, 0, _monotonic() + self.timeout, wake=wake)
+        except _UNAVAILABLE + (_ring.RingTimeout,) as e:
+            raise self._fail(e) from None
+        if not wake:
+            self._unwoken = True
 
     def sidecar_pid(self) -> int:
         """The sidecar's pid as the kernel recorded it for the socket
@@ -519,6 +531,13 @@ class Session:
             raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
 
     def _stash(self, seq: int, payload) -> None:
+        if seq == 0:
+            # A fire-and-forget request failed (an old sidecar also answers
+            # the ones that succeeded: status 0, not counted).
+            if len(payload) >= 4 and _schema.reply_status(payload):
+                self.quiet_failures += 1
+                self.last_quiet_failure = (_schema.reply_status(payload), _msg(payload, 16) if len(payload) >= 16 else "")
+            return
         if seq in self._abandoned:
             del self._abandoned[seq]
             return

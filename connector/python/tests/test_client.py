@@ -335,6 +335,40 @@ def test_out_of_order_replies(sidecar):
         c.await_reply(10 ** 6)
 
 
+def test_quiet_sends(sidecar):
+    """send() is fire and forget (seq 0): the sidecar answers only the ones
+    that fail; those are counted and dropped, and the rest leave nothing
+    behind. Handled in order with everything else."""
+    c = sidecar.attach()
+    d = digests("quiet", 4)
+    cases = [  # (type, payload, fails)
+        (S.TYPE_PUT_HASHES, S.encode_put_hashes(1, d, 32, 0), False),
+        (S.TYPE_PUT_HASHES, S.encode_put_hashes(1, d, 32, 0), True),  # duplicate
+        (S.TYPE_DROP_HASHES, S.encode_drop_hashes(1), False),
+        (S.TYPE_DROP_HASHES, S.encode_drop_hashes(1), True),  # unknown batch
+        (S.TYPE_PUT_HASHES, S.encode_put_hashes(2, d, 32, 0), False),
+        (S.TYPE_RELEASE, S.encode_release(777), True),  # unknown lease
+        (0x77, b"", True),  # unknown type
+    ]
+    fails = 0
+    for typ, payload, fail in cases:
+        c.send(typ, payload)
+        assert c.ping(5) == 5  # a round trip: by then the send's reply, if any, is in
+        fails += fail
+        assert c.quiet_failures == fails, (typ, payload)
+    assert c.last_quiet_failure[0] == Status.UNKNOWN_TYPE
+    assert not c._pending and not c._abandoned
+    assert c.lookup(2, 0, 4) == 0  # in order: batch 2 exists
+    with pytest.raises(RingsideError) as e:
+        c.lookup(1, 0, 4)
+    assert status_of(e) == Status.UNKNOWN_BATCH
+    # Many sends, no reply piles up in the completion ring.
+    for i in range(5000):
+        c.send(S.TYPE_PING, S.encode_id(i), wake=False)
+    assert c.ping(6) == 6 and not c._pending
+    c.close()
+
+
 def test_pipelined_without_wake(sidecar):
     """Records published with wake=False are handled in order once a wait
     (await_reply, kick, a synchronous call) wakes the sidecar; FlagLookup
