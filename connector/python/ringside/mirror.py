@@ -54,7 +54,7 @@ class Mirror:
     STATE_NAMES = ("off", "sync", "catchup", "live")
 
     def __init__(self, width: int = 32, max_blocks: int = 4_000_000, timeout: float = 2.0,
-                 max_lag: float = 0.25, page_max: int = 0):
+                 max_lag: float = 1.0, page_max: int = 0):
         self.width = width
         self.page_max = page_max  # snapshot entries asked for per page (0: the sidecar's bound)
         self.max_blocks = max_blocks

@@ -62,7 +62,7 @@ another request: "auto", the default, for GPU memory only; true; false),
 4,000,000, ~110 bytes a block; a larger namespace turns the index off),
 ``mirror_idle_ms`` (default 5: an arrival when no request is in flight and
 no step ended for longer asks the sidecar), ``mirror_poll_ms`` (default 50: the change log is polled in a step
-that follows arrivals, else this often), ``mirror_max_lag_ms`` (default 250:
+that follows arrivals, else this often), ``mirror_max_lag_ms`` (default 1000:
 an index whose last answered poll is older is not used), ``mirror_sync_us`` (time a step may wait while the snapshot is
 copied, default 500), ``stats_path`` (write connector counters as JSON at
 shutdown and every ``stats_every`` steps, for tests and operators).
@@ -301,7 +301,7 @@ class RingsideConnector(KVConnectorBase_V1):
             self.mirror: Optional[Mirror] = None
             if _truthy(extra.get("mirror", True)):
                 self.mirror = Mirror(32, int(extra.get("mirror_max_blocks", 4_000_000)), self.timeout,
-                                     float(extra.get("mirror_max_lag_ms", 250)) / 1000.0)
+                                     float(extra.get("mirror_max_lag_ms", 1000)) / 1000.0)
             self._idle_s = float(extra.get("mirror_idle_ms", 5)) / 1000.0
             # The change log is polled in a step that follows arrivals (the
             # index is used), else every mirror_poll_ms while the engine runs.
