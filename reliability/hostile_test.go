@@ -133,7 +133,7 @@ func (f *fuzzer) next() (uint16, []byte, pending) {
 		for i := range b {
 			b[i] = byte(r.Uint32())
 		}
-		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypePing}
+		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypeSnapshot}
 	case k < 25: // a valid record, mutated
 		typ, b, _ := f.valid(reg, view)
 		b = append([]byte(nil), b...)
@@ -251,7 +251,7 @@ func (f *fuzzer) scratchRegion() []byte {
 // valid builds a well-formed record of ordinary traffic.
 func (f *fuzzer) valid(reg uint32, view func() schema.View) (uint16, []byte, string) {
 	r := f.rng
-	switch r.IntN(9) {
+	switch r.IntN(10) {
 	case 0:
 		f.nextB++
 		return schema.TypePutHashes, (&schema.PutHashes{Batch: 100 + f.nextB%64, Digests: digests("fz", 1+r.IntN(8))}).Append(nil, 32), "valid"
@@ -271,6 +271,8 @@ func (f *fuzzer) valid(reg uint32, view func() schema.View) (uint16, []byte, str
 	case 7:
 		v := view()
 		return schema.TypeStore, (&schema.Store{View: v, Region: reg, Pages: f.pages(int(v.Count), 0)}).Append(nil), "valid"
+	case 8:
+		return schema.TypeSnapshot, (&schema.Snapshot{From: r.Uint64N(1 << 20), Max: uint32(r.IntN(10))}).Append(nil), "valid"
 	default:
 		return schema.TypeChanges, (&schema.Changes{Epoch: r.Uint64N(3), Seq: r.Uint64N(100), Max: uint32(r.IntN(10))}).Append(nil), "valid"
 	}
