@@ -80,11 +80,13 @@ class Mirror:
 
     # ------------------------------------------------------------------
 
-    def fresh(self, now: float) -> bool:
-        """True if the mirror may answer lookups: it is live and a poll sent
-        at most max_lag seconds ago was answered with the log's head (a
-        sidecar that stopped answering makes it stale)."""
-        return self.state == Mirror.LIVE and now - self.fresh_t <= self.max_lag
+    def fresh(self, now: float, s=None) -> bool:
+        """True if the mirror may answer lookups for session s: it was built
+        on s (a copy of another session's sidecar, e.g. before a restart, is
+        void), it is live, and a poll sent at most max_lag seconds ago was
+        answered with the log's head (a sidecar that stopped answering makes
+        it stale)."""
+        return self.state == Mirror.LIVE and self._session is s and now - self.fresh_t <= self.max_lag
 
     def leading(self, hashes, n: int) -> int:
         """How many of hashes[:n] are present, from the first one on."""

@@ -430,7 +430,7 @@ class RingsideConnector(KVConnectorBase_V1):
         m = self.mirror
         if m is not None and m.state == Mirror.LIVE:
             now = _monotonic()
-            if (self._reqs or now - self._out_t < self._idle_s) and m.fresh(now):
+            if (self._reqs or now - self._out_t < self._idle_s) and m.fresh(now, s):
                 self._arrived = True
                 return  # looked up in the local index when vLLM asks
             try:
@@ -495,7 +495,7 @@ class RingsideConnector(KVConnectorBase_V1):
                 hits = r.hits
             else:  # not looked up ahead (busy engine, resumed, re-attached, or grown)
                 m = self.mirror
-                if m is not None and m.fresh(_monotonic()):
+                if m is not None and m.fresh(_monotonic(), s):
                     self._arrived = True
                     hits = m.leading(hashes, usable)
                     st = self.stats

@@ -124,12 +124,15 @@ def test_leading():
 
 
 def test_fresh_rules():
+    s, other = object(), object()
     m = Mirror(max_lag=0.25)
-    assert not m.fresh(0.0)  # not live
+    assert not m.fresh(0.0, s)  # not live
     m.state = Mirror.LIVE
+    m._session = s
     m.fresh_t = 100.0
     for now, want in [(100.0, True), (100.25, True), (100.26, False), (200.0, False)]:
-        assert m.fresh(now) is want, now
+        assert m.fresh(now, s) is want, now
+    assert not m.fresh(100.0, other)  # built on another session (a restarted sidecar)
 
 
 def test_refused_snapshot_turns_it_off(sidecar):
