@@ -66,15 +66,12 @@ class Mirror:
         self._session = None
         self._pending = 0  # seq of the request in flight (0: none)
         self._pending_t = 0.0
-        self._pending_step = 0
         self._applied_t = 0.0  # when the request whose reply is being applied was sent
-        self._applied_step = 0
         self._from = 0  # next snapshot position
         self._c0: Optional[tuple[int, int]] = None  # cursor of the first page
         self._epoch = 0
         self._seq = 0
         self.fresh_t = -1e9  # when the poll that last caught up was sent
-        self.fresh_step = -(1 << 30)  # and in which step
         self.sent_t = -1e9  # when the last request was sent
         self.stats = {"syncs": 0, "resyncs": 0, "pages": 0, "polls": 0, "changes": 0, "lost_replies": 0}
 
@@ -126,7 +123,7 @@ class Mirror:
 
     # ------------------------------------------------------------------
 
-    def pump(self, s, step: int, budget_ns: int = 0, wake: bool = False) -> None:
+    def pump(self, s, budget_ns: int = 0, wake: bool = False) -> None:
         """Advance the mirror on session s: collect the reply of the request
         in flight if it has arrived (waiting for replies for at most budget_ns
         in all), apply it, and send the next request (the next snapshot page,
@@ -156,7 +153,7 @@ class Mirror:
                         self.stats["lost_replies"] += 1
                 if p is not None:
                     self._pending = 0
-                    self._applied_t, self._applied_step = self._pending_t, self._pending_step
+                    self._applied_t = self._pending_t
                     polled = self._apply(p) or polled
                     if self.disabled:
                         return
@@ -170,7 +167,6 @@ class Mirror:
             waiting = _clock_ns() < end
             self._pending = s.submit(typ, payload, wake=wake or waiting)
             self._pending_t = self.sent_t = _monotonic()
-            self._pending_step = step
             if not waiting:
                 return
 
@@ -238,6 +234,5 @@ class Mirror:
         if n < CHANGES_PER_POLL:
             self.state = Mirror.LIVE
             self.fresh_t = self._applied_t
-            self.fresh_step = self._applied_step
             return True
         return False

@@ -314,7 +314,7 @@ class RingsideConnector(KVConnectorBase_V1):
                 s = self.link.get()
                 if s is not None:
                     try:
-                        self.mirror.pump(s, 0, int(min(self.timeout, 2.0) * 1e9))
+                        self.mirror.pump(s, int(min(self.timeout, 2.0) * 1e9))
                     except (RingsideError, _s.SchemaError) as e:
                         self._fail(e)
         else:
@@ -434,7 +434,7 @@ class RingsideConnector(KVConnectorBase_V1):
                 self._arrived = True
                 return  # looked up in the local index when vLLM asks
             try:
-                m.pump(s, self._step)  # after an idle gap: catch up (the lookup below wakes the sidecar)
+                m.pump(s)  # after an idle gap: catch up (the lookup below wakes the sidecar)
             except (RingsideError, _s.SchemaError) as e:
                 self._fail(e)
                 return
@@ -830,10 +830,10 @@ class RingsideConnector(KVConnectorBase_V1):
             if s is not None:
                 try:
                     if m.state != Mirror.LIVE:
-                        m.pump(s, self._step, self._sync_budget_ns)
+                        m.pump(s, self._sync_budget_ns)
                     elif self._arrived or now - m.sent_t >= self._poll_s:
                         self._arrived = False
-                        m.pump(s, self._step)
+                        m.pump(s)
                 except (RingsideError, _s.SchemaError) as e:
                     self._fail(e)
         return ()

@@ -37,18 +37,24 @@ def present(c, d, n):
     return out
 
 
-def sync(m, c, step=0):
+def attached(sidecar, pages):
+    """A client session with a registered region of pages."""
+    c = sidecar.attach()
+    reg = Region(1, pages)
+    reg.register(c)
+    return c, reg
+
+
+def sync(m, c):
     for _ in range(1000):
-        m.pump(c, step, budget_ns=50_000_000)
+        m.pump(c, budget_ns=50_000_000)
         if m.state == Mirror.LIVE:
             return
     raise AssertionError("mirror not live: state %s" % Mirror.STATE_NAMES[m.state])
 
 
 def test_snapshot_then_log(sidecar):
-    c = sidecar.attach()
-    reg = Region(1, 64)
-    reg.register(c)
+    c, reg = attached(sidecar, 64)
     d = digests("mirror", 300)
     store(c, reg, 1, d, 0, 100)
     m = Mirror(page_max=7)  # 15 pages
@@ -58,7 +64,7 @@ def test_snapshot_then_log(sidecar):
     assert m.leading([d[i * 32:(i + 1) * 32] for i in range(300)], 300) == 100
     # Stores after the sync come through the change log.
     store(c, reg, 2, d, 100, 50)
-    m.pump(c, 1, budget_ns=50_000_000)
+    m.pump(c, budget_ns=50_000_000)
     assert m.state == Mirror.LIVE and len(m.present) == 150
     assert m.present == present(c, d, 300)
 
@@ -67,9 +73,7 @@ def test_changes_between_pages_and_evictions(sidecar):
     """Blocks stored (evicting the oldest: the pool holds 1024) while the
     snapshot is being copied page by page: the mirror ends up equal to the
     sidecar's contents."""
-    c = sidecar.attach()
-    reg = Region(1, 64)
-    reg.register(c)
+    c, reg = attached(sidecar, 64)
     n = POOL_BLOCKS + 400
     d = digests("evict", n)
     store(c, reg, 1, d, 0, POOL_BLOCKS)
@@ -78,7 +82,7 @@ def test_changes_between_pages_and_evictions(sidecar):
     nxt, step = POOL_BLOCKS, 0
     while m.state != Mirror.LIVE:
         step += 1
-        m.pump(c, step, budget_ns=0 if step % 3 else 20_000_000, wake=True)
+        m.pump(c, budget_ns=0 if step % 3 else 20_000_000, wake=True)
         if nxt < n and m.state == Mirror.SYNC:
             k = min(n - nxt, rng.randint(1, 40))
             store(c, reg, 2, d, nxt, k)
@@ -91,9 +95,7 @@ def test_changes_between_pages_and_evictions(sidecar):
 
 
 def test_resync_starts_over(sidecar):
-    c = sidecar.attach()
-    reg = Region(1, 16)
-    reg.register(c)
+    c, reg = attached(sidecar, 16)
     d = digests("resync", 40)
     store(c, reg, 1, d, 0, 20)
     m = Mirror()
@@ -103,8 +105,8 @@ def test_resync_starts_over(sidecar):
     # answers resync and the mirror copies the snapshot again.
     m._epoch += 1
     store(c, reg, 2, d, 20, 20)
-    sync(m, c, 1)
-    m.pump(c, 2, budget_ns=50_000_000)
+    m.pump(c, budget_ns=50_000_000)  # the poll answers resync; the copy starts over
+    sync(m, c)
     assert m.stats["resyncs"] == 1 and m.stats["syncs"] == syncs + 1
     assert m.present == present(c, d, 40) and len(m.present) == 40
 
@@ -140,9 +142,9 @@ def test_refused_snapshot_turns_it_off(sidecar):
     (the caller asks the sidecar) instead of failing."""
     w = sidecar.attach(role=S.ROLE_WORKER)
     m = Mirror()
-    m.pump(w, 0, budget_ns=1_000_000_000)
+    m.pump(w, budget_ns=1_000_000_000)
     assert m.state == Mirror.OFF and m.disabled
-    m.pump(w, 1, budget_ns=1_000_000_000)  # stays off, sends nothing
+    m.pump(w, budget_ns=1_000_000_000)  # stays off, sends nothing
     assert m._pending == 0
     # A new session starts over.
     c = sidecar.attach()
@@ -151,13 +153,11 @@ def test_refused_snapshot_turns_it_off(sidecar):
 
 
 def test_over_max_blocks_turns_it_off(sidecar):
-    c = sidecar.attach()
-    reg = Region(1, 16)
-    reg.register(c)
+    c, reg = attached(sidecar, 16)
     store(c, reg, 1, digests("big", 30), 0, 30)
     m = Mirror(max_blocks=20, page_max=8)
     for _ in range(50):
-        m.pump(c, 0, budget_ns=20_000_000)
+        m.pump(c, budget_ns=20_000_000)
         if m.state == Mirror.OFF:
             break
     assert m.state == Mirror.OFF and "20" in m.disabled and not m.present
