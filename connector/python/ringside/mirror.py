@@ -16,6 +16,12 @@ is a miss, never a wrong hit; a block evicted in that window is a hit that the
 acquire then does not get (a load error the engine recomputes). Callers check
 :meth:`Mirror.fresh` before trusting it and ask the sidecar otherwise.
 
+Read your own writes: the engine notes the digests it sends for storing in
+:attr:`Mirror.mine` (kept 1-2 ``max_lag``). :meth:`Mirror.answer` returns -1
+when a request's first miss is one of them, and the caller asks the sidecar:
+a block this engine stored a moment ago (a conversation's next turn arriving
+as the last one finishes) is found even before the index has polled it in.
+
 Memory: a Python set of digest bytes, ~110 bytes a block (110 MB for a
 million blocks). ``max_blocks`` bounds it: a namespace larger than that turns
 the mirror off for the session (the caller asks the sidecar as before).
@@ -73,7 +79,14 @@ class Mirror:
         self._seq = 0
         self.fresh_t = -1e9  # when the poll that last caught up was sent
         self.sent_t = -1e9  # when the last request was sent
-        self.stats = {"syncs": 0, "resyncs": 0, "pages": 0, "polls": 0, "changes": 0, "lost_replies": 0}
+        # Digests this engine sent for storing lately: the caller adds them
+        # to `mine`; every max_lag it becomes `_mine_old` (so an entry lives
+        # one to two max_lag, longer than a store takes to show in the index).
+        self.mine: set = set()
+        self._mine_old: set = set()
+        self._mine_t = _monotonic()
+        self.stats = {"syncs": 0, "resyncs": 0, "pages": 0, "polls": 0, "changes": 0, "lost_replies": 0,
+                      "own_misses": 0}
 
     # ------------------------------------------------------------------
 
@@ -97,9 +110,31 @@ class Mirror:
             i += 1
         return i
 
+    def answer(self, hashes, n: int) -> int:
+        """leading(hashes, n), or -1 when the first miss is a digest noted in
+        `mine` lately: this engine stored it, the store may not be in the
+        index yet, and the caller should ask the sidecar."""
+        i = self.leading(hashes, n)
+        if i < n:
+            h = hashes[i]
+            if h in self.mine or h in self._mine_old:
+                self.stats["own_misses"] += 1
+                return -1
+        return i
+
+    def age(self, now: float) -> None:
+        """Let the digests noted in `mine` more than max_lag ago go (the
+        caller calls this every step or so; pump calls it too)."""
+        if now - self._mine_t >= self.max_lag:
+            self._mine_t = now
+            self._mine_old = self.mine
+            self.mine = set()
+
     def reset(self) -> None:
         """Forget everything (a new session starts a new sync)."""
         self.present = set()
+        self.mine = set()
+        self._mine_old = set()
         self.state = Mirror.OFF
         self.disabled = ""
         self._session = None
@@ -135,6 +170,7 @@ class Mirror:
             self._restart()
         if self.disabled:
             return
+        self.age(_monotonic())
         end = _clock_ns() + budget_ns
         polled = False
         while True:

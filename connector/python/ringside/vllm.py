@@ -18,7 +18,8 @@ this engine instance and keeps a local index of the digests the sidecar holds
 for its namespace (``mirror.py``: a snapshot copied once, then the change log,
 polled once a step without waking the sidecar). A request that arrives while
 the engine is busy is looked up in that index (a set probe a block, no round
-trip). After an idle gap, or while the index is not live, the request's own
+trip), unless its first miss is a block this engine sent for storing lately
+(the index may not have polled it in yet: the sidecar is asked). After an idle gap, or while the index is not live, the request's own
 block hashes (``request.block_hashes``: vLLM's digests, joined once, never
 converted one by one) are registered as a hash batch and looked up in the
 sidecar as they arrive (``on_new_request``, without waiting);
@@ -299,6 +300,7 @@ class RingsideConnector(KVConnectorBase_V1):
             # last steps' stores, so the sidecar is asked, as when the mirror
             # is off or not synced yet.
             self.mirror: Optional[Mirror] = None
+            self._mine: Optional[set] = None  # the mirror's `mine` while planning stores
             if _truthy(extra.get("mirror", True)):
                 self.mirror = Mirror(32, int(extra.get("mirror_max_blocks", 4_000_000)), self.timeout,
                                      float(extra.get("mirror_max_lag_ms", 1000)) / 1000.0)
@@ -495,13 +497,17 @@ class RingsideConnector(KVConnectorBase_V1):
                 hits = r.hits
             else:  # not looked up ahead (busy engine, resumed, re-attached, or grown)
                 m = self.mirror
+                hits = -1
                 if m is not None and m.fresh(_monotonic(), s):
                     self._arrived = True
-                    hits = m.leading(hashes, usable)
-                    st = self.stats
-                    st["mirror_lookups"] += 1
-                    st["mirror_hit_blocks"] += hits
-                else:
+                    # -1: the first miss is a block this engine stored
+                    # lately, perhaps not in the index yet: ask the sidecar.
+                    hits = m.answer(hashes, usable)
+                    if hits >= 0:
+                        st = self.stats
+                        st["mirror_lookups"] += 1
+                        st["mirror_hit_blocks"] += hits
+                if hits < 0:
                     self._put_hashes(r, s, usable)
                     hits = s.lookup(r.batch, 0, usable)
         except (RingsideError, _s.SchemaError) as e:
@@ -597,6 +603,8 @@ class RingsideConnector(KVConnectorBase_V1):
         meta.wait_saves = self._saves_exposed or pre is None or bool(pre) or not self._full_attention
         self._saves_exposed = False
         self._step += 1
+        m = self.mirror  # the planned stores' digests are noted as the engine's own (read your writes)
+        self._mine = m.mine if m is not None and not m.disabled else None
         self._plan_stores(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
@@ -774,7 +782,14 @@ class RingsideConnector(KVConnectorBase_V1):
                 if full > a:
                     meta.store_block_ids.extend(blocks[a:full])
             if full > a:
-                meta.store_digests.append(hashes[a] if full == a + 1 else b"".join(hashes[a:full]))
+                if full == a + 1:
+                    meta.store_digests.append(hashes[a])
+                    if self._mine is not None:
+                        self._mine.add(hashes[a])
+                else:
+                    meta.store_digests.append(b"".join(hashes[a:full]))
+                    if self._mine is not None:
+                        self._mine.update(hashes[a:full])
                 r.stored = full
                 r.store_step = self._step
         if self._every_step:

@@ -125,6 +125,53 @@ def test_leading():
     assert m.leading(hs, 70) == 0
 
 
+def test_answer_reads_own_writes():
+    """A first miss that this engine stored lately is answered -1 (ask the
+    sidecar); any other miss, or a hit, is answered from the index. Noted
+    digests go after one to two max_lag."""
+    m = Mirror(max_lag=1.0)
+    hs = [bytes([i]) * 32 for i in range(10)]
+    m.present.update(hs[:4])
+    m._mine_t = 0.0
+    for mine, n, want in [
+        (set(), 10, 4),          # a plain miss at 4
+        ({hs[4]}, 10, -1),       # the first miss is ours: ask
+        ({hs[4]}, 4, 4),         # all asked-for blocks hit
+        ({hs[6]}, 10, 4),        # ours, but not the first miss
+        ({hs[0]}, 10, 4),        # ours and present
+    ]:
+        m.mine, m._mine_old = set(mine), set()
+        assert m.answer(hs, n) == want, (mine, n)
+    m.mine, m._mine_old = {hs[4]}, set()
+    m.age(0.5)  # under max_lag: kept
+    assert m.answer(hs, 10) == -1
+    m.age(1.0)  # one max_lag: moved to the old generation, still noted
+    assert m.answer(hs, 10) == -1 and not m.mine
+    m.age(1.5)
+    assert m.answer(hs, 10) == -1
+    m.age(2.0)  # two: gone
+    assert m.answer(hs, 10) == 4
+    assert m.stats["own_misses"] == 4
+
+
+def test_own_store_found_before_the_index_polls_it(sidecar):
+    """A block stored on the sidecar after the index's last poll: the index
+    misses it, answer() says ask, and the sidecar has it."""
+    c, reg = attached(sidecar, 16)
+    d = digests("ryw", 12)
+    hs = [d[i * 32:(i + 1) * 32] for i in range(12)]
+    store(c, reg, 1, d, 0, 8)
+    m = Mirror()
+    sync(m, c)
+    assert m.answer(hs, 12) == 8
+    m.mine.update(hs[8:10])  # noted when the stores are planned
+    store(c, reg, 2, d, 8, 2)
+    assert m.answer(hs, 12) == -1
+    assert present(c, d, 12) == set(hs[:10])  # what the caller then asks
+    m.pump(c, budget_ns=50_000_000)  # polled in: answered from the index
+    assert m.state == Mirror.LIVE and m.answer(hs, 12) == 10
+
+
 def test_fresh_rules():
     s, other = object(), object()
     m = Mirror(max_lag=0.25)

@@ -197,8 +197,16 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         # overlap_saves: stores run on through the next forward pass unless
         # the scheduler says their blocks may have been handed on (a request
         # finished or was preempted), as on GPUs; preemption is exercised here.
+        # The mirror_* keys: the second turn is looked up in the local index,
+        # which polls the change log only after arrivals it answered (so it
+        # has not seen most of the first turn's stores); the first miss is
+        # then a block the engine stored itself, so it asks the sidecar (read
+        # your own writes) and every block is found. The default settings
+        # lose this race only now and then (a turn arriving as the last one
+        # ends); these lose it every time.
+        cfg = '{"overlap_saves": true, "mirror_idle_ms": 60000, "mirror_poll_ms": 60000, "mirror_max_lag_ms": 60000}'
         res, stats = run_engine(model_dir, prompts_file, tmp, "turns", socket_path=sc.sock, rounds=2,
-                                extra=TURNS + ["--connector-config", '{"overlap_saves": true}'],
+                                extra=TURNS + ["--connector-config", cfg],
                                 max_tokens=TURN_TOKENS)
         for r in range(2):
             assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
@@ -206,6 +214,7 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         assert sched["resumed"] > 0, "no request was preempted and resumed: %s" % sched
         assert work["store_errors"] == 0 and work["load_error_blocks"] == 0, work
         assert work["saves_unwaited"] > 0, work
+        assert sched["mirror_own_misses"] > 0, sched
         turn2 = res["rounds"][1]
         # The last token of a turn was sampled, never fed: its KV does not
         # exist, so the block holding it may not be complete.
