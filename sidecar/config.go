@@ -28,6 +28,12 @@ type Config struct {
 	// SlotBytes is the size of one pool slot: one rank's shard of one
 	// block. An engine page must not be larger.
 	SlotBytes uint64
+	// PoolReserve allocates and maps in every page of the pool at start
+	// (shm.Mapping.Reserve): the whole pool is charged to the sidecar's
+	// memory and the mount now, so a limit or a mount too small for it
+	// fails at start, not hours later as the pool fills, and no copy ever
+	// takes a first-touch page fault. Off, the pool file is sparse.
+	PoolReserve bool
 	// Budget is the bytes an engine instance may have admitted for loading
 	// at once; queries over it wait in state Waiting.
 	Budget int64

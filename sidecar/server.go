@@ -133,6 +133,19 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pool: %w", err)
 	}
+	if cfg.PoolReserve {
+		t0 := time.Now()
+		switch err := s.pool.Reserve(); {
+		case errors.Is(err, shm.ErrReserveUnsupported):
+			log.Warn().Str("dir", cfg.Dir).Msg("--pool.reserve: this file system cannot reserve the pool's pages ahead; the pool stays sparse")
+		case err != nil:
+			s.pool.Close()
+			shm.Unlink(poolPath)
+			return nil, fmt.Errorf("--pool.reserve: %w: the pool (%d bytes) does not fit; lower --pool.bytes or raise the shared-memory mount's size and the sidecar's memory limit", err, slots*cfg.SlotBytes)
+		default:
+			log.Info().Uint64("pool_bytes", slots*cfg.SlotBytes).Dur("took", time.Since(t0)).Msg("pool reserved")
+		}
+	}
 	s.copier, err = newCopier(cfg, s.pool.Bytes(), log)
 	if err != nil {
 		s.pool.Close()

@@ -7,11 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 	"unsafe"
 
 	"github.com/rs/zerolog"
+	"golang.org/x/sys/unix"
 
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/schema"
@@ -885,5 +887,25 @@ func TestQuotas(t *testing.T) {
 	c.Release(leases[0])
 	if _, err := c.Acquire(schema.View{Batch: 1, Count: 1}, time.Minute); err != nil {
 		t.Fatalf("after a release: %v", err)
+	}
+}
+
+// TestPoolReserve: with PoolReserve every byte of the pool file is allocated
+// at start (charged now, so a mount or limit too small fails at start);
+// without it the file is sparse.
+func TestPoolReserve(t *testing.T) {
+	for _, reserve := range []bool{false, true} {
+		t.Run(fmt.Sprintf("reserve=%v", reserve), func(t *testing.T) {
+			h := newHarness(t, func(c *sidecar.Config) { c.PoolBytes = 256 * slot; c.PoolReserve = reserve })
+			var st unix.Stat_t
+			if err := unix.Stat(filepath.Join(h.cfg.Dir, "pool"), &st); err != nil {
+				t.Fatal(err)
+			}
+			allocated := st.Blocks * 512
+			if full := allocated >= int64(h.cfg.PoolBytes); full != reserve {
+				t.Fatalf("pool of %d bytes has %d allocated; reserve=%v", h.cfg.PoolBytes, allocated, reserve)
+			}
+			h.dial(nil).Close() // and it serves
+		})
 	}
 }

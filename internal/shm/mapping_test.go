@@ -1,0 +1,108 @@
+package shm
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// shmDir is a directory on the shared-memory mount where there is one (the
+// file system the sidecar's pool lives on), else a temporary directory.
+func shmDir(t *testing.T) string {
+	t.Helper()
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		d, err := os.MkdirTemp("/dev/shm", "ringside-shm-test-")
+		if err == nil {
+			t.Cleanup(func() { os.RemoveAll(d) })
+			return d
+		}
+	}
+	return t.TempDir()
+}
+
+// resident counts the pages of b that are mapped in (mincore).
+func resident(t *testing.T, b []byte) int {
+	t.Helper()
+	vec := make([]byte, (len(b)+4095)/4096)
+	if _, _, e := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatal(e)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
+
+func TestReserve(t *testing.T) {
+	dir := shmDir(t)
+	for _, tc := range []struct {
+		name string
+		size int
+	}{
+		{"one page", 4096},
+		{"1 MiB", 1 << 20},
+		{"odd tail", 3<<20 + 4096*3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(dir, tc.name)
+			m, err := Create(path, tc.size, 0o600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { m.Close(); Unlink(path) }()
+			var st unix.Stat_t
+			if err := unix.Stat(path, &st); err != nil {
+				t.Fatal(err)
+			}
+			if st.Blocks*512 >= int64(tc.size) {
+				t.Fatalf("a new file is already allocated (%d blocks): the test proves nothing", st.Blocks)
+			}
+			if err := m.Reserve(); err != nil {
+				if errors.Is(err, ErrReserveUnsupported) {
+					t.Skipf("%s: %v", dir, err)
+				}
+				t.Fatal(err)
+			}
+			if err := unix.Stat(path, &st); err != nil {
+				t.Fatal(err)
+			}
+			if st.Blocks*512 < int64(tc.size) {
+				t.Errorf("after Reserve: %d bytes allocated, want %d", st.Blocks*512, tc.size)
+			}
+			if got, want := resident(t, m.Bytes()), (tc.size+4095)/4096; got != want {
+				t.Errorf("after Reserve: %d of %d pages mapped in", got, want)
+			}
+			for i, b := range m.Bytes() {
+				if b != 0 {
+					t.Fatalf("byte %d is %d after Reserve, want the new file's zero", i, b)
+				}
+			}
+		})
+	}
+}
+
+// TestReserveNoSpace: a mapping larger than its tmpfs mount (ftruncate makes
+// it sparse, so Create succeeds) is refused by Reserve with ENOSPC, an error
+// and not a SIGBUS. It needs to mount a small tmpfs (root, CAP_SYS_ADMIN).
+func TestReserveNoSpace(t *testing.T) {
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("cannot mount a 1 MiB tmpfs here (%v)", err)
+	}
+	defer unix.Unmount(dir, 0)
+	path := filepath.Join(dir, "pool")
+	m, err := Create(path, 4<<20, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	err = m.Reserve()
+	if !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("Reserve of 4 MiB on a 1 MiB tmpfs: %v, want ENOSPC", err)
+	}
+}
