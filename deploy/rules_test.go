@@ -639,6 +639,9 @@ func (c *checker) checkSizing(p *podSpec, sc *corev1.Container, cfg sidecar.Conf
 		c.fail(rulePoolSizing, "%s: --pool.bytes is auto; set it so that the memory request and the /dev/shm limit can count it", p.name)
 		return
 	}
+	if !cfg.PoolReserve {
+		c.fail(rulePoolSizing, "%s: --pool.reserve is off: the pool is charged as it fills, so a memory limit or /dev/shm too small for it shows up mid-run (an OOM kill, refused stores), not at start", p.name)
+	}
 	need := sidecarMemory(cfg)
 	req, ok := sc.Resources.Requests[corev1.ResourceMemory]
 	if !ok || req.Value() < need {
