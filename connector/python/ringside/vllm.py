@@ -19,7 +19,10 @@ for its namespace (``mirror.py``: a snapshot copied once, then the change log,
 polled once a step without waking the sidecar). A request that arrives while
 the engine is busy is looked up in that index (a set probe a block, no round
 trip), unless its first miss is a block this engine sent for storing lately
-(the index may not have polled it in yet: the sidecar is asked). After an idle gap, or while the index is not live, the request's own
+(the index may not have polled it in yet: the sidecar is asked). After an
+idle gap the first arrival brings the index up to date with one Changes poll
+(waited for within the step's ``max_wait_us``) and the burst is looked up
+there. If that poll is not answered in time, or while the index is not live, the request's own
 block hashes (``request.block_hashes``: vLLM's digests, joined once, never
 converted one by one) are registered as a hash batch and looked up in the
 sidecar as they arrive (``on_new_request``, without waiting);
@@ -245,7 +248,8 @@ class RingsideConnector(KVConnectorBase_V1):
                       "loaded_blocks": 0, "load_error_blocks": 0, "stores": 0, "stored_blocks": 0,
                       "present_blocks": 0, "store_errors": 0, "sidecar_errors": 0, "steps": 0, "resumed": 0,
                       "deferred_lookups": 0, "batches_reused": 0, "saves_unwaited": 0, "planned_stores": 0, "planned_blocks": 0,
-                      "step_ns_total": 0, "step_ns_max": 0, "mirror_lookups": 0, "mirror_hit_blocks": 0}
+                      "step_ns_total": 0, "step_ns_max": 0, "mirror_lookups": 0, "mirror_hit_blocks": 0,
+                      "mirror_catchups": 0}
         self._steps_since_stats = 0
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             # A cache failure must never fail a request: recompute instead.
@@ -432,11 +436,11 @@ class RingsideConnector(KVConnectorBase_V1):
         m = self.mirror
         if m is not None and m.state == Mirror.LIVE:
             now = _monotonic()
-            if (self._reqs or now - self._out_t < self._idle_s) and m.fresh(now, s):
-                self._arrived = True
-                return  # looked up in the local index when vLLM asks
             try:
-                m.pump(s)  # after an idle gap: catch up (the lookup below wakes the sidecar)
+                if (m.fresh(now, s) if self._reqs or now - self._out_t < self._idle_s
+                        else self._caught_up(m, s, now)):
+                    self._arrived = True
+                    return  # looked up in the local index when vLLM asks
             except (RingsideError, _s.SchemaError) as e:
                 self._fail(e)
                 return
@@ -460,6 +464,27 @@ class RingsideConnector(KVConnectorBase_V1):
                 r.registered = r.lookup_count = usable
         except (RingsideError, _s.SchemaError) as e:
             self._fail(e)
+
+    def _caught_up(self, m: Mirror, s: Session, now: float) -> bool:
+        """After an idle gap (no request in flight, no step for mirror_idle_ms)
+        the index may lag: whether a Changes poll sent since the engine went
+        idle (or in the last mirror_idle_ms) has been answered with the log's
+        head. If not, one is sent (waking the sidecar) and waited for within
+        the step's max_wait_us budget. The first arrival of a burst pays that
+        one round trip; the others are looked up in the index."""
+        since = max(self._out_t, now - self._idle_s)
+        if m.fresh_t >= since and m.fresh(now, s):
+            return True
+        for _ in range(2):  # collect a poll sent before the gap, then send one
+            left = self._wait_left_ns
+            t0 = time.perf_counter_ns()
+            m.pump(s, max(left, 0), wake=True)
+            if left > 0:
+                self._wait_left_ns = left - (time.perf_counter_ns() - t0)
+            if m.fresh_t >= since and m.fresh(_monotonic(), s):
+                self.stats["mirror_catchups"] += 1
+                return True
+        return False
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         hashes = request.block_hashes

@@ -150,13 +150,18 @@ def test_hits_identical_tokens_and_restart(model_dir, prompts_file, baseline, ri
     tmp = str(tmp_path)
     sc = Sidecar(ringside_bin, tmp)
     try:
-        res, stats = run_engine(model_dir, prompts_file, tmp, "rounds", socket_path=sc.sock, rounds=2)
+        # The local index off: every lookup asks the sidecar (the path of an
+        # engine whose index is not live), so batch reuse is exercised; the
+        # index's paths have tests of their own below. The restarted engine
+        # runs with the defaults.
+        res, stats = run_engine(model_dir, prompts_file, tmp, "rounds", socket_path=sc.sock, rounds=2,
+                                extra=["--connector-config", '{"mirror": false}'])
         r1, r2 = res["rounds"][0]["tokens"], res["rounds"][1]["tokens"]
         assert r1 == baseline["rounds"][0]["tokens"], "round 1 differs from the engine without the connector"
         assert r2 == baseline["rounds"][1]["tokens"], "round 2 (sidecar hits) differs from the engine without it"
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
         assert work["stored_blocks"] > 0, work
-        assert sched["hit_blocks"] > 0, sched
+        assert sched["hit_blocks"] > 0 and sched["mirror_lookups"] == 0, sched
         # Round 2's requests registered their hashes under round 1's batch
         # ids (FlagReplace), with no DropHashes when a request finished.
         assert sched["batches_reused"] > 0, sched
@@ -261,11 +266,18 @@ def test_load_budget_waits(model_dir, prompts_file, baseline, ringside_bin, tmp_
     tmp = str(tmp_path)
     sc = Sidecar(ringside_bin, tmp, extra=["--budget", "256KiB"])
     try:
-        res, stats = run_engine(model_dir, prompts_file, tmp, "budget", socket_path=sc.sock, rounds=2)
+        # mirror_idle_ms 0: each round's requests arrive with none in flight,
+        # so the first one brings the local index up to date with one Changes
+        # poll (waited for within max_wait_us, here up to 1 s so that a slow
+        # machine cannot make it fall back) and all are looked up there.
+        cfg = '{"mirror_idle_ms": 0, "max_wait_us": 1000000}'
+        res, stats = run_engine(model_dir, prompts_file, tmp, "budget", socket_path=sc.sock, rounds=2,
+                                extra=["--connector-config", cfg])
         for r in range(2):
             assert res["rounds"][r]["tokens"] == baseline["rounds"][r]["tokens"], "round %d differs" % (r + 1)
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
         assert sc.requests("Poll") > 0, "no lease waited for the budget"
+        assert sched["mirror_catchups"] >= 2 and sched["mirror_hit_blocks"] == sched["hit_blocks"], sched
         assert sched["hit_blocks"] > 0 and work["loaded_blocks"] == sched["hit_blocks"], (sched, work)
         assert work["load_error_blocks"] == 0 and sched["sidecar_errors"] == 0, (sched, work)
         assert sc.state()["pool"]["Leases"] == 0
