@@ -315,6 +315,8 @@ def part_tax(a, workdir):
             r = conn.run(rate=rate, n=n, seed=seed, timers=True, **common)
             seed += 1
             shares = [100.0 * x / max(1, r["step_ns"]) for x in (r["connector_ns"] or [0, 0])]
+            worker_by = {k: round(v / 1000.0 / max(1, r["steps"]), 2)
+                         for k, v in sorted((r.get("worker_ns_by_method") or {}).items())}
             p90 = {k: (pct(v["ttft"], 90), pct(v["tpot"], 90)) for k, v in res.items()}
             for with_conn in (False, True):
                 d = res[with_conn]
@@ -337,6 +339,7 @@ def part_tax(a, workdir):
                     sh = shares
                     row["connector_share_pct"] = round(sum(sh), 2)
                     row["scheduler_share_pct"], row["worker_share_pct"] = round(sh[0], 2), round(sh[1], 2)
+                    row["worker_us_per_step"] = worker_by  # the worker's share, by connector method
                     plain_step = res[False]["step_ns"] / max(1, res[False]["steps"])
                     row["step_tax_pct"] = round(100.0 * (d["step_ns"] / max(1, d["steps"]) / max(plain_step, 1) - 1), 1)
                     row["hit_blocks"] = d["hits"]

@@ -486,11 +486,14 @@ def run_serve(a):
         for t in timers:
             t.install(timed)
         c0 = [t.total for t in timers]
+        w0 = dict(timers[1].cur_by) if len(timers) > 1 else {}  # the worker timer never ends a step: totals
         r = paced_run(llm, cmd["rate"], cmd["n"], cmd["seed"], cmd["prompt_bytes"], cmd["max_tokens"],
                       cmd.get("poisson", True))
         r["hit_blocks"] = (conn.stats["hit_blocks"] - h0) if conn is not None else 0
         r["sidecar_errors"] = conn.stats["sidecar_errors"] if conn is not None else 0
         r["connector_ns"] = [t.total - c for t, c in zip(timers, c0)] if timed else None  # [scheduler, worker]
+        if timed and len(timers) > 1:
+            r["worker_ns_by_method"] = {k: v - w0.get(k, 0) for k, v in timers[1].cur_by.items() if v > w0.get(k, 0)}
         emit(r)
     del llm
 
