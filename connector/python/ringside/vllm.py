@@ -494,6 +494,7 @@ class RingsideConnector(KVConnectorBase_V1):
         s = self.link.get()
         if s is None:
             return 0, False
+        again = False
         try:
             r = self._req(request)
             seq = r.lookup_seq
@@ -518,8 +519,10 @@ class RingsideConnector(KVConnectorBase_V1):
                 hits = value
             elif value < 0 and not r.allocated and r.looked == usable:
                 # Asked again while it waits for KV blocks (vLLM asks every
-                # step): the answer of the last lookup. The acquire checks it.
+                # step): the answer of the last lookup (counted once). The
+                # acquire checks it.
                 hits = r.hits
+                again = True
             else:  # not looked up ahead (busy engine, resumed, re-attached, or grown)
                 m = self.mirror
                 hits = -1
@@ -539,10 +542,11 @@ class RingsideConnector(KVConnectorBase_V1):
             self._fail(e)
             return 0, False
         r.looked, r.hits = usable, hits
-        st = self.stats
-        st["lookups"] += 1
-        st["lookup_blocks"] += usable
-        st["hit_blocks"] += hits
+        if not again:
+            st = self.stats
+            st["lookups"] += 1
+            st["lookup_blocks"] += usable
+            st["hit_blocks"] += hits
         ext = hits * self.block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -629,6 +633,15 @@ class RingsideConnector(KVConnectorBase_V1):
             self._full_attention = _full_attention_only(getattr(self, "_kv_cache_manager", None))
         pre = getattr(scheduler_output, "preempted_req_ids", None)
         meta.wait_saves = self._saves_exposed or pre is None or bool(pre) or not self._full_attention
+        if pre:
+            # A preempted request lost its blocks: when vLLM asks about it
+            # again it is looked up afresh (its own blocks stored meanwhile
+            # are hits), and that answer serves while it waits for blocks.
+            reqs = self._reqs
+            for rid in pre:
+                r = reqs.get(rid)
+                if r is not None:
+                    r.allocated, r.looked = False, 0
         self._saves_exposed = False
         self._step += 1
         m = self.mirror  # the planned stores' digests are noted as the engine's own (read your writes)

@@ -221,6 +221,10 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         assert work["saves_unwaited"] > 0, work
         assert sched["mirror_own_misses"] > 0, sched
         turn2 = res["rounds"][1]
+        # A request waiting for KV blocks is asked again every step; its
+        # lookup is counted once (and once more per resumption).
+        n = len(turn2["prompt_tokens"])
+        assert sched["lookups"] <= 2 * n + sched["resumed"], sched
         # The last token of a turn was sampled, never fed: its KV does not
         # exist, so the block holding it may not be complete.
         want = [(n - 1) // 32 * 32 for n in turn2["prompt_tokens"]]
