@@ -123,8 +123,9 @@ class Mirror:
         return i
 
     def age(self, now: float) -> None:
-        """Let the digests noted in `mine` more than max_lag ago go (the
-        caller calls this every step or so; pump calls it too)."""
+        """Let the digests noted in `mine` more than max_lag ago go (pump
+        calls this each time, at least every mirror_poll_ms while the engine
+        runs)."""
         if now - self._mine_t >= self.max_lag:
             self._mine_t = now
             self._mine_old = self.mine

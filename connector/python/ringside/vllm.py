@@ -297,12 +297,14 @@ class RingsideConnector(KVConnectorBase_V1):
             self._full_attention: Optional[bool] = None
             self._group_ids: Optional[tuple] = None
             self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
-            # The local index of the cache (mirror.py): lookups of requests
-            # arriving while the engine is busy (requests in flight, or a
-            # step ended in the last mirror_idle_ms) are answered from it,
-            # with no sidecar round trip. After an idle gap it may miss the
-            # last steps' stores, so the sidecar is asked, as when the mirror
-            # is off or not synced yet.
+            # The local index of the cache (mirror.py): lookups are answered
+            # from it, with no sidecar round trip, while the engine is busy
+            # (requests in flight, or a step ended in the last
+            # mirror_idle_ms), and after an idle gap once one poll has
+            # brought it up to date (_caught_up). The sidecar is asked when
+            # that poll is late, when a request's first miss is one of this
+            # engine's own recent stores, and while the index is off or not
+            # synced yet.
             self.mirror: Optional[Mirror] = None
             self._mine: Optional[set] = None  # the mirror's `mine` while planning stores
             if _truthy(extra.get("mirror", True)):
