@@ -281,7 +281,7 @@ def test_load_budget_waits(model_dir, prompts_file, baseline, ringside_bin, tmp_
             assert res["rounds"][r]["tokens"] == baseline["rounds"][r]["tokens"], "round %d differs" % (r + 1)
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
         assert sc.requests("Poll") > 0, "no lease waited for the budget"
-        assert sched["mirror_catchups"] >= 2 and sched["mirror_hit_blocks"] == sched["hit_blocks"], sched
+        assert sched["mirror_catchups"] >= 1 and sched["mirror_hit_blocks"] == sched["hit_blocks"], sched
         assert sched["hit_blocks"] > 0 and work["loaded_blocks"] == sched["hit_blocks"], (sched, work)
         assert work["load_error_blocks"] == 0 and sched["sidecar_errors"] == 0, (sched, work)
         assert sc.state()["pool"]["Leases"] == 0
