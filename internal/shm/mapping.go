@@ -101,10 +101,12 @@ var reserveSink byte //nolint:unused // written, never read: the loads it sums m
 // error (ENOSPC, ENOMEM) or an OOM kill at start, instead of mid-run. The
 // pages keep their contents (a new file's zeros).
 //
-// fallocate reserves the pages; MADV_POPULATE_WRITE maps them in and reports
-// a failure as an error where a plain touch would raise SIGBUS. On a kernel
-// without it the pages are touched one by one (read: they exist once
-// fallocate succeeded). Where neither works it returns ErrReserveUnsupported.
+// fallocate reserves the pages; MADV_POPULATE_WRITE maps them in writable and
+// reports a failure as an error where a plain touch would raise SIGBUS. On a
+// kernel without it (before 5.14) each page is read once, which is safe once
+// fallocate succeeded: the pages are then allocated and mapped, and a first
+// write costs only a minor fault. Where neither works it returns
+// ErrReserveUnsupported.
 func (m *Mapping) Reserve() error {
 	allocated := true
 	if err := unix.Fallocate(int(m.f.Fd()), 0, 0, int64(len(m.m))); err != nil {
@@ -123,7 +125,7 @@ func (m *Mapping) Reserve() error {
 		return ErrReserveUnsupported
 	}
 	var x byte
-	for i := 0; i < len(m.m); i += 4096 {
+	for i, step := 0, os.Getpagesize(); i < len(m.m); i += step {
 		x ^= m.m[i]
 	}
 	reserveSink = x
