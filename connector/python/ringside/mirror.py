@@ -17,7 +17,7 @@ acquire then does not get (a load error the engine recomputes). Callers check
 :meth:`Mirror.fresh` before trusting it and ask the sidecar otherwise.
 
 Read your own writes: the engine notes the digests it sends for storing in
-:attr:`Mirror.mine` (kept 1-2 ``max_lag``). :meth:`Mirror.answer` returns -1
+the set :meth:`Mirror.noting` returns (kept 1-2 ``max_lag``). :meth:`Mirror.answer` returns -1
 when a request's first miss is one of them, and the caller asks the sidecar:
 a block this engine stored a moment ago (a conversation's next turn arriving
 as the last one finishes) is found even before the index has polled it in.
@@ -80,7 +80,7 @@ class Mirror:
         self.fresh_t = -1e9  # when the poll that last caught up was sent
         self.sent_t = -1e9  # when the last request was sent
         # Digests this engine sent for storing lately: the caller adds them
-        # to `mine`; every max_lag it becomes `_mine_old` (so an entry lives
+        # to `mine` (through noting()); every max_lag it becomes `_mine_old` (so an entry lives
         # one to two max_lag, longer than a store takes to show in the index).
         self.mine: set = set()
         self._mine_old: set = set()
@@ -122,10 +122,17 @@ class Mirror:
                 return -1
         return i
 
+    def noting(self, now: float) -> set:
+        """The set in which to note the digests this engine sends for storing
+        now (`mine`), after letting those noted more than max_lag ago go.
+        Aging here, where digests are added, bounds the sets by what one to
+        two max_lag of stores add, whether or not the index is being polled
+        (a sidecar away for hours, an engine that never pumps)."""
+        self.age(now)
+        return self.mine
+
     def age(self, now: float) -> None:
-        """Let the digests noted in `mine` more than max_lag ago go (pump
-        calls this each time, at least every mirror_poll_ms while the engine
-        runs)."""
+        """Let the digests noted in `mine` more than max_lag ago go."""
         if now - self._mine_t >= self.max_lag:
             self._mine_t = now
             self._mine_old = self.mine
@@ -171,7 +178,6 @@ class Mirror:
             self._restart()
         if self.disabled:
             return
-        self.age(_monotonic())
         end = _clock_ns() + budget_ns
         polled = False
         while True:

@@ -647,7 +647,7 @@ class RingsideConnector(KVConnectorBase_V1):
         self._saves_exposed = False
         self._step += 1
         m = self.mirror  # the planned stores' digests are noted as the engine's own (read your writes)
-        self._mine = m.mine if m is not None and not m.disabled else None
+        self._mine = m.noting(_monotonic()) if m is not None and not m.disabled else None
         self._plan_stores(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None

@@ -3,6 +3,7 @@ what the sidecar holds after a snapshot copied in pages while blocks are
 stored and evicted, follows the change log, starts again after a resync, and
 turns itself off where Snapshot is refused."""
 import random
+import time
 
 import pytest
 
@@ -154,6 +155,19 @@ def test_answer_reads_own_writes():
     assert m.stats["own_misses"] == 4
 
 
+def test_noting_bounds_own_stores_without_polls():
+    """Digests noted through noting() age out even if the index is never
+    pumped (no session for hours): the sets hold one to two max_lag of
+    stores, never the whole outage's."""
+    m = Mirror(max_lag=1.0)
+    m._mine_t = 0.0
+    for t in range(100):  # 100 s of 10 stores a second, no pump
+        for k in range(10):
+            m.noting(t + k / 10).add(b"%d.%d" % (t, k) + bytes(28))
+        assert len(m.mine) + len(m._mine_old) <= 20, t
+    assert b"99.9" + bytes(28) in m.mine and b"97.0" + bytes(28) not in m._mine_old
+
+
 def test_own_store_found_before_the_index_polls_it(sidecar):
     """A block stored on the sidecar after the index's last poll: the index
     misses it, answer() says ask, and the sidecar has it."""
@@ -164,7 +178,7 @@ def test_own_store_found_before_the_index_polls_it(sidecar):
     m = Mirror()
     sync(m, c)
     assert m.answer(hs, 12) == 8
-    m.mine.update(hs[8:10])  # noted when the stores are planned
+    m.noting(time.monotonic()).update(hs[8:10])  # noted when the stores are planned
     store(c, reg, 2, d, 8, 2)
     assert m.answer(hs, 12) == -1
     assert present(c, d, 12) == set(hs[:10])  # what the caller then asks
