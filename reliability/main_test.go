@@ -157,17 +157,20 @@ func moduleRoot() (string, error) {
 	}
 }
 
+// childRoles are the roles a re-executed test binary can take. Test files
+// register theirs in an init function (childRoles["name"] = fn), so that
+// no file needs to know the others' roles.
+var childRoles = map[string]func() int{
+	"engine": engineChild,
+	"ringer": ringerChild,
+	"nobody": nobodyChild,
+	"soak":   soakChild,
+}
+
 // childMain runs the role of a re-executed test binary.
 func childMain(role string) int {
-	switch role {
-	case "engine":
-		return engineChild()
-	case "ringer":
-		return ringerChild()
-	case "nobody":
-		return nobodyChild()
-	case "soak":
-		return soakChild()
+	if f, ok := childRoles[role]; ok {
+		return f()
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2

@@ -93,6 +93,7 @@ func WriteReport(w io.Writer, env Env, rows []Row) error {
 		}
 		fmt.Fprintf(&b, "| %s | %s | %s |\n", cell(k), strings.Join(names, ", "), res)
 	}
+	b.WriteString(defectSection())
 	b.WriteString(notes)
 	_, err := io.WriteString(w, b.String())
 	return err
