@@ -10,6 +10,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ringside-kv/ringside/internal/logx"
+	"github.com/ringside-kv/ringside/internal/units"
 )
 
 // Version is set at build time with -ldflags "-X ...cli.Version=...".
@@ -57,6 +58,10 @@ func env(flag string) []string {
 func logger(c *cli.Context) (zerolog.Logger, error) {
 	return logx.New(c.App.ErrWriter, c.String("log.format"), c.String("log.level"))
 }
+
+// ParseBytes parses sizes like 4096, 64KiB, 1.5GiB, 16GB (powers of 1000)
+// or 16G (powers of 1024): see units.ParseBytes.
+func ParseBytes(s string) (uint64, error) { return units.ParseBytes(s) }
 
 // benchCommand groups the benchmarks; each lives in its own file.
 func benchCommand() *cli.Command {
