@@ -55,17 +55,15 @@ func child(mode string) int {
 	case "burn": // uses CPU and memory, then exits on SIGTERM
 		SayReady(os.Stdout)
 		buf := make([]byte, 64<<20)
-		for i := 0; i < len(buf); i += 4096 {
-			buf[i] = 1
-		}
-		for {
-			select {
-			case <-term:
-				fmt.Fprintln(os.Stderr, len(buf))
-				return 0
-			default:
+		go func() {
+			for {
+				for i := 0; i < len(buf); i += 4096 {
+					buf[i]++
+				}
 			}
-		}
+		}()
+		<-term
+		return 0
 	}
 	return 2
 }
