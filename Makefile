@@ -1,22 +1,29 @@
 # ringside — build, run, test.
+#   make build  bin/ringside (the product) and bin/ringside-bench (the benchmarks)
 #   make run    build and start the sidecar with defaults that work on any Linux box
 #   make test   lint, Go tests with the race detector, Python tests
+#   make bench  build and run ringside-bench ring
 
 GO            ?= go
 PYTHON        ?= python3
 BIN           := bin/ringside
+BENCH_BIN     := bin/ringside-bench
 TOOLS         := $(CURDIR)/.tools
 GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT := $(TOOLS)/golangci-lint-$(GOLANGCI_LINT_VERSION)
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
+BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
 .PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm
 
 all: build
 
+# The product links no benchmark code (cmd/ringside/deps_test.go); the
+# benchmarks start bin/ringside as their sidecar.
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/ringside
+	$(GO) build -ldflags "$(BENCH_LDFLAGS)" -o $(BENCH_BIN) ./cmd/ringside-bench
 
 run: build
 	./$(BIN) serve --log.format=console $(ARGS)
@@ -78,8 +85,10 @@ soak:
 reliability-report:
 	RINGSIDE_SOAK=$(SOAK) RINGSIDE_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md $(GO) test -count=1 -timeout 0 ./reliability/
 
+# One benchmark; the others: ./bin/ringside-bench poll|delta|replay|copy
+# (docs/benchmarks.md). ARGS adds flags, e.g. ARGS="--json".
 bench: build
-	./$(BIN) bench ring
+	./$(BENCH_BIN) ring $(ARGS)
 
 # ringside in a real vLLM engine (docs/benchmarks.md, "vLLM"): connector time
 # per scheduler step, time to first token of a sidecar hit against a

@@ -56,5 +56,5 @@
 // (process_vm_*), cuda (the cgo shim over libcuda.so.1, loaded with
 // dlopen), hostmem (anonymous mappings for test and benchmark pools).
 // gpu/gputest holds the peer process and the conformance suite run against
-// every backend; gpu/copybench is `ringside bench copy`.
+// every backend; gpu/copybench is `ringside-bench copy`.
 package gpu

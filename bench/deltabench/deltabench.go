@@ -9,7 +9,6 @@
 package deltabench
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
@@ -231,16 +231,10 @@ func (m *model) measure(method string, cfg *Config) (Row, error) {
 	}
 	r := Row{
 		Bench: "delta", Method: method, CachedBlocks: m.c.Len(m.ns),
-		StepNs: median(readNs), MinStepNs: slices.Min(readNs), StoreNs: median(storeNs),
+		StepNs: harness.Median(readNs), MinStepNs: slices.Min(readNs), StoreNs: harness.Median(storeNs),
 		ChangesPerStep: float64(changes) / float64(len(readNs)), Steps: len(readNs),
 	}
 	return r, nil
-}
-
-func median(v []int64) int64 {
-	s := slices.Clone(v)
-	slices.Sort(s)
-	return s[len(s)/2]
 }
 
 func heapAlloc() uint64 {
@@ -320,17 +314,10 @@ func dur(ns int64) string {
 func print(cfg Config, rows []Row) error {
 	verdicts := Verdicts(rows)
 	if cfg.JSON {
-		enc := json.NewEncoder(cfg.Out)
-		for _, r := range rows {
-			if err := enc.Encode(r); err != nil {
-				return err
-			}
+		if err := harness.JSONLines(cfg.Out, rows); err != nil {
+			return err
 		}
-		if !cfg.Quiet {
-			for _, v := range verdicts {
-				fmt.Fprintln(cfg.Log, v)
-			}
-		}
+		harness.Verdicts(cfg.Out, cfg.Log, true, cfg.Quiet, verdicts)
 		return nil
 	}
 	w := tabwriter.NewWriter(cfg.Out, 2, 8, 2, ' ', tabwriter.AlignRight)
@@ -361,9 +348,7 @@ func print(cfg Config, rows []Row) error {
 		}
 	}
 	fmt.Fprintln(cfg.Out)
-	for _, v := range verdicts {
-		fmt.Fprintln(cfg.Out, v)
-	}
+	harness.Verdicts(cfg.Out, cfg.Log, false, cfg.Quiet, verdicts)
 	return nil
 }
 

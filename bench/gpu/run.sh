@@ -3,13 +3,14 @@
 # NVIDIA GPU; about 1-3 minutes, always under 5.
 #
 #   bench/gpu/run.sh          build (if Go is here), then check and measure
-#   bench/gpu/run.sh build    only build bin/ringside and bin/gputest.test
-#                             (to carry to a GPU machine without Go/modules)
+#   bench/gpu/run.sh build    only build bin/ringside, bin/ringside-bench and
+#                             bin/gputest.test (to carry bin/ to a GPU machine
+#                             without Go/modules)
 #
 # Steps: (1) the conformance suite with RINGSIDE_REQUIRE_GPU=1, so a missing
 # driver or GPU fails instead of skipping: random layouts, 4 KiB-2 MiB
 # pages, every byte checked, CUDA IPC refusals, against a second process
-# that allocates device memory and exports IPC handles; (2) `ringside bench
+# that allocates device memory and exports IPC handles; (2) `ringside-bench
 # copy --backend cuda`: h2d/d2h, 16 KiB-2 MiB pages, 1-4096 pages, batched
 # vs per-range vs one plain cuMemcpyAsync of the same bytes (ceiling). It
 # prints one table; with $OUT set, results land in $OUT: copy.jsonl (JSON
@@ -24,6 +25,7 @@ save() { if [ -n "$out" ]; then tee "$out/$1"; else cat; fi; }
 build() {
 	export CGO_ENABLED=1
 	go build -o bin/ringside ./cmd/ringside
+	go build -o bin/ringside-bench ./cmd/ringside-bench
 	go test -c -o bin/gputest.test ./gpu/gputest
 }
 
@@ -33,8 +35,8 @@ if [ "${1:-}" = build ]; then
 fi
 if command -v go >/dev/null 2>&1 && [ -z "${RINGSIDE_PREBUILT:-}" ]; then
 	build
-elif [ ! -x bin/ringside ] || [ ! -x bin/gputest.test ]; then
-	echo "run.sh: no Go toolchain and no prebuilt bin/ringside + bin/gputest.test (run 'bench/gpu/run.sh build' where Go is)" >&2
+elif [ ! -x bin/ringside-bench ] || [ ! -x bin/gputest.test ]; then
+	echo "run.sh: no Go toolchain and no prebuilt bin/ringside-bench + bin/gputest.test (run 'bench/gpu/run.sh build' where Go is)" >&2
 	exit 2
 fi
 
@@ -58,10 +60,10 @@ set -e
 grep -E '^\s*--- (PASS|FAIL|SKIP): [^/]+(/[^/]+)?(/(merged|bounds|lifecycle|random-layouts))? |CUDA driver|batching|^(PASS|FAIL)' "$conf" || true
 if [ "$status" -eq 0 ]; then echo "conformance: PASS"; else echo "conformance: FAIL (exit $status; full log $conf)"; fi
 
-echo "== bench copy --backend cuda ${COPY_ARGS:-}"
+echo "== ringside-bench copy --backend cuda ${COPY_ARGS:-}"
 json=${out:+$out/copy.jsonl}
 json=${json:-$(mktemp)}
 # shellcheck disable=SC2086 # COPY_ARGS is a list of flags
-timeout 200 bin/ringside bench copy --backend cuda --out "$json" ${COPY_ARGS:-} | save copy.txt
+timeout 200 bin/ringside-bench copy --backend cuda --out "$json" ${COPY_ARGS:-} | save copy.txt
 echo "rows: $(wc -l <"$json") in $json"
 exit "$status"

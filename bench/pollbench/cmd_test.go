@@ -10,28 +10,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/benchcli"
+	"github.com/ringside-kv/ringside/bench/internal/benchtest"
 	"github.com/ringside-kv/ringside/bench/pollbench"
-	"github.com/ringside-kv/ringside/internal/cli"
 )
 
-// childEnv makes the test binary act as the ringside executable: `bench
-// poll` re-executes os.Executable() (this binary) as the sidecar (`serve`)
-// and as the socket relay, and the child runs the real command line.
-const childEnv = "RINGSIDE_POLLBENCH_TEST_CHILD"
+func TestMain(m *testing.M) { benchtest.Main(m, "RINGSIDE_POLLBENCH_TEST_CHILD") }
 
-func TestMain(m *testing.M) {
-	if os.Getenv(childEnv) == "1" {
-		if err := cli.App().Run(os.Args); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	os.Setenv(childEnv, "1") // inherited by the child processes only
-	os.Exit(m.Run())
-}
-
-// TestBenchPollCommand runs `ringside bench poll --json` briefly through the
+// TestBenchPollCommand runs `ringside-bench poll --json` briefly through the
 // real command line, a real sidecar process and the relay, and checks the
 // rows and their fields: shape, never timing.
 func TestBenchPollCommand(t *testing.T) {
@@ -40,12 +26,12 @@ func TestBenchPollCommand(t *testing.T) {
 		dir = t.TempDir() + "/bench"
 	}
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, []string{"ringside", "bench", "poll", "--json", "--quiet",
-		"--polls", "50", "--warmup", "10", "--dir", dir, "--timeout", "60s"})
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "poll", "--json", "--quiet",
+		"--polls", "50", "--warmup", "10", "--dir", dir, "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {
 		t.Fatalf("bench poll: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
 	}
@@ -120,12 +106,12 @@ func TestBenchPollText(t *testing.T) {
 		t.Skip("starts a sidecar")
 	}
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, []string{"ringside", "bench", "poll", "--quiet", "--no-python", "--no-uds",
-		"--polls", "20", "--warmup", "5", "--sizes", "64,1024", "--timeout", "60s"})
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "poll", "--quiet", "--no-python", "--no-uds",
+		"--polls", "20", "--warmup", "5", "--sizes", "64,1024", "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {
 		t.Fatalf("bench poll: %v\n%s\n%s", err, stdout.String(), stderr.String())
 	}

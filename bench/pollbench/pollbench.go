@@ -1,4 +1,4 @@
-// Package pollbench is `ringside bench poll`: the control-path workload of a
+// Package pollbench is `ringside-bench poll`: the control-path workload of a
 // published cache-manager measurement. A real sidecar runs in its own
 // process; the bench client publishes 1024 pages of 64 KiB, holds a lease
 // that fills its instance's whole load budget, and queues queries of 64,
@@ -11,10 +11,8 @@ package pollbench
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/ringside-kv/ringside/internal/shm"
 	"io"
 	"os"
 	"path/filepath"
@@ -25,7 +23,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -43,8 +43,8 @@ const (
 
 // Config configures a run. Zero fields take defaults.
 type Config struct {
-	Exe        string        // ringside executable for the sidecar and the relay (default os.Executable())
-	ExeArgs    []string      // arguments before the subcommand (e.g. log flags)
+	Exe        string        // the bench executable, re-run as the relay (`poll-relay`; default os.Executable())
+	Ringside   string        // the ringside executable run as the sidecar (`serve`; default: see harness.FindRingside)
 	Dir        string        // sidecar directory (default /dev/shm/ringside-pollbench-<pid>); removed at the end if the run created it
 	Sizes      []int         // hashes per waiting query (default 64, 256, 1024)
 	Polls      int           // timed polls per batch (default 1000)
@@ -83,6 +83,11 @@ func (c *Config) defaults() error {
 		}
 		c.Exe = exe
 	}
+	ringside, err := harness.FindRingside(c.Ringside, c.Exe)
+	if err != nil {
+		return err
+	}
+	c.Ringside = ringside
 	if c.Dir == "" {
 		base := "/dev/shm"
 		if fi, err := os.Stat(base); err != nil || !fi.IsDir() {
@@ -170,12 +175,12 @@ func Run(ctx context.Context, cfg Config) (rows []Row, err error) {
 	}()
 	b.sock = filepath.Join(b.Dir, "ringside.sock")
 	budget := b.Pages * b.PageBytes
-	args := append(slices.Clone(b.ExeArgs), "serve",
+	args := []string{"serve",
 		"--dir", b.Dir, "--socket", b.sock, "--metrics.addr", "",
-		"--pool.slot-bytes", strconv.Itoa(b.PageBytes), "--pool.bytes", strconv.Itoa(4*budget),
-		"--budget", strconv.Itoa(budget), "--lease.max-ttl", "24h", "--log.level", "warn")
-	b.logf("starting the sidecar: %s %s", b.Exe, strings.Join(args, " "))
-	sc, err := start("sidecar", b.Exe, args, false, b.Timeout)
+		"--pool.slot-bytes", strconv.Itoa(b.PageBytes), "--pool.bytes", strconv.Itoa(4 * budget),
+		"--budget", strconv.Itoa(budget), "--lease.max-ttl", "24h", "--log.level", "warn"}
+	b.logf("starting the sidecar: %s %s", b.Ringside, strings.Join(args, " "))
+	sc, err := harness.Start("sidecar", b.Ringside, args, harness.Options{Timeout: b.Timeout})
 	if err != nil {
 		return nil, err
 	}
@@ -189,7 +194,7 @@ func Run(ctx context.Context, cfg Config) (rows []Row, err error) {
 			}
 			b.client.Close()
 		}
-		if serr := sc.stop(b.Timeout); serr != nil && err == nil {
+		if serr := sc.Stop(b.Timeout); serr != nil && err == nil {
 			err = fmt.Errorf("sidecar did not stop cleanly: %w", serr)
 		}
 		runtime.KeepAlive(b.region)
@@ -200,7 +205,7 @@ func Run(ctx context.Context, cfg Config) (rows []Row, err error) {
 	if err := b.setup(); err != nil {
 		return nil, err
 	}
-	b.logf("load average before the rows: %s", loadavg())
+	b.logf("load average before the rows: %s", harness.LoadAvg())
 	ringRows, err := b.measure("go", "ring", b.client.Poll)
 	if err != nil {
 		return rows, err
@@ -220,26 +225,14 @@ func Run(ctx context.Context, cfg Config) (rows []Row, err error) {
 }
 
 // attach waits for the sidecar's socket and attaches the bench client.
-func (b *bench) attach(sc *proc) error {
-	deadline := time.Now().Add(b.Timeout)
-	for {
+func (b *bench) attach(sc *harness.Child) error {
+	return sc.WaitUntil(b.ctx, b.Timeout, "attachable", func() error {
 		c, err := connector.Dial(b.options())
 		if err == nil {
 			b.client = c
-			return nil
 		}
-		if perr, done := sc.exited(); done {
-			return fmt.Errorf("sidecar exited (%v): %s", perr, sc.stderr())
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("sidecar not attachable in %v: %v: %s", b.Timeout, err, sc.stderr())
-		}
-		select {
-		case <-b.ctx.Done():
-			return b.ctx.Err()
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+		return err
+	})
 }
 
 func (b *bench) options() connector.Options {
@@ -374,59 +367,41 @@ func summarize(client, transport string, n int, batches [][]int64) Row {
 	r := Row{Bench: "poll", Client: client, Transport: transport, Hashes: n}
 	var all []int64
 	for _, s := range batches {
-		s = slices.Clone(s)
-		slices.Sort(s)
-		r.BatchP50Ns = append(r.BatchP50Ns, s[len(s)/2])
+		r.BatchP50Ns = append(r.BatchP50Ns, harness.Median(s))
 		all = append(all, s...)
 		r.Polls = len(s)
 	}
 	slices.Sort(all)
-	if len(all) > 0 {
-		r.P99Ns = all[(len(all)*99+99)/100-1]
-	}
-	p := slices.Clone(r.BatchP50Ns)
-	slices.Sort(p)
-	if len(p) > 0 {
-		r.P50Ns = p[len(p)/2]
-	}
+	r.P99Ns = harness.Rank(all, 99)
+	r.P50Ns = harness.Median(r.BatchP50Ns)
 	return r
 }
 
 // udsRows runs the socket baseline through the relay process.
 func (b *bench) udsRows() ([]Row, error) {
 	listen := filepath.Join(b.Dir, "pollbench-uds.sock")
-	args := append(slices.Clone(b.ExeArgs), "bench", "poll-relay",
+	args := []string{"poll-relay",
 		"--sidecar", b.sock, "--listen", listen, "--instance", instance, "--model", model, "--layout", layout,
-		"--timeout", b.Timeout.String())
-	rl, err := start("relay", b.Exe, args, true, b.Timeout)
+		"--timeout", b.Timeout.String()}
+	rl, err := harness.Start("relay", b.Exe, args, harness.Options{Ready: true, Timeout: b.Timeout})
 	if err != nil {
 		return nil, err
 	}
 	u, err := dialUDS(listen, b.Timeout)
 	if err != nil {
-		rl.kill()
+		rl.Kill()
 		return nil, fmt.Errorf("dial relay: %w", err)
 	}
 	rows, err := b.measure("go", "uds", u.poll)
 	u.close()
 	if err != nil {
-		rl.kill()
-		return rows, fmt.Errorf("%w (relay: %s)", err, rl.stderr())
+		rl.Kill()
+		return rows, fmt.Errorf("%w (relay: %s)", err, rl.Stderr())
 	}
-	if err := rl.wait(b.Timeout); err != nil {
+	if err := rl.Wait(b.Timeout); err != nil {
 		return rows, err
 	}
 	return rows, nil
-}
-
-// loadavg is /proc/loadavg's first three fields (the machine's business
-// besides ours), or "?".
-func loadavg() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if f := strings.Fields(string(b)); err == nil && len(f) >= 3 {
-		return strings.Join(f[:3], " ")
-	}
-	return "?"
 }
 
 func us(ns int64) string { return fmt.Sprintf("%.2f us", float64(ns)/1e3) }
@@ -434,20 +409,16 @@ func us(ns int64) string { return fmt.Sprintf("%.2f us", float64(ns)/1e3) }
 func (b *bench) print(rows []Row) error {
 	verdicts := Verdicts(rows)
 	if b.JSON {
-		enc := json.NewEncoder(b.Out)
-		for _, r := range rows {
-			if r.BatchP50Ns == nil {
-				r.BatchP50Ns = []int64{}
-			}
-			if err := enc.Encode(r); err != nil {
-				return err
+		out := slices.Clone(rows)
+		for i := range out {
+			if out[i].BatchP50Ns == nil {
+				out[i].BatchP50Ns = []int64{}
 			}
 		}
-		if !b.Quiet {
-			for _, v := range verdicts {
-				fmt.Fprintln(b.Log, v)
-			}
+		if err := harness.JSONLines(b.Out, out); err != nil {
+			return err
 		}
+		harness.Verdicts(b.Out, b.Log, true, b.Quiet, verdicts)
 		return nil
 	}
 	w := tabwriter.NewWriter(b.Out, 2, 8, 2, ' ', tabwriter.AlignRight)
@@ -476,10 +447,8 @@ func (b *bench) print(rows []Row) error {
 		}
 	}
 	fmt.Fprintf(b.Out, "reference: 106.39 us per poll at 1024 hashes (a Python client on a Rust manager)\n")
-	fmt.Fprintf(b.Out, "machine: %d CPUs, load average %s after the rows\n\n", runtime.NumCPU(), loadavg())
-	for _, v := range verdicts {
-		fmt.Fprintln(b.Out, v)
-	}
+	fmt.Fprintf(b.Out, "machine: %d CPUs, load average %s after the rows\n\n", runtime.NumCPU(), harness.LoadAvg())
+	harness.Verdicts(b.Out, b.Log, false, b.Quiet, verdicts)
 	return nil
 }
 

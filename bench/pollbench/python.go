@@ -7,12 +7,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
-	"strings"
 	"time"
+
+	"github.com/ringside-kv/ringside/bench/harness"
 )
 
 // driverModule is the Python driver: it attaches with the Python session
@@ -22,44 +22,22 @@ const driverModule = "ringside._pollbench"
 
 var defPoll = regexp.MustCompile(`(?m)^\s+def poll\(`)
 
-// findPackage returns the directory holding ringside/client.py (with a
-// poll method) and ringside/_pollbench.py, or an error saying why not.
-func (b *bench) findPackage() (string, error) {
-	ok := func(dir string) error {
-		src, err := os.ReadFile(filepath.Join(dir, "ringside", "client.py"))
-		if err != nil {
-			return fmt.Errorf("no Python session client (%s/ringside/client.py)", dir)
-		}
-		if !defPoll.Match(src) {
-			return fmt.Errorf("%s/ringside/client.py has no poll method", dir)
-		}
-		if _, err := os.Stat(filepath.Join(dir, "ringside", "_pollbench.py")); err != nil {
-			return fmt.Errorf("no driver %s/ringside/_pollbench.py", dir)
-		}
-		return nil
+// findPython returns the interpreter and the directory holding
+// ringside/client.py (with a poll method) and ringside/_pollbench.py, or
+// an error saying why not.
+func (b *bench) findPython() (harness.Python, error) {
+	p, err := harness.FindPython(b.Python, b.PythonPath, b.Exe, "ringside/client.py", "ringside/_pollbench.py")
+	if err != nil {
+		return p, err
 	}
-	if b.PythonPath != "" {
-		return b.PythonPath, ok(b.PythonPath)
+	src, err := os.ReadFile(filepath.Join(p.Path, "ringside", "client.py"))
+	if err != nil {
+		return p, err
 	}
-	var starts []string
-	if exe, err := filepath.EvalSymlinks(b.Exe); err == nil {
-		starts = append(starts, filepath.Dir(exe))
+	if !defPoll.Match(src) {
+		return p, fmt.Errorf("%s/ringside/client.py has no poll method", p.Path)
 	}
-	if wd, err := os.Getwd(); err == nil {
-		starts = append(starts, wd)
-	}
-	for _, s := range starts {
-		for d := s; ; d = filepath.Dir(d) {
-			c := filepath.Join(d, "connector", "python")
-			if fi, err := os.Stat(filepath.Join(c, "ringside")); err == nil && fi.IsDir() {
-				return c, ok(c)
-			}
-			if filepath.Dir(d) == d {
-				break
-			}
-		}
-	}
-	return "", fmt.Errorf("connector/python/ringside not found near %s or the working directory (set --python-path)", b.Exe)
+	return p, nil
 }
 
 // pythonRows runs the Python driver; every failure becomes a skipped row
@@ -70,15 +48,10 @@ func (b *bench) pythonRows() []Row {
 		b.logf("python row skipped: %s", reason)
 		return []Row{{Bench: "poll", Client: "python", Transport: "ring", Skipped: reason}}
 	}
-	py, err := exec.LookPath(b.Python)
-	if err != nil {
-		return skipped("no Python interpreter %q (set --python)", b.Python)
-	}
-	dir, err := b.findPackage()
+	py, err := b.findPython()
 	if err != nil {
 		return skipped("%v", err)
 	}
-	dir, _ = filepath.Abs(dir)
 	args := []string{"-m", driverModule, "--socket", b.sock, "--instance", instance, "--model", model, "--layout", layout,
 		"--polls", strconv.Itoa(b.Polls), "--batches", strconv.Itoa(b.Batches), "--warmup", strconv.Itoa(b.Warmup)}
 	for _, n := range b.Sizes {
@@ -86,21 +59,12 @@ func (b *bench) pythonRows() []Row {
 	}
 	ctx, cancel := context.WithTimeout(b.ctx, b.Timeout+time.Duration(len(b.Sizes)*b.Batches*b.Polls)*100*time.Microsecond)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, py, args...)
-	pp := dir
-	if old := os.Getenv("PYTHONPATH"); old != "" {
-		pp += string(os.PathListSeparator) + old
-	}
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+pp, "PYTHONDONTWRITEBYTECODE=1")
+	cmd := py.Command(ctx, args...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
-		msg := strings.TrimSpace(stderr.String())
-		if i := strings.LastIndexByte(msg, '\n'); i >= 0 {
-			msg = msg[i+1:]
-		}
-		return skipped("driver failed: %v: %s", err, msg)
+		return skipped("driver failed: %v: %s", err, harness.LastLine(stderr.Bytes(), nil))
 	}
 	var rows []Row
 	sc := bufio.NewScanner(bytes.NewReader(out))

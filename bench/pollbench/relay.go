@@ -8,10 +8,10 @@ import (
 )
 
 // The socket baseline (framing, client and relay) lives in
-// bench/internal/uds, shared with `bench replay`.
+// bench/internal/uds, shared with `ringside-bench replay`.
 
 // RelayConfig is the command line of the socket front end (the hidden
-// `ringside bench poll-relay`).
+// `ringside-bench poll-relay`).
 type RelayConfig = uds.RelayConfig
 
 // Relay is the socket baseline's front end: see uds.Relay.

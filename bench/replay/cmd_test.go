@@ -12,26 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ringside-kv/ringside/internal/cli"
+	"github.com/ringside-kv/ringside/bench/benchcli"
+	"github.com/ringside-kv/ringside/bench/internal/benchtest"
 )
 
-// childEnv makes the test binary act as the ringside executable: `bench
-// replay` re-executes os.Executable() (this binary) as the sidecar
-// (`serve`) and as the socket relays, and the child runs the real command
-// line.
-const childEnv = "RINGSIDE_REPLAY_TEST_CHILD"
-
-func TestMain(m *testing.M) {
-	if os.Getenv(childEnv) == "1" {
-		if err := cli.App().Run(os.Args); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	os.Setenv(childEnv, "1") // inherited by the child processes only
-	os.Exit(m.Run())
-}
+func TestMain(m *testing.M) { benchtest.Main(m, "RINGSIDE_REPLAY_TEST_CHILD") }
 
 // TestBenchReplayCommand replays the first requests of the shipped trace
 // through the real command line, real sidecar processes (two small
@@ -50,14 +35,14 @@ func TestBenchReplayCommand(t *testing.T) {
 	}
 	out := t.TempDir()
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, []string{"ringside", "bench", "replay", "--json", "--quiet", "--sequential",
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential",
 		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
 		"--capacity-pages", "200", "--capacity-pages", "2000", "--uds-capacity-pages", "200",
-		"--engines", "2", "--dir", dir, "--out", out, "--timeout", "60s"})
+		"--engines", "2", "--dir", dir, "--out", out, "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {
 		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
 	}
@@ -174,13 +159,13 @@ func TestBenchReplayText(t *testing.T) {
 		t.Skip("starts a sidecar")
 	}
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, []string{"ringside", "bench", "replay", "--quiet", "--no-uds",
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--quiet", "--no-uds",
 		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", "60",
-		"--capacity-pages", "500", "--out", "-", "--timeout", "60s"})
+		"--capacity-pages", "500", "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {
 		t.Fatalf("bench replay: %v\n%s\n%s", err, stdout.String(), stderr.String())
 	}

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"image/color"
 	"math"
-	"slices"
 
 	hdrhistogram "github.com/HdrHistogram/hdrhistogram-go"
 	"gonum.org/v1/plot"
@@ -12,6 +11,8 @@ import (
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
+
+	"github.com/ringside-kv/ringside/bench/harness"
 )
 
 const (
@@ -178,10 +179,10 @@ func (rep *Report) plotStepCost(path string) error {
 				}
 			}
 			x := float64(r.Steps[(lo+hi)/2].Request)
-			dxy = append(dxy, plotter.XY{X: x, Y: math.Max(float64(median(d))/1e3, 0.01)})
+			dxy = append(dxy, plotter.XY{X: x, Y: math.Max(float64(harness.Median(d))/1e3, 0.01)})
 			top = math.Max(top, dxy[len(dxy)-1].Y)
 			if len(w) > 0 {
-				wxy = append(wxy, plotter.XY{X: x, Y: math.Max(float64(median(w))/1e3, 0.01)})
+				wxy = append(wxy, plotter.XY{X: x, Y: math.Max(float64(harness.Median(w))/1e3, 0.01)})
 				top = math.Max(top, wxy[len(wxy)-1].Y)
 			}
 		}
@@ -210,13 +211,4 @@ func (rep *Report) plotStepCost(path string) error {
 	p.Legend.Top, p.Legend.Left = true, true
 	p.Y.Max = top * 30 // room for the legend
 	return p.Save(plotW, plotH, path)
-}
-
-func median(v []int64) int64 {
-	if len(v) == 0 {
-		return 0
-	}
-	s := slices.Clone(v)
-	slices.Sort(s)
-	return s[len(s)/2]
 }

@@ -2,7 +2,7 @@ package replay
 
 import "github.com/ringside-kv/ringside/bench/internal/uds"
 
-// The socket front end of the replay (the hidden `ringside bench
+// The socket front end of the replay (the hidden `ringside-bench
 // replay-relay`, one process per engine) is bench/internal/uds's relay,
 // which also maps the engine's memory file and registers it as its own, so
 // that the sidecar's copies land in the engine's memory.

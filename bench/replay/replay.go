@@ -1,4 +1,4 @@
-// Package replay is `ringside bench replay`: real traces (the Mooncake
+// Package replay is `ringside-bench replay`: real traces (the Mooncake
 // conversation trace's JSON Lines format) replayed through a live sidecar
 // process from simulated engine instances, over the real rings, with the
 // page bytes really copied; one sidecar per pool capacity of a sweep, each
@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/bench/internal/uds"
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/internal/shm"
@@ -46,23 +47,23 @@ var DefaultCapacityGiB = []int{1, 4, 16, 64}
 // Config configures a run. Zero fields take defaults.
 type Config struct {
 	Traces          []string
-	PageTokens      int     // tokens per engine page (default 16)
-	BlockTokens     int     // tokens per trace block (default 512)
-	CapacityPages   []int   // pool capacities, in pages (default: DefaultCapacityGiB of model KV)
-	Engines         int     // simulated engine instances (default 2)
-	Sequential      bool    // one request at a time, in trace order: deterministic hit rates
-	Pace            float64 // 0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)
-	PrefillTPS      float64 // modelled prefill, tokens per second (0: none)
-	PageBytes       int     // bytes a page really copies (and pool slot bytes); 0: auto
-	KVBytesPerToken int     // model KV bytes per token, for the GiB equivalents (default 128 KiB)
-	Limit           int     // replay the first Limit requests (0: all)
-	NoUDS           bool    // skip the Unix-socket baseline
-	UDSCapacity     int     // capacity of the socket run (default: the smallest of the sweep)
-	NoWalk          bool    // skip the walk baseline
-	Dir             string  // base directory of the sidecars (default /dev/shm/ringside-replay-<pid>)
-	OutDir          string  // report directory (default ./ringside-replay); "-" writes no files
-	Exe             string  // ringside executable for the sidecar and the relays (default os.Executable())
-	ExeArgs         []string
+	PageTokens      int           // tokens per engine page (default 16)
+	BlockTokens     int           // tokens per trace block (default 512)
+	CapacityPages   []int         // pool capacities, in pages (default: DefaultCapacityGiB of model KV)
+	Engines         int           // simulated engine instances (default 2)
+	Sequential      bool          // one request at a time, in trace order: deterministic hit rates
+	Pace            float64       // 0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)
+	PrefillTPS      float64       // modelled prefill, tokens per second (0: none)
+	PageBytes       int           // bytes a page really copies (and pool slot bytes); 0: auto
+	KVBytesPerToken int           // model KV bytes per token, for the GiB equivalents (default 128 KiB)
+	Limit           int           // replay the first Limit requests (0: all)
+	NoUDS           bool          // skip the Unix-socket baseline
+	UDSCapacity     int           // capacity of the socket run (default: the smallest of the sweep)
+	NoWalk          bool          // skip the walk baseline
+	Dir             string        // base directory of the sidecars (default /dev/shm/ringside-replay-<pid>)
+	OutDir          string        // report directory (default ./ringside-replay); "-" writes no files
+	Exe             string        // the bench executable, re-run as the relays (`replay-relay`; default os.Executable())
+	Ringside        string        // the ringside executable run as the sidecars (`serve`; default: see harness.FindRingside)
 	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
 	JSON            bool
 	Quiet           bool
@@ -80,6 +81,11 @@ func (c *Config) defaults() error {
 		}
 		c.Exe = exe
 	}
+	ringside, err := harness.FindRingside(c.Ringside, c.Exe)
+	if err != nil {
+		return err
+	}
+	c.Ringside = ringside
 	if c.PageTokens <= 0 {
 		c.PageTokens = DefaultPageTokens
 	}
@@ -165,7 +171,7 @@ type RunResult struct {
 	Hists         hists
 	Steps         []stepSample
 	Wall          time.Duration // the replay, from the first request to the last
-	Sidecar       usage
+	Sidecar       harness.Usage
 	ViewBlocks    int // engine 0's view of the cache after the run
 	Resyncs       int
 }
@@ -312,17 +318,17 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 	defer os.RemoveAll(dir)
 	sock := filepath.Join(dir, "ringside.sock")
 	budget := max(int64(64<<20), int64(w.MaxPages)*int64(c.PageBytes))
-	args := append(slices.Clone(c.ExeArgs), "serve",
+	args := []string{"serve",
 		"--dir", dir, "--socket", sock, "--metrics.addr", "",
 		"--pool.slot-bytes", strconv.Itoa(c.PageBytes), "--pool.bytes", strconv.FormatInt(int64(capacity)*int64(c.PageBytes), 10),
-		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn")
-	sc, err := start("sidecar", c.Exe, args, false, c.Timeout)
+		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn"}
+	sc, err := harness.Start("sidecar", c.Ringside, args, harness.Options{Timeout: c.Timeout})
 	if err != nil {
 		return nil, err
 	}
 	res = &RunResult{CapacityPages: capacity, Transport: transport, Hists: newHists()}
 	var engines []*engine
-	var relays []*proc
+	var relays []*harness.Child
 	defer func() {
 		for _, e := range engines {
 			if e.rpc.c != nil {
@@ -334,15 +340,15 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 			}
 		}
 		for _, r := range relays {
-			if rerr := r.wait(c.Timeout); rerr != nil && err == nil {
+			if rerr := r.Wait(c.Timeout); rerr != nil && err == nil {
 				err = rerr
 			}
 		}
-		peak := sc.peakRSS()
-		if serr := sc.stop(c.Timeout); serr != nil && err == nil {
+		peak := sc.PeakRSS()
+		if serr := sc.Stop(c.Timeout); serr != nil && err == nil {
 			err = fmt.Errorf("sidecar did not stop cleanly: %w", serr)
 		}
-		res.Sidecar = sc.usage(peak)
+		res.Sidecar = sc.Usage(peak)
 	}()
 	if err := waitAttachable(ctx, sc, sock, c.Timeout); err != nil {
 		return res, err
@@ -383,30 +389,19 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 	return res, nil
 }
 
-func waitAttachable(ctx context.Context, sc *proc, sock string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
+func waitAttachable(ctx context.Context, sc *harness.Child, sock string, timeout time.Duration) error {
+	return sc.WaitUntil(ctx, timeout, "attachable", func() error {
 		c, err := connector.Dial(connector.Options{Socket: sock, Instance: "replay-probe", Model: model, Layout: "probe", Timeout: timeout})
-		if err == nil {
-			return c.Close()
+		if err != nil {
+			return err
 		}
-		if perr, done := sc.exited(); done {
-			return fmt.Errorf("sidecar exited (%v): %s", perr, sc.stderr())
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("sidecar not attachable in %v: %v: %s", timeout, err, sc.stderr())
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+		return c.Close()
+	})
 }
 
 // newEngine attaches engine i over transport, with its memory in a
 // shared-memory file registered as region 1 of its session.
-func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*engine, *proc, error) {
+func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*engine, *harness.Child, error) {
 	pages := max(w.MaxPages, 1)
 	e := &engine{id: i, w: w, pageBytes: c.PageBytes, walk: !c.NoWalk, prefill: c.PrefillTPS, h: newHists()}
 	e.view.reset()
@@ -437,16 +432,16 @@ func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*en
 	case "uds":
 		listen := filepath.Join(dir, fmt.Sprintf("uds%d.sock", i))
 		region := uds.RegionFile{ID: regionID, Path: path, PageBytes: c.PageBytes, Pages: pages}
-		args := append(slices.Clone(c.ExeArgs), "bench", "replay-relay",
+		args := []string{"replay-relay",
 			"--sidecar", sock, "--listen", listen, "--instance", instance, "--model", model, "--layout", c.layout(),
-			"--timeout", c.Timeout.String(), "--region", region.String())
-		rl, err := start(fmt.Sprintf("relay %d", i), c.Exe, args, true, c.Timeout)
+			"--timeout", c.Timeout.String(), "--region", region.String()}
+		rl, err := harness.Start(fmt.Sprintf("relay %d", i), c.Exe, args, harness.Options{Ready: true, Timeout: c.Timeout})
 		if err != nil {
 			return e, nil, err
 		}
 		u, err := uds.Dial(listen, c.Timeout)
 		if err != nil {
-			rl.kill()
+			rl.Kill()
 			return e, rl, fmt.Errorf("dial relay: %w", err)
 		}
 		e.rpc.c = udsCaller{u}

@@ -2,7 +2,6 @@ package replay
 
 import (
 	"encoding/csv"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math"
@@ -14,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
+
+	"github.com/ringside-kv/ringside/bench/harness"
 )
 
 // CapacityRow is one run's hit rates beside the oracle's (bench "replay").
@@ -332,17 +333,10 @@ func (rep *Report) print() error {
 	c := &rep.Config
 	out := c.Out
 	if c.JSON {
-		enc := json.NewEncoder(out)
-		for _, r := range rep.Rows {
-			if err := enc.Encode(r); err != nil {
-				return err
-			}
+		if err := harness.JSONLines(out, rep.Rows); err != nil {
+			return err
 		}
-		if !c.Quiet {
-			for _, v := range rep.Verdicts {
-				fmt.Fprintln(c.Log, v)
-			}
-		}
+		harness.Verdicts(out, c.Log, true, c.Quiet, rep.Verdicts)
 		return nil
 	}
 	w := rep.Workload
@@ -357,7 +351,7 @@ func (rep *Report) print() error {
 		pace = fmt.Sprintf("at the trace's timestamps / %g", c.Pace)
 	}
 	fmt.Fprintf(out, "%d engine instances, %s, %s; one sidecar process per run; %d CPUs, load average %s after the runs\n\n",
-		c.Engines, map[bool]string{true: "sequential (one request at a time, trace order)", false: "concurrent"}[c.Sequential], pace, runtime.NumCPU(), loadavg())
+		c.Engines, map[bool]string{true: "sequential (one request at a time, trace order)", false: "concurrent"}[c.Sequential], pace, runtime.NumCPU(), harness.LoadAvg())
 
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "capacity\tGiB equiv\ttransport\thit ratio\toracle\tequal\tstored\toracle stored\tno space\tloaded\treq/s\tsidecar CPU\tpeak RSS\tcopied/s\t")
@@ -431,20 +425,8 @@ func (rep *Report) print() error {
 		return err
 	}
 	fmt.Fprintln(out)
-	for _, v := range rep.Verdicts {
-		fmt.Fprintln(out, v)
-	}
+	harness.Verdicts(out, c.Log, false, c.Quiet, rep.Verdicts)
 	return nil
-}
-
-// loadavg is /proc/loadavg's first three fields (the machine's business
-// besides ours), or "?".
-func loadavg() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if f := strings.Fields(string(b)); err == nil && len(f) >= 3 {
-		return strings.Join(f[:3], " ")
-	}
-	return "?"
 }
 
 func scaleNote(c *Config) string {
@@ -477,13 +459,7 @@ func (rep *Report) writeFiles() error {
 		return nil
 	}
 	if err := write("replay.jsonl", func(w io.Writer) error {
-		enc := json.NewEncoder(w)
-		for _, r := range rep.Rows {
-			if err := enc.Encode(r); err != nil {
-				return err
-			}
-		}
-		return nil
+		return harness.JSONLines(w, rep.Rows)
 	}); err != nil {
 		return err
 	}

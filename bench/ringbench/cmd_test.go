@@ -11,27 +11,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ringside-kv/ringside/internal/cli"
+	"github.com/ringside-kv/ringside/bench/benchcli"
+	"github.com/ringside-kv/ringside/bench/internal/benchtest"
 )
 
-// childEnv makes the test binary act as the ringside executable: `bench
-// ring` re-executes os.Executable() (this binary) as its server, and the
-// child runs the real command line instead of the tests.
-const childEnv = "RINGSIDE_RINGBENCH_TEST_CHILD"
+func TestMain(m *testing.M) { benchtest.Main(m, "RINGSIDE_RINGBENCH_TEST_CHILD") }
 
-func TestMain(m *testing.M) {
-	if os.Getenv(childEnv) == "1" {
-		if err := cli.App().Run(os.Args); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
-		}
-		os.Exit(0)
-	}
-	os.Setenv(childEnv, "1") // inherited by the server processes only
-	os.Exit(m.Run())
-}
-
-// TestBenchRingCommand runs `ringside bench ring --json` in a short mode,
+// TestBenchRingCommand runs `ringside-bench ring --json` in a short mode,
 // through the real command line and real server processes, and checks the
 // shape of the output: every row and every field, never a timing.
 func TestBenchRingCommand(t *testing.T) {
@@ -40,11 +26,11 @@ func TestBenchRingCommand(t *testing.T) {
 		dir = t.TempDir() + "/bench" // still removed by the run, since it creates it
 	}
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, []string{"ringside", "bench", "ring", "--json", "--quiet",
+	err := app.RunContext(ctx, []string{"ringside-bench", "ring", "--json", "--quiet",
 		"--rounds", "200", "--warmup", "20", "--msgs", "20000", "--dir", dir, "--timeout", "60s"})
 	if err != nil {
 		t.Fatalf("bench ring: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
@@ -133,9 +119,9 @@ func TestBenchRingCommand(t *testing.T) {
 // Python rows with a reason instead of failing the run.
 func TestBenchRingPythonSkipped(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	app := cli.App()
+	app := benchcli.App()
 	app.Writer, app.ErrWriter = &stdout, &stderr
-	err := app.Run([]string{"ringside", "bench", "ring", "--json", "--quiet", "--python", "/nonexistent/python3",
+	err := app.Run([]string{"ringside-bench", "ring", "--json", "--quiet", "--python", "/nonexistent/python3",
 		"--rounds", "20", "--warmup", "2", "--msgs", "2000", "--timeout", "60s"})
 	if err != nil {
 		t.Fatalf("bench ring: %v\n%s", err, stderr.String())

@@ -6,101 +6,33 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
-)
 
-// python is a usable interpreter with the ringside package on its path.
-type python struct {
-	exe  string // interpreter
-	path string // directory holding the ringside package
-}
+	"github.com/ringside-kv/ringside/bench/harness"
+)
 
 // peerModule is the Python benchmark peer.
 const peerModule = "ringside._benchpeer"
 
-// findPython locates the interpreter and the connector package. pkgDir, when
-// set, must hold ringside/_benchpeer.py; otherwise connector/python is
-// searched next to the executable (and its parents) and in the working
-// directory and its parents. A missing interpreter or package returns an
-// error wrapping errSkipped.
-func findPython(interp, pkgDir, exe string) (python, error) {
-	py, err := exec.LookPath(interp)
+// findPython locates the interpreter and the connector package (see
+// harness.FindPython; the package must hold ringside/_benchpeer.py) and
+// checks that the peer imports. A missing interpreter or package returns
+// an error wrapping errSkipped.
+func findPython(interp, pkgDir, exe string) (harness.Python, error) {
+	p, err := harness.FindPython(interp, pkgDir, exe, "ringside/_benchpeer.py")
 	if err != nil {
-		return python{}, fmt.Errorf("%w: no Python interpreter %q (set --python)", errSkipped, interp)
+		return p, fmt.Errorf("%w: %v", errSkipped, err)
 	}
-	has := func(dir string) bool {
-		fi, err := os.Stat(filepath.Join(dir, "ringside", "_benchpeer.py"))
-		return err == nil && fi.Mode().IsRegular()
-	}
-	dir := ""
-	if pkgDir != "" {
-		if !has(pkgDir) {
-			return python{}, fmt.Errorf("%w: %s has no ringside/_benchpeer.py (--python-path)", errSkipped, pkgDir)
-		}
-		dir = pkgDir
-	} else {
-		var starts []string
-		if exe != "" {
-			if real, err := filepath.EvalSymlinks(exe); err == nil {
-				exe = real
-			}
-			starts = append(starts, filepath.Dir(exe))
-		}
-		if wd, err := os.Getwd(); err == nil {
-			starts = append(starts, wd)
-		}
-	search:
-		for _, s := range starts {
-			for d := s; ; d = filepath.Dir(d) {
-				if c := filepath.Join(d, "connector", "python"); has(c) {
-					dir = c
-					break search
-				}
-				if filepath.Dir(d) == d {
-					break
-				}
-			}
-		}
-		if dir == "" {
-			return python{}, fmt.Errorf("%w: connector/python/ringside not found near %s or the working directory (set --python-path)", errSkipped, exe)
-		}
-	}
-	dir, _ = filepath.Abs(dir)
-	p := python{exe: py, path: dir}
 	// The package must import (it needs nothing beyond the standard library,
 	// but an old interpreter may not parse it).
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	cmd := p.command(ctx, "-c", "import "+peerModule)
+	cmd := p.Command(ctx, "-c", "import "+peerModule)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return python{}, fmt.Errorf("%w: %s cannot import %s from %s: %s", errSkipped, py, peerModule, dir, lastLine(out, err))
+		return harness.Python{}, fmt.Errorf("%w: %s cannot import %s from %s: %s", errSkipped, p.Exe, peerModule, p.Path, harness.LastLine(out, err))
 	}
 	return p, nil
-}
-
-func (p python) command(ctx context.Context, args ...string) *exec.Cmd {
-	cmd := exec.CommandContext(ctx, p.exe, args...)
-	pp := p.path
-	if old := os.Getenv("PYTHONPATH"); old != "" {
-		pp += string(os.PathListSeparator) + old
-	}
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+pp, "PYTHONDONTWRITEBYTECODE=1")
-	return cmd
-}
-
-func lastLine(out []byte, err error) string {
-	s := strings.TrimSpace(string(out))
-	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
-		s = s[i+1:]
-	}
-	if s == "" {
-		return err.Error()
-	}
-	return s
 }
 
 // peerResult is the peer's JSON line.
@@ -113,17 +45,17 @@ type peerResult struct {
 
 // runPeer runs the Python peer and parses its result. Python reports no
 // wall time for its loop, so round trips per second are 1/mean.
-func (b *bench) runPeer(p python, args ...string) (result, error) {
+func (b *bench) runPeer(p harness.Python, args ...string) (result, error) {
 	ctx, cancel := context.WithTimeout(b.ctx, b.Timeout+10*time.Second)
 	defer cancel()
 	argv := append([]string{"-m", peerModule}, args...)
 	argv = append(argv, "--warmup", strconv.Itoa(b.Warmup), "--count", strconv.Itoa(b.Rounds),
 		"--timeout", strconv.FormatFloat(b.Timeout.Seconds(), 'f', -1, 64))
-	cmd := p.command(ctx, argv...)
+	cmd := p.Command(ctx, argv...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
-		return result{}, fmt.Errorf("python peer: %s", lastLine(stderr.Bytes(), err))
+		return result{}, fmt.Errorf("python peer: %s", harness.LastLine(stderr.Bytes(), err))
 	}
 	var pr peerResult
 	line := bytes.TrimSpace(stdout.Bytes())
@@ -143,7 +75,7 @@ func (b *bench) runPeer(p python, args ...string) (result, error) {
 	return res, nil
 }
 
-func (b *bench) pyRing(p python, size int, wait string) (result, error) {
+func (b *bench) pyRing(p harness.Python, size int, wait string) (result, error) {
 	req, resp, cleanup, err := b.ringPair()
 	if err != nil {
 		return result{}, err
@@ -159,7 +91,7 @@ func (b *bench) pyRing(p python, size int, wait string) (result, error) {
 	return res, srv.finish(err, b.Timeout)
 }
 
-func (b *bench) pyUDS(p python, size int) (result, error) {
+func (b *bench) pyUDS(p harness.Python, size int) (result, error) {
 	sock := b.path("sock")
 	defer os.Remove(sock)
 	srv, err := b.startServer("--mode", ModeUDS, "--socket", sock, "--count", strconv.Itoa(b.Warmup+b.Rounds))

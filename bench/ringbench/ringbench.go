@@ -1,34 +1,30 @@
-// Package ringbench is `ringside bench ring`: round-trip latency and one-way
+// Package ringbench is `ringside-bench ring`: round-trip latency and one-way
 // throughput of the shared-memory ring between two real processes, next to
 // a Unix-socket baseline and a bare cache-line ping-pong, for a Go client and
 // for the Python connector.
 //
 // The client side runs in the benchmark process (Go rows) or in a spawned
 // `python3 -m ringside._benchpeer` (Python rows); the server side always runs
-// in a separate process, the ringside executable re-executed with the hidden
-// `bench ring-server` subcommand (see Serve).
+// in a separate process, the bench executable re-executed with the hidden
+// `ring-server` subcommand (see Serve).
 package ringbench
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/ring"
 )
@@ -36,7 +32,7 @@ import (
 // Config configures a run.
 type Config struct {
 	// Exe and ServerArgs start the server process: Exe ServerArgs... --mode
-	// ... Default: os.Executable() and ["bench", "ring-server"].
+	// ... Default: os.Executable() and ["ring-server"].
 	Exe        string
 	ServerArgs []string
 	// Dir holds the rings, the socket and the ping-pong word. Default
@@ -97,12 +93,12 @@ func (c *Config) defaults() error {
 	if c.Exe == "" {
 		exe, err := os.Executable()
 		if err != nil {
-			return fmt.Errorf("bench ring: cannot find the ringside executable to re-run as server: %w", err)
+			return fmt.Errorf("bench ring: cannot find the bench executable to re-run as server: %w", err)
 		}
 		c.Exe = exe
 	}
 	if c.ServerArgs == nil {
-		c.ServerArgs = []string{"bench", "ring-server"}
+		c.ServerArgs = []string{"ring-server"}
 	}
 	if c.Dir == "" {
 		c.Dir = fmt.Sprintf("/dev/shm/ringside-bench-%d", os.Getpid())
@@ -313,82 +309,27 @@ func (b *bench) path(kind string) string {
 }
 
 // server is a running server process.
-type server struct {
-	cmd    *exec.Cmd
-	stderr bytes.Buffer
-	done   chan error
-}
+type server struct{ *harness.Child }
 
-// startServer re-executes the ringside binary as the server and waits for
-// its "ready" line.
-func (b *bench) startServer(args ...string) (*server, error) {
+// startServer re-executes the bench binary as the server and waits for
+// its ready line.
+func (b *bench) startServer(args ...string) (server, error) {
 	argv := append(append([]string{}, b.ServerArgs...), args...)
 	argv = append(argv, "--timeout", (b.Timeout + 5*time.Second).String())
-	s := &server{done: make(chan error, 1)}
-	s.cmd = exec.CommandContext(b.ctx, b.Exe, argv...)
-	s.cmd.Stderr = &s.stderr
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	pr, pw, err := os.Pipe()
-	if err != nil {
-		return nil, err
-	}
-	defer pr.Close()
-	s.cmd.Stdout = pw
-	if err := s.cmd.Start(); err != nil {
-		pw.Close()
-		return nil, fmt.Errorf("start server %s: %w", b.Exe, err)
-	}
-	pw.Close()
-	go func() { s.done <- s.cmd.Wait() }()
-	ready := make(chan error, 1)
-	go func() {
-		line, err := bufio.NewReader(pr).ReadString('\n')
-		if err == nil && strings.TrimSpace(line) != "ready" {
-			err = fmt.Errorf("server said %q", line)
-		}
-		ready <- err
-	}()
-	select {
-	case err = <-ready:
-	case <-time.After(b.Timeout):
-		err = errors.New("server not ready in time")
-	}
-	if err != nil {
-		s.kill()
-		return nil, fmt.Errorf("server: %v: %s", err, strings.TrimSpace(s.stderr.String()))
-	}
-	return s, nil
-}
-
-// wait waits for the server to exit.
-func (s *server) wait(timeout time.Duration) error {
-	select {
-	case err := <-s.done:
-		if err != nil {
-			return fmt.Errorf("server: %v: %s", err, strings.TrimSpace(s.stderr.String()))
-		}
-		return nil
-	case <-time.After(timeout):
-		s.kill()
-		return errors.New("server did not exit in time")
-	}
-}
-
-func (s *server) kill() {
-	s.cmd.Process.Kill()
-	<-s.done
+	c, err := harness.Start("server", b.Exe, argv, harness.Options{Ready: true, Timeout: b.Timeout, Context: b.ctx})
+	return server{c}, err
 }
 
 // finish combines the client's error with the server's exit.
-func (s *server) finish(clientErr error, timeout time.Duration) error {
+func (s server) finish(clientErr error, timeout time.Duration) error {
 	if clientErr != nil {
-		s.kill()
-		if msg := strings.TrimSpace(s.stderr.String()); msg != "" {
+		s.Kill()
+		if msg := s.Stderr(); msg != "" {
 			return fmt.Errorf("%w (server: %s)", clientErr, msg)
 		}
 		return clientErr
 	}
-	return s.wait(timeout)
+	return s.Wait(timeout)
 }
 
 // ringPair creates a request and a response ring.
@@ -664,17 +605,10 @@ func (b *bench) goThroughput() (result, error) {
 func (b *bench) print(rows []Row) error {
 	verdicts := Verdicts(rows)
 	if b.JSON {
-		enc := json.NewEncoder(b.Out)
-		for _, r := range rows {
-			if err := enc.Encode(r); err != nil {
-				return err
-			}
+		if err := harness.JSONLines(b.Out, rows); err != nil {
+			return err
 		}
-		if !b.Quiet {
-			for _, v := range verdicts {
-				fmt.Fprintln(b.Log, v)
-			}
-		}
+		harness.Verdicts(b.Out, b.Log, true, b.Quiet, verdicts)
 		return nil
 	}
 	fmt.Fprintf(b.Out, "ringside bench ring: %d round trips per row after %d warm-up; %d records one-way (%d per publish/commit); ring capacity %d KiB; GOMAXPROCS %d, %d CPUs\n\n",
@@ -694,9 +628,7 @@ func (b *bench) print(rows []Row) error {
 	}
 	fmt.Fprintln(b.Out, "\nrtt: one request and its echoed response; msgs/s = round trips per second. one-way: records per second; p50/p99 = ns per record over 4096-record windows.")
 	fmt.Fprintln(b.Out)
-	for _, v := range verdicts {
-		fmt.Fprintln(b.Out, v)
-	}
+	harness.Verdicts(b.Out, b.Log, false, b.Quiet, verdicts)
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/ring"
 )
@@ -23,7 +24,7 @@ const (
 )
 
 // ServerConfig is the command line of the server process (the hidden
-// `ringside bench ring-server`).
+// `ringside-bench ring-server`).
 type ServerConfig struct {
 	Mode    string
 	Req     string // request ring (ring, throughput)
@@ -133,7 +134,7 @@ func serveRing(sc ServerConfig, deadline time.Time) error {
 		return err
 	}
 	defer closeAll()
-	fmt.Fprintln(sc.Ready, "ready")
+	harness.SayReady(sc.Ready)
 	for i := 0; i < sc.Count; i++ {
 		rec, err := next(c, deadline)
 		if err != nil {
@@ -157,7 +158,7 @@ func serveThroughput(sc ServerConfig, deadline time.Time) error {
 	}
 	defer closeAll()
 	batch := max(sc.Batch, 1)
-	fmt.Fprintln(sc.Ready, "ready")
+	harness.SayReady(sc.Ready)
 	var sum byte
 	for got := 0; got < sc.Count; {
 		rec, err := c.Next()
@@ -205,7 +206,7 @@ func serveUDS(sc ServerConfig, deadline time.Time) error {
 	if err := l.SetDeadline(deadline); err != nil {
 		return err
 	}
-	fmt.Fprintln(sc.Ready, "ready")
+	harness.SayReady(sc.Ready)
 	conn, err := l.AcceptUnix()
 	if err != nil {
 		return err
@@ -246,7 +247,7 @@ func servePingPong(sc ServerConfig, deadline time.Time) error {
 	}
 	defer m.Close()
 	w := shm.U64(m.Bytes(), 0)
-	fmt.Fprintln(sc.Ready, "ready")
+	harness.SayReady(sc.Ready)
 	for i := 0; i < sc.Count; i++ {
 		want := uint64(2*i + 1)
 		for spins := 1; w.Load() != want; spins++ {

@@ -3,6 +3,8 @@ package ringbench
 import (
 	"slices"
 	"time"
+
+	"github.com/ringside-kv/ringside/bench/harness"
 )
 
 // samples collects latencies in nanoseconds. Every sample is kept (a row has
@@ -33,13 +35,5 @@ func (s *samples) summary() summary {
 	for _, x := range v {
 		sum += x
 	}
-	return summary{n: n, p50: rank(v, 50), p99: rank(v, 99), mean: sum / int64(n)}
-}
-
-// rank returns the nearest-rank q-th percentile of sorted v.
-func rank(v []int64, q int) int64 {
-	n := len(v)
-	k := (q*n + 99) / 100 // ceil(q*n/100)
-	k = min(n, max(1, k))
-	return v[k-1]
+	return summary{n: n, p50: harness.Rank(v, 50), p99: harness.Rank(v, 99), mean: sum / int64(n)}
 }

@@ -1,5 +1,7 @@
 // Command ringside is the KV-cache sidecar for LLM inference engines: one
-// binary with the subcommands serve, bench, inspect and version.
+// binary with the subcommands serve, inspect and version. The benchmarks
+// are cmd/ringside-bench; this binary links none of their code (see
+// deps_test.go).
 package main
 
 import (

@@ -1,4 +1,4 @@
-// Package copybench is `ringside bench copy`: copy-engine bandwidth between
+// Package copybench is `ringside-bench copy`: copy-engine bandwidth between
 // the pinned pool and engine memory held by a second process (a gputest
 // peer), for the host backend (process_vm_readv/writev) or the CUDA backend
 // (CUDA IPC, cuMemcpyBatchAsync), per page size, page count, direction and
@@ -15,6 +15,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/gputest"
 	"github.com/ringside-kv/ringside/gpu/internal/hostmem"
@@ -219,13 +220,7 @@ func Run(cfg Config) ([]Row, error) {
 	if !cfg.JSON {
 		PrintTable(cfg.Out, rows)
 	}
-	for _, v := range Verdicts(rows) {
-		if cfg.JSON {
-			logf("%s", v)
-		} else {
-			fmt.Fprintln(cfg.Out, v)
-		}
-	}
+	harness.Verdicts(cfg.Out, cfg.Log, cfg.JSON, cfg.Quiet, Verdicts(rows))
 	return rows, nil
 }
 

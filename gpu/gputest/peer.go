@@ -3,7 +3,7 @@
 // sidecar's cross-process path: a peer allocates memory (host memory for
 // the host backend, device memory exported with cudaIpcGetMemHandle for the
 // CUDA backend), reports how to reach it, and fills or dumps it on request.
-// A peer is the test binary or the ringside executable re-executed with
+// A peer is the test binary or the ringside-bench executable re-executed with
 // PeerEnv set; its entry point is PeerMain. The conformance suite that runs
 // against every backend lives in this package's tests.
 package gputest
@@ -59,7 +59,7 @@ type Peer struct {
 	Timeout time.Duration
 }
 
-// StartPeer starts argv (the test binary, or `ringside bench copy-peer`)
+// StartPeer starts argv (the test binary, or `ringside-bench copy-peer`)
 // with PeerEnv=kind and waits for it to report ready.
 func StartPeer(kind string, argv []string, env ...string) (*Peer, error) {
 	cmd := exec.Command(argv[0], argv[1:]...)

@@ -1,15 +1,18 @@
 // Package cli defines ringside's command line: flags (each with a RINGSIDE_
 // environment variable), subcommands, and the wiring from flags to the
-// sidecar, the benchmarks and the inspector.
+// sidecar and the inspector. The benchmarks are another binary,
+// ringside-bench (bench/benchcli), that this one never links.
 package cli
 
 import (
+	"errors"
 	"strings"
 
 	"github.com/rs/zerolog"
 	"github.com/urfave/cli/v2"
 
 	"github.com/ringside-kv/ringside/internal/logx"
+	"github.com/ringside-kv/ringside/internal/units"
 )
 
 // Version is set at build time with -ldflags "-X ...cli.Version=...".
@@ -24,8 +27,8 @@ func App() *cli.App {
 		Flags:   logFlags(),
 		Commands: []*cli.Command{
 			serveCommand(),
-			benchCommand(),
 			inspectCommand(),
+			movedBenchCommand(),
 			{
 				Name:  "version",
 				Usage: "print the version",
@@ -58,14 +61,19 @@ func logger(c *cli.Context) (zerolog.Logger, error) {
 	return logx.New(c.App.ErrWriter, c.String("log.format"), c.String("log.level"))
 }
 
-// benchCommand groups the benchmarks; each lives in its own file.
-func benchCommand() *cli.Command {
+// ParseBytes parses sizes like 4096, 64KiB, 1.5GiB, 16GB (powers of 1000)
+// or 16G (powers of 1024): see units.ParseBytes.
+func ParseBytes(s string) (uint64, error) { return units.ParseBytes(s) }
+
+// movedBenchCommand answers `ringside bench ...`, which ran the benchmarks
+// before they became their own binary, with where they are now.
+func movedBenchCommand() *cli.Command {
 	return &cli.Command{
-		Name:        "bench",
-		Usage:       "run a benchmark against real rings and a live sidecar",
-		Subcommands: benchSubcommands,
+		Name:            "bench",
+		Hidden:          true,
+		SkipFlagParsing: true,
+		Action: func(*cli.Context) error {
+			return errors.New("the benchmarks are their own binary now: ringside-bench ring|poll|delta|replay|copy (make build builds bin/ringside-bench)")
+		},
 	}
 }
-
-// benchSubcommands is filled by the bench_*.go files' init functions.
-var benchSubcommands []*cli.Command

@@ -7,13 +7,14 @@ import (
 	"os"
 	"time"
 
+	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/schema"
 )
 
 // RelayConfig is the command line of a socket front end (the hidden
-// `ringside bench poll-relay` and `ringside bench replay-relay`).
+// `ringside-bench poll-relay` and `ringside-bench replay-relay`).
 type RelayConfig struct {
 	Sidecar  string // the sidecar's attach socket
 	Listen   string // the Unix socket to serve frames on
@@ -96,7 +97,7 @@ func Relay(rc RelayConfig) error {
 	}
 	defer os.Remove(rc.Listen)
 	defer CloseListener(lfd)
-	fmt.Fprintln(rc.Ready, "ready")
+	harness.SayReady(rc.Ready)
 	fc, err := Accept(lfd, rc.Timeout)
 	if err != nil {
 		return fmt.Errorf("relay: %w", err)

@@ -1,4 +1,4 @@
-package cli
+package benchcli
 
 import (
 	"fmt"
@@ -11,13 +11,10 @@ import (
 	"golang.org/x/term"
 
 	"github.com/ringside-kv/ringside/bench/replay"
+	"github.com/ringside-kv/ringside/internal/units"
 )
 
-func init() {
-	benchSubcommands = append(benchSubcommands, benchReplayCommand(), benchReplayRelayCommand())
-}
-
-// benchReplayCommand is `ringside bench replay`: a trace replayed through
+// benchReplayCommand is `ringside-bench replay`: a trace replayed through
 // live sidecar processes, one per pool capacity, against an offline LRU.
 func benchReplayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.replay." + name) }
@@ -25,7 +22,7 @@ func benchReplayCommand() *cli.Command {
 		Name:  "replay",
 		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
 		Description: "Expands each trace block into --page-tokens pages (chained hashes), starts `ringside serve`\n" +
-			"(this executable) once per --capacity-pages, and drives it from --engines simulated engine\n" +
+			"(--ringside) once per --capacity-pages, and drives it from --engines simulated engine\n" +
 			"instances, each its own session with its own registered memory: per request, register the\n" +
 			"hashes, look up, acquire (poll until ready) and load the hit prefix, store the missed pages,\n" +
 			"release. Every engine step first catches up with the change log (delta) and, as the baseline,\n" +
@@ -35,6 +32,7 @@ func benchReplayCommand() *cli.Command {
 			"Files in --out: replay.jsonl, capacity.csv, ops.csv, sidecar.csv, steps.csv, verdicts.txt,\n" +
 			"hit-rate.png, latency.png, step-cost.png.",
 		Flags: []cli.Flag{
+			ringsideFlag(e("ringside")),
 			&cli.StringSliceFlag{Name: "trace", Usage: "trace file, JSON Lines {timestamp ms, input_length, output_length, hash_ids} (repeatable: merged by timestamp, sharing no blocks)", EnvVars: e("trace")},
 			&cli.IntFlag{Name: "page-tokens", Value: replay.DefaultPageTokens, Usage: "tokens per engine page", EnvVars: e("page-tokens")},
 			&cli.IntFlag{Name: "block-tokens", Value: 512, Usage: "tokens per trace block (hash id)", EnvVars: e("block-tokens")},
@@ -58,13 +56,13 @@ func benchReplayCommand() *cli.Command {
 		Action: func(c *cli.Context) error {
 			pb := int64(0)
 			if s := c.String("page-bytes"); s != "auto" && s != "" {
-				v, err := ParseBytes(s)
+				v, err := units.ParseBytes(s)
 				if err != nil {
 					return fmt.Errorf("--page-bytes: %w", err)
 				}
 				pb = int64(v)
 			}
-			kv, err := ParseBytes(c.String("kv-bytes-per-token"))
+			kv, err := units.ParseBytes(c.String("kv-bytes-per-token"))
 			if err != nil {
 				return fmt.Errorf("--kv-bytes-per-token: %w", err)
 			}
@@ -77,6 +75,7 @@ func benchReplayCommand() *cli.Command {
 			ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			_, err = replay.Run(ctx, replay.Config{
+				Ringside:        c.String("ringside"),
 				Traces:          c.StringSlice("trace"),
 				PageTokens:      c.Int("page-tokens"),
 				BlockTokens:     c.Int("block-tokens"),
@@ -105,13 +104,13 @@ func benchReplayCommand() *cli.Command {
 	}
 }
 
-// benchReplayRelayCommand is the socket front end of `bench replay`, one
+// benchReplayRelayCommand is the socket front end of `replay`, one
 // per engine, run by it in a child process; not for direct use.
 func benchReplayRelayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.replay-relay." + name) }
 	return &cli.Command{
 		Name:   "replay-relay",
-		Usage:  "Unix-socket front end of `bench replay` (internal)",
+		Usage:  "Unix-socket front end of `replay` (internal)",
 		Hidden: true,
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "sidecar", Required: true, Usage: "the sidecar's attach socket", EnvVars: e("sidecar")},

@@ -1,4 +1,4 @@
-package cli
+package benchcli
 
 import (
 	"time"
@@ -8,11 +8,7 @@ import (
 	"github.com/ringside-kv/ringside/bench/ringbench"
 )
 
-func init() {
-	benchSubcommands = append(benchSubcommands, benchRingCommand(), benchRingServerCommand())
-}
-
-// benchRingCommand is `ringside bench ring`: ring latency and throughput
+// benchRingCommand is `ringside-bench ring`: ring latency and throughput
 // between two processes, against a socket and a bare ping-pong.
 func benchRingCommand() *cli.Command {
 	// Env names carry the bench.ring prefix so that the sidecar's variables
@@ -22,7 +18,7 @@ func benchRingCommand() *cli.Command {
 		Name:  "ring",
 		Usage: "round-trip latency (Go and Python clients, ring vs Unix socket vs bare ping-pong) and one-way throughput of the shared-memory ring",
 		Description: "The server side runs in a separate process (this executable, re-run as the hidden\n" +
-			"`bench ring-server`). Python rows spawn `python3 -m ringside._benchpeer` and are\n" +
+			"`ring-server`). Python rows spawn `python3 -m ringside._benchpeer` and are\n" +
 			"skipped, with the reason, when Python or connector/python is missing.",
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "dir", Usage: "directory for the benchmark's rings and socket (default /dev/shm/ringside-bench-<pid>); removed at the end if the run created it", EnvVars: e("dir")},
@@ -60,13 +56,13 @@ func benchRingCommand() *cli.Command {
 
 const ringbenchDefaultTimeout = 30 * time.Second
 
-// benchRingServerCommand is the server side of `bench ring`, run by it in a
+// benchRingServerCommand is the server side of `ring`, run by it in a
 // child process; not for direct use.
 func benchRingServerCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.ring-server." + name) }
 	return &cli.Command{
 		Name:   "ring-server",
-		Usage:  "server process of `bench ring` (internal)",
+		Usage:  "server process of `ring` (internal)",
 		Hidden: true,
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "mode", Required: true, Usage: "ring, uds, pingpong or throughput", EnvVars: e("mode")},

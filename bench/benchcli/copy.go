@@ -1,4 +1,4 @@
-package cli
+package benchcli
 
 import (
 	"fmt"
@@ -10,20 +10,17 @@ import (
 
 	"github.com/ringside-kv/ringside/gpu/copybench"
 	"github.com/ringside-kv/ringside/gpu/gputest"
+	"github.com/ringside-kv/ringside/internal/units"
 )
 
-func init() {
-	benchSubcommands = append(benchSubcommands, benchCopyCommand(), benchCopyPeerCommand())
-}
-
-// benchCopyCommand is `ringside bench copy`: copy-engine bandwidth between
+// benchCopyCommand is `ringside-bench copy`: copy-engine bandwidth between
 // the pool and engine memory in a second process.
 func benchCopyCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.copy." + name) }
 	return &cli.Command{
 		Name:  "copy",
 		Usage: "copy-engine bandwidth pool<->engine memory of a second process, batched vs per-range vs one plain copy, per page size and count",
-		Description: "The engine side is this executable re-run as the hidden `bench copy-peer`: host memory\n" +
+		Description: "The engine side is this executable re-run as the hidden `copy-peer`: host memory\n" +
 			"for --backend host (copied with process_vm_readv/writev), device memory exported with CUDA IPC\n" +
 			"for --backend cuda. Directions: h2d = pool to engine (load), d2h = engine to pool (store).\n" +
 			"ceiling = one plain copy of the same bytes (host: copy() in this process; cuda: one\n" +
@@ -41,7 +38,7 @@ func benchCopyCommand() *cli.Command {
 		Action: func(c *cli.Context) error {
 			var pbs []uint64
 			for _, f := range strings.Split(c.String("page-bytes"), ",") {
-				b, err := ParseBytes(strings.TrimSpace(f))
+				b, err := units.ParseBytes(strings.TrimSpace(f))
 				if err != nil || b == 0 {
 					return fmt.Errorf("--page-bytes %q: %v", f, err)
 				}
@@ -58,7 +55,7 @@ func benchCopyCommand() *cli.Command {
 			var maxBytes uint64
 			if s := c.String("max-bytes"); s != "" {
 				var err error
-				if maxBytes, err = ParseBytes(s); err != nil {
+				if maxBytes, err = units.ParseBytes(s); err != nil {
 					return fmt.Errorf("--max-bytes: %v", err)
 				}
 			}
@@ -79,7 +76,7 @@ func benchCopyCommand() *cli.Command {
 				Pages:     pages,
 				MaxBytes:  maxBytes,
 				MinTime:   c.Duration("min-time"),
-				PeerArgv:  []string{exe, "bench", "copy-peer"},
+				PeerArgv:  []string{exe, "copy-peer"},
 				JSON:      c.Bool("json"),
 				Quiet:     c.Bool("quiet"),
 				Out:       c.App.Writer,
@@ -104,7 +101,7 @@ func benchCopyPeerCommand() *cli.Command {
 		Action: func(c *cli.Context) error {
 			kind := os.Getenv(gputest.PeerEnv)
 			if kind == "" {
-				return fmt.Errorf("copy-peer is started by `ringside bench copy` (%s unset)", gputest.PeerEnv)
+				return fmt.Errorf("copy-peer is started by `ringside-bench copy` (%s unset)", gputest.PeerEnv)
 			}
 			if code := gputest.PeerMain(kind); code != 0 {
 				return cli.Exit("", code)

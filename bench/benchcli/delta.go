@@ -1,4 +1,4 @@
-package cli
+package benchcli
 
 import (
 	"time"
@@ -8,11 +8,7 @@ import (
 	"github.com/ringside-kv/ringside/bench/deltabench"
 )
 
-func init() {
-	benchSubcommands = append(benchSubcommands, benchDeltaCommand())
-}
-
-// benchDeltaCommand is `ringside bench delta`: the cache's metadata cost per
+// benchDeltaCommand is `ringside-bench delta`: the cache's metadata cost per
 // engine step (delta log versus a walk of the index) and per block.
 func benchDeltaCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.delta." + name) }

@@ -1,4 +1,4 @@
-package cli
+package benchcli
 
 import (
 	"time"
@@ -6,13 +6,10 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/ringside-kv/ringside/bench/pollbench"
+	"github.com/ringside-kv/ringside/internal/units"
 )
 
-func init() {
-	benchSubcommands = append(benchSubcommands, benchPollCommand(), benchPollRelayCommand())
-}
-
-// benchPollCommand is `ringside bench poll`: per-call latency of polling
+// benchPollCommand is `ringside-bench poll`: per-call latency of polling
 // waiting queries of 64, 256 and 1024 hashes on a live sidecar process.
 func benchPollCommand() *cli.Command {
 	// The bench.poll prefix keeps the sidecar's own variables (RINGSIDE_DIR)
@@ -21,13 +18,14 @@ func benchPollCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "poll",
 		Usage: "Poll latency on waiting queries of 64/256/1024 hashes against a live sidecar process: Go over the ring, Go over a Unix socket (same records), Python",
-		Description: "Starts `ringside serve` (this executable) with a private --dir, publishes --pages pages,\n" +
+		Description: "Starts `ringside serve` (--ringside) with a private --dir, publishes --pages pages,\n" +
 			"fills the instance's load budget with one lease, queues one waiting query per size and\n" +
 			"times --batches batches of --polls Poll calls per row. The uds rows go through the hidden\n" +
-			"`bench poll-relay` process, which forwards each framed record over its own ring session.\n" +
+			"`poll-relay` process, which forwards each framed record over its own ring session.\n" +
 			"The python row runs `python3 -m ringside._pollbench` and is skipped, with the reason,\n" +
 			"when Python or the session client (connector/python/ringside/client.py) is missing.",
 		Flags: []cli.Flag{
+			ringsideFlag(e("ringside")),
 			&cli.StringFlag{Name: "dir", Usage: "sidecar directory (default /dev/shm/ringside-pollbench-<pid>); removed at the end if the run created it", EnvVars: e("dir")},
 			&cli.StringFlag{Name: "sizes", Value: "64,256,1024", Usage: "hashes per waiting query, comma separated", EnvVars: e("sizes")},
 			&cli.IntFlag{Name: "polls", Value: 1000, Usage: "timed polls per batch", EnvVars: e("polls")},
@@ -48,11 +46,12 @@ func benchPollCommand() *cli.Command {
 			if err != nil {
 				return err
 			}
-			pb, err := ParseBytes(c.String("page-bytes"))
+			pb, err := units.ParseBytes(c.String("page-bytes"))
 			if err != nil {
 				return err
 			}
 			_, err = pollbench.Run(c.Context, pollbench.Config{
+				Ringside:   c.String("ringside"),
 				Dir:        c.String("dir"),
 				Sizes:      sizes,
 				Polls:      c.Int("polls"),
@@ -75,13 +74,13 @@ func benchPollCommand() *cli.Command {
 	}
 }
 
-// benchPollRelayCommand is the socket front end of `bench poll`, run by it
+// benchPollRelayCommand is the socket front end of `poll`, run by it
 // in a child process; not for direct use.
 func benchPollRelayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.poll-relay." + name) }
 	return &cli.Command{
 		Name:   "poll-relay",
-		Usage:  "Unix-socket front end of `bench poll` (internal)",
+		Usage:  "Unix-socket front end of `poll` (internal)",
 		Hidden: true,
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "sidecar", Required: true, Usage: "the sidecar's attach socket", EnvVars: e("sidecar")},

@@ -1,0 +1,64 @@
+package benchcli
+
+import (
+	"bytes"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// TestCommands pins the subcommands: the benchmarks keep the names they
+// had under `ringside bench`, and the hidden ones are what the benchmarks
+// re-run this executable as.
+func TestCommands(t *testing.T) {
+	var visible, hidden []string
+	for _, c := range App().Commands {
+		if c.Hidden {
+			hidden = append(hidden, c.Name)
+		} else {
+			visible = append(visible, c.Name)
+		}
+	}
+	if want := []string{"ring", "poll", "delta", "replay", "copy"}; !slices.Equal(visible, want) {
+		t.Errorf("benchmarks %v, want %v", visible, want)
+	}
+	if want := []string{"ring-server", "poll-relay", "replay-relay", "copy-peer"}; !slices.Equal(hidden, want) {
+		t.Errorf("hidden subcommands %v, want %v", hidden, want)
+	}
+}
+
+// TestEveryFlagHasAnEnvVar: RINGSIDE_BENCH_<SUBCOMMAND>_<FLAG>, so that
+// the sidecar's own variables (RINGSIDE_DIR) never steer a benchmark.
+func TestEveryFlagHasAnEnvVar(t *testing.T) {
+	for _, c := range App().Commands {
+		prefix := "RINGSIDE_" + strings.ToUpper(strings.NewReplacer("-", "_").Replace("bench_"+c.Name)) + "_"
+		for _, f := range c.Flags {
+			if !strings.Contains(f.String(), "$"+prefix) {
+				t.Errorf("%s --%s has no %s variable: %s", c.Name, f.Names()[0], prefix, f.String())
+			}
+		}
+	}
+}
+
+// TestNoRingside: poll and replay say which executable is missing and how
+// to point at one, before they start anything.
+func TestNoRingside(t *testing.T) {
+	dir := t.TempDir() + "/never-made"
+	for _, args := range [][]string{
+		{"poll", "--dir", dir},
+		{"replay", "--dir", dir, "--out", "-", "--trace", "../replay/testdata/conversation_trace_300.jsonl"},
+	} {
+		app := App()
+		var out bytes.Buffer
+		app.Writer, app.ErrWriter = &out, &out
+		argv := append([]string{"ringside-bench", args[0], "--ringside", "/nonexistent/ringside"}, args[1:]...)
+		err := app.Run(argv)
+		if err == nil || !strings.Contains(err.Error(), "--ringside /nonexistent/ringside") {
+			t.Errorf("%s: %v", args[0], err)
+		}
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("a benchmark with no sidecar made its directory (stat: %v)", err)
+	}
+}
