@@ -20,7 +20,9 @@ import (
 
 func init() {
 	defect(Defect{Issue: 16, Point: 16, Title: "EMFILE on accept makes the sidecar exit",
-		Tests: "TestAcceptFdExhaustion"})
+		Tests:  "TestAcceptFdExhaustion",
+		Before: "628f441: the sidecar stopped serving when accept ran out of descriptors (exit: exit status 1): ringside: accept unixpacket …/ringside.sock: accept4: too many open files",
+		Fix:    "accept errors back off (5 ms doubling to 1 s) and accepting goes on; only a closed listener ends Serve; ringside_accept_errors_total"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that

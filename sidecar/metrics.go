@@ -29,6 +29,7 @@ type metrics struct {
 	detaches     prometheus.Counter
 	attachErrors prometheus.Counter
 	expired      prometheus.Counter
+	acceptErrors prometheus.Counter
 	srv          *http.Server
 }
 
@@ -44,7 +45,8 @@ func newMetrics(s *Server) *metrics {
 	m.detaches = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_detaches_total", Help: "Sessions ended (clean or not)."})
 	m.attachErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attach_errors_total", Help: "Attach requests refused."})
 	m.expired = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_leases_expired_total", Help: "Leases whose deadline passed (their queries resolved as misses)."})
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.expired} {
+	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_accept_errors_total", Help: "Failed accepts on the attach socket (EMFILE and the like); each is retried after a backoff of 5 ms to 1 s."})
+	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.expired, m.acceptErrors} {
 		f(c)
 	}
 	f(collectors.NewGoCollector())

@@ -268,18 +268,21 @@ func (s *Server) Serve(ctx context.Context) error {
 		s.Shutdown()
 	}()
 	var err error
+	var delay time.Duration // accept backoff (accept.go)
 	for {
 		conn, aerr := s.ln.AcceptUnix()
 		if aerr != nil {
 			if s.draining.Load() {
 				break
 			}
-			if ne, ok := aerr.(net.Error); ok && ne.Timeout() {
-				continue
+			if errors.Is(aerr, net.ErrClosed) {
+				err = aerr
+				break
 			}
-			err = aerr
-			break
+			s.acceptFailed(aerr, &delay)
+			continue
 		}
+		delay = 0
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
