@@ -1,6 +1,10 @@
 package reliability
 
 import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -23,6 +27,8 @@ func init() {
 		Tests:  "TestAcceptFdExhaustion",
 		Before: "628f441: the sidecar stopped serving when accept ran out of descriptors (exit: exit status 1): ringside: accept unixpacket …/ringside.sock: accept4: too many open files",
 		Fix:    "accept errors back off (5 ms doubling to 1 s) and accepting goes on; only a closed listener ends Serve; ringside_accept_errors_total"})
+	defect(Defect{Issue: 16, Point: 17, Title: "idle keep-alive connections to the metrics server are never closed and exhaust the descriptors",
+		Tests: "TestMetricsIdleConnections"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that
@@ -137,4 +143,129 @@ func TestAcceptFdExhaustion(t *testing.T) {
 		t.Errorf("ringside_accept_errors_total = %v after EMFILE, want at least 1", errs)
 	}
 	row.add("sidecar held %d descriptors at start, limit %d, %d at EMFILE; alive after 2 s of EMFILE, %v accept errors counted (backoff); attach and ping after the connections closed: ok", base, limit.Cur, held, errs)
+}
+
+// keepAlive opens an HTTP/1.1 connection to addr, makes one request on it
+// and leaves it open and idle (keep-alive).
+func keepAlive(addr, path string) (net.Conn, error) {
+	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: ringside\r\n\r\n", path)
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err == nil {
+		_, err = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	c.SetDeadline(time.Time{})
+	return c, nil
+}
+
+// closedByPeer reports whether the server has closed c (a read ends with
+// EOF or a reset within wait).
+func closedByPeer(c net.Conn, wait time.Duration) bool {
+	c.SetReadDeadline(time.Now().Add(wait))
+	_, err := c.Read(make([]byte, 1))
+	var ne net.Error
+	return err != nil && !(errors.As(err, &ne) && ne.Timeout())
+}
+
+// metricsConns is the default --metrics.max-conns.
+const metricsConns = 64
+
+// TestMetricsIdleConnections: clients of the metrics port that make one
+// request each and then keep their connections open and idle.
+func TestMetricsIdleConnections(t *testing.T) {
+	row := record(t, "Resource exhaustion", "300 HTTP keep-alive connections to the metrics port, one request each, then left open and idle; then, with --metrics.idle-timeout 300ms and --metrics.read-timeout 300ms, 20 idle connections and one that sends half a request header",
+		fmt.Sprintf("the sidecar holds at most --metrics.max-conns (%d by default) connections, closing the longest idle to make room: its descriptor count stays within %d + 8 of its start, and /metrics, /readyz and an attach still answer while the 300 are open; idle connections are closed after the idle timeout and a half-sent request after the read timeout, and the descriptors come back", metricsConns, metricsConns), "")
+	sc := startSidecar(t, newDir(t))
+	pid := sc.pid()
+	base := fdCount(pid)
+	var conns []net.Conn
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for i := 0; i < 300; i++ {
+		c, err := keepAlive(sc.addr, "/healthz")
+		if err != nil {
+			t.Fatalf("keep-alive connection %d: %v", i, err)
+		}
+		conns = append(conns, c)
+	}
+	held := fdCount(pid)
+	if held > base+metricsConns+8 {
+		t.Errorf("the sidecar holds %d descriptors with 300 idle metrics connections open, %d at start: the connections are not bounded", held, base)
+	}
+	c := http.Client{Timeout: 2 * time.Second}
+	for _, path := range []string{"/metrics", "/readyz"} {
+		resp, err := c.Get("http://" + sc.addr + path)
+		if err != nil {
+			t.Errorf("%s with 300 idle connections open: %v", path, err)
+			continue
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Errorf("%s with 300 idle connections open: %s", path, resp.Status)
+		}
+	}
+	e := dial(t, opts(sc.sock, "metrics-idle"))
+	if err := e.Ping(1); err != nil {
+		t.Errorf("ping with 300 idle connections open: %v", err)
+	}
+	closed := 0
+	for _, c := range conns {
+		if closedByPeer(c, 10*time.Millisecond) {
+			closed++
+		}
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	conns = nil
+	if t.Failed() {
+		return
+	}
+	row.add("300 idle connections: sidecar descriptors %d → %d, %d of the connections closed by the sidecar to make room; /metrics, /readyz and an attach answered", base, held, closed)
+
+	// Short timeouts: idle connections and a stalled request are closed.
+	sc2 := startSidecar(t, newDir(t), "--metrics.idle-timeout", "300ms", "--metrics.read-timeout", "300ms")
+	pid2 := sc2.pid()
+	base2 := fdCount(pid2)
+	for i := 0; i < 20; i++ {
+		c, err := keepAlive(sc2.addr, "/metrics")
+		if err != nil {
+			t.Fatalf("keep-alive connection %d: %v", i, err)
+		}
+		conns = append(conns, c)
+	}
+	half, err := net.Dial("tcp", sc2.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns = append(conns, half)
+	fmt.Fprintf(half, "GET /metrics HTTP/1.1\r\nHost: ringside\r\n")
+	t0 := time.Now()
+	for i, c := range conns {
+		if !closedByPeer(c, 5*time.Second) {
+			t.Fatalf("connection %d (of 20 idle and one half-sent request) still open %v after it went quiet, with 300 ms timeouts", i, time.Since(t0).Round(time.Millisecond))
+		}
+	}
+	took := time.Since(t0)
+	deadline := time.Now().Add(5 * time.Second)
+	for fdCount(pid2) > base2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := fdCount(pid2); n > base2 {
+		t.Errorf("the sidecar holds %d descriptors after its metrics connections were closed, %d before", n, base2)
+	}
+	row.add("300 ms timeouts: 20 idle connections and a half-sent request all closed by the sidecar within %v; descriptors back to %d", took.Round(time.Millisecond), base2)
 }
