@@ -85,6 +85,8 @@ type Config struct {
 	// ReplyTimeout bounds how long the sidecar waits for room in a
 	// session's completion ring before it drops the session.
 	ReplyTimeout time.Duration
+	// HTTP bounds the metrics server's connections (httpserve.go).
+	HTTP HTTPConfig
 }
 
 // Defaults.
@@ -159,6 +161,7 @@ func (c *Config) EnsureDefaults() {
 	if c.ReplyTimeout == 0 {
 		c.ReplyTimeout = 2 * time.Second
 	}
+	c.HTTP.ensureDefaults()
 }
 
 // Validate reports every bad setting, each naming its flag.
@@ -217,6 +220,7 @@ func (c *Config) Validate() error {
 	if c.ReapInterval <= 0 || c.ReplyTimeout <= 0 {
 		bad("reap-interval", "reap interval and reply timeout must be positive")
 	}
+	errs = append(errs, c.HTTP.validate()...)
 	return errors.Join(errs...)
 }
 
