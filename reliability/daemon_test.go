@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -31,6 +32,8 @@ func init() {
 		Tests:  "TestMetricsIdleConnections",
 		Before: "b1c14d8: the sidecar holds 312 descriptors with 300 idle metrics connections open, 13 at start: the connections are not bounded",
 		Fix:    "the metrics server has read, write and idle timeouts (--metrics.read-timeout, --metrics.write-timeout, --metrics.idle-timeout) and at most --metrics.max-conns (64) connections, a new one closing the one idle longest"})
+	defect(Defect{Issue: 16, Point: 18, Title: "a pre-existing --dir owned by another uid, or writable by others or by another group, is accepted: that uid can replace the socket and receive a root engine's attach request",
+		Tests: "TestDirOwnership"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that
@@ -270,4 +273,86 @@ func TestMetricsIdleConnections(t *testing.T) {
 		t.Errorf("the sidecar holds %d descriptors after its metrics connections were closed, %d before", n, base2)
 	}
 	row.add("300 ms timeouts: 20 idle connections and a half-sent request all closed by the sidecar within %v; descriptors back to %d", took.Round(time.Millisecond), base2)
+}
+
+// TestDirOwnership: `ringside serve` on a --dir that another uid owns or
+// may write to (it could replace the socket, the pool or a ring), and on
+// directories it may use.
+func TestDirOwnership(t *testing.T) {
+	row := record(t, "Isolation", "a pre-existing --dir owned by another uid (65534), or mode 0777, 1777, or 0770 with another group (65534), given to a root sidecar; and directories it may use: new, 0700, 0755, 0770 of its own group, 0770 of another group with --group-access, 0750 of another group",
+		"each unsafe directory is refused at start (exit status 1) with a message naming its owner and mode, before anything is created in it; each safe one starts and serves", "")
+	if os.Getuid() != 0 {
+		t.Skip("needs root to give a directory to another uid")
+	}
+	type dirCase struct {
+		name      string
+		mode      os.FileMode // applied with chmod (sticky included)
+		uid, gid  int         // -1: unchanged
+		extra     []string
+		refuse    []string // words the refusal must contain; nil: must start
+		nonexists bool     // --dir does not exist yet
+	}
+	cases := []dirCase{
+		{name: "owned by another uid", mode: 0o700, uid: 65534, gid: -1, refuse: []string{"uid 65534", "0700"}},
+		{name: "writable by others", mode: 0o777, uid: -1, gid: -1, refuse: []string{"uid 0", "0777"}},
+		{name: "writable by others, sticky", mode: 0o1777, uid: -1, gid: -1, refuse: []string{"uid 0", "1777"}},
+		{name: "writable by another group", mode: 0o770, uid: -1, gid: 65534, refuse: []string{"gid 65534", "0770"}},
+		{name: "new", nonexists: true},
+		{name: "0700", mode: 0o700, uid: -1, gid: -1},
+		{name: "0755", mode: 0o755, uid: -1, gid: -1},
+		{name: "0770 own group", mode: 0o770, uid: -1, gid: -1},
+		{name: "0770 another group, --group-access", mode: 0o770, uid: -1, gid: 65534, extra: []string{"--group-access"}},
+		{name: "0750 another group", mode: 0o750, uid: -1, gid: 65534},
+	}
+	var refused, started []string
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := filepath.Join(newDir(t), "rs")
+			if !tc.nonexists {
+				if err := os.Mkdir(dir, 0o700); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Chown(dir, tc.uid, tc.gid); err != nil {
+					t.Fatal(err)
+				}
+				m := tc.mode.Perm()
+				if tc.mode&0o1000 != 0 {
+					m |= os.ModeSticky
+				}
+				if err := os.Chmod(dir, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			sc, err, log := tryStart(t, dir, tc.extra...)
+			if tc.refuse == nil {
+				if sc == nil {
+					t.Fatalf("refused a safe directory (%v): %s", err, short(lastLine(log), 300))
+				}
+				c := dial(t, opts(sc.sock, "dir-"+tc.name))
+				if err := c.Ping(1); err != nil {
+					t.Fatal(err)
+				}
+				started = append(started, tc.name)
+				return
+			}
+			if sc != nil {
+				t.Fatalf("started on a directory %s: another uid could replace its socket, pool or rings", tc.name)
+			}
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+				t.Errorf("exit %v, want status 1", err)
+			}
+			msg := lastLine(log)
+			for _, w := range tc.refuse {
+				if !strings.Contains(msg, w) {
+					t.Errorf("refusal %q does not name %q", msg, w)
+				}
+			}
+			if left, _ := os.ReadDir(dir); len(left) != 0 {
+				t.Errorf("refused, yet created %v in the directory", left)
+			}
+			refused = append(refused, fmt.Sprintf("%s: %q", tc.name, short(msg, 160)))
+		})
+	}
+	row.add("refused: %s; started and served: %s", strings.Join(refused, "; "), strings.Join(started, ", "))
 }
