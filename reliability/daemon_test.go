@@ -33,7 +33,9 @@ func init() {
 		Before: "b1c14d8: the sidecar holds 312 descriptors with 300 idle metrics connections open, 13 at start: the connections are not bounded",
 		Fix:    "the metrics server has read, write and idle timeouts (--metrics.read-timeout, --metrics.write-timeout, --metrics.idle-timeout) and at most --metrics.max-conns (64) connections, a new one closing the one idle longest"})
 	defect(Defect{Issue: 16, Point: 18, Title: "a pre-existing --dir owned by another uid, or writable by others or by another group, is accepted: that uid can replace the socket and receive a root engine's attach request",
-		Tests: "TestDirOwnership"})
+		Tests:  "TestDirOwnership",
+		Before: "127baa5: started on a directory owned by another uid / writable by others / writable by others, sticky / writable by another group: another uid could replace its socket, pool or rings",
+		Fix:    "a --dir owned by another uid, writable by others, or by another group without --group-access is refused at start, naming its owner and mode"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that

@@ -89,6 +89,9 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	if err := ring.EnsureDir(cfg.Dir, cfg.dirMode()); err != nil {
 		return nil, fmt.Errorf("--dir: %w", err)
 	}
+	if err := checkDir(cfg.Dir, cfg.GroupAccess); err != nil {
+		return nil, err
+	}
 	free, ferr := sys.FreeBytes(cfg.Dir)
 	if cfg.PoolBytes == 0 {
 		cfg.PoolBytes = DefaultPoolBytes
