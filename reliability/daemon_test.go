@@ -36,6 +36,8 @@ func init() {
 		Tests:  "TestDirOwnership",
 		Before: "127baa5: started on a directory owned by another uid / writable by others / writable by others, sticky / writable by another group: another uid could replace its socket, pool or rings",
 		Fix:    "a --dir owned by another uid, writable by others, or by another group without --group-access is refused at start, naming its owner and mode"})
+	defect(Defect{Issue: 16, Point: 19, Title: "two sidecars on one --dir: the second replaces the first's socket and pool, and one's shutdown deletes the other's",
+		Tests: "TestDirLock"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that
@@ -357,4 +359,62 @@ func TestDirOwnership(t *testing.T) {
 		})
 	}
 	row.add("refused: %s; started and served: %s", strings.Join(refused, "; "), strings.Join(started, ", "))
+}
+
+// TestDirLock: a second `ringside serve` on the --dir of a running one.
+func TestDirLock(t *testing.T) {
+	row := record(t, "Faults", "a second `ringside serve` started on the --dir of a running sidecar that has a session; then the first stopped and the second started again",
+		"the second refuses to start (exit status 1), naming the first's pid, and touches nothing: the first's session still pings, a new engine attaches to the first (same epoch), its socket and pool are the same files; once the first has stopped, the second starts and serves", "")
+	dir := newDir(t)
+	first := startSidecar(t, dir)
+	c := dial(t, opts(first.sock, "first"))
+	epoch := first.epoch()
+	inode := func(p string) uint64 {
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return 0
+		}
+		return st.Ino
+	}
+	sockIno, poolIno := inode(first.sock), inode(filepath.Join(dir, "pool"))
+	second, err, log := tryStart(t, dir)
+	var refusal string
+	if second != nil {
+		t.Errorf("a second sidecar (pid %d) started on the --dir of a running one (pid %d)", second.pid(), first.pid())
+		second.stop()
+	} else {
+		refusal = lastLine(log)
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Errorf("second sidecar: exit %v, want status 1", err)
+		}
+		if !strings.Contains(refusal, fmt.Sprintf("pid %d", first.pid())) {
+			t.Errorf("the refusal does not name the running sidecar (pid %d): %q", first.pid(), refusal)
+		}
+	}
+	if err := c.Ping(1); err != nil {
+		t.Errorf("the first sidecar's session: %v", err)
+	}
+	if inode(first.sock) != sockIno || inode(filepath.Join(dir, "pool")) != poolIno {
+		t.Errorf("the first sidecar's socket or pool was replaced or removed")
+	}
+	if c2, err := connector.Dial(opts(first.sock, "after-second")); err != nil {
+		t.Errorf("attach to the first sidecar after the second tried to start: %v", err)
+	} else {
+		if c2.Info().Epoch != epoch {
+			t.Errorf("attached to epoch %x, the first sidecar's is %x", c2.Info().Epoch, epoch)
+		}
+		c2.Close()
+	}
+	if t.Failed() {
+		return
+	}
+	c.Close()
+	first.stop()
+	again := startSidecar(t, dir)
+	c3 := dial(t, opts(again.sock, "again"))
+	if err := c3.Ping(1); err != nil {
+		t.Fatal(err)
+	}
+	row.add("second refused: %q; the first kept its socket, pool and session; after it stopped, a sidecar started on the directory and served", short(refusal, 200))
 }
