@@ -37,7 +37,9 @@ func init() {
 		Before: "127baa5: started on a directory owned by another uid / writable by others / writable by others, sticky / writable by another group: another uid could replace its socket, pool or rings",
 		Fix:    "a --dir owned by another uid, writable by others, or by another group without --group-access is refused at start, naming its owner and mode"})
 	defect(Defect{Issue: 16, Point: 19, Title: "two sidecars on one --dir: the second replaces the first's socket and pool, and one's shutdown deletes the other's",
-		Tests: "TestDirLock"})
+		Tests:  "TestDirLock",
+		Before: "a0b7546: a second sidecar (pid 19394) started on the --dir of a running one (pid 19380); the first sidecar's socket or pool was replaced or removed; attach to the first sidecar after the second tried to start: connect: no such file or directory",
+		Fix:    "an exclusive flock on --dir/ringside.lock (holding the pid), taken before anything in the directory is touched; a second sidecar refuses, naming the holder's pid"})
 }
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that

@@ -1,11 +1,39 @@
 package sidecar
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 
 	"github.com/ringside-kv/ringside/internal/sys"
 )
+
+// lockName is the lock file in --dir; it holds the holder's pid.
+const lockName = "ringside.lock"
+
+// lockDir takes the exclusive lock of dir, so that a second sidecar on the
+// same directory refuses to start, naming the holder's pid, before it
+// touches the socket, the pool or a ring of the first. The lock is held
+// until Unlock (Serve's end) or the process's end, whichever comes first.
+func lockDir(dir string) (*sys.FileLock, error) {
+	path := filepath.Join(dir, lockName)
+	l, err := sys.TryLock(path, []byte(strconv.Itoa(os.Getpid())+"\n"))
+	var le *sys.LockedError
+	if errors.As(err, &le) {
+		holder := "pid " + strings.TrimSpace(le.Holder)
+		if strings.TrimSpace(le.Holder) == "" {
+			holder = "a sidecar still starting"
+		}
+		return nil, fmt.Errorf("--dir %s is in use by another sidecar (%s holds %s): stop it, or give this one a directory of its own", dir, holder, path)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("--dir: %w", err)
+	}
+	return l, nil
+}
 
 // checkDir refuses a --dir that a process of another uid could write to:
 // one owned by another uid, writable by others (sticky or not: another uid

@@ -1,10 +1,14 @@
 package sidecar
 
 import (
+	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/rs/zerolog"
 )
 
 func TestCheckDir(t *testing.T) {
@@ -58,5 +62,48 @@ func TestCheckDir(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestDirLockInProcess: a second Server on a running one's Dir fails in New
+// naming the holder (this process) and leaves the first's files alone; once
+// the first has stopped, New succeeds again.
+func TestDirLockInProcess(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "d")
+	cfg := Config{Dir: dir, PoolBytes: 64 * 4096, SlotBytes: 4096, CopyBackend: "host"}
+	first, err := New(cfg, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- first.Serve(ctx) }()
+	pool, _ := os.Stat(filepath.Join(dir, "pool"))
+	_, err = New(cfg, zerolog.Nop())
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Errorf("second server on the same dir: %v, want a refusal naming pid %d", err, os.Getpid())
+	}
+	if now, err := os.Stat(filepath.Join(dir, "pool")); err != nil || !os.SameFile(pool, now) {
+		t.Errorf("the first server's pool was replaced or removed: %v", err)
+	}
+	if _, err := os.Stat(cfg.Dir + "/ringside.sock"); err != nil {
+		t.Errorf("the first server's socket: %v", err)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	again, err := New(cfg, zerolog.Nop())
+	if err != nil {
+		t.Fatalf("after the first stopped: %v", err)
+	}
+	ctx, cancel = context.WithCancel(context.Background())
+	go func() { done <- again.Serve(ctx) }()
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if left, _ := os.ReadDir(dir); len(left) != 0 {
+		t.Errorf("files left behind: %v", left)
 	}
 }
