@@ -32,7 +32,8 @@ type Config struct {
 	// (shm.Mapping.Reserve): the whole pool is charged to the sidecar's
 	// memory and the mount now, so a limit or a mount too small for it
 	// fails at start, not hours later as the pool fills, and no copy ever
-	// takes a first-touch page fault. Off, the pool file is sparse.
+	// takes a first-touch page fault. Off, the pool file is sparse. The
+	// zero value is off; `ringside serve` defaults to on (--pool.reserve).
 	PoolReserve bool
 	// Budget is the bytes an engine instance may have admitted for loading
 	// at once; queries over it wait in state Waiting.
