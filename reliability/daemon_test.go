@@ -44,9 +44,9 @@ func init() {
 
 // tryStart runs `ringside serve` on dir like startSidecar, but a start that
 // fails is a result, not a test failure: it returns the sidecar once ready
-// (stopped at cleanup), or nil with the exit error and the log of a sidecar
+// (stopped at cleanup), or nil with the log and the exit error of a sidecar
 // that exited at start.
-func tryStart(t *testing.T, dir string, extra ...string) (*sidecar, error, string) {
+func tryStart(t *testing.T, dir string, extra ...string) (*sidecar, string, error) {
 	t.Helper()
 	s := &sidecar{t: t, dir: dir, sock: filepath.Join(dir, "ringside.sock")}
 	s.args = append(append([]string{}, defaultArgs...), extra...)
@@ -69,20 +69,20 @@ func tryStart(t *testing.T, dir string, extra ...string) (*sidecar, error, strin
 	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		select {
 		case <-s.exited:
-			return nil, s.waitErr, s.logTail()
+			return nil, s.logTail(), s.waitErr
 		default:
 		}
 		if resp, err := c.Get("http://" + s.addr + "/readyz"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == 200 {
 				t.Cleanup(s.stop)
-				return s, nil, s.logTail()
+				return s, s.logTail(), nil
 			}
 		}
 	}
 	s.kill9()
 	t.Fatalf("sidecar neither ready nor exited within 20 s: %s", s.logTail())
-	return nil, nil, ""
+	return nil, "", nil
 }
 
 // TestAcceptFdExhaustion: with the sidecar's RLIMIT_NOFILE lowered to just
@@ -184,7 +184,7 @@ func closedByPeer(c net.Conn, wait time.Duration) bool {
 	c.SetReadDeadline(time.Now().Add(wait))
 	_, err := c.Read(make([]byte, 1))
 	var ne net.Error
-	return err != nil && !(errors.As(err, &ne) && ne.Timeout())
+	return err != nil && (!errors.As(err, &ne) || !ne.Timeout())
 }
 
 // metricsConns is the default --metrics.max-conns.
@@ -329,7 +329,7 @@ func TestDirOwnership(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			sc, err, log := tryStart(t, dir, tc.extra...)
+			sc, log, err := tryStart(t, dir, tc.extra...)
 			if tc.refuse == nil {
 				if sc == nil {
 					t.Fatalf("refused a safe directory (%v): %s", err, short(lastLine(log), 300))
@@ -379,7 +379,7 @@ func TestDirLock(t *testing.T) {
 		return st.Ino
 	}
 	sockIno, poolIno := inode(first.sock), inode(filepath.Join(dir, "pool"))
-	second, err, log := tryStart(t, dir)
+	second, log, err := tryStart(t, dir)
 	var refusal string
 	if second != nil {
 		t.Errorf("a second sidecar (pid %d) started on the --dir of a running one (pid %d)", second.pid(), first.pid())

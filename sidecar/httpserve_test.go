@@ -49,7 +49,7 @@ func closed(c net.Conn, wait time.Duration) bool {
 	c.SetReadDeadline(time.Now().Add(wait))
 	_, err := c.Read(make([]byte, 1))
 	ne, ok := err.(net.Error)
-	return err != nil && !(ok && ne.Timeout())
+	return err != nil && (!ok || !ne.Timeout())
 }
 
 func TestConnLimitClosesLongestIdle(t *testing.T) {
