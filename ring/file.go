@@ -37,7 +37,9 @@ type File struct {
 // still alive.
 var ErrInUse = errors.New("ring: file in use by a live process")
 
-// Create makes a new ring file at path. If a file is already there it is
+// Create makes a new ring file at path, allocated in full: a mount without
+// room for it gives an error wrapping ENOSPC (errors.Is(err,
+// syscall.ENOSPC)) and no file. If a file is already there it is
 // replaced only when it is not a valid ring, or when every process recorded
 // in it is dead (a ring left behind by a crash is never reused: its contents
 // are not trusted); otherwise Create fails with ErrInUse. Symbolic links at
@@ -55,13 +57,15 @@ func Create(path string, o Options) (*File, error) {
 	if o.Capacity > MaxCapacity || o.Capacity < MinCapacity {
 		return nil, fmt.Errorf("ring: capacity %d outside [%d, %d]", o.Capacity, MinCapacity, MaxCapacity)
 	}
+	// Allocated before it is mapped: on a full mount Create fails with
+	// ENOSPC instead of Format (or a later record) faulting with SIGBUS.
 	size := HeaderSize + int(o.Capacity)
-	m, err := shm.Create(path, size, o.Mode)
+	m, err := shm.CreateAllocated(path, size, o.Mode)
 	if errors.Is(err, shm.ErrExists) {
 		if err := replaceStale(path); err != nil {
 			return nil, err
 		}
-		m, err = shm.Create(path, size, o.Mode)
+		m, err = shm.CreateAllocated(path, size, o.Mode)
 	}
 	if err != nil {
 		return nil, err

@@ -32,7 +32,8 @@ type Config struct {
 	// (shm.Mapping.Reserve): the whole pool is charged to the sidecar's
 	// memory and the mount now, so a limit or a mount too small for it
 	// fails at start, not hours later as the pool fills, and no copy ever
-	// takes a first-touch page fault. Off, the pool file is sparse.
+	// takes a first-touch page fault. Off, the pool file is sparse. The
+	// zero value is off; `ringside serve` defaults to on (--pool.reserve).
 	PoolReserve bool
 	// Budget is the bytes an engine instance may have admitted for loading
 	// at once; queries over it wait in state Waiting.
@@ -85,6 +86,8 @@ type Config struct {
 	// ReplyTimeout bounds how long the sidecar waits for room in a
 	// session's completion ring before it drops the session.
 	ReplyTimeout time.Duration
+	// HTTP bounds the metrics server's connections (httpserve.go).
+	HTTP HTTPConfig
 }
 
 // Defaults.
@@ -159,6 +162,7 @@ func (c *Config) EnsureDefaults() {
 	if c.ReplyTimeout == 0 {
 		c.ReplyTimeout = 2 * time.Second
 	}
+	c.HTTP.ensureDefaults()
 }
 
 // Validate reports every bad setting, each naming its flag.
@@ -217,6 +221,7 @@ func (c *Config) Validate() error {
 	if c.ReapInterval <= 0 || c.ReplyTimeout <= 0 {
 		bad("reap-interval", "reap interval and reply timeout must be positive")
 	}
+	errs = append(errs, c.HTTP.validate()...)
 	return errors.Join(errs...)
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net"
 	"net/http"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -29,11 +28,13 @@ type metrics struct {
 	detaches     prometheus.Counter
 	attachErrors prometheus.Counter
 	expired      prometheus.Counter
+	acceptErrors prometheus.Counter
 	srv          *http.Server
+	http         HTTPConfig
 }
 
 func newMetrics(s *Server) *metrics {
-	m := &metrics{reg: prometheus.NewRegistry()}
+	m := &metrics{reg: prometheus.NewRegistry(), http: s.cfg.HTTP}
 	f := func(c prometheus.Collector) { m.reg.MustRegister(c) }
 	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_requests_total", Help: "Ring records served, by type."}, []string{"type"})
 	m.errors = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_errors_total", Help: "Error replies, by status."}, []string{"status"})
@@ -44,7 +45,8 @@ func newMetrics(s *Server) *metrics {
 	m.detaches = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_detaches_total", Help: "Sessions ended (clean or not)."})
 	m.attachErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attach_errors_total", Help: "Attach requests refused."})
 	m.expired = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_leases_expired_total", Help: "Leases whose deadline passed (their queries resolved as misses)."})
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.expired} {
+	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_accept_errors_total", Help: "Failed accepts on the attach socket (EMFILE and the like); each is retried after a backoff of 5 ms to 1 s."})
+	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.expired, m.acceptErrors} {
 		f(c)
 	}
 	f(collectors.NewGoCollector())
@@ -165,14 +167,15 @@ func (m *metrics) serve(addr string) chan error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
-	m.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	var lim *connLimit
+	m.srv, lim = newHTTPServer(mux, m.http)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		errc <- err
 		return errc
 	}
 	go func() {
-		if err := m.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		if err := m.srv.Serve(lim.listen(ln)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			errc <- err
 		}
 	}()

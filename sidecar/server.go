@@ -33,6 +33,8 @@ type Server struct {
 	copier gpu.Engine
 	ln     *net.UnixListener
 	met    *metrics
+	// dirLock keeps a second sidecar off Dir (dirlock.go).
+	dirLock *sys.FileLock
 
 	// mu guards everything below: the cache, the budget, instances,
 	// queries and the session table. Handlers hold it only for bookkeeping,
@@ -81,7 +83,7 @@ type query struct {
 }
 
 // New creates the pool, the copy engine and the socket. Call Serve to run.
-func New(cfg Config, log zerolog.Logger) (*Server, error) {
+func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	cfg.EnsureDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -89,6 +91,18 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	if err := ring.EnsureDir(cfg.Dir, cfg.dirMode()); err != nil {
 		return nil, fmt.Errorf("--dir: %w", err)
 	}
+	if err := checkDir(cfg.Dir, cfg.GroupAccess); err != nil {
+		return nil, err
+	}
+	lock, err := lockDir(cfg.Dir) // dirlock.go; released by closeResources
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			lock.Unlock()
+		}
+	}()
 	free, ferr := sys.FreeBytes(cfg.Dir)
 	if cfg.PoolBytes == 0 {
 		cfg.PoolBytes = DefaultPoolBytes
@@ -103,7 +117,7 @@ func New(cfg Config, log zerolog.Logger) (*Server, error) {
 	s := &Server{
 		cfg: cfg, log: log, epoch: ring.RandomEpoch(),
 		instances: map[string]*instance{}, queries: map[uint64]*query{}, sessions: map[uint64]*session{},
-		stop: make(chan struct{}),
+		stop: make(chan struct{}), dirLock: lock,
 	}
 	if ferr == nil && free < cfg.PoolBytes {
 		return nil, fmt.Errorf("--pool.bytes: %s has %d bytes free, the pool needs %d: lower --pool.bytes or raise the size of the shared-memory mount (the emptyDir sizeLimit in Kubernetes)", cfg.Dir, free, cfg.PoolBytes)
@@ -268,18 +282,21 @@ func (s *Server) Serve(ctx context.Context) error {
 		s.Shutdown()
 	}()
 	var err error
+	var delay time.Duration // accept backoff (accept.go)
 	for {
 		conn, aerr := s.ln.AcceptUnix()
 		if aerr != nil {
 			if s.draining.Load() {
 				break
 			}
-			if ne, ok := aerr.(net.Error); ok && ne.Timeout() {
-				continue
+			if errors.Is(aerr, net.ErrClosed) {
+				err = aerr
+				break
 			}
-			err = aerr
-			break
+			s.acceptFailed(aerr, &delay)
+			continue
 		}
+		delay = 0
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
@@ -325,6 +342,7 @@ func (s *Server) closeResources() {
 		s.pool.Close()
 	}
 	shm.Unlink(s.cfg.Socket)
+	s.dirLock.Unlock() // last: the directory is free for another sidecar
 }
 
 // reaper reclaims expired leases and half-written blocks.

@@ -21,7 +21,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "socket", Usage: "attach socket path (default DIR/ringside.sock)", EnvVars: env("socket")},
 		&cli.StringFlag{Name: "pool.bytes", Value: "auto", Usage: "size of the shared-memory block pool (e.g. 512MiB, 16GiB); auto: 1GiB, or half the free space of --dir if less", EnvVars: env("pool.bytes")},
 		&cli.StringFlag{Name: "pool.slot-bytes", Value: "256KiB", Usage: "bytes per pool slot: one tensor-parallel rank's shard of one block; engine pages must not be larger", EnvVars: env("pool.slot-bytes")},
-		&cli.BoolFlag{Name: "pool.reserve", Usage: "allocate and map in the whole pool at start: its memory is charged now (a memory limit or /dev/shm size too small for it fails at start, not as the pool fills) and copies never take first-touch page faults; off, the pool file is sparse", EnvVars: env("pool.reserve")},
+		&cli.BoolFlag{Name: "pool.reserve", Value: true, Usage: "allocate and map in the whole pool at start (on by default): its memory is charged now (a memory limit or /dev/shm size too small for it fails at start, not as the pool fills) and copies never take first-touch page faults; --pool.reserve=false leaves the pool file sparse, charged as it fills: a full mount then fails stores, or crashes the sidecar (SIGBUS) where it writes a never-touched pool page itself", EnvVars: env("pool.reserve")},
 		&cli.StringFlag{Name: "budget", Value: "64MiB", Usage: "bytes an engine instance may have admitted for loading at once", EnvVars: env("budget")},
 		&cli.DurationFlag{Name: "lease.ttl", Value: sidecar.DefaultLeaseTTL, Usage: "default lease time-to-live", EnvVars: env("lease.ttl")},
 		&cli.DurationFlag{Name: "lease.max-ttl", Value: sidecar.DefaultMaxLeaseTTL, Usage: "longest lease a client may ask for", EnvVars: env("lease.max-ttl")},
@@ -33,6 +33,10 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "copy.backend", Value: "auto", Usage: "copy engine: auto (CUDA for GPU regions when a GPU and driver are usable, else host only), host, or cuda (fail at start without CUDA)", EnvVars: env("copy.backend")},
 		&cli.IntFlag{Name: "copy.workers", Value: 2, Usage: "host copy goroutines", EnvVars: env("copy.workers")},
 		&cli.StringFlag{Name: "metrics.addr", Value: sidecar.DefaultMetricsAddr, Usage: "address for /metrics, /healthz, /readyz and /debug/state (empty: off)", EnvVars: env("metrics.addr")},
+		&cli.DurationFlag{Name: "metrics.read-timeout", Value: sidecar.DefaultMetricsReadTimeout, Usage: "longest time to read one request on the metrics port (its headers: at most 5s)", EnvVars: env("metrics.read-timeout")},
+		&cli.DurationFlag{Name: "metrics.write-timeout", Value: sidecar.DefaultMetricsWriteTimeout, Usage: "longest time to write one response on the metrics port", EnvVars: env("metrics.write-timeout")},
+		&cli.DurationFlag{Name: "metrics.idle-timeout", Value: sidecar.DefaultMetricsIdleTimeout, Usage: "close a keep-alive connection to the metrics port after this long without a request", EnvVars: env("metrics.idle-timeout")},
+		&cli.IntFlag{Name: "metrics.max-conns", Value: sidecar.DefaultMetricsMaxConns, Usage: "most open connections to the metrics port; when all are open, a new one closes the one idle longest", EnvVars: env("metrics.max-conns")},
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the sidecar's own", EnvVars: env("allow-uid")},
 		&cli.BoolFlag{Name: "group-access", Usage: "make rings and the pool group read-write (0660) for an engine running under another uid of the same group", EnvVars: env("group-access")},
 		&cli.IntFlag{Name: "max-sessions", Value: 256, Usage: "most concurrent sessions", EnvVars: env("max-sessions")},
@@ -119,6 +123,12 @@ func ServeConfig(c *cli.Context) (sidecar.Config, error) {
 		GroupAccess:   c.Bool("group-access"),
 		MaxSessions:   c.Int("max-sessions"),
 		PrefillBlocks: c.Int("debug.prefill-blocks"),
+		HTTP: sidecar.HTTPConfig{
+			ReadTimeout:  c.Duration("metrics.read-timeout"),
+			WriteTimeout: c.Duration("metrics.write-timeout"),
+			IdleTimeout:  c.Duration("metrics.idle-timeout"),
+			MaxConns:     c.Int("metrics.max-conns"),
+		},
 	}
 	if s := c.String("allow-uid"); s != "" {
 		for _, f := range strings.Split(s, ",") {

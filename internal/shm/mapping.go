@@ -22,7 +22,26 @@ var ErrExists = errors.New("shm: file exists")
 // Create makes a new file of exactly size bytes at path and maps it. It never
 // follows a symbolic link planted at the path and never reuses an existing
 // file: O_CREAT|O_EXCL|O_NOFOLLOW. The file is zero-filled by the kernel.
+//
+// The file is sparse: its pages are allocated as they are first written,
+// and on a full tmpfs that write raises SIGBUS. Mappings this process
+// writes directly are made with CreateAllocated (or reserved, see Reserve).
 func Create(path string, size int, mode os.FileMode) (*Mapping, error) {
+	return create(path, size, mode, false)
+}
+
+// CreateAllocated is Create, and allocates every page of the file before
+// mapping it, so that no access to the mapping can fault for want of space:
+// a mount without room for size bytes fails here with an error wrapping
+// unix.ENOSPC (errors.Is(err, syscall.ENOSPC)), and the file is removed.
+// On tmpfs the pages are charged now, to the mount and to this process's
+// memory limit. Where the file system lacks fallocate, the file is written
+// with zeros instead.
+func CreateAllocated(path string, size int, mode os.FileMode) (*Mapping, error) {
+	return create(path, size, mode, true)
+}
+
+func create(path string, size int, mode os.FileMode, alloc bool) (*Mapping, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("shm: create %s: size %d must be positive", path, size)
 	}
@@ -44,12 +63,46 @@ func Create(path string, size int, mode os.FileMode) (*Mapping, error) {
 		unix.Unlink(path)
 		return nil, &os.PathError{Op: "shm truncate", Path: path, Err: err}
 	}
+	if alloc {
+		if err := allocate(fd, int64(size)); err != nil {
+			unix.Close(fd)
+			unix.Unlink(path)
+			return nil, &os.PathError{Op: "shm allocate", Path: path, Err: err}
+		}
+	}
 	m, err := mapFD(fd, path, size)
 	if err != nil {
 		unix.Unlink(path)
 		return nil, err
 	}
 	return m, nil
+}
+
+// allocate gives the file fd its first size bytes of backing store:
+// fallocate, or, where the file system has none, writing zeros (which
+// allocates too).
+func allocate(fd int, size int64) error {
+	err := unix.Fallocate(fd, 0, 0, size)
+	if !errors.Is(err, unix.EOPNOTSUPP) {
+		return err
+	}
+	return writeZeros(fd, size)
+}
+
+// writeZeros writes zeros over the first size bytes of the file fd.
+func writeZeros(fd int, size int64) error {
+	zeros := make([]byte, 64<<10)
+	for off := int64(0); off < size; {
+		n, err := unix.Pwrite(fd, zeros[:min(int64(len(zeros)), size-off)], off)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		off += int64(n)
+	}
+	return nil
 }
 
 // Open maps an existing file at path without following a symbolic link. The

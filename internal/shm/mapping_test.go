@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"unsafe"
 
@@ -104,5 +105,96 @@ func TestReserveNoSpace(t *testing.T) {
 	err = m.Reserve()
 	if !errors.Is(err, unix.ENOSPC) {
 		t.Fatalf("Reserve of 4 MiB on a 1 MiB tmpfs: %v, want ENOSPC", err)
+	}
+}
+
+// allocated is the bytes of backing store the file at path has.
+func allocated(t *testing.T, path string) int64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks * 512
+}
+
+func TestCreateAllocated(t *testing.T) {
+	dir := shmDir(t)
+	for _, size := range []int{4096, 1 << 20, 3<<20 + 4096*3} {
+		path := filepath.Join(dir, "a")
+		m, err := CreateAllocated(path, size, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := allocated(t, path); got < int64(size) {
+			t.Errorf("size %d: %d bytes allocated", size, got)
+		}
+		if m.Len() != size {
+			t.Errorf("size %d: mapped %d", size, m.Len())
+		}
+		for i, b := range m.Bytes() {
+			if b != 0 {
+				t.Fatalf("size %d: byte %d is %d, want zero", size, i, b)
+			}
+		}
+		m.Close()
+		Unlink(path)
+	}
+}
+
+// TestCreateAllocatedNoSpace: on a 1 MiB tmpfs, a 4 MiB CreateAllocated
+// fails with ENOSPC and leaves neither the file nor its pages; one that
+// fits succeeds. So does the zero-writing fallback (file systems without
+// fallocate). Needs to mount a tmpfs (root, CAP_SYS_ADMIN).
+func TestCreateAllocatedNoSpace(t *testing.T) {
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("cannot mount a 1 MiB tmpfs here (%v)", err)
+	}
+	defer unix.Unmount(dir, unix.MNT_DETACH)
+	free := func() uint64 {
+		var st unix.Statfs_t
+		if err := unix.Statfs(dir, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Bavail * uint64(st.Bsize)
+	}
+	before := free()
+	path := filepath.Join(dir, "ring")
+	m, err := CreateAllocated(path, 4<<20, 0o600)
+	if err == nil {
+		m.Close()
+		t.Fatal("a 4 MiB file allocated on a 1 MiB tmpfs")
+	}
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("CreateAllocated of 4 MiB on a 1 MiB tmpfs: %v, want ENOSPC", err)
+	}
+	if _, err := os.Lstat(path); !os.IsNotExist(err) {
+		t.Errorf("the refused file is still there (%v)", err)
+	}
+	if now := free(); now != before {
+		t.Errorf("%d bytes free after the refusal, %d before", now, before)
+	}
+	m, err = CreateAllocated(path, 512<<10, 0o600)
+	if err != nil {
+		t.Fatalf("512 KiB on an empty 1 MiB tmpfs: %v", err)
+	}
+	m.Close()
+	Unlink(path)
+
+	// The fallback, as used where fallocate is missing.
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := writeZeros(fd, 512<<10); err != nil {
+		t.Fatal(err)
+	}
+	if got := allocated(t, path); got < 512<<10 {
+		t.Errorf("writeZeros: %d bytes allocated of 512 KiB", got)
+	}
+	if err := writeZeros(fd, 4<<20); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("writeZeros of 4 MiB on a 1 MiB tmpfs: %v, want ENOSPC", err)
 	}
 }
