@@ -1,7 +1,8 @@
 # ringside — build, run, test.
 #   make build  bin/ringside (the product) and bin/ringside-bench (the benchmarks)
 #   make run    build and start the sidecar with defaults that work on any Linux box
-#   make test   lint, Go tests with the race detector, Python tests
+#   make test   lint, Go tests with the race detector and invariants, Python tests
+#   make fuzz   every fuzzer for FUZZTIME each
 #   make bench  build and run ringside-bench ring
 
 GO            ?= go
