@@ -1,7 +1,8 @@
 # ringside — build, run, test.
 #   make build  bin/ringside (the product) and bin/ringside-bench (the benchmarks)
 #   make run    build and start the sidecar with defaults that work on any Linux box
-#   make test   lint, Go tests with the race detector, Python tests
+#   make test   lint, Go tests with the race detector and invariants, Python tests
+#   make fuzz   every fuzzer for FUZZTIME each
 #   make bench  build and run ringside-bench ring
 
 GO            ?= go
@@ -30,8 +31,12 @@ run: build
 
 test: lint gotest vllm-venv sglang-venv pytest
 
+# Go tests run with invariants on (internal/invariants: the race tag implies
+# them, the tag says so): internal checks, poisoned released ring records.
+GOTAGS        ?= invariants
+
 gotest:
-	$(GO) test -race -count=1 ./...
+	$(GO) test -race -tags $(GOTAGS) -count=1 ./...
 
 pytest:
 	$(PYTHON) -m pytest -q connector/python/tests
@@ -65,12 +70,31 @@ $(GOLANGCI_LINT):
 	GOBIN=$(TOOLS) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	mv $(TOOLS)/golangci-lint $(GOLANGCI_LINT)
 
-# Short fuzzing of every decoder (the seed corpora in testdata/fuzz run in
-# every `make test`).
-FUZZTIME ?= 20s
+# Short fuzzing of every fuzzer, each for FUZZTIME (their seed corpora in
+# testdata/fuzz run in every `make test`). One line per fuzzer: a fuzzer
+# missing here fails internal/lint's TestMakeFuzzRunsEveryFuzzer.
+# FUZZTIME=5m make fuzz for a longer run.
+FUZZTIME ?= 10s
 fuzz:
-	$(GO) test -run '^$$' -fuzz '^FuzzDecodeHeader$$' -fuzztime $(FUZZTIME) ./ring/
-	$(GO) test -run '^$$' -fuzz '^FuzzConsumer$$' -fuzztime $(FUZZTIME) ./ring/
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeHeader$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./ring/
+	$(GO) test -run '^$$' -fuzz '^FuzzConsumer$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./ring/
+	$(GO) test -run '^$$' -fuzz '^FuzzAttachRequest$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzAttachReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzPutHashes$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzIDRequest$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzLookup$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzAcquire$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzRegisterRegion$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzLoad$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzStore$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzChanges$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzLeaseReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzStoreReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzChangesReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzSnapshot$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzSnapshotReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/
 
 # The reliability soak (not part of make test): three engine processes replay
 # the conversation trace, one request at a time in trace order, with random

@@ -39,7 +39,9 @@ func TestMain(m *testing.M) {
 	// the test binary from here.
 	os.Chmod(tmp, 0o755)
 	ringsideBin = filepath.Join(tmp, "ringside")
-	build := exec.Command("go", "build", "-o", ringsideBin, "github.com/ringside-kv/ringside/cmd/ringside")
+	// With invariants (internal/invariants): the sidecar under attack runs
+	// its internal checks and poisons released ring records.
+	build := exec.Command("go", "build", "-tags", "invariants", "-o", ringsideBin, "github.com/ringside-kv/ringside/cmd/ringside")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "building ringside:", err)

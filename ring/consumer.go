@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ringside-kv/ringside/internal/invariants"
 	"github.com/ringside-kv/ringside/internal/shm"
 )
 
@@ -19,6 +20,7 @@ type Consumer struct {
 	stats     WaitStats
 	stop      atomic.Bool
 	alive     aliveCheck
+	poison    bool // with invariants.Enabled: poison released records (see Commit)
 }
 
 // NewConsumer takes the consumer role of r for this process and resumes
@@ -32,7 +34,7 @@ func NewConsumer(r *Ring, wait WaitConfig) (*Consumer, error) {
 	r.consStart.Store(start)
 	r.consPID.Store(uint32(pid))
 	r.consState.Store(0)
-	return &Consumer{r: r, head: h, committed: h, tailCache: h, wait: wait.withDefaults()}, nil
+	return &Consumer{r: r, head: h, committed: h, tailCache: h, wait: wait.withDefaults(), poison: true}, nil
 }
 
 // Ring returns the ring this consumer reads.
@@ -100,16 +102,36 @@ func (c *Consumer) Next() (Record, error) {
 }
 
 // Commit releases every record borrowed so far back to the producer with one
-// store of head, and wakes the producer only if it waits for space.
+// store of head, and wakes the producer only if it waits for space. Payloads
+// borrowed with Next are invalid from here on: in builds with invariants
+// (internal/invariants) Commit overwrites the released bytes with poison
+// first, so that code still holding an alias reads garbage and fails its
+// tests.
 func (c *Consumer) Commit() {
 	if c.head == c.committed {
 		return
+	}
+	if invariants.Enabled && c.poison {
+		c.mangle(c.committed, c.head)
 	}
 	c.r.head.Store(c.head)
 	c.committed = c.head
 	if c.r.prodParked.Load() != 0 {
 		c.r.prodFutex.Add(1)
 		shm.FutexWake(c.r.prodFutex, 1)
+	}
+}
+
+// mangle poisons the data-area bytes of positions [from, to), which this
+// consumer has read and not yet released. It runs before the store of head:
+// until then the producer never writes there, so the poison cannot land on a
+// record the producer has started to write.
+func (c *Consumer) mangle(from, to uint64) {
+	for from < to {
+		off := from & c.r.mask
+		n := min(to-from, c.r.cap-off)
+		invariants.Mangle(c.r.data[off : off+n])
+		from += n
 	}
 }
 

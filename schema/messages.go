@@ -65,8 +65,8 @@ func (m *AttachRequest) Validate() error {
 	switch {
 	case m.Role < RoleScheduler || m.Role > RoleClient:
 		return fmt.Errorf("%w: attach: role %d", ErrMalformed, m.Role)
-	case m.WorldSize == 0 || m.WorldSize > 64:
-		return fmt.Errorf("%w: attach: world size %d outside [1, 64]", ErrMalformed, m.WorldSize)
+	case m.WorldSize == 0 || m.WorldSize > MaxWorldSize:
+		return fmt.Errorf("%w: attach: world size %d outside [1, %d]", ErrMalformed, m.WorldSize, MaxWorldSize)
 	case m.Rank >= m.WorldSize:
 		return fmt.Errorf("%w: attach: rank %d not below world size %d", ErrMalformed, m.Rank, m.WorldSize)
 	case m.DigestWidth != 8 && m.DigestWidth != 16 && m.DigestWidth != 32:
@@ -323,6 +323,14 @@ func (m *Acquire) Decode(b []byte) error {
 
 // Segment is one per-layer piece of an engine page.
 type Segment struct{ Offset, Stride, Length uint64 }
+
+// SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
+const SegmentSize = 24
+
+// CUDAIPCExtraSize is the size of RegisterRegion's extra bytes for
+// RegionCUDAIPC: a 64-byte cudaIpcMemHandle_t, a 16-byte GPU UUID and the
+// u64 offset of the region in the exported allocation.
+const CUDAIPCExtraSize = 88
 
 // Region kinds.
 const (
@@ -653,6 +661,14 @@ func (m *StoreReply) Decode(b []byte) error {
 	return r.done()
 }
 
+// ChangesFlagResync is ChangesReply's flags bit 0: the cursor is behind the
+// log (or from another epoch), resynchronise from a snapshot.
+const ChangesFlagResync uint32 = 1
+
+// ChangeHeaderSize is the size of a change entry before its digest: u8 op,
+// u8[7] zero.
+const ChangeHeaderSize = 8
+
 // Change operations in the log.
 const (
 	OpStored  uint8 = 1
@@ -680,12 +696,12 @@ func (m *ChangesReply) Append(dst []byte) []byte {
 	w.u32(uint32(m.Status))
 	var flags uint32
 	if m.Resync {
-		flags = 1
+		flags = ChangesFlagResync
 	}
 	w.u32(flags)
 	w.u64(m.Epoch)
 	w.u64(m.Next)
-	es := 8 + int(m.Width)
+	es := ChangeHeaderSize + int(m.Width)
 	w.u32(uint32(len(m.Entries) / es))
 	w.u8(m.Width)
 	w.zero(3)
@@ -698,7 +714,7 @@ func (m *ChangesReply) Decode(b []byte) error {
 	r := reader{b: b, what: "changes reply"}
 	m.Status = Status(r.u32())
 	flags := r.u32()
-	m.Resync = flags&1 != 0
+	m.Resync = flags&ChangesFlagResync != 0
 	m.Epoch = r.u64()
 	m.Next = r.u64()
 	n := r.u32()
@@ -710,7 +726,7 @@ func (m *ChangesReply) Decode(b []byte) error {
 	if r.err == nil && n > MaxChangesPerReply {
 		r.fail("%d entries, at most %d", n, MaxChangesPerReply)
 	}
-	m.Entries = r.bytes(int(n) * (8 + int(m.Width)))
+	m.Entries = r.bytes(int(n) * (ChangeHeaderSize + int(m.Width)))
 	return r.done()
 }
 
@@ -719,14 +735,14 @@ func (m *ChangesReply) Len() int {
 	if m.Width == 0 {
 		return 0
 	}
-	return len(m.Entries) / (8 + int(m.Width))
+	return len(m.Entries) / (ChangeHeaderSize + int(m.Width))
 }
 
 // ChangeAt returns entry i's operation and digest (aliasing Entries).
 func (m *ChangesReply) ChangeAt(i int) (op uint8, digest []byte) {
-	es := 8 + int(m.Width)
+	es := ChangeHeaderSize + int(m.Width)
 	e := m.Entries[i*es : (i+1)*es]
-	return e[0], e[8:]
+	return e[0], e[ChangeHeaderSize:]
 }
 
 // AppendChange appends one entry to an Entries buffer.

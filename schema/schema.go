@@ -130,6 +130,7 @@ const (
 	MaxStringLen        = 1024
 	MaxChangesPerReply  = 4096
 	MaxSnapshotPerReply = 4096
+	MaxWorldSize        = 64 // tensor-parallel ranks of one engine instance (attach)
 )
 
 // Query (lease) states reported by Acquire and Poll.

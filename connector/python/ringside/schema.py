@@ -25,26 +25,31 @@ from array import array
 from enum import IntEnum
 from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
 
+from . import _wire as _w
+
 # --------------------------------------------------------------------------
-# Constants (mirror schema.go / messages.go; frozen for protocol version 1)
+# Constants. Every value comes from the generated module _wire (the Go
+# package schema's constants, see internal/wiregen): none is written here.
+# This block gives them their public Python names, which other modules and
+# users import; tests/test_wire.py checks that every Go constant has one.
 
-VERSION = 1
+VERSION = _w.SCHEMA_VERSION
 
-TYPE_PUT_HASHES = 0x01
-TYPE_DROP_HASHES = 0x02
-TYPE_LOOKUP = 0x03
-TYPE_ACQUIRE = 0x04
-TYPE_POLL = 0x05
-TYPE_RELEASE = 0x06
-TYPE_REGISTER_REGION = 0x07
-TYPE_LOAD = 0x08
-TYPE_STORE = 0x09
-TYPE_CHANGES = 0x0A
-TYPE_DETACH = 0x0B
-TYPE_PING = 0x0C
-TYPE_SNAPSHOT = 0x0D
+TYPE_PUT_HASHES = _w.SCHEMA_TYPE_PUT_HASHES
+TYPE_DROP_HASHES = _w.SCHEMA_TYPE_DROP_HASHES
+TYPE_LOOKUP = _w.SCHEMA_TYPE_LOOKUP
+TYPE_ACQUIRE = _w.SCHEMA_TYPE_ACQUIRE
+TYPE_POLL = _w.SCHEMA_TYPE_POLL
+TYPE_RELEASE = _w.SCHEMA_TYPE_RELEASE
+TYPE_REGISTER_REGION = _w.SCHEMA_TYPE_REGISTER_REGION
+TYPE_LOAD = _w.SCHEMA_TYPE_LOAD
+TYPE_STORE = _w.SCHEMA_TYPE_STORE
+TYPE_CHANGES = _w.SCHEMA_TYPE_CHANGES
+TYPE_DETACH = _w.SCHEMA_TYPE_DETACH
+TYPE_PING = _w.SCHEMA_TYPE_PING
+TYPE_SNAPSHOT = _w.SCHEMA_TYPE_SNAPSHOT
 
-REPLY_BIT = 0x8000
+REPLY_BIT = _w.SCHEMA_REPLY_BIT
 
 TYPE_NAMES = {
     TYPE_PUT_HASHES: "PutHashes",
@@ -74,28 +79,29 @@ def type_name(t: int) -> str:
 class Status(IntEnum):
     """Reply status codes. ``str(Status.X)`` is the Go name ("unknown lease")."""
 
-    OK = 0
-    MALFORMED = 1
-    UNKNOWN_TYPE = 2
-    UNKNOWN_BATCH = 3
-    UNKNOWN_LEASE = 4
-    UNKNOWN_REGION = 5
-    OUT_OF_RANGE = 6
-    TOO_LARGE = 7
-    NO_SPACE = 8
-    EXPIRED = 9
-    DUPLICATE = 10
-    COPY_FAILED = 11
-    NOT_PERMITTED = 12
-    INTERNAL = 13
-    SHUTTING_DOWN = 14
-    BAD_VERSION = 15
-    BAD_STATE = 16
+    OK = _w.SCHEMA_OK
+    MALFORMED = _w.SCHEMA_ERR_CODE_MALFORMED
+    UNKNOWN_TYPE = _w.SCHEMA_ERR_CODE_UNKNOWN_TYPE
+    UNKNOWN_BATCH = _w.SCHEMA_ERR_CODE_UNKNOWN_BATCH
+    UNKNOWN_LEASE = _w.SCHEMA_ERR_CODE_UNKNOWN_LEASE
+    UNKNOWN_REGION = _w.SCHEMA_ERR_CODE_UNKNOWN_REGION
+    OUT_OF_RANGE = _w.SCHEMA_ERR_CODE_OUT_OF_RANGE
+    TOO_LARGE = _w.SCHEMA_ERR_CODE_TOO_LARGE
+    NO_SPACE = _w.SCHEMA_ERR_CODE_NO_SPACE
+    EXPIRED = _w.SCHEMA_ERR_CODE_EXPIRED
+    DUPLICATE = _w.SCHEMA_ERR_CODE_DUPLICATE
+    COPY_FAILED = _w.SCHEMA_ERR_CODE_COPY_FAILED
+    NOT_PERMITTED = _w.SCHEMA_ERR_CODE_NOT_PERMITTED
+    INTERNAL = _w.SCHEMA_ERR_CODE_INTERNAL
+    SHUTTING_DOWN = _w.SCHEMA_ERR_CODE_SHUTTING_DOWN
+    BAD_VERSION = _w.SCHEMA_ERR_CODE_BAD_VERSION
+    BAD_STATE = _w.SCHEMA_ERR_CODE_BAD_STATE
 
     def __str__(self) -> str:
         return STATUS_NAMES[self.value]
 
 
+# Go's Status.String, indexed by code.
 STATUS_NAMES = (
     "ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
     "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
@@ -114,12 +120,12 @@ def status_name(s: int) -> str:
 class State(IntEnum):
     """Query (lease) states reported by Acquire and Poll."""
 
-    WAITING = 1  # admitted, blocks pinned, waiting for load budget ("Loading" to users)
-    READY = 2  # budget granted: Load may run
-    LOADING = 3  # a Load is copying
-    LOADED = 4  # the last Load completed
-    MISS = 5  # resolved as a miss (deadline passed, error, nothing pinned): recompute
-    RELEASED = 6
+    WAITING = _w.SCHEMA_STATE_WAITING  # admitted, blocks pinned, waiting for load budget ("Loading" to users)
+    READY = _w.SCHEMA_STATE_READY  # budget granted: Load may run
+    LOADING = _w.SCHEMA_STATE_LOADING  # a Load is copying
+    LOADED = _w.SCHEMA_STATE_LOADED  # the last Load completed
+    MISS = _w.SCHEMA_STATE_MISS  # resolved as a miss (deadline passed, error, nothing pinned): recompute
+    RELEASED = _w.SCHEMA_STATE_RELEASED
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -133,41 +139,41 @@ def state_name(s: int) -> str:
         return "state(%d)" % s
 
 
-ROLE_SCHEDULER = 1  # lookups, leases, the change log
-ROLE_WORKER = 2  # a tensor-parallel worker: memory, loads, stores
-ROLE_CLIENT = 3  # tools and benchmarks: everything
+ROLE_SCHEDULER = _w.SCHEMA_ROLE_SCHEDULER  # lookups, leases, the change log
+ROLE_WORKER = _w.SCHEMA_ROLE_WORKER  # a tensor-parallel worker: memory, loads, stores
+ROLE_CLIENT = _w.SCHEMA_ROLE_CLIENT  # tools and benchmarks: everything
 
-ATTACH_MAGIC = 0x54415352  # "RSAT"
-ATTACH_REPLY_MAGIC = 0x4B415352  # "RSAK"
+ATTACH_MAGIC = _w.SCHEMA_ATTACH_MAGIC  # "RSAT"
+ATTACH_REPLY_MAGIC = _w.SCHEMA_ATTACH_REPLY_MAGIC  # "RSAK"
 
-REGION_HOST_PROCESS = 1  # host memory of the engine process, by pid and address
-REGION_CUDA_IPC = 2  # GPU memory exported with a CUDA IPC handle
+REGION_HOST_PROCESS = _w.SCHEMA_REGION_HOST_PROCESS  # host memory of the engine process, by pid and address
+REGION_CUDA_IPC = _w.SCHEMA_REGION_CUDAIPC  # GPU memory exported with a CUDA IPC handle
 
-FLAG_APPEND = 1  # PutHashes: append to an existing batch
-FLAG_LOOKUP = 2  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
-FLAG_REPLACE = 4  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
+FLAG_APPEND = _w.SCHEMA_FLAG_APPEND  # PutHashes: append to an existing batch
+FLAG_LOOKUP = _w.SCHEMA_FLAG_LOOKUP  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
+FLAG_REPLACE = _w.SCHEMA_FLAG_REPLACE  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
 
-OP_STORED = 1
-OP_EVICTED = 2
-OP_CLEARED = 3  # the whole namespace was cleared; digest is zero
+OP_STORED = _w.SCHEMA_OP_STORED
+OP_EVICTED = _w.SCHEMA_OP_EVICTED
+OP_CLEARED = _w.SCHEMA_OP_CLEARED  # the whole namespace was cleared; digest is zero
 
-CHANGES_FLAG_RESYNC = 1
-SNAPSHOT_FLAG_DONE = 1  # SnapshotReply: the scan reached the end, no more pages
+CHANGES_FLAG_RESYNC = _w.SCHEMA_CHANGES_FLAG_RESYNC  # ChangesReply: resynchronise from a snapshot
+SNAPSHOT_FLAG_DONE = _w.SCHEMA_SNAPSHOT_FLAG_DONE  # SnapshotReply: the scan reached the end, no more pages
 
-DIGEST_WIDTHS = (8, 16, 32)
+DIGEST_WIDTHS = (8, 16, 32)  # Go checks these as literals; test_wire.py checks them against Go's validation
 
-MAX_HASHES_PER_RECORD = 4096
-MAX_PAGES_PER_RECORD = 8192
-MAX_SEGMENTS = 1024
-MAX_STRING_LEN = 1024
-MAX_CHANGES_PER_REPLY = 4096
-MAX_SNAPSHOT_PER_REPLY = 4096
-MAX_WORLD_SIZE = 64
+MAX_HASHES_PER_RECORD = _w.SCHEMA_MAX_HASHES_PER_RECORD
+MAX_PAGES_PER_RECORD = _w.SCHEMA_MAX_PAGES_PER_RECORD
+MAX_SEGMENTS = _w.SCHEMA_MAX_SEGMENTS
+MAX_STRING_LEN = _w.SCHEMA_MAX_STRING_LEN
+MAX_CHANGES_PER_REPLY = _w.SCHEMA_MAX_CHANGES_PER_REPLY
+MAX_SNAPSHOT_PER_REPLY = _w.SCHEMA_MAX_SNAPSHOT_PER_REPLY
+MAX_WORLD_SIZE = _w.SCHEMA_MAX_WORLD_SIZE
 
-VIEW_SIZE = 16
-SEGMENT_SIZE = 24
-CHANGE_HEADER_SIZE = 8  # u8 op, u8[7] zero, then the digest
-CUDA_IPC_EXTRA_SIZE = 88  # 64-byte handle, 16-byte GPU UUID, u64 offset
+VIEW_SIZE = _w.SCHEMA_VIEW_SIZE
+SEGMENT_SIZE = _w.SCHEMA_SEGMENT_SIZE
+CHANGE_HEADER_SIZE = _w.SCHEMA_CHANGE_HEADER_SIZE  # u8 op, u8[7] zero, then the digest
+CUDA_IPC_EXTRA_SIZE = _w.SCHEMA_CUDAIPC_EXTRA_SIZE  # 64-byte handle, 16-byte GPU UUID, u64 offset
 
 
 class SchemaError(ValueError):
