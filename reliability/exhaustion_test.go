@@ -61,8 +61,8 @@ func hog(c *connector.Client, gen func(i int) (uint16, []byte), stop *atomic.Boo
 	return ok, 0, "", nil
 }
 
-// hogResult is what one hog of the "hogs" child did.
-type hogResult struct {
+// exhaustHog is what one hog of the "hogs" child did.
+type exhaustHog struct {
 	Name   string
 	OK     int           // requests accepted
 	Status schema.Status // the refusal that ended it (0: stopped)
@@ -86,7 +86,7 @@ func hogsChild() int {
 	var stop atomic.Bool
 	var quotaDone atomic.Int32
 	var wg sync.WaitGroup
-	results := make([]hogResult, 4)
+	results := make([]exhaustHog, 4)
 	run := func(i int, name string, expect int, setup func(c *connector.Client) error, gen func(i int) (uint16, []byte)) error {
 		c, err := connector.Dial(opts(sock, "hog-"+name))
 		if err != nil {
@@ -99,7 +99,7 @@ func hogsChild() int {
 		}
 		wg.Go(func() {
 			ok, st, msg, err := hog(c, gen, &stop)
-			results[i] = hogResult{Name: name, OK: ok, Status: st, Msg: msg, Expect: expect}
+			results[i] = exhaustHog{Name: name, OK: ok, Status: st, Msg: msg, Expect: expect}
 			if err != nil {
 				results[i].Err = err.Error()
 			}
@@ -185,7 +185,7 @@ func TestResourceExhaustion(t *testing.T) {
 	sc := startSidecar(t, newDir(t), "--max-sessions", "16", "--ring.capacity", "1MiB", "--budget", "1GiB")
 	by := startBystander(t, sc)
 	by.baseline(300)
-	var results []hogResult
+	var results []exhaustHog
 	by.during(func() {
 		cmd := child("hogs", "RS_SOCK="+sc.sock)
 		var stderr strings.Builder
