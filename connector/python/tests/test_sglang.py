@@ -435,13 +435,12 @@ def test_region_geometry_matches_data_pages():
     """Region page p, segment by segment, is exactly get_data_page(p) flat."""
     for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
         pool = make_pool(layout, seed=7)
-        g = rs.describe_pool(pool)
-        raw = (ctypes.c_ubyte * g["length"]).from_address(g["base"])
-        for p in (0, 1, g["page_count"] - 1):
-            segs = g["segments"] or [(0, g["page_size"], g["page_size"])]
-            got = b"".join(bytes(raw[o + p * st:o + p * st + n]) for o, st, n in segs)
+        g = rs.describe_pool(pool).region
+        raw = (ctypes.c_ubyte * g.length).from_address(g.base)
+        for p in (0, 1, g.page_count - 1):
+            got = b"".join(bytes(raw[o + p * st : o + p * st + n]) for o, st, n in g.page_segments())
             assert got == bytes(page(pool, p * PAGE).numpy()), layout
-        assert g["page_size"] == 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+        assert g.page_size == 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
 
 
 def test_session_is_plain_client(sidecar):
