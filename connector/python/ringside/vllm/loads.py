@@ -12,7 +12,11 @@ The state machine (:class:`Load`, pure)::
 A READY or FAILED load becomes a LoadSpec in the step's metadata: the
 blocks the lease covers are loaded, the rest are reported as load errors
 (vLLM recomputes them). A request that finishes while its acquire is
-unanswered leaves an orphan whose lease is released once the reply comes.
+unanswered leaves an orphan whose lease is released once the reply comes;
+and since vLLM keeps the blocks (and the request) of a request that finished
+while waiting for its load until the workers report the load finished, such
+a request still gets a LoadSpec, an empty one, that the workers report
+finished at once.
 
 :class:`Loads` does the I/O: it sends acquires and polls without waking the
 sidecar, collects replies within the step's wait budget, and releases.
@@ -100,6 +104,7 @@ class Loads:
         self.ttl_ms = ttl_ms
         self.waiting: dict[str, ReqState] = {}  # requests whose load is not in a step's metadata yet
         self.orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
+        self.abandoned: list[str] = []  # finished while waiting: an empty LoadSpec frees their blocks
 
     def acquire(self, r: ReqState, rid: str, start: int, count: int, block_ids: list[int], put_hashes) -> None:
         """A hit was allocated: acquire a lease on blocks [start, start+count)
@@ -122,6 +127,10 @@ class Loads:
     def collect(self, meta: RingsideConnectorMetadata, s: Optional[Any]) -> None:
         """Put every waiting load whose lease is ready, or failed, into the
         step's metadata; poll those that wait for the load budget."""
+        if self.abandoned:
+            for rid in self.abandoned:
+                meta.loads.append(LoadSpec(rid, 0, [], []))
+            self.abandoned = []
         gen = self.link.generation
         waiting = self.waiting
         for rid in list(waiting):

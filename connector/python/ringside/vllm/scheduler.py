@@ -163,7 +163,7 @@ class SchedulerSide:
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
-        if loads.waiting:
+        if loads.waiting or loads.abandoned:
             loads.collect(meta, s)
         if loads.orphans:
             loads.release_orphans(s)
@@ -209,8 +209,8 @@ class SchedulerSide:
             # Its blocks are freed now, and the last step's stores may still
             # be reading some of them.
             self._saves_exposed = True
-        if r.load is not None:
-            self.loads.waiting.pop(rid, None)
+        if r.load is not None and self.loads.waiting.pop(rid, None) is not None:
+            self.loads.abandoned.append(rid)
         s = self.link.session
         if s is not None and r.generation == self.link.generation:
             try:
