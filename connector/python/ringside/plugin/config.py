@@ -97,7 +97,7 @@ class KeyInfo:
 
 
 def _num(x: float) -> str:
-    return "%d" % x if float(x).is_integer() else "%g" % x
+    return "%d" % x if float(x).is_integer() else repr(float(x))
 
 
 def _key(default: Any, kind: str, doc: str, *, unit: str = "", plugins: tuple = _BOTH, **kw: Any) -> Any:
@@ -129,15 +129,26 @@ class Config:
         maximum=_U32_MS,
     )
     save_timeout: float = _key(
-        5.0, NUMBER, "Deadline of a step's stores (vLLM) or a batch's (SGLang).", unit="seconds", minimum=0,
+        5.0,
+        NUMBER,
+        "Deadline of a step's stores (vLLM) or a batch's (SGLang).",
+        unit="seconds",
+        minimum=0,
         exclusive=True,
     )
     load_timeout: float = _key(
-        5.0, NUMBER, "Deadline of a request's load (vLLM) or a batch's (SGLang).", unit="seconds", minimum=0,
+        5.0,
+        NUMBER,
+        "Deadline of a request's load (vLLM) or a batch's (SGLang).",
+        unit="seconds",
+        minimum=0,
         exclusive=True,
     )
     reattach_interval: float = _key(
-        5.0, NUMBER, "Least time between two attach attempts after the sidecar was lost.", unit="seconds",
+        5.0,
+        NUMBER,
+        "Least time between two attach attempts after the sidecar was lost.",
+        unit="seconds",
         minimum=0,
     )
     tenant: str = _key("", STRING, "Tenant salt: engines share blocks only within one tenant.")
@@ -149,41 +160,76 @@ class Config:
     )
     # -- vLLM ----------------------------------------------------------------
     max_wait_us: float = _key(
-        100.0, NUMBER, "Most the scheduler waits for sidecar replies in one step, in total.", unit="microseconds",
-        plugins=(VLLM,), minimum=0,
+        100.0,
+        NUMBER,
+        "Most the scheduler waits for sidecar replies in one step, in total.",
+        unit="microseconds",
+        plugins=(VLLM,),
+        minimum=0,
     )
     sync_saves: bool = _key(
-        False, BOOLEAN, "Wait for a step's stores in wait_for_save instead of at the start of the next step.",
+        False,
+        BOOLEAN,
+        "Wait for a step's stores in wait_for_save instead of at the start of the next step.",
         plugins=(VLLM,),
     )
     overlap_saves: Union[str, bool] = _key(
-        "auto", AUTO_BOOLEAN, "Let a step's stores run on through the next forward pass when no block they read "
-        'can have been handed on; "auto": for GPU memory only.', plugins=(VLLM,),
+        "auto",
+        AUTO_BOOLEAN,
+        "Let a step's stores run on through the next forward pass when no block they read "
+        'can have been handed on; "auto": for GPU memory only.',
+        plugins=(VLLM,),
     )
     mirror: bool = _key(True, BOOLEAN, "Keep a local index of the cache (docs/architecture.md).", plugins=(VLLM,))
     mirror_max_blocks: int = _key(
-        4_000_000, INTEGER, "Largest namespace the local index copies (~110 bytes a block); larger turns it off.",
-        unit="blocks", plugins=(VLLM,), minimum=0,
+        4_000_000,
+        INTEGER,
+        "Largest namespace the local index copies (~110 bytes a block); larger turns it off.",
+        unit="blocks",
+        plugins=(VLLM,),
+        minimum=0,
     )
     mirror_idle_ms: float = _key(
-        5.0, NUMBER, "An arrival after this long with no request in flight and no step first brings the index "
-        "up to date.", unit="milliseconds", plugins=(VLLM,), minimum=0,
+        5.0,
+        NUMBER,
+        "An arrival after this long with no request in flight and no step first brings the index up to date.",
+        unit="milliseconds",
+        plugins=(VLLM,),
+        minimum=0,
     )
     mirror_poll_ms: float = _key(
-        50.0, NUMBER, "The change log is polled in a step that follows arrivals, else this often.",
-        unit="milliseconds", plugins=(VLLM,), minimum=0,
+        50.0,
+        NUMBER,
+        "The change log is polled in a step that follows arrivals, else this often.",
+        unit="milliseconds",
+        plugins=(VLLM,),
+        minimum=0,
     )
     mirror_max_lag_ms: float = _key(
-        1000.0, NUMBER, "An index whose last answered poll is older than this is not used.", unit="milliseconds",
-        plugins=(VLLM,), minimum=0, exclusive=True,
+        1000.0,
+        NUMBER,
+        "An index whose last answered poll is older than this is not used.",
+        unit="milliseconds",
+        plugins=(VLLM,),
+        minimum=0,
+        exclusive=True,
     )
     mirror_sync_us: float = _key(
-        500.0, NUMBER, "Most a step waits while the index's snapshot is copied.", unit="microseconds",
-        plugins=(VLLM,), minimum=0,
+        500.0,
+        NUMBER,
+        "Most a step waits while the index's snapshot is copied.",
+        unit="microseconds",
+        plugins=(VLLM,),
+        minimum=0,
     )
     stats_path: Optional[str] = _key(
-        None, STRING, "Write the connector's counters as JSON to PATH.<role>.<pid>.json (at shutdown and every "
-        "stats_every steps).", unit="path", plugins=(VLLM,), optional=True,
+        None,
+        STRING,
+        "Write the connector's counters as JSON to `<stats_path>.<role>.<pid>.json` (at shutdown and every "
+        "stats_every steps).",
+        unit="path",
+        plugins=(VLLM,),
+        optional=True,
     )
     stats_every: int = _key(
         50, INTEGER, "Steps between two writes of stats_path.", unit="steps", plugins=(VLLM,), minimum=1
@@ -191,12 +237,20 @@ class Config:
     # -- SGLang --------------------------------------------------------------
     model: str = _key("", STRING, "Model name of the namespace; empty: SGLang's model_name.", plugins=(SGLANG,))
     max_batches: int = _key(
-        4096, INTEGER, "Key lists kept registered as hash batches (an LRU).", unit="batches", plugins=(SGLANG,),
+        4096,
+        INTEGER,
+        "Key lists kept registered as hash batches (an LRU).",
+        unit="batches",
+        plugins=(SGLANG,),
         minimum=1,
     )
     staging_pages: int = _key(
-        8, INTEGER, "Pages of the staging buffer of the tensor methods (get/set).", unit="pages",
-        plugins=(SGLANG,), minimum=1,
+        8,
+        INTEGER,
+        "Pages of the staging buffer of the tensor methods (get/set).",
+        unit="pages",
+        plugins=(SGLANG,),
+        minimum=1,
     )
 
     # ------------------------------------------------------------------------
@@ -261,8 +315,9 @@ def _closest(name: str, plugin: str) -> str:
 
 def _convert(where: str, name: str, info: KeyInfo, raw: Any) -> Any:
     def bad() -> ConfigError:
-        return ConfigError("ringside: %s: %r is %s; want %s" % (where, name, json.dumps(raw, default=repr),
-                                                                 info.allowed()))
+        return ConfigError(
+            "ringside: %s: %r is %s; want %s" % (where, name, json.dumps(raw, default=repr), info.allowed())
+        )
 
     kind = info.kind
     if raw is None and info.optional:
@@ -321,6 +376,15 @@ def _default_text(name: str, info: KeyInfo, default: Any) -> str:
     return _num(default)
 
 
+_KIND_TEXT = {
+    STRING: "string",
+    NUMBER: "number",
+    INTEGER: "integer",
+    BOOLEAN: "boolean",
+    AUTO_BOOLEAN: '`"auto"` or boolean',
+}
+
+
 def markdown_table() -> str:
     """The README's table of keys (generated: see the module doc)."""
     names = {VLLM: "vLLM", SGLANG: "SGLang"}
@@ -331,7 +395,7 @@ def markdown_table() -> str:
             "| `%s` | %s | %s | %s | %s | %s |"
             % (
                 f.name,
-                info.kind,
+                _KIND_TEXT[info.kind],
                 _default_text(f.name, info, f.default),
                 info.unit or "—",
                 ", ".join(names[p] for p in info.plugins),
