@@ -16,7 +16,6 @@ finishing a request sends no DropHashes.
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -31,10 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
 _monotonic = time.monotonic
-# Hot-path record layouts (PutHashes and Reply of protocol.md, packed here
-# without schema.py's argument checks: the values are built by this module).
-_PUT_HASHES = struct.Struct("<QII")  # batch, count, flags; the digests follow
-_REPLY = struct.Struct("<IIQ")  # status, zero, value; a message may follow
+# Hot-path record layouts (PutHashes and Reply of protocol.md), used here
+# without schema.py's argument checks: the values are built by this module.
+_PUT_HASHES = _s._PUT_HASHES  # batch, count, flags; the digests follow
+_REPLY = _s._REPLY  # status, zero, value; a message may follow
 _LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
 # Finished requests' batch ids kept for reuse (FlagReplace) at most; more are
 # dropped.
@@ -44,8 +43,9 @@ MAX_FREE_BATCHES = 4096
 class Admission:
     """Lookups of arriving requests, and the request table (module doc)."""
 
-    def __init__(self, link: Any, faults: Any, budget: StepBudget, index: Optional[LocalIndex], block_size: int,
-                 timeout: float):  # fmt: skip
+    def __init__(
+        self, link: Any, faults: Any, budget: StepBudget, index: Optional[LocalIndex], block_size: int, timeout: float
+    ):
         self.link = link
         self.faults = faults
         self.stats = faults.stats
@@ -107,8 +107,11 @@ class Admission:
         hashes = r.request.block_hashes
         for a in range(r.registered, upto, _s.MAX_HASHES_PER_RECORD):
             new = b"".join(hashes[a : min(upto, a + _s.MAX_HASHES_PER_RECORD)])
-            s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else first_flags),
-                   wake=False)  # fmt: skip
+            s.send(
+                _s.TYPE_PUT_HASHES,
+                _s.encode_put_hashes(r.batch, new, 32, _s.FLAG_APPEND if a else first_flags),
+                wake=False,
+            )
         r.registered = upto
 
     def put_hashes_looked_up(self, r: ReqState, s: Any, upto: int) -> None:
