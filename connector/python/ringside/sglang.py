@@ -181,7 +181,7 @@ class _KeyIndex:
             if bk is not None and p < len(bk) and bk[p] == keys[0]:
                 have = len(bk) - p
                 if have >= n:
-                    if bk[p:p + n] == keys:
+                    if bk[p : p + n] == keys:
                         self.batches.move_to_end(b)
                         return b, p
                 elif bk[p:] == keys[:have]:
@@ -219,7 +219,7 @@ class _KeyIndex:
     def _put(self, s: Session, b: int, keys: List[str], append: bool) -> None:
         step = max(1, min(4096, (s.max_payload - 16) // DIGEST_WIDTH))
         for i in range(0, len(keys), step):
-            s.put_hashes(b, _digests(keys[i:i + step]), append=append or i > 0)
+            s.put_hashes(b, _digests(keys[i : i + step]), append=append or i > 0)
         self.registered += len(keys)
 
     def _evict(self, s: Session) -> None:
@@ -347,12 +347,31 @@ class RingsideHiCacheStorage(HiCacheStorage):
         self._index = _KeyIndex(cfg.max_batches)
         self._staging: Optional[torch.Tensor] = None
         self._staging_lock = threading.Lock()
-        self.stats = counters(("exists_calls", "exists_pages", "exists_hits", "get_calls", "get_pages", "got_pages",
-                               "set_calls", "set_pages", "stored_pages", "present_pages", "skipped_pages",
-                               "sidecar_errors"))  # fmt: skip
+        self.stats = counters(
+            (
+                "exists_calls",
+                "exists_pages",
+                "exists_hits",
+                "get_calls",
+                "get_pages",
+                "got_pages",
+                "set_calls",
+                "set_pages",
+                "stored_pages",
+                "present_pages",
+                "skipped_pages",
+                "sidecar_errors",
+            )
+        )
         self.faults = Faults(None, self.stats, logger)
-        logger.info("ringside: HiCache storage backend for %s rank %d/%d (instance %s, socket %s)",
-                    self.model, self.rank, self.world, self.instance, self.socket)
+        logger.info(
+            "ringside: HiCache storage backend for %s rank %d/%d (instance %s, socket %s)",
+            self.model,
+            self.rank,
+            self.world,
+            self.instance,
+            self.socket,
+        )
 
     # -- registration ----------------------------------------------------------
 
@@ -367,15 +386,28 @@ class RingsideHiCacheStorage(HiCacheStorage):
         self.geometry = geom
         self.layout_fingerprint = _namespace(self.storage_config, mem_pool_host, geom, self.world)
         self.disabled = None
-        logger.info("ringside: host pool %s: %d pages of %d bytes (%d tokens, %d segments)",
-                    type(mem_pool_host).__name__, geom.page_count, geom.page_size, geom.page_tokens,
-                    len(geom.region.segments) or 1)
+        logger.info(
+            "ringside: host pool %s: %d pages of %d bytes (%d tokens, %d segments)",
+            type(mem_pool_host).__name__,
+            geom.page_count,
+            geom.page_size,
+            geom.page_tokens,
+            len(geom.region.segments) or 1,
+        )
 
     def _link(self) -> _Link:
         link = getattr(self._local, "link", None)
         if link is None:
-            attach = dict(instance=self.instance, model=self.model, layout=self.layout_fingerprint, salt=self.salt,
-                          role=_s.ROLE_WORKER, rank=self.rank, world_size=self.world, digest_width=DIGEST_WIDTH)
+            attach = dict(
+                instance=self.instance,
+                model=self.model,
+                layout=self.layout_fingerprint,
+                salt=self.salt,
+                role=_s.ROLE_WORKER,
+                rank=self.rank,
+                world_size=self.world,
+                digest_width=DIGEST_WIDTH,
+            )
             link = _Link(self.socket, self.timeout, self.reattach, attach)
             self._local.link = link
             with self._links_lock:
@@ -393,9 +425,12 @@ class RingsideHiCacheStorage(HiCacheStorage):
         g = self.geometry
         if link.regions.get(REGION_POOL) != link.generation:
             if g.page_size > s.info.slot_bytes:
-                self._warn_once("slot", "ringside: a host page is %d bytes but the sidecar's slots are %d bytes: "
-                                "start the sidecar with --pool.slot-bytes >= %d; HiCache storage misses until then"
-                                % (g.page_size, s.info.slot_bytes, g.page_size))
+                self._warn_once(
+                    "slot",
+                    "ringside: a host page is %d bytes but the sidecar's slots are %d bytes: "
+                    "start the sidecar with --pool.slot-bytes >= %d; HiCache storage misses until then"
+                    % (g.page_size, s.info.slot_bytes, g.page_size),
+                )
                 return None, link
             s.allow_sidecar_ptrace()
             try:
@@ -456,7 +491,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         ps = self.geometry.page_tokens
         if host_indices is None or host_indices.numel() < n * ps:
             return None
-        first = host_indices[: n * ps: ps]
+        first = host_indices[: n * ps : ps]
         if ps > 1 and bool((first % ps).any()):
             return None
         pages = (first // ps).tolist()
@@ -485,8 +520,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy get / set ---------------------------------------------------
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         """Copy the leading present pages straight into the host pool pages
         host_indices[i * page_size]; True for each page loaded."""
         n = len(keys)
@@ -544,8 +580,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
             if release:
                 s.release(lr.lease)
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         """Copy the host pool pages host_indices[i * page_size] into the
         sidecar as keys[i]; True for pages stored or already there. The sidecar
         reports counts, not which pages it skipped for lack of space, so a
@@ -572,7 +609,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         step = max(1, min(8192, (s.max_payload - 24) // 4))
         seqs = []
         for i in range(0, len(pages), step):
-            chunk = pages[i:i + step]
+            chunk = pages[i : i + step]
             seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(b, start + i, len(chunk), region, chunk)))
         deadline = time.monotonic() + self.save_timeout
         ok, failed = 0, False
@@ -594,8 +631,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(
+        self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> List[Optional[torch.Tensor]]:
         """Flat data pages (SGLang's get_data_page(flat=True) format) for the
         leading present keys, written into target_locations when given; None
         from the first missing key on."""
@@ -607,10 +645,10 @@ class RingsideHiCacheStorage(HiCacheStorage):
         S = self.staging_pages
         with self._staging_lock:
             for c in range(0, n, S):
-                ck = list(keys[c:c + S])
+                ck = list(keys[c : c + S])
                 k = len(ck)
 
-                def load(s, b, start):
+                def load(s, b, start, k=k):
                     return self._load(s, b, start, k, REGION_STAGING, list(range(k)))
 
                 got = self._with_view(ck, None, load, staging=True) or 0
@@ -628,12 +666,22 @@ class RingsideHiCacheStorage(HiCacheStorage):
                     break
         return out
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         """Store flat data pages; True when every page is stored or present."""
         n = len(keys)
         if n == 0:
@@ -644,7 +692,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         S = self.staging_pages
         with self._staging_lock:
             for c in range(0, n, S):
-                ck = list(keys[c:c + S])
+                ck = list(keys[c : c + S])
                 k = len(ck)
                 s, _ = self._session(staging=True)
                 if s is None:
@@ -657,7 +705,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
                         return False
                     stg[i].copy_(v.detach().contiguous().view(-1).view(torch.uint8))
 
-                def store(s, b, start):
+                def store(s, b, start, k=k):
                     return self._store(s, b, start, REGION_STAGING, list(range(k)))
 
                 if (self._with_view(ck, None, store, staging=True) or 0) != k:
@@ -667,8 +715,10 @@ class RingsideHiCacheStorage(HiCacheStorage):
     # -- unsupported -----------------------------------------------------------
 
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        raise NotImplementedError("ringside: the HiCache v2 pool-transfer interface (hybrid models with Mamba, "
-                                  "SWA or DSA side pools) is not supported; use a plain KV model")
+        raise NotImplementedError(
+            "ringside: the HiCache v2 pool-transfer interface (hybrid models with Mamba, "
+            "SWA or DSA side pools) is not supported; use a plain KV model"
+        )
 
     def batch_get_v2(self, transfers, extra_info=None):
         raise NotImplementedError("ringside: batch_get_v2 (hybrid-model side pools) is not supported")

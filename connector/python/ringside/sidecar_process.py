@@ -88,8 +88,12 @@ class SidecarProcess:
         self.sock = os.path.join(self.dir, "ringside.sock")
         self.metrics = "127.0.0.1:%d" % free_port() if metrics else ""
         cmd = [binary, "serve", "--dir", self.dir, "--metrics.addr", self.metrics]
-        for flag, v in (("--pool.bytes", pool), ("--pool.slot-bytes", slot), ("--ring.capacity", ring_capacity),
-                        ("--budget", budget)):  # fmt: skip
+        for flag, v in (
+            ("--pool.bytes", pool),
+            ("--pool.slot-bytes", slot),
+            ("--ring.capacity", ring_capacity),
+            ("--budget", budget),
+        ):
             if v is not None:
                 cmd += [flag, str(v)]
         if prefill_blocks:

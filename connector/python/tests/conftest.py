@@ -50,8 +50,9 @@ def ringside_bin(tmp_path_factory):
     if go is None:
         pytest.skip("the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
     out = str(tmp_path_factory.mktemp("ringside-bin") / "ringside")
-    r = subprocess.run([go, "build", "-o", out, "./cmd/ringside"], cwd=REPO_ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [go, "build", "-o", out, "./cmd/ringside"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
     if r.returncode != 0:
         pytest.fail("go build ./cmd/ringside failed:\n" + r.stdout + r.stderr)
     return out

@@ -482,7 +482,8 @@ def test_snapshot(start_sidecar):
     # Refusals come in the SnapshotReply layout, with the session's width.
     for s, payload, want in ((w, S.encode_snapshot(0), Status.NOT_PERMITTED), (c, b"\x01", Status.MALFORMED)):
         rep = S.decode_snapshot_reply(s.await_reply(s.submit(S.TYPE_SNAPSHOT, payload)))
-        assert (rep.status, rep.done, rep.epoch, rep.seq, rep.next, rep.width, rep.entries) == (want, False, 0, 0, 0, 32, b"")
+        got = (rep.status, rep.done, rep.epoch, rep.seq, rep.next, rep.width, rep.entries)
+        assert got == (want, False, 0, 0, 0, 32, b"")
     # Another namespace with 8-byte digests sees nothing of it.
     o = sc.attach(model="other", digest_width=8)
     r = o.snapshot()

@@ -171,8 +171,9 @@ def from_block_tensors(kv_caches: Mapping[str, Any]) -> Region:
             extra = cuda_ipc_extra([t for _, t in tensors], region.base)
         except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
             raise RegionError("cannot share the GPU KV cache with the sidecar (%s)" % e) from e
-        region = Region(region.base, region.length, region.page_size, region.page_count, region.segments,
-                        REGION_CUDA_IPC, extra)  # fmt: skip
+        region = Region(
+            region.base, region.length, region.page_size, region.page_count, region.segments, REGION_CUDA_IPC, extra
+        )
     return region
 
 

@@ -48,16 +48,19 @@ class RingsideConnector(KVConnectorBase_V1):
         self.config = cfg
         model, layout, world = namespace(vllm_config)
         self.instance = str(getattr(kvt, "engine_id", None) or cfg.instance or "vllm-%d" % os.getppid())
-        attach = dict(instance=self.instance, model=model, layout=layout, salt=cfg.tenant, world_size=world,
-                      digest_width=32)  # fmt: skip
+        attach = dict(
+            instance=self.instance, model=model, layout=layout, salt=cfg.tenant, world_size=world, digest_width=32
+        )
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             # A cache failure must never fail a request: recompute instead.
             try:
                 kvt.kv_load_failure_policy = "recompute"
                 logger.info("ringside: kv_load_failure_policy set to 'recompute'")
             except Exception:  # noqa: BLE001
-                logger.warning("ringside: could not set kv_load_failure_policy=recompute; set it in "
-                               "--kv-transfer-config so that a cache failure never fails a request")  # fmt: skip
+                logger.warning(
+                    "ringside: could not set kv_load_failure_policy=recompute; set it in "
+                    "--kv-transfer-config so that a cache failure never fails a request"
+                )
         self.connector_scheduler: Optional[SchedulerSide] = None
         self.connector_worker: Optional[WorkerSide] = None
         self._group_ids: Optional[tuple] = None
@@ -66,8 +69,7 @@ class RingsideConnector(KVConnectorBase_V1):
             if warn:
                 logger.warning("ringside: %s", warn)
             speculative = getattr(vllm_config, "speculative_config", None) is not None
-            self.connector_scheduler = SchedulerSide(cfg, attach, int(vllm_config.cache_config.block_size),
-                                                     speculative)  # fmt: skip
+            self.connector_scheduler = SchedulerSide(cfg, attach, int(vllm_config.cache_config.block_size), speculative)
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)

@@ -89,8 +89,9 @@ class WorkerSide:
                 self.region = None
             return None
         self._region_gen = self.link.generation
-        logger.info("ringside: registered %d KV pages of %d bytes (%d segments)", g.page_count, g.page_size,
-                    len(g.segments))  # fmt: skip
+        logger.info(
+            "ringside: registered %d KV pages of %d bytes (%d segments)", g.page_count, g.page_size, len(g.segments)
+        )
         return s
 
     # -- loads -------------------------------------------------------------------
@@ -210,16 +211,20 @@ class WorkerSide:
             digests = b"".join(meta.store_digests)
             step = _s.MAX_HASHES_PER_RECORD * 32
             for off in range(0, len(digests), step):
-                s.send(_s.TYPE_PUT_HASHES, _s.encode_put_hashes(batch, digests[off : off + step], 32,
-                                                               _s.FLAG_APPEND if off else 0), wake=False)  # fmt: skip
+                s.send(
+                    _s.TYPE_PUT_HASHES,
+                    _s.encode_put_hashes(batch, digests[off : off + step], 32, _s.FLAG_APPEND if off else 0),
+                    wake=False,
+                )
             # The batch holds every run's digests in order, and the block ids
             # in the same order make one list: one Store record for the whole
             # step (8192 pages per record at most), not one a request.
             ids = meta.store_block_ids
             for first in range(0, len(ids), _s.MAX_PAGES_PER_RECORD):
                 chunk = ids[first : first + _s.MAX_PAGES_PER_RECORD]
-                seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, len(chunk), REGION_ID, chunk),
-                                     wake=False))  # fmt: skip
+                seqs.append(
+                    s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, len(chunk), REGION_ID, chunk), wake=False)
+                )
             # The last record wakes the sidecar: the copies start now.
             s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=True)
         except SIDECAR_ERRORS as e:
