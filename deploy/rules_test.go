@@ -69,7 +69,7 @@ const (
 	connectorName   = "RingsideConnector"
 	connectorModule = "ringside.vllm"
 	// The connector's default socket when the extra config names none
-	// (connector/python/ringside/vllm.py DEFAULT_SOCKET).
+	// (connector/python/ringside/plugin/config.py DEFAULT_SOCKET).
 	connectorDefaultSocket = "/dev/shm/ringside/ringside.sock"
 )
 
