@@ -196,7 +196,9 @@ def test_hits_in_a_second_engine(sc, mirror):
     """What one engine stored is found and loaded by the next (a restart):
     through the local index, or through sidecar lookups; the loaded blocks
     hold the bytes of the tokens; no lease is left."""
-    extra = {"mirror": mirror}
+    # The index, when on, is trusted for a minute (a loaded machine cannot
+    # make it fall back to the sidecar).
+    extra = {"mirror": mirror, "mirror_idle_ms": 60000, "mirror_max_lag_ms": 60000}
     a = H.Engine(sc.sock, extra=extra)
     a.run(shared_prompts("a"))
     a.shutdown()
@@ -328,10 +330,13 @@ def test_request_finished_while_load_in_flight(sc):
             wait_stopped(sc.proc.pid)
 
     try:
-        for _ in range(20):  # until the acquire is answered and the load sent
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the acquire is answered and the load sent
             eng.step(freeze)
             if eng.worker.connector_worker._inflight:
                 break
+            assert not eng.metas[-1].loads, "the load was sent but is not in flight: %s" % eng.metas[-1].loads
+            time.sleep(0.002)
         assert eng.worker.connector_worker._inflight, "no load in flight"
         eng.sched.finish_requests(r.request_id, H.RequestStatus.FINISHED_ABORTED)
         assert r.request_id in eng.sched.requests  # blocks kept: the load may still write them
