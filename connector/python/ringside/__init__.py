@@ -4,6 +4,13 @@ See ringside.ring for the ring itself (layout version 1, byte-compatible with
 the Go package github.com/ringside-kv/ringside/ring).
 """
 
+from .client import (  # noqa: F401,E402
+    DEFAULT_SOCKET,
+    RingsideError,
+    RingsideTimeout,
+    RingsideUnavailable,
+    Session,
+)
 from .ring import (  # noqa: F401
     ALIGN,
     FLAG_CREATOR_PRODUCER,
@@ -41,11 +48,4 @@ from .ring import (  # noqa: F401
     process_alive,
     process_start_time,
     record_size,
-)
-from .client import (  # noqa: F401,E402
-    DEFAULT_SOCKET,
-    RingsideError,
-    RingsideTimeout,
-    RingsideUnavailable,
-    Session,
 )

@@ -58,13 +58,29 @@ def summarize(samples: list, mode: str) -> dict:
         k = -(-q * n // 100)  # ceil(q*n/100)
         return s[min(n - 1, max(0, k - 1))]
 
-    return {"p50_ns": pct(50), "p99_ns": pct(99), "n": n, "mean_ns": sum(s) // n,
-            "min_ns": s[0], "max_ns": s[-1], "mode": mode}
+    return {
+        "p50_ns": pct(50),
+        "p99_ns": pct(99),
+        "n": n,
+        "mean_ns": sum(s) // n,
+        "min_ns": s[0],
+        "max_ns": s[-1],
+        "mode": mode,
+    }
 
 
-def run_ring(req_path: str, resp_path: str, size: int, count: int, wait: str = "spin",
-             warmup: int = 100, fence: bool = True, req_epoch: int = 0, resp_epoch: int = 0,
-             timeout: float = 60.0) -> dict:
+def run_ring(
+    req_path: str,
+    resp_path: str,
+    size: int,
+    count: int,
+    wait: str = "spin",
+    warmup: int = 100,
+    fence: bool = True,
+    req_epoch: int = 0,
+    resp_epoch: int = 0,
+    timeout: float = 60.0,
+) -> dict:
     if wait not in ("spin", "park"):
         raise ValueError(f"wait mode {wait!r}, want spin or park")
     wc = _ring.SPIN_WAIT if wait == "spin" else _ring.PARK_WAIT
@@ -145,6 +161,7 @@ def run_uds(path: str, size: int, count: int, warmup: int = 100, timeout: float 
 
 # Echo sides, for tests and for a Python-only baseline.
 
+
 def serve_ring_echo(req: _ring.Ring, resp: _ring.Ring, count: int, timeout: float = 60.0) -> int:
     """Echo count requests from req back on resp (same seq and payload)."""
     cons = req.consumer(_ring.PARK_WAIT)
@@ -182,8 +199,9 @@ def serve_uds_echo(conn: socket.socket, count: int) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m ringside._benchpeer",
-                                 description="ringside round-trip benchmark peer")
+    ap = argparse.ArgumentParser(
+        prog="python3 -m ringside._benchpeer", description="ringside round-trip benchmark peer"
+    )
     sub = ap.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("ring", help="request/response rings")
     r.add_argument("req")
@@ -202,11 +220,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         if a.mode == "ring":
-            out = run_ring(a.req, a.resp, a.size, a.count, a.wait, a.warmup, not a.no_fence,
-                           a.req_epoch, a.resp_epoch, a.timeout)
+            out = run_ring(
+                a.req, a.resp, a.size, a.count, a.wait, a.warmup, not a.no_fence, a.req_epoch, a.resp_epoch, a.timeout
+            )
         else:
             out = run_uds(a.socket, a.size, a.count, a.warmup, a.timeout)
-    except Exception as e:  # one clear line for the Go side
+    except Exception as e:  # noqa: BLE001 - one clear line for the Go side
         print(f"benchpeer: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(out), flush=True)

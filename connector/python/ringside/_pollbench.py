@@ -21,8 +21,7 @@ import time
 def _connect(args):
     from .client import Session
 
-    return Session.attach(args.socket, instance=args.instance, model=args.model, layout=args.layout,
-                          timeout=30.0)
+    return Session.attach(args.socket, instance=args.instance, model=args.model, layout=args.layout, timeout=30.0)
 
 
 def main(argv=None):

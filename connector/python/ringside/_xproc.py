@@ -36,7 +36,7 @@ def size_for(i: int) -> int:
 
 def payload_for(seq: int, n: int) -> bytes:
     o = (seq * 31) & 0xFF
-    return _PATTERN[o:o + n]
+    return _PATTERN[o : o + n]
 
 
 def type_for(i: int) -> int:

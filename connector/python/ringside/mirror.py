@@ -1,36 +1,21 @@
 """A local copy of the digests present in a sidecar namespace.
 
-An engine's scheduler asks "how many leading blocks of this request does the
-cache hold?" for every arriving request. Asked of the sidecar, that is a round
-trip (a futex wake of the parked sidecar and a wait for its answer: 50-150 us
-on a virtual machine) in the engine's scheduling loop. A :class:`Mirror`
-answers it locally instead: it copies the namespace's present digests once
-(Snapshot pages, protocol.md section 11) and then follows the namespace's
-change log (Changes), one request a step, published without waking the
-sidecar and collected the next step. Per-step work is proportional to what
-changed, never to the size of the cache.
+The design (why, how fresh it is, read your own writes, memory) is in
+docs/architecture.md, "The local index". This module is the copy itself: a
+:class:`Mirror` copies the namespace's present digests once (Snapshot
+pages, protocol.md section 11), then follows its change log (Changes), one
+request a call of :meth:`Mirror.pump`, published without waking the sidecar
+and collected the next call. Per-call work is proportional to what changed.
 
-The mirror lags the sidecar by the time a poll takes to be answered (a step
-or a park slice of the sidecar's loop, ~10 ms): a block stored in that window
-is a miss, never a wrong hit; a block evicted in that window is a hit that the
-acquire then does not get (a load error the engine recomputes). Callers check
-:meth:`Mirror.fresh` before trusting it and ask the sidecar otherwise.
-
-Read your own writes: the engine notes the digests it sends for storing in
-the set :meth:`Mirror.noting` returns (kept 1-2 ``max_lag``). :meth:`Mirror.answer` returns -1
-when a request's first miss is one of them, and the caller asks the sidecar:
-a block this engine stored a moment ago (a conversation's next turn arriving
-as the last one finishes) is found even before the index has polled it in.
-
-Memory: a Python set of digest bytes, ~110 bytes a block (110 MB for a
-million blocks). ``max_blocks`` bounds it: a namespace larger than that turns
-the mirror off for the session (the caller asks the sidecar as before).
+Callers check :meth:`Mirror.fresh` before trusting it; :meth:`Mirror.answer`
+returns -1 when a request's first miss is one of the digests noted in
+:meth:`Mirror.noting` (this engine's own recent stores): ask the sidecar.
+A namespace larger than ``max_blocks`` turns the mirror off for the session.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from typing import Optional
 
@@ -39,7 +24,10 @@ from . import schema as _s
 logger = logging.getLogger("ringside.mirror")
 
 _monotonic = time.monotonic
-_CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # status, flags, epoch, next, count, width (protocol.md 6.4)
+# The ChangesReply layout (protocol.md 6.4): status, flags, epoch, next, count,
+# width; then count entries of an 8-byte change header and the digest.
+_CHANGES_REPLY = _s._CHANGES_REPLY
+_HEAD = _CHANGES_REPLY.size
 _clock_ns = time.perf_counter_ns
 
 # Entries asked for per Changes poll. A reply with fewer means the mirror has
@@ -59,8 +47,14 @@ class Mirror:
     OFF, SYNC, CATCHUP, LIVE = range(4)
     STATE_NAMES = ("off", "sync", "catchup", "live")
 
-    def __init__(self, width: int = 32, max_blocks: int = 4_000_000, timeout: float = 2.0,
-                 max_lag: float = 1.0, page_max: int = 0):
+    def __init__(
+        self,
+        width: int = 32,
+        max_blocks: int = 4_000_000,
+        timeout: float = 2.0,
+        max_lag: float = 1.0,
+        page_max: int = 0,
+    ):
         self.width = width
         self.page_max = page_max  # snapshot entries asked for per page (0: the sidecar's bound)
         self.max_blocks = max_blocks
@@ -85,8 +79,15 @@ class Mirror:
         self.mine: set = set()
         self._mine_old: set = set()
         self._mine_t = _monotonic()
-        self.stats = {"syncs": 0, "resyncs": 0, "pages": 0, "polls": 0, "changes": 0, "lost_replies": 0,
-                      "own_misses": 0}
+        self.stats = {
+            "syncs": 0,
+            "resyncs": 0,
+            "pages": 0,
+            "polls": 0,
+            "changes": 0,
+            "lost_replies": 0,
+            "own_misses": 0,
+        }
 
     # ------------------------------------------------------------------
 
@@ -158,8 +159,7 @@ class Mirror:
 
     def _off(self, why: str) -> None:
         if not self.disabled:
-            logger.warning("ringside: local index of the cache off for this session (%s); lookups ask the sidecar",
-                           why)
+            logger.warning("ringside: local index of the cache off for this session (%s); lookups ask the sidecar", why)
         self.disabled = why
         self.present = set()
         self.state = Mirror.OFF
@@ -232,7 +232,7 @@ class Mirror:
             e = rep.entries
             w = self.width
             if e:
-                self.present.update([e[i:i + w] for i in range(0, len(e), w)])
+                self.present.update([e[i : i + w] for i in range(0, len(e), w)])
                 if len(self.present) > self.max_blocks:
                     self._off("the namespace holds more than %d blocks (mirror_max_blocks)" % self.max_blocks)
                     return False
@@ -246,28 +246,31 @@ class Mirror:
             raise _s.SchemaError("Changes refused: status %d" % status)
         # The ChangesReply, checked as schema.decode_changes_reply does,
         # without copying the entries out.
-        if len(p) < 32:
-            raise _s.SchemaError("changes reply: %d bytes, want at least 32" % len(p))
+        if len(p) < _HEAD:
+            raise _s.SchemaError("changes reply: %d bytes, want at least %d" % (len(p), _HEAD))
         _, flags, epoch, nxt, n, w = _CHANGES_REPLY.unpack_from(p, 0)
         if flags & _s.CHANGES_FLAG_RESYNC:
             # The log moved past our cursor (or the sidecar restarted): copy again.
             self.stats["resyncs"] += 1
             self._restart()
             return False
-        es = 8 + w
-        if w != self.width or n > _s.MAX_CHANGES_PER_REPLY or len(p) != 32 + n * es:
-            raise _s.SchemaError("changes reply: %d entries of %d-byte digests in %d bytes (want %d-byte digests)"
-                                 % (n, w, len(p), self.width))
+        es = _s.CHANGE_HEADER_SIZE + w
+        if w != self.width or n > _s.MAX_CHANGES_PER_REPLY or len(p) != _HEAD + n * es:
+            raise _s.SchemaError(
+                "changes reply: %d entries of %d-byte digests in %d bytes (want %d-byte digests)"
+                % (n, w, len(p), self.width)
+            )
         if n:
             pres = self.present
-            end = 32 + n * es
-            for off in range(32, end, es):
+            end = _HEAD + n * es
+            stored, evicted, cleared, dig = _s.OP_STORED, _s.OP_EVICTED, _s.OP_CLEARED, _s.CHANGE_HEADER_SIZE
+            for off in range(_HEAD, end, es):
                 op = p[off]
-                if op == 1:  # OpStored
-                    pres.add(p[off + 8:off + es])
-                elif op == 2:  # OpEvicted
-                    pres.discard(p[off + 8:off + es])
-                elif op == 3:  # OpCleared
+                if op == stored:
+                    pres.add(p[off + dig : off + es])
+                elif op == evicted:
+                    pres.discard(p[off + dig : off + es])
+                elif op == cleared:
                     pres.clear()
             self.stats["changes"] += n
             if len(pres) > self.max_blocks:

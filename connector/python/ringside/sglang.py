@@ -61,10 +61,8 @@ How it works
 * **Unsupported** (raise ``NotImplementedError``): the v2 pool-transfer
   methods (hybrid models: Mamba, SWA, DSA side pools) and ``clear``.
 
-Extra config keys: ``socket``, ``timeout`` (seconds per call, default 2),
-``load_timeout`` / ``save_timeout`` (per batch copy, default 5), ``lease_ttl``
-(default 30), ``reattach_interval`` (default 5), ``tenant``, ``instance``,
-``model``, ``max_batches`` (default 4096), ``staging_pages`` (default 8).
+The extra config keys are those of ringside.plugin.config (the table in
+README.md); an unknown or mistyped key fails the backend's construction.
 Counters are in ``backend.stats``.
 """
 
@@ -77,6 +75,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -87,7 +86,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from . import schema as _s
-from .client import DEFAULT_SOCKET, Link, RingsideError, RingsideTimeout, RingsideUnavailable, Session
+from .client import Link, RingsideError, RingsideTimeout, RingsideUnavailable, Session
+from .plugin import region as _region
+from .plugin.config import SGLANG, Config
+from .plugin.faults import Faults
+from .plugin.namespace import fingerprint
+from .plugin.stats import counters
 
 logger = logging.getLogger("ringside.sglang")
 
@@ -177,7 +181,7 @@ class _KeyIndex:
             if bk is not None and p < len(bk) and bk[p] == keys[0]:
                 have = len(bk) - p
                 if have >= n:
-                    if bk[p:p + n] == keys:
+                    if bk[p : p + n] == keys:
                         self.batches.move_to_end(b)
                         return b, p
                 elif bk[p:] == keys[:have]:
@@ -215,7 +219,7 @@ class _KeyIndex:
     def _put(self, s: Session, b: int, keys: List[str], append: bool) -> None:
         step = max(1, min(4096, (s.max_payload - 16) // DIGEST_WIDTH))
         for i in range(0, len(keys), step):
-            s.put_hashes(b, _digests(keys[i:i + step]), append=append or i > 0)
+            s.put_hashes(b, _digests(keys[i : i + step]), append=append or i > 0)
         self.registered += len(keys)
 
     def _evict(self, s: Session) -> None:
@@ -237,36 +241,27 @@ class _KeyIndex:
 # Host pool geometry
 
 
-def _runs(t: torch.Tensor) -> Optional[List[Tuple[int, int]]]:
-    """(byte offset from t.data_ptr(), byte length) of each contiguous run of
-    t in row-major order, adjacent runs merged; None if more than 1024."""
-    es = t.element_size()
-    dims = [(int(n), int(st)) for n, st in zip(t.shape, t.stride()) if n != 1]
-    expect, j = 1, len(dims)
-    while j > 0 and dims[j - 1][1] == expect:
-        expect *= dims[j - 1][0]
-        j -= 1
-    run = expect * es
-    count = 1
-    for n, _ in dims[:j]:
-        count *= n
-    if count > 1024:
-        return None
-    offs = [0]
-    for n, st in dims[:j]:
-        offs = [o + i * st * es for o in offs for i in range(n)]
-    out: List[Tuple[int, int]] = []
-    for o in offs:
-        if out and out[-1][0] + out[-1][1] == o:
-            out[-1] = (out[-1][0], out[-1][1] + run)
-        else:
-            out.append((o, run))
-    return out
-
-
-def describe_pool(pool: Any) -> dict:
+@dataclass(frozen=True)
+class PoolGeometry:
     """The host pool as one sidecar region: page p is the pool's data page
-    at token index p * page_size. Raises ValueError when it cannot be."""
+    at token index p * page_tokens (shape and dtype: of that page's view)."""
+
+    region: _region.Region
+    page_tokens: int
+    shape: tuple
+    dtype: Any
+
+    @property
+    def page_size(self) -> int:
+        return self.region.page_size
+
+    @property
+    def page_count(self) -> int:
+        return self.region.page_count
+
+
+def describe_pool(pool: Any) -> PoolGeometry:
+    """The host pool's geometry. Raises ValueError when it cannot be one region."""
     ps = int(pool.page_size)
     page_num = int(getattr(pool, "page_num", 0) or int(pool.size) // ps)
     if page_num < 1:
@@ -279,51 +274,22 @@ def describe_pool(pool: Any) -> dict:
         return v
 
     v0 = view(0)
-    runs = _runs(v0)
-    if runs is None:
-        raise ValueError("a page has more than 1024 contiguous pieces: %s/%s" % (tuple(v0.shape), v0.stride()))
-    p0 = v0.data_ptr()
-    stride = 0
-    if page_num > 1:
-        v1, vl = view(1), view(page_num - 1)
-        stride = v1.data_ptr() - p0
-        for v in (v1, vl):
-            if v.shape != v0.shape or v.stride() != v0.stride():
-                raise ValueError("pages differ in shape")
-        if stride <= 0 or vl.data_ptr() != p0 + (page_num - 1) * stride:
-            raise ValueError("pages are not evenly spaced")
-        if any(length > stride for _, length in runs):
-            raise ValueError("pages overlap")
-    starts = [p0 + o for o, _ in runs]
-    base = min(starts)
-    end = max(st + (page_num - 1) * stride + length for st, (_, length) in zip(starts, runs))
-    segments = [(st - base, stride if page_num > 1 else length, length) for st, (_, length) in zip(starts, runs)]
-    page_size = sum(length for _, length in runs)
-    # The flat page SGLang's plain get/set exchange must be exactly these bytes.
-    if v0.numel() * v0.element_size() != page_size:
-        raise ValueError("a page's pieces overlap")
-    return {
-        "base": base,
-        "length": end - base,
-        "page_size": page_size,
-        "page_count": page_num,
-        "page_tokens": ps,
-        "segments": segments if len(segments) > 1 else [],
-        "shape": tuple(v0.shape),
-        "dtype": v0.dtype,
-    }
+    v1, vl = (view(1), view(page_num - 1)) if page_num > 1 else (None, None)
+    # The flat page SGLang's plain get/set exchange is exactly these bytes.
+    region = _region.from_page_views(v0, v1, vl, page_num)
+    return PoolGeometry(region, ps, tuple(v0.shape), v0.dtype)
 
 
-def _namespace(cfg: HiCacheStorageConfig, pool: Any, geom: dict, world: int) -> str:
+def _namespace(cfg: HiCacheStorageConfig, pool: Any, geom: PoolGeometry, world: int) -> str:
     parts = {
         "v": "sglang-hicache-1",
         "pool": type(pool).__name__,
         "layout": str(getattr(pool, "layout", "?")),
-        "dtype": str(getattr(pool, "dtype", geom["dtype"])),
-        "page_tokens": geom["page_tokens"],
-        "page_bytes": geom["page_size"],
-        "page_shape": "x".join(map(str, geom["shape"])),
-        "segments": len(geom["segments"]) or 1,
+        "dtype": str(getattr(pool, "dtype", geom.dtype)),
+        "page_tokens": geom.page_tokens,
+        "page_bytes": geom.page_size,
+        "page_shape": "x".join(map(str, geom.shape)),
+        "segments": len(geom.region.segments) or 1,
         "layers": getattr(pool, "layer_num", "?"),
         "heads": getattr(pool, "head_num", "?"),
         "head_dim": getattr(pool, "head_dim", getattr(pool, "kv_lora_rank", "?")),
@@ -335,7 +301,7 @@ def _namespace(cfg: HiCacheStorageConfig, pool: Any, geom: dict, world: int) -> 
         "start_layer": getattr(pool, "start_layer", "?"),
         "keys": "sha256-hex",
     }
-    return ";".join("%s=%s" % kv for kv in sorted(parts.items()))
+    return fingerprint(parts)
 
 
 # --------------------------------------------------------------------------
@@ -349,42 +315,63 @@ class RingsideHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         self.extra = extra
-        self.socket = str(extra.get("socket") or os.environ.get("RINGSIDE_SOCKET", DEFAULT_SOCKET))
-        self.timeout = float(extra.get("timeout", 2.0))
-        self.load_timeout = float(extra.get("load_timeout", 5.0))
-        self.save_timeout = float(extra.get("save_timeout", 5.0))
-        self.lease_ttl = float(extra.get("lease_ttl", 30.0))
-        self.reattach = float(extra.get("reattach_interval", 5.0))
-        self.staging_pages = max(1, int(extra.get("staging_pages", 8)))
+        # A misspelled or mistyped key fails here (SGLang's own keys pass).
+        cfg = self.config = Config.parse(extra, SGLANG)
+        self.socket = cfg.socket_path()
+        self.timeout = cfg.timeout
+        self.load_timeout = cfg.load_timeout
+        self.save_timeout = cfg.save_timeout
+        self.lease_ttl = cfg.lease_ttl
+        self.reattach = cfg.reattach_interval
+        self.staging_pages = cfg.staging_pages
         if storage_config.extra_config is not None and "interface_v1" not in extra:
             # SGLang picks batch_get_v1 / batch_set_v1 for a dynamic backend
             # only when the extra config says interface_v1: say it.
             storage_config.extra_config["interface_v1"] = 1
-        cfg = storage_config
-        if cfg.is_mla_model:  # replicated KV: one shard per DCP rank, written once
-            self.rank, self.world = int(cfg.dcp_rank), int(cfg.dcp_size)
+        sc = storage_config
+        if sc.is_mla_model:  # replicated KV: one shard per DCP rank, written once
+            self.rank, self.world = int(sc.dcp_rank), int(sc.dcp_size)
         else:
-            self.rank, self.world = int(cfg.tp_rank), int(cfg.tp_size)
-        inst = extra.get("instance") or "sglang-%d" % os.getppid()
-        self.instance = "%s/dp%d/pp%d/cp%d" % (inst, cfg.dp_rank, cfg.pp_rank, cfg.attn_cp_rank)
-        self.model = str(extra.get("model") or cfg.model_name or "unknown-model")
-        self.salt = str(extra.get("tenant", ""))
+            self.rank, self.world = int(sc.tp_rank), int(sc.tp_size)
+        inst = cfg.instance or "sglang-%d" % os.getppid()
+        self.instance = "%s/dp%d/pp%d/cp%d" % (inst, sc.dp_rank, sc.pp_rank, sc.attn_cp_rank)
+        self.model = cfg.model or str(sc.model_name or "unknown-model")
+        self.salt = cfg.tenant
         self.mem_pool_host = None
-        self.geometry: Optional[dict] = None
+        self.geometry: Optional[PoolGeometry] = None
         self.layout_fingerprint: Optional[str] = None
         self.disabled: Optional[str] = "no host pool registered yet"
         self._local = threading.local()
         self._links: List[_Link] = []
         self._links_lock = threading.Lock()
-        self._index = _KeyIndex(int(extra.get("max_batches", 4096)))
+        self._index = _KeyIndex(cfg.max_batches)
         self._staging: Optional[torch.Tensor] = None
         self._staging_lock = threading.Lock()
-        self._warned: set = set()
-        self.stats = {"exists_calls": 0, "exists_pages": 0, "exists_hits": 0, "get_calls": 0, "get_pages": 0,
-                      "got_pages": 0, "set_calls": 0, "set_pages": 0, "stored_pages": 0, "present_pages": 0,
-                      "skipped_pages": 0, "sidecar_errors": 0}
-        logger.info("ringside: HiCache storage backend for %s rank %d/%d (instance %s, socket %s)",
-                    self.model, self.rank, self.world, self.instance, self.socket)
+        self.stats = counters(
+            (
+                "exists_calls",
+                "exists_pages",
+                "exists_hits",
+                "get_calls",
+                "get_pages",
+                "got_pages",
+                "set_calls",
+                "set_pages",
+                "stored_pages",
+                "present_pages",
+                "skipped_pages",
+                "sidecar_errors",
+            )
+        )
+        self.faults = Faults(None, self.stats, logger)
+        logger.info(
+            "ringside: HiCache storage backend for %s rank %d/%d (instance %s, socket %s)",
+            self.model,
+            self.rank,
+            self.world,
+            self.instance,
+            self.socket,
+        )
 
     # -- registration ----------------------------------------------------------
 
@@ -399,15 +386,28 @@ class RingsideHiCacheStorage(HiCacheStorage):
         self.geometry = geom
         self.layout_fingerprint = _namespace(self.storage_config, mem_pool_host, geom, self.world)
         self.disabled = None
-        logger.info("ringside: host pool %s: %d pages of %d bytes (%d tokens, %d segments)",
-                    type(mem_pool_host).__name__, geom["page_count"], geom["page_size"], geom["page_tokens"],
-                    len(geom["segments"]) or 1)
+        logger.info(
+            "ringside: host pool %s: %d pages of %d bytes (%d tokens, %d segments)",
+            type(mem_pool_host).__name__,
+            geom.page_count,
+            geom.page_size,
+            geom.page_tokens,
+            len(geom.region.segments) or 1,
+        )
 
     def _link(self) -> _Link:
         link = getattr(self._local, "link", None)
         if link is None:
-            attach = dict(instance=self.instance, model=self.model, layout=self.layout_fingerprint, salt=self.salt,
-                          role=_s.ROLE_WORKER, rank=self.rank, world_size=self.world, digest_width=DIGEST_WIDTH)
+            attach = dict(
+                instance=self.instance,
+                model=self.model,
+                layout=self.layout_fingerprint,
+                salt=self.salt,
+                role=_s.ROLE_WORKER,
+                rank=self.rank,
+                world_size=self.world,
+                digest_width=DIGEST_WIDTH,
+            )
             link = _Link(self.socket, self.timeout, self.reattach, attach)
             self._local.link = link
             with self._links_lock:
@@ -424,15 +424,17 @@ class RingsideHiCacheStorage(HiCacheStorage):
             return None, link
         g = self.geometry
         if link.regions.get(REGION_POOL) != link.generation:
-            if g["page_size"] > s.info.slot_bytes:
-                self._warn_once("slot", "ringside: a host page is %d bytes but the sidecar's slots are %d bytes: "
-                                "start the sidecar with --pool.slot-bytes >= %d; HiCache storage misses until then"
-                                % (g["page_size"], s.info.slot_bytes, g["page_size"]))
+            if g.page_size > s.info.slot_bytes:
+                self._warn_once(
+                    "slot",
+                    "ringside: a host page is %d bytes but the sidecar's slots are %d bytes: "
+                    "start the sidecar with --pool.slot-bytes >= %d; HiCache storage misses until then"
+                    % (g.page_size, s.info.slot_bytes, g.page_size),
+                )
                 return None, link
             s.allow_sidecar_ptrace()
             try:
-                s.register_region(REGION_POOL, g["base"], g["length"], g["page_size"], g["page_count"],
-                                  g["segments"])
+                g.region.register(s, REGION_POOL)
             except RingsideError as e:
                 self._fail(link, e, "registering the host pool")
                 return None, link
@@ -440,7 +442,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         if staging and link.regions.get(REGION_STAGING) != link.generation:
             buf = self._staging_buffer()
             try:
-                s.register_region(REGION_STAGING, buf.data_ptr(), buf.numel(), g["page_size"], self.staging_pages)
+                s.register_region(REGION_STAGING, buf.data_ptr(), buf.numel(), g.page_size, self.staging_pages)
             except RingsideError as e:
                 self._fail(link, e, "registering the staging buffer")
                 return None, link
@@ -449,23 +451,14 @@ class RingsideHiCacheStorage(HiCacheStorage):
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.zeros((self.staging_pages, self.geometry["page_size"]), dtype=torch.uint8)
+            self._staging = torch.zeros((self.staging_pages, self.geometry.page_size), dtype=torch.uint8)
         return self._staging
 
     def _fail(self, link: Optional[_Link], e: Exception, what: str) -> None:
-        self.stats["sidecar_errors"] += 1
-        if isinstance(e, (RingsideUnavailable, RingsideTimeout)):
-            if link is not None:
-                link.drop(e)
-        elif isinstance(e, RingsideError):
-            logger.debug("ringside: %s: %s", what, e)
-        else:
-            self._warn_once(what, "ringside: %s failed: %r (treated as a miss)" % (what, e))
+        self.faults.fail(e, what, link)
 
     def _warn_once(self, tag: str, msg: str) -> None:
-        if tag not in self._warned:
-            self._warned.add(tag)
-            logger.warning(msg)
+        self.faults.warn_once(tag, msg)
 
     def _view(self, s: Session, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> Tuple[int, int]:
         prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
@@ -495,14 +488,14 @@ class RingsideHiCacheStorage(HiCacheStorage):
         return None
 
     def _pages(self, host_indices: torch.Tensor, n: int) -> Optional[List[int]]:
-        ps = self.geometry["page_tokens"]
+        ps = self.geometry.page_tokens
         if host_indices is None or host_indices.numel() < n * ps:
             return None
-        first = host_indices[: n * ps: ps]
+        first = host_indices[: n * ps : ps]
         if ps > 1 and bool((first % ps).any()):
             return None
         pages = (first // ps).tolist()
-        if pages and (min(pages) < 0 or max(pages) >= self.geometry["page_count"]):
+        if pages and (min(pages) < 0 or max(pages) >= self.geometry.page_count):
             return None
         return pages
 
@@ -527,8 +520,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy get / set ---------------------------------------------------
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         """Copy the leading present pages straight into the host pool pages
         host_indices[i * page_size]; True for each page loaded."""
         n = len(keys)
@@ -586,8 +580,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
             if release:
                 s.release(lr.lease)
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
         """Copy the host pool pages host_indices[i * page_size] into the
         sidecar as keys[i]; True for pages stored or already there. The sidecar
         reports counts, not which pages it skipped for lack of space, so a
@@ -614,7 +609,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         step = max(1, min(8192, (s.max_payload - 24) // 4))
         seqs = []
         for i in range(0, len(pages), step):
-            chunk = pages[i:i + step]
+            chunk = pages[i : i + step]
             seqs.append(s.submit(_s.TYPE_STORE, _s.encode_store(b, start + i, len(chunk), region, chunk)))
         deadline = time.monotonic() + self.save_timeout
         ok, failed = 0, False
@@ -636,8 +631,9 @@ class RingsideHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+    def batch_get(
+        self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ) -> List[Optional[torch.Tensor]]:
         """Flat data pages (SGLang's get_data_page(flat=True) format) for the
         leading present keys, written into target_locations when given; None
         from the first missing key on."""
@@ -649,10 +645,10 @@ class RingsideHiCacheStorage(HiCacheStorage):
         S = self.staging_pages
         with self._staging_lock:
             for c in range(0, n, S):
-                ck = list(keys[c:c + S])
+                ck = list(keys[c : c + S])
                 k = len(ck)
 
-                def load(s, b, start):
+                def load(s, b, start, k=k):
                     return self._load(s, b, start, k, REGION_STAGING, list(range(k)))
 
                 got = self._with_view(ck, None, load, staging=True) or 0
@@ -660,8 +656,8 @@ class RingsideHiCacheStorage(HiCacheStorage):
                 for i in range(got):
                     t = target_locations[c + i] if target_locations is not None else None
                     if t is None:
-                        t = torch.empty(g["shape"], dtype=g["dtype"]).flatten()
-                    if t.numel() * t.element_size() != g["page_size"] or not t.is_contiguous():
+                        t = torch.empty(g.shape, dtype=g.dtype).flatten()
+                    if t.numel() * t.element_size() != g.page_size or not t.is_contiguous():
                         self._warn_once("get-target", "ringside: get: target is not one contiguous page")
                         return out
                     t.view(torch.uint8).view(-1).copy_(stg[i])
@@ -670,12 +666,22 @@ class RingsideHiCacheStorage(HiCacheStorage):
                     break
         return out
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         """Store flat data pages; True when every page is stored or present."""
         n = len(keys)
         if n == 0:
@@ -686,7 +692,7 @@ class RingsideHiCacheStorage(HiCacheStorage):
         S = self.staging_pages
         with self._staging_lock:
             for c in range(0, n, S):
-                ck = list(keys[c:c + S])
+                ck = list(keys[c : c + S])
                 k = len(ck)
                 s, _ = self._session(staging=True)
                 if s is None:
@@ -694,12 +700,12 @@ class RingsideHiCacheStorage(HiCacheStorage):
                 stg = self._staging
                 for i in range(k):
                     v = values[c + i]
-                    if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() != g["page_size"]:
+                    if not isinstance(v, torch.Tensor) or v.numel() * v.element_size() != g.page_size:
                         self._warn_once("set-value", "ringside: set: value is not one page")
                         return False
                     stg[i].copy_(v.detach().contiguous().view(-1).view(torch.uint8))
 
-                def store(s, b, start):
+                def store(s, b, start, k=k):
                     return self._store(s, b, start, REGION_STAGING, list(range(k)))
 
                 if (self._with_view(ck, None, store, staging=True) or 0) != k:
@@ -709,8 +715,10 @@ class RingsideHiCacheStorage(HiCacheStorage):
     # -- unsupported -----------------------------------------------------------
 
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
-        raise NotImplementedError("ringside: the HiCache v2 pool-transfer interface (hybrid models with Mamba, "
-                                  "SWA or DSA side pools) is not supported; use a plain KV model")
+        raise NotImplementedError(
+            "ringside: the HiCache v2 pool-transfer interface (hybrid models with Mamba, "
+            "SWA or DSA side pools) is not supported; use a plain KV model"
+        )
 
     def batch_get_v2(self, transfers, extra_info=None):
         raise NotImplementedError("ringside: batch_get_v2 (hybrid-model side pools) is not supported")

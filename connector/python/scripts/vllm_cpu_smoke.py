@@ -97,19 +97,26 @@ def main() -> int:
 
     results = []
     for i in range(args.runs):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child",
-               "--model", args.model, "--max-tokens", str(args.max_tokens)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--model",
+            args.model,
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
         if args.mp:
             cmd.append("--mp")
         t = time.time()
         p = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.time() - t
-        line = next((l for l in p.stdout.splitlines() if l.startswith("SMOKE-RESULT ")), None)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("SMOKE-RESULT ")), None)
         if p.returncode != 0 or line is None:
             sys.stderr.write(p.stdout[-5000:] + p.stderr[-10000:])
             print(f"run {i}: FAILED rc={p.returncode}")
             return 1
-        r = json.loads(line[len("SMOKE-RESULT "):])
+        r = json.loads(line[len("SMOKE-RESULT ") :])
         r["wall_s"] = round(wall, 1)
         results.append(r)
         print(f"run {i}: " + json.dumps({k: v for k, v in r.items() if k != "prompt_ids"}))

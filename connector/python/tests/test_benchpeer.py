@@ -2,15 +2,14 @@
 an echo thread in this process on the other side."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import threading
 
 import pytest
-
 from conftest import child_env
+
 from ringside import _benchpeer
 from ringside import ring as R
 

@@ -7,20 +7,16 @@ teardown that the sidecar removed its rings, pool and socket.
 
 import ctypes
 import hashlib
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 import pytest
-
 from conftest import child_env
+
 from ringside import schema as S
 from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
 from ringside.schema import State, Status
@@ -29,37 +25,6 @@ pytestmark = pytest.mark.skipif(shutil.which("go") is None,
                                 reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
 
 SLOT = 4096
-BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-# Under Yama ptrace_scope=1 the sidecar (our child) may not read our memory
-# with process_vm_readv unless we allow it. Harmless where Yama is absent.
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong((1 << 64) - 1), 0, 0, 0)
-except Exception:  # pragma: no cover
-    pass
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(path):
-    """Whether a Unix socket is bound to path and listening (bind and listen
-    are two steps: a connect between them is refused)."""
-    if not os.path.exists(path):
-        return False
-    try:
-        with open("/proc/net/unix") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 8 and parts[7] == path and int(parts[3], 16) & 0x10000:
-                    return True
-    except OSError:  # no procfs: the file's existence has to do
-        return True
-    return False
-
 
 def wait_stopped(pid, timeout=5):
     """SIGSTOP is asynchronous: wait until the process is in state T."""
@@ -70,93 +35,6 @@ def wait_stopped(pid, timeout=5):
                 return
         assert time.monotonic() < deadline, "process %d did not stop" % pid
         time.sleep(0.001)
-
-
-class Sidecar:
-    def __init__(self, binary, budget=None, metrics=False, pool="4MiB"):
-        self.dir = tempfile.mkdtemp(prefix="rs-py-", dir=BASE)
-        self.sock = os.path.join(self.dir, "ringside.sock")
-        self.metrics = "127.0.0.1:%d" % free_port() if metrics else ""
-        args = [binary, "serve", "--dir", self.dir, "--pool.bytes", pool, "--pool.slot-bytes", "4KiB",
-                "--metrics.addr", self.metrics, "--ring.capacity", "64KiB"]
-        if budget:
-            args += ["--budget", budget]
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log)
-        self.sessions = []
-        self.killed = False
-        deadline = time.monotonic() + 10
-        while not listening(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("sidecar did not start:\n" + self.logs())
-            time.sleep(0.005)
-        if self.metrics:
-            while True:
-                try:
-                    self.state()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
-
-    def logs(self):
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def attach(self, **kw):
-        o = dict(instance="engine-a", model="llama", layout="bf16/16/HND", timeout=5.0)
-        o.update(kw)
-        s = Session.attach(self.sock, **o)
-        self.sessions.append(s)
-        return s
-
-    def state(self):
-        with urllib.request.urlopen("http://%s/debug/state" % self.metrics, timeout=2) as r:
-            return json.load(r)
-
-    def kill(self):
-        self.killed = True
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(5)
-
-    def stop(self):
-        for s in self.sessions:
-            s.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                rc = self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError("sidecar ignored SIGTERM:\n" + self.logs())
-            assert rc == 0, "sidecar exited with %d:\n%s" % (rc, self.logs())
-        left = os.listdir(self.dir)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.log.close()
-        if not self.killed:
-            assert left == [], "files left behind: %r" % left
-
-
-@pytest.fixture
-def start_sidecar(ringside_bin):
-    """Factory: start_sidecar(budget="16KiB", metrics=True, pool="256KiB") -> Sidecar."""
-    started = []
-
-    def start(**kw):
-        sc = Sidecar(ringside_bin, **kw)
-        started.append(sc)
-        return sc
-
-    yield start
-    for sc in started:
-        sc.stop()
-
-
-@pytest.fixture
-def sidecar(start_sidecar):
-    return start_sidecar()
 
 
 def digests(seed, n):
@@ -604,7 +482,8 @@ def test_snapshot(start_sidecar):
     # Refusals come in the SnapshotReply layout, with the session's width.
     for s, payload, want in ((w, S.encode_snapshot(0), Status.NOT_PERMITTED), (c, b"\x01", Status.MALFORMED)):
         rep = S.decode_snapshot_reply(s.await_reply(s.submit(S.TYPE_SNAPSHOT, payload)))
-        assert (rep.status, rep.done, rep.epoch, rep.seq, rep.next, rep.width, rep.entries) == (want, False, 0, 0, 0, 32, b"")
+        got = (rep.status, rep.done, rep.epoch, rep.seq, rep.next, rep.width, rep.entries)
+        assert got == (want, False, 0, 0, 0, 32, b"")
     # Another namespace with 8-byte digests sees nothing of it.
     o = sc.attach(model="other", digest_width=8)
     r = o.snapshot()

@@ -130,6 +130,7 @@ def test_ring_image_decodes(manifest):
     c = ring.consumer()
     for want in img["remaining"]:
         rec = c.read()
-        assert (rec.type, rec.flags, rec.seq, rec.payload.hex()) == (want["type"], want["flags"], want["seq"], want["payload_hex"])
+        got = (rec.type, rec.flags, rec.seq, rec.payload.hex())
+        assert got == (want["type"], want["flags"], want["seq"], want["payload_hex"])
     assert c.read() is None
     ring.close()

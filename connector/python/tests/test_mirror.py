@@ -5,11 +5,10 @@ turns itself off where Snapshot is refused."""
 import random
 import time
 
-import pytest
+from test_client import Region, digests
 
 from ringside import schema as S
 from ringside.mirror import Mirror
-from test_client import Region, digests, sidecar, start_sidecar  # noqa: F401 (fixtures)
 
 POOL_BLOCKS = 1024  # the test sidecar's pool: 4 MiB of 4 KiB slots
 

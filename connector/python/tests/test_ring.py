@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
-
 from conftest import child_env
-from ringside import ring as R
+
 from ringside import _xproc
+from ringside import ring as R
 
 CAP = 4096
 
@@ -369,7 +369,7 @@ def _c_open_unaligned_head(mem, r):
 
 def _p_head_past_published(mem, r):
     p = r.producer()
-    for s in range(4):
+    for _ in range(4):
         p.append(bytes(1000))
     p.publish()
     set_pos(mem, head=CAP * 4)
@@ -379,7 +379,7 @@ def _p_head_past_published(mem, r):
 def _p_head_backwards(mem, r):
     set_pos(mem, tail=1024, head=1024)
     p = r.producer()
-    for s in range(4):
+    for _ in range(4):
         p.append(bytes(1000))
     set_pos(mem, head=0)
     return lambda: p.append(bytes(1000))
@@ -421,7 +421,8 @@ def test_corrupt_random_never_crashes():
         mem[R.HEADER_SIZE:] = rnd.randbytes(CAP)
         if rnd.random() < 0.5:  # small plausible headers
             for off in range(0, CAP, 16):
-                struct.pack_into("<IHH", mem, R.HEADER_SIZE + off, rnd.randrange(0, 1200), rnd.choice([0, 1, 0xFFFF]), 0)
+                hdr = (rnd.randrange(0, 1200), rnd.choice([0, 1, 0xFFFF]), 0)
+                struct.pack_into("<IHH", mem, R.HEADER_SIZE + off, *hdr)
         set_pos(mem, tail=head + rnd.choice([rnd.randrange(0, CAP + 64), rnd.randrange(0, CAP, 8)]))
         try:
             for _ in range(100):

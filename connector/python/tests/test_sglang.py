@@ -13,8 +13,6 @@ import hashlib
 import os
 import shutil
 import signal
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -37,70 +35,8 @@ from ringside.client import Session  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("go") is None,
                                 reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
 
-BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4  # a page: 2 x 3 x 4 x 2 x 8 bf16 = 768 bytes
 DEVICE_TOKENS = 64
-
-try:  # let the sidecar (our child) read our memory under Yama ptrace_scope 1
-    ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong((1 << 64) - 1), 0, 0, 0)
-except Exception:  # pragma: no cover
-    pass
-
-
-def listening(path):
-    if not os.path.exists(path):
-        return False
-    try:
-        with open("/proc/net/unix") as f:
-            return any(len(p) >= 8 and p[7] == path and int(p[3], 16) & 0x10000
-                       for p in (line.split() for line in f))
-    except OSError:
-        return True
-
-
-class Sidecar:
-    def __init__(self, binary, directory=None, slot="4KiB"):
-        self.dir = directory or tempfile.mkdtemp(prefix="rs-sgl-", dir=BASE)
-        self.sock = os.path.join(self.dir, "ringside.sock")
-        self.binary, self.slot = binary, slot
-        self.start()
-
-    def start(self):
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([self.binary, "serve", "--dir", self.dir, "--pool.bytes", "4MiB",
-                                      "--pool.slot-bytes", self.slot, "--ring.capacity", "64KiB",
-                                      "--metrics.addr", ""], stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 10
-        while not listening(self.sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("sidecar did not start:\n" + self.logs())
-            time.sleep(0.005)
-
-    def logs(self):
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
-@pytest.fixture
-def sidecar(ringside_bin):
-    sc = Sidecar(ringside_bin)
-    yield sc
-    sc.stop()
-    shutil.rmtree(sc.dir, ignore_errors=True)
-
 
 def chain(n, seed="s"):
     """SGLang-style page keys: hex sha256 digests chained page to page."""
@@ -396,18 +332,14 @@ def test_sidecar_killed_mid_call(sidecar, backends):
     assert a.stats["sidecar_errors"] >= 1
 
 
-def test_page_larger_than_slot_is_a_miss(ringside_bin, backends):
+def test_page_larger_than_slot_is_a_miss(start_sidecar, backends):
     pool = make_pool(heads=64)  # 2 x 3 x 4 x 64 x 8 x 2 B = 24 KiB pages > 4 KiB slots
-    s = Sidecar(ringside_bin)
-    try:
-        a, _ = make_backend(s.sock, pool)
-        backends.append(a)
-        idx = pool.alloc(2 * PAGE)
-        assert a.batch_set_v1(chain(2), idx) == [False, False]
-        assert a.batch_exists(chain(2)) == 0
-    finally:
-        s.stop()
-        shutil.rmtree(s.dir, ignore_errors=True)
+    s = start_sidecar()
+    a, _ = make_backend(s.sock, pool)
+    backends.append(a)
+    idx = pool.alloc(2 * PAGE)
+    assert a.batch_set_v1(chain(2), idx) == [False, False]
+    assert a.batch_exists(chain(2)) == 0
 
 
 def test_unsupported_methods_raise(backends):
@@ -435,16 +367,35 @@ def test_region_geometry_matches_data_pages():
     """Region page p, segment by segment, is exactly get_data_page(p) flat."""
     for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
         pool = make_pool(layout, seed=7)
-        g = rs.describe_pool(pool)
-        raw = (ctypes.c_ubyte * g["length"]).from_address(g["base"])
-        for p in (0, 1, g["page_count"] - 1):
-            segs = g["segments"] or [(0, g["page_size"], g["page_size"])]
-            got = b"".join(bytes(raw[o + p * st:o + p * st + n]) for o, st, n in segs)
+        g = rs.describe_pool(pool).region
+        raw = (ctypes.c_ubyte * g.length).from_address(g.base)
+        for p in (0, 1, g.page_count - 1):
+            got = b"".join(bytes(raw[o + p * st : o + p * st + n]) for o, st, n in g.page_segments())
             assert got == bytes(page(pool, p * PAGE).numpy()), layout
-        assert g["page_size"] == 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+        assert g.page_size == 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
 
 
 def test_session_is_plain_client(sidecar):
     """Sanity: the sidecar the tests use takes a plain client session."""
     with Session.attach(sidecar.sock, instance="x", model="m", layout="l") as s:
         assert s.ping(7) == 7
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"max_batch": 4}, ["'max_batch'", "did you mean 'max_batches'"]),
+        ({"lease_ttl": "30s"}, ["'lease_ttl'", '"30s"', "a number of seconds > 0"]),
+        ({"staging_pages": 0}, ["'staging_pages'", "0", "an integer of pages >= 1"]),
+        ({"mirror": False}, ["'mirror'", "read by the vLLM connector only"]),
+    ],
+)
+def test_config_errors_name_the_key(sidecar, extra, words):
+    """A misspelled, mistyped or other plugin's key in the extra config fails
+    the backend's construction (through SGLang's factory) with an error that
+    names it; SGLang's own keys (backend_name, interface_v1, ...) pass."""
+    with pytest.raises(Exception) as e:  # noqa: B017 - SGLang's factory may wrap the ConfigError
+        make_backend(sidecar.sock, make_pool(), **extra)
+    msg = str(e.value) + "".join(str(c) for c in (e.value.__cause__, e.value.__context__) if c)
+    for w in words:
+        assert w in msg, (w, msg)

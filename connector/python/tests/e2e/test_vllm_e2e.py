@@ -11,14 +11,12 @@ missing engine is a failure, not a skip.
 import glob
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
+
+from ringside.sidecar_process import SidecarProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYDIR = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -60,54 +58,10 @@ def prompts_file(tmp_path_factory):
     return str(p)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Sidecar:
-    def __init__(self, binary, tmp, extra=()):
-        self.dir = "/dev/shm/rs-e2e-%d-%d" % (os.getpid(), int(time.time() * 1000) % 100000)
-        self.port = _free_port()
-        self.sock = self.dir + "/ringside.sock"
-        self.proc = subprocess.Popen(
-            [binary, "serve", "--dir", self.dir, "--pool.bytes", "64MiB", "--pool.slot-bytes", "32KiB",
-             "--metrics.addr", "127.0.0.1:%d" % self.port, "--log.format", "console", "--log.level", "warn"]
-            + list(extra),
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "sidecar.log"), "a"))
-        deadline = time.time() + 20
-        while True:
-            try:
-                if self.state()["ready"]:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("sidecar did not become ready")
-            time.sleep(0.05)
-
-    def state(self):
-        with urllib.request.urlopen("http://127.0.0.1:%d/debug/state" % self.port, timeout=2) as r:
-            return json.load(r)
-
-    def requests(self, typ):
-        """ringside_requests_total for one record type."""
-        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=2) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith('ringside_requests_total{type="%s"}' % typ):
-                    return float(line.split()[-1])
-        return 0.0
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(20)
-        subprocess.run(["rm", "-rf", self.dir])
+def Sidecar(binary, tmp, extra=()):
+    """A sidecar for one engine test (the shared fixture, ringside.sidecar_process)."""
+    return SidecarProcess(binary, pool="64MiB", slot="32KiB", metrics=True, log_level="warn", args=list(extra),
+                          log=os.path.join(tmp, "sidecar.log"), prefix="rs-e2e-")
 
 
 def run_engine(model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True, extra=(),

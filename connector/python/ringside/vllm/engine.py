@@ -1,0 +1,95 @@
+"""What the connector reads from vLLM: the namespace of its blocks, the
+worker's shard, and facts about the KV cache manager."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..plugin.namespace import fingerprint, safe
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+
+NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def namespace(vllm_config: "VllmConfig") -> tuple[str, str, int]:
+    """(model, layout fingerprint, world size): everything that changes the
+    bytes of a block, so that two engines share blocks only when the bytes
+    mean the same thing."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    algo = str(getattr(cc, "prefix_caching_hash_algo", "sha256"))
+    model = str(getattr(mc, "model", "")) + "@" + str(getattr(mc, "revision", None) or "")
+    parts = {
+        "dtype": str(getattr(mc, "dtype", "")),
+        "kv_dtype": str(getattr(cc, "cache_dtype", "")),
+        "block": int(cc.block_size),
+        "hash": algo,
+        "layers": safe(lambda: mc.get_num_layers(pc)),
+        "kv_heads": safe(lambda: mc.get_num_kv_heads(pc)),
+        "head": safe(lambda: mc.get_head_size()),
+        "tp": int(pc.tensor_parallel_size),
+        "pp": int(pc.pipeline_parallel_size),
+        "device": str(getattr(vllm_config.device_config, "device_type", "")),
+    }
+    # Every tensor- and pipeline-parallel worker holds its own shard of a
+    # block: a block is present only when all of them stored theirs.
+    return model, fingerprint(parts), int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def hash_seed_warning(vllm_config: "VllmConfig") -> Optional[str]:
+    """The setting that makes vLLM's block hashes differ across restarts."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo in NON_CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        return (
+            "prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block hashes "
+            "randomly per process, so blocks stored by one engine process are never hits for "
+            "another (or after a restart). Set PYTHONHASHSEED to the same value on every engine, "
+            "or use sha256 / sha256_cbor." % algo
+        )
+    return None
+
+
+def tp_rank() -> int:
+    """This worker's shard index: pp_rank * tp_size + tp_rank."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        rank, tp = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+        try:
+            pp_rank = int(get_pp_group().rank_in_group)
+        except Exception:  # noqa: BLE001 - no pipeline group
+            pp_rank = 0
+        return pp_rank * tp + rank
+    except Exception:  # noqa: BLE001 - not initialised: a single worker
+        return 0
+
+
+def single_group_blocks(kvm: Any) -> Optional[dict]:
+    """The KV cache manager's request -> blocks table when the model has one
+    KV cache group (every attention layer alike): the store planner slices a
+    request's new blocks from it instead of asking for the whole block table.
+    None (use SchedulerOutput.kv_connector_block_state) otherwise."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        if len(managers) == 1 and isinstance(managers[0].req_to_blocks, dict):
+            return managers[0].req_to_blocks
+    except AttributeError:
+        pass
+    return None
+
+
+def full_attention_only(kvm: Any) -> bool:
+    """Whether every KV cache group is plain full attention: then a full
+    block of a live request is never freed before the request finishes or
+    is preempted (other kinds, e.g. sliding windows, free blocks earlier)."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        return len(managers) > 0 and all(type(m).__name__ == "FullAttentionManager" for m in managers)
+    except AttributeError:
+        return False

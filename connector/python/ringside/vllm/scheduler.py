@@ -1,0 +1,233 @@
+"""The scheduler side of the vLLM connector (the EngineCore process).
+
+It attaches to the sidecar as the scheduler of this engine instance and
+composes the parts that answer vLLM's scheduler hooks:
+
+- admission.py: lookups of arriving requests (local index or sidecar);
+- index.py: the local index of the cache and when to trust it;
+- loads.py: acquires of leases on hit blocks and their collection;
+- store_plan.py: the blocks that become full in each step (pure).
+
+Cost model: the scheduler never waits for the sidecar except for a reply it
+needs in the same call (a lookup's hit count, an acquire's lease when the
+step's loads are sent), and then for at most ``max_wait_us`` a step in all.
+Everything else is published without waking the sidecar (Session.submit/send
+with wake=False) and handled in order when the next wait wakes it. Stores
+need no scheduler round trip at all: the step's metadata carries the digests
+of the blocks to store, and each worker registers them in its own batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from .. import schema as _s
+from ..client import RingsideError
+from ..plugin.config import Config
+from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
+from ..plugin.stats import StatsFile, counters
+from .admission import Admission
+from .engine import full_attention_only, single_group_blocks
+from .index import LocalIndex
+from .loads import Loads
+from .metadata import RingsideConnectorMetadata
+from .state import StepBudget
+from .store_plan import StorePlanner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("ringside.vllm")
+
+_clock_ns = time.perf_counter_ns
+
+COUNTERS = (
+    "lookups",
+    "lookup_blocks",
+    "hit_blocks",
+    "loads",
+    "loaded_blocks",
+    "load_error_blocks",
+    "stores",
+    "stored_blocks",
+    "present_blocks",
+    "store_errors",
+    "sidecar_errors",
+    "steps",
+    "resumed",
+    "deferred_lookups",
+    "batches_reused",
+    "saves_unwaited",
+    "planned_stores",
+    "planned_blocks",
+    "step_ns_total",
+    "step_ns_max",
+    "mirror_lookups",
+    "mirror_hit_blocks",
+    "mirror_catchups",
+)
+
+
+class SchedulerSide:
+    """Implementation of the scheduler-side connector methods."""
+
+    def __init__(self, cfg: Config, attach: dict, block_size: int, speculative: bool):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.stats = counters(COUNTERS, role="SCHEDULER")
+        self.link = make_link(cfg, dict(attach, role=_s.ROLE_SCHEDULER, rank=0))
+        self.faults = Faults(self.link, self.stats, logger)
+        self.budget = StepBudget(int(cfg.max_wait_us * 1000))
+        self.index = LocalIndex(cfg, self.faults, self.budget) if cfg.mirror else None
+        self.mirror = self.index.mirror if self.index is not None else None
+        self.admission = Admission(self.link, self.faults, self.budget, self.index, block_size, cfg.timeout)
+        self.reqs = self.admission.reqs
+        self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
+        # Speculative decoding schedules several tokens a step: check every
+        # scheduled request every step instead.
+        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats)
+        self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "scheduler", self._add_stats)
+        self.kv_cache_manager: Any = None  # bound by vLLM after construction
+        # Only full attention keeps every block of a live request until it
+        # finishes or is preempted (sliding windows free old blocks).
+        self._full_attention: Optional[bool] = None
+        self._saves_exposed = False  # a request with stores in flight finished (see wait_saves)
+        if self.index is not None:
+            self.index.start(self.link.get(), cfg.timeout)
+
+    # -- admission -------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        self.admission.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self.admission.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        adm = self.admission
+        r = self.reqs.get(request.request_id)
+        if r is None:
+            r = adm.req(request)  # tracked for its stores even without a sidecar
+        r.allocated = True
+        if num_external_tokens <= 0:
+            return
+        start = (r.hit_tokens - num_external_tokens) // self.block_size
+        count = num_external_tokens // self.block_size
+        ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        want = ids[start : start + count]  # vLLM passes all of the request's blocks
+        # Blocks that come from the sidecar need no storing back.
+        r.stored = max(r.stored, start + count)
+        self.loads.acquire(r, request.request_id, start, count, want, adm.put_hashes_looked_up)
+
+    # -- the step's metadata ---------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> RingsideConnectorMetadata:
+        t0 = _clock_ns()
+        meta = RingsideConnectorMetadata()
+        planner = self.planner
+        loads = self.loads
+        s = self.link.session
+        if s is not None:
+            try:
+                # Let the sidecar answer this step's acquires while the
+                # stores are planned (releases and drops alone need no
+                # prompt wake). Every reply the scheduler waits for is read
+                # (with whatever arrived before it) when it is collected;
+                # stray ones (failed fire-and-forget sends) are consumed
+                # every 32 steps, so that the completion ring never fills.
+                if loads.waiting:
+                    s.kick()
+                if not planner.step & 31:
+                    s.drain()
+            except RingsideError as e:
+                self.faults.fail(e)
+                s = None
+        # The stores planned last step may still be copying: the workers
+        # must wait for them only if their blocks can be reused now.
+        if self._full_attention is None:
+            self._full_attention = full_attention_only(self.kv_cache_manager)
+        pre = getattr(scheduler_output, "preempted_req_ids", None)
+        meta.wait_saves = self._saves_exposed or pre is None or bool(pre) or not self._full_attention
+        if pre:
+            self.admission.preempted(pre)
+        self._saves_exposed = False
+        planner.step += 1
+        if planner.req_to_blocks is False:
+            planner.req_to_blocks = single_group_blocks(self.kv_cache_manager)
+        # The planned stores' digests are noted as the engine's own (read your writes).
+        planner.mine = self.index.noting() if self.index is not None else None
+        planner.plan(meta, scheduler_output)
+        if s is not None and s is not self.link.session:
+            s = None
+        if loads.waiting or loads.abandoned:
+            loads.collect(meta, s)
+        if loads.orphans:
+            loads.release_orphans(s)
+        self.budget.reset()
+        self.admission.woke = False
+        dt = _clock_ns() - t0
+        st = self.stats
+        st["steps"] += 1
+        st["step_ns_total"] += dt
+        st["step_ns_max"] = max(st["step_ns_max"], dt)
+        if self.stats_file.path:
+            self.stats_file.tick(st)
+        return meta
+
+    # -- after the step ----------------------------------------------------------
+
+    def take_events(self):
+        # vLLM calls this once a step, after the step's output.
+        if self.index is not None:
+            self.index.after_step(self.link.session)
+        return ()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.index is not None:
+            self.index.out_t = time.monotonic()
+        rec = getattr(connector_output, "finished_recving", None) or ()
+        if not rec:
+            return
+        s = self.link.session
+        reqs = self.reqs
+        for rid in rec:
+            r = reqs.get(rid)
+            if r is not None and r.load is not None:
+                self.loads.loaded(r, s)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        rid = request.request_id
+        self.planner.forget(rid)
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return False, None
+        if r.store_step and r.store_step >= self.planner.step:
+            # Its blocks are freed now, and the last step's stores may still
+            # be reading some of them.
+            self._saves_exposed = True
+        if r.load is not None and self.loads.waiting.pop(rid, None) is not None:
+            self.loads.abandoned.append(rid)
+        s = self.link.session
+        if s is not None and r.generation == self.link.generation:
+            try:
+                if r.lookup_seq:  # looked up ahead, never asked for
+                    s.forget(r.lookup_seq)
+                if r.load is not None:
+                    self.loads.finished(rid, r, s)
+                if r.registered:
+                    self.admission.recycle(r, s)
+            except SIDECAR_ERRORS as e:
+                self.faults.fail(e)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.stats_file.write(self.stats)
+        self.link.close()
+
+    def _add_stats(self, stats: dict) -> None:
+        if self.index is not None:
+            self.index.add_stats(stats)

@@ -1,0 +1,80 @@
+"""Scheduler-side state shared by its parts: one request's record, and the
+step's budget for waiting on the sidecar."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+_clock_ns = time.perf_counter_ns
+
+
+class ReqState:
+    """Scheduler-side state of one request in one link generation."""
+
+    __slots__ = (
+        "request",
+        "batch",
+        "generation",
+        "registered",
+        "stored",
+        "lookup_seq",
+        "lookup_count",
+        "load",
+        "hit_tokens",
+        "due",
+        "looked",
+        "hits",
+        "allocated",
+        "lookup_t",
+        "store_step",
+    )
+
+    def __init__(self, request: Any, batch: int, generation: int):
+        self.request = request  # vLLM's Request (block_hashes, num_tokens, num_computed_tokens)
+        self.batch = batch  # hash batch for lookups and acquires (this link generation)
+        self.generation = generation  # link generation the batch was registered in
+        self.registered = 0  # hashes registered in the batch
+        self.stored = 0  # cursor: blocks [0, stored) were sent for storing (or loaded)
+        self.lookup_seq = 0  # a lookup submitted ahead (on_new_request), not yet collected
+        self.lookup_count = 0  # blocks that lookup asked about
+        self.load: Optional[Any] = None  # its pending load (loads.Load)
+        self.hit_tokens = 0
+        self.due = 0  # scheduler step of its next store check (0: none planned)
+        self.looked = 0  # blocks the last collected lookup asked about
+        self.hits = 0  # and its answer
+        self.allocated = False  # vLLM allocated blocks for it (update_state_after_alloc)
+        self.lookup_t = 0.0  # when the lookup was sent (time.monotonic)
+        self.store_step = 0  # the last step that planned a store of its blocks
+
+
+class StepBudget:
+    """The most the scheduler waits for sidecar replies in one step, in
+    total (max_wait_us). Past it an unanswered lookup makes vLLM ask again
+    next step and an unanswered acquire is collected next step: a slow
+    sidecar delays a hit by a step, never the whole engine."""
+
+    __slots__ = ("max_ns", "left_ns")
+
+    def __init__(self, max_ns: int):
+        self.max_ns = max_ns
+        self.left_ns = max_ns
+
+    def reset(self) -> None:
+        """The next step's budget."""
+        self.left_ns = self.max_ns
+
+    def reply(self, s: Any, seq: int) -> Optional[bytes]:
+        """The reply to seq if it is there or arrives within what is left of
+        this step's budget, else None (seq stays collectable)."""
+        p = s.try_reply(seq)
+        if p is not None:
+            return p
+        left = self.left_ns
+        if left <= 0:
+            s.kick()
+            return None
+        t0 = _clock_ns()
+        p = s.await_reply(seq, timeout=left / 1e9, keep=True)
+        self.left_ns = left - (_clock_ns() - t0)
+        return p

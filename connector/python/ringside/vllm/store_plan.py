@@ -1,0 +1,178 @@
+"""The store planner: which blocks of which requests become full in a step.
+
+Pure: it reads vLLM's SchedulerOutput and requests and writes the step's
+stores into the metadata (digests and engine block ids, in the same order);
+no sidecar, no I/O. The workers store those blocks after the forward pass
+that fills them (worker.py).
+
+Cost follows the requests that can fill a block this step, not all scheduled
+ones: new and resumed requests and prefill chunks are checked every step they
+are scheduled ("watched"); a decoding request (one token a step) is checked
+again only in the step in which its next block can fill (a calendar of
+steps), or later if it was not scheduled then (it is checked and planned
+again). With speculative decoding (several tokens a step) every scheduled
+request is checked every step.
+
+Each request has a cursor (ReqState.stored): blocks [0, stored) were planned
+for storing, or loaded from the sidecar. A block is full when every one of its
+tokens has KV after this step (num_computed_tokens + scheduled tokens) and
+vLLM has hashed it (request.block_hashes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from .metadata import RingsideConnectorMetadata
+from .state import ReqState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+
+class StorePlanner:
+    """Plans the stores of each step (see the module doc)."""
+
+    def __init__(self, reqs: dict[str, ReqState], block_size: int, every_step: bool, stats: dict):
+        self.reqs = reqs  # the scheduler side's request table (shared)
+        self.block_size = block_size
+        self.every_step = every_step  # speculative decoding: check every scheduled request
+        self.stats = stats
+        self.step = 0  # the scheduler step being planned (1, 2, ...)
+        # The KV cache manager's request -> blocks table (single KV cache
+        # group), None to resolve block ids through the scheduler output,
+        # False while not known yet (the scheduler side sets it).
+        self.req_to_blocks: Any = False
+        self.mine: Optional[set] = None  # where the step's digests are noted (the local index's own stores)
+        self._watch: set[str] = set()
+        self._due: dict[int, list[str]] = {}
+        self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
+
+    def plan(self, meta: RingsideConnectorMetadata, so: "SchedulerOutput") -> None:
+        """The stores of step self.step (call after advancing it)."""
+        state = getattr(so, "kv_connector_block_state", None)
+        resolve = getattr(state, "resolve_block_ids", None)
+        nst = so.num_scheduled_tokens
+        check = self._check
+        if resolve is None or self.every_step:
+            # vLLM without per-request block resolution, or speculative
+            # decoding: check every scheduled request.
+            if resolve is None:
+                resolve = self._legacy_blocks(so)
+            for rid in nst:
+                check(rid, nst, resolve, meta)
+        else:
+            watch = self._watch
+            for nr in so.scheduled_new_reqs:
+                watch.add(nr.req_id)
+            resumed = getattr(so.scheduled_cached_reqs, "resumed_req_ids", None)
+            if resumed:
+                watch.update(resumed)
+                self.stats["resumed"] += len(resumed)
+            step = self.step
+            due = self._due.pop(step, None)
+            if due:
+                reqs = self.reqs
+                for rid in due:
+                    r = reqs.get(rid)
+                    if r is not None and r.due == step and rid not in watch:
+                        check(rid, nst, resolve, meta)
+            if watch:
+                for rid in list(watch):
+                    check(rid, nst, resolve, meta)
+        if meta.store_digests:
+            st = self.stats
+            st["planned_stores"] += len(meta.store_digests)
+            st["planned_blocks"] += len(meta.store_block_ids)
+
+    def forget(self, rid: str) -> None:
+        """A finished request (an entry left in the calendar is skipped: it has no state)."""
+        if self._legacy:
+            self._legacy.pop(rid, None)
+        self._watch.discard(rid)
+
+    def _check(self, rid: str, nst: dict, resolve: Callable, meta: RingsideConnectorMetadata) -> None:
+        r = self.reqs.get(rid)
+        if r is None:
+            self._watch.discard(rid)
+            return
+        req = r.request
+        n = nst.get(rid, 0)
+        done = req.num_computed_tokens + n  # tokens whose KV exists after this step
+        bs = self.block_size
+        hashes = req.block_hashes
+        full = done // bs
+        if full > len(hashes):
+            full = len(hashes)
+        a = r.stored
+        if full > a:
+            rtb = self.req_to_blocks
+            if rtb is not None:  # the manager's own block list: no copy of the whole table
+                blks = rtb.get(rid) or ()
+                if full > len(blks):
+                    full = len(blks)
+                if full == a + 1:  # the common case: one block filled (decoding)
+                    meta.store_block_ids.append(blks[a].block_id)
+                elif full > a:
+                    meta.store_block_ids.extend([b.block_id for b in blks[a:full]])
+            else:
+                try:
+                    got = resolve(rid)
+                except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
+                    got = None
+                blocks = got[0] if got else ()
+                if full > len(blocks):
+                    full = len(blocks)
+                if full > a:
+                    meta.store_block_ids.extend(blocks[a:full])
+            if full > a:
+                mine = self.mine
+                if full == a + 1:
+                    meta.store_digests.append(hashes[a])
+                    if mine is not None:
+                        mine.add(hashes[a])
+                else:
+                    meta.store_digests.append(b"".join(hashes[a:full]))
+                    if mine is not None:
+                        mine.update(hashes[a:full])
+                r.stored = full
+                r.store_step = self.step
+        if self.every_step:
+            return
+        if n == 0 or done < req.num_tokens:
+            # Not scheduled (preempted or skipped), or a prefill chunk: watch
+            # it while it is scheduled; a preempted one comes back as resumed.
+            if n == 0 and done < req.num_tokens:
+                self._watch.discard(rid)
+                r.due = 0
+            else:
+                self._watch.add(rid)
+            return
+        # Decoding: one token a step from here on. Its next block fills in the
+        # step in which `done` reaches the block's end.
+        self._watch.discard(rid)
+        step = self.step + max(1, (r.stored + 1) * bs - done) if full >= done // bs else self.step + 1
+        r.due = step
+        d = self._due.get(step)
+        if d is None:
+            self._due[step] = [rid]
+        else:
+            d.append(rid)
+
+    def _legacy_blocks(self, so: "SchedulerOutput") -> Callable:
+        """Block ids from the scheduler output's block lists, for vLLM
+        versions without SchedulerOutput.kv_connector_block_state."""
+        blocks = self._legacy
+        for nr in so.scheduled_new_reqs:
+            if nr.block_ids:
+                blocks[nr.req_id] = list(nr.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            nb = cached.new_block_ids[i]
+            if nb:
+                if rid in resumed or rid not in blocks:
+                    blocks[rid] = list(nb[0])
+                else:
+                    blocks[rid].extend(nb[0])
+        return lambda rid: (blocks.get(rid, []),)

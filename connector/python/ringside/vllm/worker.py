@@ -1,0 +1,312 @@
+"""The worker side of the vLLM connector (each rank).
+
+It attaches as a worker of the same instance and registers the KV cache
+tensors as one region (host memory by pid and address; CUDA IPC for GPU
+tensors). Loads start before the forward pass (``start_load_kv``; the request
+waits in WAITING_FOR_REMOTE_KVS meanwhile) and are collected in
+``get_finished``. A step's newly full blocks are stored in ``wait_for_save``,
+after the forward pass that wrote them: the step's digests are registered as
+a batch of this worker's own and stored from it; the copies are waited for
+(bounded) at the start of the next step (``handle_preemptions``, before vLLM
+can write any block), so that no block is rewritten while it is copied and
+the copies overlap with vLLM's output processing and scheduling. With
+``overlap_saves`` they may run on through the next forward pass too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from .. import schema as _s
+from ..client import RingsideError, RingsideTimeout, Session
+from ..plugin.config import Config
+from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
+from ..plugin.region import Region, RegionError, from_block_tensors
+from ..plugin.stats import StatsFile, counters
+from .metadata import RingsideConnectorMetadata
+from .scheduler import COUNTERS
+
+logger = logging.getLogger("ringside.vllm")
+
+REGION_ID = 1
+_monotonic = time.monotonic
+
+
+class WorkerSide:
+    """Implementation of the worker-side connector methods."""
+
+    def __init__(self, cfg: Config, attach: dict, rank: int, deferred_saves: bool):
+        self.cfg = cfg
+        self.rank = rank
+        self.stats = counters(COUNTERS, role="WORKER")
+        self.link = make_link(cfg, dict(attach, role=_s.ROLE_WORKER, rank=rank))
+        self.faults = Faults(self.link, self.stats, logger)
+        self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "worker")
+        self.load_timeout = cfg.load_timeout
+        self.save_timeout = cfg.save_timeout
+        self.region: Optional[Region] = None
+        self._region_gen = -1
+        self._wbatch = 0
+        # Stores sent by wait_for_save, awaited at the start of the next step
+        # (handle_preemptions) instead of blocking the step that sent them;
+        # synchronous where vLLM has no such hook, or with sync_saves.
+        self._saving: list = []  # (session, seqs, deadline)
+        self._deferred_saves = deferred_saves and not cfg.sync_saves
+        self._overlap = cfg.overlap_saves  # "auto" (GPU memory only), True or False: see overlap_saves()
+        self._inflight: dict[str, list] = {}  # req_id -> [(seq, spec, deadline)]
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # -- registration ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        try:
+            self.region = from_block_tensors(kv_caches)
+        except RegionError as e:
+            logger.warning("ringside: %s; serving without the cache", e)
+            self.region = None
+            return
+        self._register()
+
+    def _register(self) -> Optional[Session]:
+        s = self.link.get()
+        if s is None or self.region is None:
+            return None
+        if self._region_gen == self.link.generation:
+            return s
+        g = self.region
+        # The sidecar copies this process's KV memory itself: allow it under
+        # Yama ptrace_scope 1 (no capability needed in the sidecar).
+        s.allow_sidecar_ptrace()
+        try:
+            g.register(s, REGION_ID)
+        except RingsideError as e:
+            logger.warning("ringside: registering the KV cache failed (%s); serving without the cache", e)
+            self.faults.fail(e)
+            if e.status is not None:  # refused (not a lost sidecar): it would be refused again
+                self.region = None
+            return None
+        self._region_gen = self.link.generation
+        logger.info(
+            "ringside: registered %d KV pages of %d bytes (%d segments)", g.page_count, g.page_size, len(g.segments)
+        )
+        return s
+
+    # -- loads -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: Any) -> None:
+        if not isinstance(meta, RingsideConnectorMetadata) or not meta.loads:
+            return
+        s = self._register() if self.region is not None else None
+        st = self.stats
+        for spec in meta.loads:
+            self._load_errors.update(spec.error_block_ids)
+            st["load_error_blocks"] += len(spec.error_block_ids)
+            if not spec.block_ids:
+                self._finished_recving.add(spec.req_id)
+                continue
+            if s is None:
+                self._load_error(spec)
+                continue
+            try:
+                seq = s.submit(_s.TYPE_LOAD, _s.encode_load(spec.lease, REGION_ID, 0, spec.block_ids), wake=False)
+                deadline = _monotonic() + self.load_timeout
+                self._inflight.setdefault(spec.req_id, []).append((seq, spec, deadline))
+                st["loads"] += 1
+            except (RingsideError, ValueError) as e:
+                self._load_error(spec)
+                if isinstance(e, RingsideError):
+                    self.faults.fail(e)
+        if s is not None and s is self.link.session:
+            try:
+                s.kick()  # one wake for the step's loads
+            except RingsideError as e:
+                self.faults.fail(e)
+
+    def _load_error(self, spec: Any) -> None:
+        self._load_errors.update(spec.block_ids)
+        self.stats["load_error_blocks"] += len(spec.block_ids)
+        self._finished_recving.add(spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        if self._inflight:
+            self._collect_loads()
+        self.stats_file.tick(self.stats)
+        if not self._finished_recving:
+            return None, None
+        done, self._finished_recving = self._finished_recving, set()
+        return None, done
+
+    def _collect_loads(self) -> None:
+        s = self.link.session
+        st = self.stats
+        for rid in list(self._inflight):
+            still = []
+            for seq, spec, deadline in self._inflight[rid]:
+                payload = None
+                failed = s is None
+                if s is not None:
+                    try:
+                        payload = s.try_reply(seq)
+                    except RingsideError as e:
+                        self.faults.fail(e)
+                        s, failed = None, True
+                if payload is None and not failed and _monotonic() > deadline:
+                    # No answer in time: a stuck or dead sidecar. The request
+                    # recomputes; the session is dropped so that a late copy
+                    # cannot land in reused blocks.
+                    failed = True
+                    err = RingsideTimeout("load of %s got no reply in %.1fs" % (spec.req_id, self.load_timeout))
+                    st["sidecar_errors"] += 1
+                    self.link.drop(err)
+                    s = None
+                if failed:
+                    self._load_errors.update(spec.block_ids)
+                    st["load_error_blocks"] += len(spec.block_ids)
+                    continue
+                if payload is None:
+                    still.append((seq, spec, deadline))
+                    continue
+                rep = _s.decode_reply(payload)
+                if rep.status == _s.Status.OK and rep.value == len(spec.block_ids):
+                    st["loaded_blocks"] += len(spec.block_ids)
+                else:
+                    self._load_errors.update(spec.block_ids)
+                    st["load_error_blocks"] += len(spec.block_ids)
+            if still:
+                self._inflight[rid] = still
+            else:
+                del self._inflight[rid]
+                self._finished_recving.add(rid)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if not self._load_errors:
+            return set()
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    # -- stores ------------------------------------------------------------------
+
+    def wait_for_save(self, meta: Any) -> None:
+        if not isinstance(meta, RingsideConnectorMetadata) or not meta.store_block_ids or self.region is None:
+            return
+        s = self._register()
+        if s is None:
+            return
+        if self.region.kind == _s.REGION_CUDA_IPC:
+            # The sidecar's device-to-host copies run on its own streams: the
+            # forward pass that wrote these blocks must be finished first.
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+        # The step's digests go into one batch of this worker's own (ids
+        # with the top bit set, per rank: never the scheduler's), the stores
+        # refer to it, and it is dropped after them: all pipelined, one wait.
+        self._wbatch += 1
+        batch = (1 << 63) | (self.rank << 40) | (self._wbatch & ((1 << 40) - 1))
+        seqs = []
+        try:
+            digests = b"".join(meta.store_digests)
+            step = _s.MAX_HASHES_PER_RECORD * 32
+            for off in range(0, len(digests), step):
+                s.send(
+                    _s.TYPE_PUT_HASHES,
+                    _s.encode_put_hashes(batch, digests[off : off + step], 32, _s.FLAG_APPEND if off else 0),
+                    wake=False,
+                )
+            # The batch holds every run's digests in order, and the block ids
+            # in the same order make one list: one Store record for the whole
+            # step (8192 pages per record at most), not one a request.
+            ids = meta.store_block_ids
+            for first in range(0, len(ids), _s.MAX_PAGES_PER_RECORD):
+                chunk = ids[first : first + _s.MAX_PAGES_PER_RECORD]
+                seqs.append(
+                    s.submit(_s.TYPE_STORE, _s.encode_store(batch, first, len(chunk), REGION_ID, chunk), wake=False)
+                )
+            # The last record wakes the sidecar: the copies start now.
+            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=True)
+        except SIDECAR_ERRORS as e:
+            self._save_failed(e)
+            return
+        self._saving.append((s, seqs, _monotonic() + self.save_timeout))
+        if not self._deferred_saves:
+            self._finish_saves(True)
+
+    def handle_preemptions(self, meta: Any) -> None:
+        # vLLM calls this at the start of every step, before anything can
+        # write a block (zeroing, block copies, the forward pass). A store's
+        # blocks are full and belong to a live request, so nothing writes
+        # them again until they are freed: the scheduler marks the steps in
+        # which stores still copying may have lost their blocks (a request
+        # finished or was preempted, wait_saves) and only then does this
+        # wait; otherwise the copies go on through this step's forward pass
+        # and are waited for at the next step at the latest.
+        if self._saving:
+            self._finish_saves(not self.overlap_saves() or getattr(meta, "wait_saves", True))
+
+    def overlap_saves(self) -> bool:
+        """Whether stores may run on through the next forward pass (when the
+        scheduler allows it). Default: only for GPU memory, where the copies
+        use the GPU's copy engines; host copies take the CPU cores a CPU
+        forward pass needs (measured: the engine's steps got up to 2x longer
+        on the project's 2-vCPU VM), so they are waited for before it."""
+        o = self._overlap
+        if o == "auto":
+            return self.region is not None and self.region.kind == _s.REGION_CUDA_IPC
+        return bool(o)
+
+    def _finish_saves(self, wait_all: bool = True) -> None:
+        """Wait (bounded by save_timeout) for the replies of the stores sent
+        by wait_for_save. With wait_all False the latest step's stores are
+        only collected if answered; the rest stay pending one more step (the
+        next call waits for them, as for everything older)."""
+        pending, self._saving = self._saving, []
+        last = len(pending) - 1
+        for i, (s, seqs, deadline) in enumerate(pending):
+            try:
+                if not wait_all and i == last and s is self.link.session:
+                    self.stats["saves_unwaited"] += 1
+                    left = []
+                    for seq in seqs:
+                        p = s.try_reply(seq)
+                        if p is None:
+                            left.append(seq)
+                        else:
+                            self._store_done(p)
+                    if left:
+                        self._saving.append((s, left, deadline))
+                    continue
+                for seq in seqs:
+                    if s is not self.link.session:
+                        break  # that session was dropped: the sidecar discarded its writes
+                    left_s = max(deadline - _monotonic(), 0.001)
+                    self._store_done(s.await_reply(seq, timeout=left_s))
+            except SIDECAR_ERRORS as e:
+                self._save_failed(e)
+
+    def _store_done(self, payload: bytes) -> None:
+        rep = _s.decode_store_reply(payload)
+        st = self.stats
+        st["stores"] += 1
+        if rep.status == _s.Status.OK:
+            st["stored_blocks"] += rep.stored
+            st["present_blocks"] += rep.present
+        else:
+            st["store_errors"] += 1
+
+    def _save_failed(self, e: Exception) -> None:
+        # The engine may reuse the blocks once we return: drop the session so
+        # the sidecar stops and discards whatever it holds (a write of a dead
+        # session never becomes visible).
+        self.stats["store_errors"] += 1
+        self.faults.fail(e)
+        if self.link.session is not None:
+            self.link.drop(e)
+
+    def shutdown(self) -> None:
+        if self._saving:
+            self._finish_saves()
+        self.stats_file.write(self.stats)
+        self.link.close()

@@ -1,0 +1,388 @@
+"""Unit tests of the vLLM connector's pieces, driven by vLLM's own classes.
+
+vLLM's Scheduler (its Request, block hashing, KV cache manager, chunked
+prefill, preemption, SchedulerOutput) drives the connector; the worker side
+runs on real KV tensors against a real sidecar where a piece talks to one
+(vllm_harness.Engine). Every step checks that each scheduled request's blocks
+before its first scheduled token hold the bytes of its tokens, whether
+computed, prefix-cached or loaded from the sidecar. Seconds, not minutes:
+no model, no engine process.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import vllm_harness as H  # skips this module where vLLM is not importable
+
+from ringside import schema as S
+from ringside.plugin.config import ConfigError
+from ringside.vllm import RingsideConnector
+from ringside.vllm.loads import Load, LoadState
+
+NOWHERE = "/dev/shm/rs-unit-no-sidecar/ringside.sock"
+
+
+@pytest.fixture
+def sc(start_sidecar):
+    return start_sidecar(metrics=True)
+
+
+def full_blocks(tokens: int) -> int:
+    """Blocks whose KV exists once a request of this many tokens finished
+    (its last sampled token is never fed)."""
+    return (tokens - 1) // H.BLOCK
+
+
+class PlanLog:
+    """on_meta hook: every planned store, checked against vLLM's block table
+    at the moment it is planned."""
+
+    def __init__(self, eng: H.Engine, reqs):
+        self.eng = eng
+        self.where = {}  # digest -> (request id, block index)
+        self.reqs = reqs
+        self.planned: dict = {}  # request id -> [block index]
+        self.wait_saves = []  # (preempted?, wait_saves) a step
+
+    def __call__(self, so, meta):
+        for r in self.reqs:  # block hashes grow as tokens are added
+            for i, h in enumerate(r.block_hashes):
+                self.where.setdefault(h, (r.request_id, i))
+        ids = iter(meta.store_block_ids)
+        for run in meta.store_digests:
+            for k in range(0, len(run), 32):
+                rid, i = self.where[run[k : k + 32]]
+                blk = next(ids)
+                table = self.eng._block_ids(rid)
+                assert table[i] == blk, "block %d of %s planned as engine block %d, holds %d" % (i, rid, blk, table[i])
+                self.planned.setdefault(rid, []).append(i)
+        assert next(ids, None) is None, "more block ids than digests"
+        self.wait_saves.append((bool(so.preempted_req_ids), meta.wait_saves))
+
+
+def check_plan(log: PlanLog, reqs, eng: H.Engine) -> None:
+    for r in reqs:
+        got = log.planned.get(r.request_id, [])
+        assert sorted(got) == list(range(full_blocks(r.num_tokens))), (r.request_id, got, r.num_tokens)
+    assert eng.stats["planned_blocks"] == sum(full_blocks(r.num_tokens) for r in reqs)
+    for pre, wait in log.wait_saves:
+        assert wait or not pre, "a step with preemptions let stores run on"
+
+
+# -- configuration --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"max_wait_usec": 50}, ["'max_wait_usec'", "did you mean 'max_wait_us'?"]),
+        ({"mirorr": False}, ["'mirorr'", "did you mean 'mirror'?"]),
+        ({"timeout": "fast"}, ["'timeout'", '"fast"', "a number of seconds > 0"]),
+        ({"timeout": 0}, ["'timeout'", "0", "> 0"]),
+        ({"mirror": "maybe"}, ["'mirror'", '"maybe"', "true or false"]),
+        ({"overlap_saves": "sometimes"}, ["'overlap_saves'", '"auto", true or false']),
+        ({"stats_every": 2.5}, ["'stats_every'", "2.5", "an integer of steps >= 1"]),
+        ({"max_batches": 8}, ["'max_batches'", "read by the SGLang backend only"]),
+    ],
+)
+def test_config_errors_name_the_key(extra, words):
+    vc = H.vllm_config(extra)
+    with pytest.raises(ConfigError) as e:
+        RingsideConnector(vc, H.KVConnectorRole.WORKER, H.kv_cache_config(8))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_config_error_fails_the_engine_start():
+    with pytest.raises(ConfigError, match="'max_wait_usec'.*'max_wait_us'"):
+        H.Engine(NOWHERE, extra={"max_wait_usec": 50})
+
+
+def test_config_values_reach_the_sides():
+    eng = H.Engine(NOWHERE, extra={"max_wait_us": 250, "mirror": "false", "overlap_saves": True, "stats_every": 3})
+    s = eng.sside
+    assert s.budget.max_ns == 250_000 and s.index is None and eng.conn.mirror is None
+    assert eng.worker.connector_worker.overlap_saves() is True
+    assert s.stats_file.every == 3
+
+
+# -- the store planner (no sidecar: pure) ------------------------------------------
+
+
+def test_store_planner_chunked_prefill_and_decode():
+    """Every block with KV is planned once, in the step it fills, with vLLM's
+    digest and the engine block that holds it: prompt blocks filled by
+    64-token chunks and blocks filled by decoding alike."""
+    eng = H.Engine(NOWHERE, max_num_batched_tokens=32)
+    reqs = [H.request("r%d" % i, H.prompt(i, n), max_tokens=40) for i, n in enumerate((50, 70, 90))]
+    log = PlanLog(eng, reqs)
+    eng.run(reqs, on_meta=log)
+    check_plan(log, reqs, eng)
+    planner = eng.sside.planner
+    assert not planner._watch and not eng.sside.reqs, "finished requests left state behind"
+    assert eng.stats["sidecar_errors"] == 0 and eng.stats["lookups"] == 0  # no sidecar: nothing asked
+
+
+def test_store_planner_preemption_and_resumption():
+    """Too few KV blocks for four growing requests: vLLM preempts and resumes
+    them; the cursors survive, every block is still planned exactly once,
+    and a step with preemptions makes the workers wait for the last stores."""
+    eng = H.Engine(NOWHERE, num_blocks=14, max_num_batched_tokens=64)
+    reqs = [H.request("p%d" % i, H.prompt(10 + i, 40 + 3 * i), max_tokens=50) for i in range(4)]
+    log = PlanLog(eng, reqs)
+    eng.run(reqs, on_meta=log)
+    assert eng.stats["resumed"] > 0, "nothing was preempted: %s" % eng.stats
+    check_plan(log, reqs, eng)
+    assert any(pre for pre, _ in log.wait_saves)
+
+
+# -- the load state machine (pure) -------------------------------------------------
+
+
+def lease(status=S.Status.OK, state=S.State.READY, lease_id=7, blocks=3):
+    return S.LeaseReply(status, state, lease_id, blocks, "")
+
+
+@pytest.mark.parametrize(
+    "replies, want_state, want_spec",
+    [
+        ([lease()], LoadState.READY, (7, [10, 11, 12], [])),
+        ([lease(state=S.State.LOADED)], LoadState.READY, (7, [10, 11, 12], [])),
+        ([lease(blocks=2)], LoadState.READY, (7, [10, 11], [12])),  # the lease covers less than the hit
+        ([lease(state=S.State.WAITING)], LoadState.WAITING, None),
+        ([lease(state=S.State.WAITING), lease(state=S.State.READY, lease_id=0, blocks=0)], LoadState.READY,
+         (7, [10, 11, 12], [])),  # a poll's reply keeps the acquire's lease and count
+        ([lease(state=S.State.WAITING), lease(state=S.State.MISS)], LoadState.FAILED, (0, [], [10, 11, 12])),
+        ([lease(status=S.Status.UNKNOWN_BATCH)], LoadState.FAILED, (0, [], [10, 11, 12])),
+        ([lease(state=S.State.MISS)], LoadState.FAILED, (0, [], [10, 11, 12])),
+        ([None], LoadState.FAILED, (0, [], [10, 11, 12])),  # no reply in time, or undecodable
+    ],
+)  # fmt: skip
+def test_load_state_machine(replies, want_state, want_spec):
+    ld = Load([10, 11, 12])
+    assert ld.state == LoadState.UNSENT
+    ld.acquiring(41, 1, 0.0)
+    assert ld.state == LoadState.ACQUIRING and ld.seq == 41
+    for i, rep in enumerate(replies):
+        if i:
+            ld.polling(42 + i, 0.0)
+        ld.on_reply(rep)
+        assert ld.seq == 0
+    assert ld.state == want_state
+    if want_spec is not None:
+        spec = ld.spec("r")
+        assert (spec.lease, spec.block_ids, spec.error_block_ids) == want_spec
+
+
+def test_load_never_sent_is_all_errors():
+    ld = Load([5, 6])
+    ld.fail()
+    spec = ld.spec("r")
+    assert (spec.lease, spec.block_ids, spec.error_block_ids) == (0, [], [5, 6])
+
+
+# -- admission and loads, against a real sidecar --------------------------------------
+
+
+def shared_prompts(tag, n=3, prefix_len=40, length=70):
+    prefix = H.prompt(99, prefix_len)
+    return [H.request("%s%d" % (tag, i), H.prompt(i, length, prefix)) for i in range(n)]
+
+
+@pytest.mark.parametrize("mirror", [True, False], ids=["local-index", "sidecar-lookups"])
+def test_hits_in_a_second_engine(sc, mirror):
+    """What one engine stored is found and loaded by the next (a restart):
+    through the local index, or through sidecar lookups; the loaded blocks
+    hold the bytes of the tokens; no lease is left."""
+    # The index, when on, is trusted for a minute (a loaded machine cannot
+    # make it fall back to the sidecar).
+    extra = {"mirror": mirror, "mirror_idle_ms": 60000, "mirror_max_lag_ms": 60000}
+    a = H.Engine(sc.sock, extra=extra)
+    a.run(shared_prompts("a"))
+    a.shutdown()
+    assert a.wstats["stored_blocks"] == 2 + 3 * 2 and a.wstats["store_errors"] == 0, a.wstats
+    b = H.Engine(sc.sock, extra=extra)
+    reqs = shared_prompts("b")
+    b.run(reqs)
+    b.shutdown()
+    hits = sum(min(len(r.block_hashes), (r.num_prompt_tokens - 1) // H.BLOCK) for r in reqs)
+    st, ws = b.stats, b.wstats
+    assert st["hit_blocks"] == hits == 12, st
+    assert st["mirror_lookups"] == (3 if mirror else 0), st
+    assert ws["loaded_blocks"] == hits and ws["load_error_blocks"] == 0, ws
+    assert st["sidecar_errors"] == ws["sidecar_errors"] == 0
+    assert b.checked_blocks > 0
+    assert sc.state()["pool"]["Leases"] == 0
+
+
+def test_chunked_prefill_preemption_then_every_block_hits(sc):
+    """An engine short of KV blocks prefills in chunks and preempts; the next
+    turn of each conversation (prompt + output) finds every block that had
+    KV in the first one, decoded blocks included."""
+    a = H.Engine(sc.sock, num_blocks=14, max_num_batched_tokens=32)
+    first = [H.request("t%d" % i, H.prompt(20 + i, 40 + 5 * i), max_tokens=40) for i in range(4)]
+    a.run(first)
+    a.shutdown()
+    assert a.stats["resumed"] > 0, a.stats
+    assert a.wstats["store_errors"] == 0
+    b = H.Engine(sc.sock, num_blocks=64)
+    turn = [H.request("u%d" % i, list(r.all_token_ids), max_tokens=4) for i, r in enumerate(first)]
+    b.run(turn)
+    b.shutdown()
+    want = sum(full_blocks(r.num_tokens) for r in first)
+    assert b.stats["hit_blocks"] == want and b.wstats["loaded_blocks"] == want, (b.stats, b.wstats)
+    assert b.wstats["load_error_blocks"] == 0
+
+
+def test_resumed_request_is_looked_up_again(sc):
+    """A request preempted while it decodes is looked up afresh when it comes
+    back: its own blocks, stored meanwhile, are hits (counted once a
+    resumption, not once a step it waits)."""
+    eng = H.Engine(sc.sock, num_blocks=14, max_num_batched_tokens=64, extra={"mirror": False})
+    reqs = [H.request("q%d" % i, H.prompt(30 + i, 40 + 3 * i), max_tokens=50) for i in range(4)]
+    eng.run(reqs)
+    eng.shutdown()
+    st = eng.stats
+    assert st["resumed"] > 0, st
+    assert st["hit_blocks"] > 0, "no resumed request found its own stored blocks: %s" % st
+    assert st["lookups"] <= len(reqs) + st["resumed"], st
+    # A hit vLLM's own prefix cache partly holds loads only the rest.
+    assert 0 < eng.wstats["loaded_blocks"] <= st["hit_blocks"] and eng.wstats["load_error_blocks"] == 0
+
+
+def wait_stopped(pid):
+    deadline = time.monotonic() + 5
+    while True:
+        with open("/proc/%d/stat" % pid) as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def wait_pool(sc, eng, key, want, steps=200):
+    for _ in range(steps):
+        if sc.state()["pool"][key] == want:
+            return
+        eng.step()
+        time.sleep(0.005)
+    raise AssertionError("pool %s stayed %s" % (key, sc.state()["pool"][key]))
+
+
+# The index answers every lookup without the sidecar (fresh for a minute),
+# and the scheduler does not wait for replies in a step.
+FROZEN = {"max_wait_us": 0, "mirror_idle_ms": 60000, "mirror_poll_ms": 60000, "mirror_max_lag_ms": 60000}
+
+
+def stored_prefix(sc):
+    a = H.Engine(sc.sock)
+    a.run(shared_prompts("s", n=1))
+    a.shutdown()
+
+
+def test_request_finished_while_acquire_in_flight(sc):
+    """A request aborted after its hit was allocated, before the sidecar
+    answered the acquire: the lease is released once the answer comes (no
+    lease pinned until its TTL), and vLLM frees the request's blocks (the
+    workers report its load finished)."""
+    stored_prefix(sc)
+    eng = H.Engine(sc.sock, extra=FROZEN)
+    free0 = eng.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    (r,) = shared_prompts("x", n=1)
+    eng.add(r)
+    os.kill(sc.proc.pid, signal.SIGSTOP)
+    try:
+        wait_stopped(sc.proc.pid)
+        eng.step()
+        assert r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert eng.sside.loads.waiting, "the acquire was answered by a stopped sidecar?"
+        eng.sched.finish_requests(r.request_id, H.RequestStatus.FINISHED_ABORTED)
+        assert eng.sside.loads.orphans
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    wait_pool(sc, eng, "Leases", 0)
+    for _ in range(3):
+        eng.step()
+    assert r.request_id not in eng.sched.requests, "vLLM still holds the aborted request"
+    assert eng.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+    assert eng.stats["sidecar_errors"] == 0 and not eng.sside.loads.orphans
+    # The engine goes on serving, hits included.
+    (r2,) = shared_prompts("y", n=1)
+    eng.run([r2])
+    assert eng.wstats["loaded_blocks"] > 0 and eng.wstats["load_error_blocks"] == 0
+    eng.shutdown()
+
+
+def test_request_finished_while_load_in_flight(sc):
+    """A request aborted while the workers' load into its blocks is in
+    flight: vLLM keeps its blocks until the load is collected, the lease is
+    released, nothing is reported as an error."""
+    stored_prefix(sc)
+    eng = H.Engine(sc.sock, extra=FROZEN)
+    (r,) = shared_prompts("z", n=1)
+    eng.add(r)
+
+    def freeze(so, meta):
+        if meta.loads:
+            os.kill(sc.proc.pid, signal.SIGSTOP)
+            wait_stopped(sc.proc.pid)
+
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the acquire is answered and the load sent
+            eng.step(freeze)
+            if eng.worker.connector_worker._inflight:
+                break
+            assert not eng.metas[-1].loads, "the load was sent but is not in flight: %s" % eng.metas[-1].loads
+            time.sleep(0.002)
+        assert eng.worker.connector_worker._inflight, "no load in flight"
+        eng.sched.finish_requests(r.request_id, H.RequestStatus.FINISHED_ABORTED)
+        assert r.request_id in eng.sched.requests  # blocks kept: the load may still write them
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    for _ in range(200):
+        eng.step()
+        if r.request_id not in eng.sched.requests:
+            break
+        time.sleep(0.005)
+    assert r.request_id not in eng.sched.requests
+    wait_pool(sc, eng, "Leases", 0)
+    assert eng.wstats["load_error_blocks"] == 0 and eng.stats["sidecar_errors"] == 0
+    eng.shutdown()
+
+
+def test_request_finished_while_store_in_flight(sc):
+    """A request that finishes in the step that planned stores of its
+    blocks: the workers are told to wait for those stores before the next
+    forward pass (its blocks may be handed on), even with overlap_saves;
+    in other steps the stores run on through the forward pass."""
+    eng = H.Engine(sc.sock, extra={"overlap_saves": True})
+    # 47 prompt tokens: blocks 0-1 fill in the prefill step, block 2 in the
+    # first decode step, which is the short requests' last.
+    short = [H.request("w%d" % i, H.prompt(50 + i, 47), max_tokens=2) for i in range(2)]
+    long = H.request("long", H.prompt(60, 20), max_tokens=30)
+    for r in short + [long]:
+        eng.add(r)
+    finished_at = {}
+    while len(eng.finished) < 3:
+        eng.step()
+        for rid in eng.finished:
+            finished_at.setdefault(rid, eng.steps - 1)
+    eng.shutdown()
+    k = finished_at["w0"]
+    assert finished_at["w1"] == k and eng.metas[k].store_block_ids, "the short requests' last step planned no store"
+    assert eng.metas[k + 1].wait_saves is True
+    assert not all(m.wait_saves for m in eng.metas), "no step let the stores run on"
+    assert eng.wstats["saves_unwaited"] > 0 and eng.wstats["store_errors"] == 0
+    assert eng.wstats["stored_blocks"] == 3 * 2 + full_blocks(long.num_tokens)
+
+
+def test_no_sidecar_serves_without_cache():
+    eng = H.Engine(NOWHERE)
+    reqs = shared_prompts("n")
+    eng.run(reqs)
+    eng.shutdown()
+    assert eng.stats["hit_blocks"] == 0 and eng.wstats["stored_blocks"] == 0
+    assert set(eng.outputs) == {r.request_id for r in reqs}
