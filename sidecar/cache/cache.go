@@ -23,6 +23,10 @@ const (
 	DefaultDeltaLogSize = 1 << 16
 	// DefaultWriteTimeout is the default writer deadline of a pending block.
 	DefaultWriteTimeout = 30 * time.Second
+	// DefaultInitialLogSize is the number of entries a namespace's change
+	// log starts with; it doubles, up to DeltaLogSize, when it would
+	// otherwise overwrite entries (and MaxLogBytes allows).
+	DefaultInitialLogSize = 256
 
 	maxNamespaces = math.MaxUint16 // IDs 1..65535
 )
@@ -42,6 +46,9 @@ var (
 	ErrTooManyPins      = errors.New("cache: pin count overflow")
 	ErrBadConfig        = errors.New("cache: invalid config")
 	ErrBudget           = errors.New("cache: budget accounting error")
+	ErrNamespaceInUse   = errors.New("cache: namespace still holds blocks")
+	ErrDoomed           = errors.New("cache: the block's write deadline passed during the copy: the block was dropped")
+	ErrUnknownLoad      = errors.New("cache: unknown load")
 )
 
 // NamespaceID identifies a namespace inside one Cache. IDs start at 1; the
@@ -76,6 +83,15 @@ type Config struct {
 	// non-zero and must differ between processes (e.g. random 64 bits or
 	// the wall clock at boot); the package itself has no randomness.
 	Epoch uint64
+	// InitialLogSize is the number of entries a namespace's change log
+	// starts with (a power of two, at most DeltaLogSize). Default
+	// DefaultInitialLogSize.
+	InitialLogSize int
+	// MaxLogBytes bounds the bytes all namespaces' change logs hold
+	// together: a log that would grow past it keeps its size and
+	// overwrites its oldest entries (consumers then resync). Zero: no
+	// bound beyond DeltaLogSize per namespace.
+	MaxLogBytes int64
 }
 
 // EnsureDefaults fills zero fields with defaults.
@@ -85,6 +101,9 @@ func (c *Config) EnsureDefaults() {
 	}
 	if c.WriteTimeout == 0 {
 		c.WriteTimeout = DefaultWriteTimeout
+	}
+	if c.InitialLogSize == 0 {
+		c.InitialLogSize = min(DefaultInitialLogSize, c.DeltaLogSize)
 	}
 }
 
@@ -103,6 +122,12 @@ func (c *Config) Validate() error {
 	if c.Epoch == 0 {
 		errs = append(errs, fmt.Errorf("%w: epoch must be non-zero", ErrBadConfig))
 	}
+	if c.InitialLogSize <= 0 || c.InitialLogSize&(c.InitialLogSize-1) != 0 || c.InitialLogSize > c.DeltaLogSize {
+		errs = append(errs, fmt.Errorf("%w: initial log size %d is not a positive power of two at most the delta log size %d", ErrBadConfig, c.InitialLogSize, c.DeltaLogSize))
+	}
+	if c.MaxLogBytes < 0 {
+		errs = append(errs, fmt.Errorf("%w: negative log byte bound", ErrBadConfig))
+	}
 	return errors.Join(errs...)
 }
 
@@ -120,6 +145,7 @@ type namespace struct {
 	world   int
 	blocks  int // present logical blocks
 	pending int // incomplete logical blocks
+	doomed  int // dropped blocks whose slots wait for a copy in flight (not indexed)
 	log     deltaLog
 }
 
@@ -138,7 +164,7 @@ type Cache struct {
 	aux    []uint32
 	nsOf   []uint16
 	meta   []uint8
-	done   []uint8
+	done   []uint8 // committed ranks (head); doomedBit marks a dropped block
 
 	// Open-addressing index of logical blocks: entries are head slot+1,
 	// 0 means empty.
@@ -155,8 +181,24 @@ type Cache struct {
 	evictable int // slots of present, unpinned logical blocks
 	pinned    int // present, pinned logical blocks
 
-	nsList  []*namespace
-	nsByKey map[NamespaceKey]NamespaceID
+	nsList      []*namespace // nil for removed namespaces (their ids are reused)
+	nsFree      []NamespaceID
+	nsLive      int
+	nsByKey     map[NamespaceKey]NamespaceID
+	incarnation uint64 // namespaces ever added: each log's seq starts at incarnation<<logSeqShift
+	logBytes    int64  // bytes held by all change logs
+	doomed      int    // doomed blocks in all namespaces
+
+	// Loads in flight (BeginLoad .. EndLoad): each holds a pin on its
+	// blocks, so that a lease released or expired during the copy never
+	// frees a slot the copy still reads.
+	loads    map[uint64][]uint32
+	nextLoad uint64
+
+	// Charges of incomplete blocks (BeginStoreCharged): the key each
+	// pending head was charged to, and the slots charged per key.
+	pendingKey   map[uint32]uint32
+	pendingByKey map[uint32]int
 
 	writers    []writerRec
 	writerFree int32
@@ -181,7 +223,7 @@ type Cache struct {
 type counters struct {
 	lookups, lookupBlocks, hitBlocks   uint64
 	acquires, acquiredBlocks           uint64
-	stores, aborts, noSpace            uint64
+	stores, aborts, noSpace, overQuota uint64
 	evictions, cleared                 uint64
 	reapedLeases, reapedWrites, expiry uint64
 }
@@ -194,24 +236,27 @@ func New(cfg Config) (*Cache, error) {
 	}
 	n := uint32(cfg.Capacity)
 	c := &Cache{
-		cfg:        cfg,
-		capacity:   n,
-		sentinel:   n,
-		digest:     make([][MaxDigestLen]byte, n),
-		prev:       make([]uint32, n+1),
-		next:       make([]uint32, n+1),
-		ring:       make([]uint32, n),
-		aux:        make([]uint32, n),
-		nsOf:       make([]uint16, n),
-		meta:       make([]uint8, n),
-		done:       make([]uint8, n),
-		table:      make([]uint32, tableSize(cfg.Capacity)),
-		tags:       make([]uint8, tableSize(cfg.Capacity)),
-		nsByKey:    make(map[NamespaceKey]NamespaceID),
-		leaseByID:  make(map[uint64]int32),
-		owners:     make(map[SessionID]*owner),
-		writerFree: -1,
-		leaseFree:  -1,
+		cfg:          cfg,
+		capacity:     n,
+		sentinel:     n,
+		digest:       make([][MaxDigestLen]byte, n),
+		prev:         make([]uint32, n+1),
+		next:         make([]uint32, n+1),
+		ring:         make([]uint32, n),
+		aux:          make([]uint32, n),
+		nsOf:         make([]uint16, n),
+		meta:         make([]uint8, n),
+		done:         make([]uint8, n),
+		table:        make([]uint32, tableSize(cfg.Capacity)),
+		tags:         make([]uint8, tableSize(cfg.Capacity)),
+		nsByKey:      make(map[NamespaceKey]NamespaceID),
+		leaseByID:    make(map[uint64]int32),
+		owners:       make(map[SessionID]*owner),
+		loads:        make(map[uint64][]uint32),
+		pendingKey:   make(map[uint32]uint32),
+		pendingByKey: make(map[uint32]int),
+		writerFree:   -1,
+		leaseFree:    -1,
 	}
 	// Free list threaded through next, in ascending slot order.
 	for i := uint32(0); i < n; i++ {
@@ -250,15 +295,66 @@ func (c *Cache) AddNamespace(key NamespaceKey) (NamespaceID, error) {
 	if key.WorldSize > int(c.capacity) {
 		return 0, fmt.Errorf("%w: world size %d exceeds capacity %d", ErrBadNamespaceKey, key.WorldSize, c.capacity)
 	}
-	if len(c.nsList) >= maxNamespaces {
+	if c.nsLive >= maxNamespaces {
 		return 0, ErrTooManyNS
 	}
 	ns := &namespace{key: key, width: key.DigestWidth, world: key.WorldSize}
-	ns.log.init(c.cfg.DeltaLogSize, c.cfg.Epoch)
-	c.nsList = append(c.nsList, ns)
-	id := NamespaceID(len(c.nsList))
+	c.incarnation++
+	ns.log.init(c.cfg.InitialLogSize, c.cfg.Epoch, c.incarnation<<logSeqShift)
+	c.logBytes += ns.log.bytes()
+	var id NamespaceID
+	if k := len(c.nsFree); k > 0 {
+		id = c.nsFree[k-1]
+		c.nsFree = c.nsFree[:k-1]
+		c.nsList[id-1] = ns
+	} else {
+		c.nsList = append(c.nsList, ns)
+		id = NamespaceID(len(c.nsList))
+	}
+	c.nsLive++
 	c.nsByKey[key] = id
 	return id, nil
+}
+
+// logSeqShift places each namespace incarnation's change-log sequence
+// numbers in a range of its own (seq = incarnation<<40 + n), so that a
+// cursor taken from a removed namespace never validates against a later
+// one that reuses its id or its key.
+const logSeqShift = 40
+
+// RemoveNamespace forgets a namespace that holds nothing: no present,
+// incomplete or doomed block (a block pinned by a lease or a load is
+// present). Its id may be reused by a later AddNamespace; its change log
+// is dropped, and cursors into it never validate again. A namespace that
+// still holds blocks gives ErrNamespaceInUse (Clear drops its unpinned
+// blocks first).
+func (c *Cache) RemoveNamespace(id NamespaceID) error {
+	n, err := c.ns(id)
+	if err != nil {
+		return err
+	}
+	if n.blocks != 0 || n.pending != 0 || n.doomed != 0 {
+		return fmt.Errorf("%w: namespace %d: %d present, %d incomplete, %d doomed", ErrNamespaceInUse, id, n.blocks, n.pending, n.doomed)
+	}
+	c.logBytes -= n.log.bytes()
+	delete(c.nsByKey, n.key)
+	c.nsList[id-1] = nil
+	c.nsFree = append(c.nsFree, id)
+	c.nsLive--
+	return nil
+}
+
+// Namespaces returns the number of live namespaces.
+func (c *Cache) Namespaces() int { return c.nsLive }
+
+// NamespaceUsage reports what ns holds: present, incomplete and doomed
+// blocks.
+func (c *Cache) NamespaceUsage(id NamespaceID) (blocks, pending, doomed int, err error) {
+	n, err := c.ns(id)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	return n.blocks, n.pending, n.doomed, nil
 }
 
 // Namespace returns the key of ns.
@@ -271,7 +367,7 @@ func (c *Cache) Namespace(ns NamespaceID) (NamespaceKey, error) {
 }
 
 func (c *Cache) ns(id NamespaceID) (*namespace, error) {
-	if id == 0 || int(id) > len(c.nsList) {
+	if id == 0 || int(id) > len(c.nsList) || c.nsList[id-1] == nil {
 		return nil, fmt.Errorf("%w: %d", ErrUnknownNamespace, id)
 	}
 	return c.nsList[id-1], nil
@@ -303,13 +399,7 @@ func (c *Cache) MemoryBytes() int64 {
 func (c *Cache) BytesPerBlock() float64 { return float64(c.MemoryBytes()) / float64(c.capacity) }
 
 // LogBytes returns the bytes held by all namespaces' delta rings.
-func (c *Cache) LogBytes() int64 {
-	var b int64
-	for _, n := range c.nsList {
-		b += int64(len(n.log.ents)) * logEntrySize
-	}
-	return b
-}
+func (c *Cache) LogBytes() int64 { return c.logBytes }
 
 // Stats is a point-in-time accounting snapshot. Slot counts always satisfy
 // Free+Used == Capacity and Used == Reserved+Writing+Stored.
@@ -323,6 +413,8 @@ type Stats struct {
 
 	Blocks        int // present logical blocks
 	PendingBlocks int // incomplete logical blocks
+	DoomedBlocks  int // dropped blocks whose slots wait for a copy in flight
+	Loads         int // loads in flight (BeginLoad without EndLoad)
 	PinnedBlocks  int // present blocks with at least one lease
 	Evictable     int // slots that eviction could free now
 	Leases        int // live leases
@@ -337,6 +429,7 @@ type Stats struct {
 	Stores         uint64 // logical blocks that became present
 	Aborts         uint64 // AbortStore calls (explicit or via ReleaseOwner)
 	NoSpace        uint64 // BeginStore answered NoSpace
+	OverQuota      uint64 // BeginStoreCharged answered OverQuota
 	Evictions      uint64 // logical blocks evicted for space
 	Cleared        uint64 // logical blocks dropped by Clear
 	ExpiredLeases  uint64 // leases reclaimed by Reap
@@ -348,18 +441,21 @@ type Stats struct {
 func (c *Cache) Stats() Stats {
 	pending := 0
 	for _, n := range c.nsList {
-		pending += n.pending
+		if n != nil {
+			pending += n.pending
+		}
 	}
 	used := c.nReserved + c.nWriting + c.nStored
 	return Stats{
 		Capacity: int(c.capacity), Free: c.nFree, Used: used,
 		Reserved: c.nReserved, Writing: c.nWriting, Stored: c.nStored,
-		Blocks: c.lruLen + c.pinned, PendingBlocks: pending, PinnedBlocks: c.pinned,
-		Evictable: c.evictable, Leases: len(c.leaseByID), Writers: c.liveWriter,
-		Namespaces: len(c.nsList),
+		Blocks: c.lruLen + c.pinned, PendingBlocks: pending, DoomedBlocks: c.doomed, Loads: len(c.loads),
+		PinnedBlocks: c.pinned,
+		Evictable:    c.evictable, Leases: len(c.leaseByID), Writers: c.liveWriter,
+		Namespaces: c.nsLive,
 		Lookups:    c.st.lookups, LookupBlocks: c.st.lookupBlocks, HitBlocks: c.st.hitBlocks,
 		Acquires: c.st.acquires, AcquiredBlocks: c.st.acquiredBlocks,
-		Stores: c.st.stores, Aborts: c.st.aborts, NoSpace: c.st.noSpace,
+		Stores: c.st.stores, Aborts: c.st.aborts, NoSpace: c.st.noSpace, OverQuota: c.st.overQuota,
 		Evictions: c.st.evictions, Cleared: c.st.cleared,
 		ExpiredLeases: c.st.reapedLeases, ExpiredWrites: c.st.reapedWrites, ExpiredBlocks: c.st.expiry,
 	}
@@ -395,6 +491,17 @@ func (c *Cache) worldOf(head uint32) int { return c.nsList[c.nsOf[head]-1].world
 func (c *Cache) present(head uint32) bool {
 	return c.state(head) == stStored && int(c.done[head]) == c.worldOf(head)
 }
+
+// doomedBit in done[head] marks a block dropped (reaped) while a rank's
+// copy was still writing: it left the index and its deadline, its slots
+// stay allocated until the last such copy ends, and it never becomes
+// present. done counts at most MaxWorldSize (64) ranks, so the bit is free.
+// leading() also sets it, for the length of one call, on the present heads
+// it has collected (so that a repeated digest ends the scan), and clears
+// it before returning.
+const doomedBit = 0x80
+
+func (c *Cache) isDoomed(head uint32) bool { return c.done[head]&doomedBit != 0 }
 
 // --- LRU (doubly linked through prev/next, sentinel at index capacity) ---
 

@@ -65,15 +65,27 @@ const logEntrySize = 48
 
 type deltaLog struct {
 	epoch uint64
-	head  uint64 // seq of the next change; entries [head-len(ents), head) are readable
+	base  uint64 // seq of the first change this log ever held
+	head  uint64 // seq of the next change; entries [max(base, head-len(ents)), head) are readable
 	mask  uint64
 	ents  []logEntry
 }
 
-func (l *deltaLog) init(size int, epoch uint64) {
+func (l *deltaLog) init(size int, epoch, base uint64) {
 	l.epoch = epoch
+	l.base, l.head = base, base
 	l.ents = make([]logEntry, size)
 	l.mask = uint64(size - 1)
+}
+
+func (l *deltaLog) bytes() int64 { return int64(len(l.ents)) * logEntrySize }
+
+// oldest is the seq of the oldest readable entry.
+func (l *deltaLog) oldest() uint64 {
+	if l.head-l.base > uint64(len(l.ents)) {
+		return l.head - uint64(len(l.ents))
+	}
+	return l.base
 }
 
 func (l *deltaLog) append(op Op, slot uint32, d []byte) {
@@ -82,6 +94,27 @@ func (l *deltaLog) append(op Op, slot uint32, d []byte) {
 	e.digest = [MaxDigestLen]byte{}
 	copy(e.digest[:], d)
 	l.head++
+}
+
+// logAppend appends a change to n's log, first doubling the log (up to
+// DeltaLogSize, within MaxLogBytes) when the append would overwrite its
+// oldest entry: a namespace's log costs memory in proportion to how much
+// it changes, not DeltaLogSize from the start.
+func (c *Cache) logAppend(n *namespace, op Op, slot uint32, d []byte) {
+	l := &n.log
+	if size := len(l.ents); l.head-l.base >= uint64(size) && size < c.cfg.DeltaLogSize {
+		grow := int64(size) * logEntrySize
+		if c.cfg.MaxLogBytes == 0 || c.logBytes+grow <= c.cfg.MaxLogBytes {
+			ents := make([]logEntry, 2*size)
+			mask := uint64(2*size - 1)
+			for q := l.oldest(); q < l.head; q++ {
+				ents[q&mask] = l.ents[q&l.mask]
+			}
+			l.ents, l.mask = ents, mask
+			c.logBytes += grow
+		}
+	}
+	l.append(op, slot, d)
 }
 
 // Head returns the cursor just past the newest change of ns.
@@ -110,8 +143,8 @@ func (c *Cache) ChangesSince(ns NamespaceID, cur Cursor, max int, buf []Change) 
 	if cur.Seq > l.head {
 		return buf[:0], cur, fmt.Errorf("%w: seq %d is past head %d", ErrResync, cur.Seq, l.head)
 	}
-	if l.head-cur.Seq > uint64(len(l.ents)) {
-		return buf[:0], cur, fmt.Errorf("%w: seq %d overwritten (oldest %d)", ErrResync, cur.Seq, l.head-uint64(len(l.ents)))
+	if cur.Seq < l.oldest() {
+		return buf[:0], cur, fmt.Errorf("%w: seq %d overwritten or from another namespace (oldest %d)", ErrResync, cur.Seq, l.oldest())
 	}
 	out := buf[:0]
 	end := l.head
@@ -227,11 +260,11 @@ func (c *Cache) Clear(ns NamespaceID) (int, error) {
 		s = p
 	}
 	c.st.cleared += uint64(dropped)
-	n.log.append(OpCleared, NoSlot, nil)
+	c.logAppend(n, OpCleared, NoSlot, nil)
 	if n.blocks > 0 { // pinned survivors
 		for s := uint32(0); s < c.capacity; s++ {
 			if c.nsOf[s] == id && c.meta[s] == stStored && int(c.done[s]) == n.world {
-				n.log.append(OpStored, s, c.digest[s][:n.width])
+				c.logAppend(n, OpStored, s, c.digest[s][:n.width])
 			}
 		}
 	}

@@ -19,9 +19,10 @@ func TestDeltaLog(t *testing.T) {
 	x := newTC(t, 4) // delta ring of 64
 	ns := x.ns(8, 1, 0)
 	head, _ := x.c.Head(ns)
-	if head != (Cursor{Epoch: 7, Seq: 0}) {
+	if head.Epoch != 7 || head.Seq != 1<<logSeqShift { // the first namespace's range
 		t.Fatalf("Head = %+v", head)
 	}
+	base := head.Seq
 	t.Run("zero cursor resyncs", func(t *testing.T) {
 		_, _, err := x.c.ChangesSince(ns, Cursor{}, 10, nil)
 		wantErr(t, err, ErrResync)
@@ -36,11 +37,11 @@ func TestDeltaLog(t *testing.T) {
 			op Op
 			id int
 		}{{OpStored, 1}, {OpStored, 2}, {OpStored, 3}, {OpStored, 4}, {OpEvicted, 1}, {OpStored, 5}}
-		if len(ch) != len(want) || next.Seq != 6 {
+		if len(ch) != len(want) || next.Seq != base+6 {
 			t.Fatalf("got %d changes, next %+v", len(ch), next)
 		}
 		for i, w := range want {
-			if ch[i].Op != w.op || ch[i].Seq != uint64(i) || !bytes.Equal(ch[i].Digest(), dig(w.id, 8)) {
+			if ch[i].Op != w.op || ch[i].Seq != base+uint64(i) || !bytes.Equal(ch[i].Digest(), dig(w.id, 8)) {
 				t.Fatalf("change %d = %v seq %d %x, want %v %d", i, ch[i].Op, ch[i].Seq, ch[i].Digest(), w.op, w.id)
 			}
 		}
@@ -51,11 +52,11 @@ func TestDeltaLog(t *testing.T) {
 	t.Run("max and continuation", func(t *testing.T) {
 		buf := make([]Change, 0, 8)
 		ch, next, err := x.c.ChangesSince(ns, head, 4, buf)
-		if err != nil || len(ch) != 4 || next.Seq != 4 {
+		if err != nil || len(ch) != 4 || next.Seq != base+4 {
 			t.Fatal(len(ch), next, err)
 		}
 		ch, next, _ = x.c.ChangesSince(ns, next, 4, buf)
-		if len(ch) != 2 || next.Seq != 6 {
+		if len(ch) != 2 || next.Seq != base+6 {
 			t.Fatal(len(ch), next)
 		}
 		ch, next2, _ := x.c.ChangesSince(ns, next, 4, buf)
@@ -64,7 +65,11 @@ func TestDeltaLog(t *testing.T) {
 		}
 	})
 	t.Run("future seq resyncs", func(t *testing.T) {
-		_, _, err := x.c.ChangesSince(ns, Cursor{Epoch: 7, Seq: 7}, 10, nil)
+		_, _, err := x.c.ChangesSince(ns, Cursor{Epoch: 7, Seq: base + 7}, 10, nil)
+		wantErr(t, err, ErrResync)
+	})
+	t.Run("seq before the log began resyncs", func(t *testing.T) {
+		_, _, err := x.c.ChangesSince(ns, Cursor{Epoch: 7, Seq: base - 1}, 10, nil)
 		wantErr(t, err, ErrResync)
 	})
 	t.Run("other epoch resyncs", func(t *testing.T) {

@@ -44,7 +44,8 @@ func (c *Cache) CheckInvariants() error {
 	heads, present, pinnedBlocks, evictable := 0, 0, 0, 0
 	nsBlocks := make([]int, len(c.nsList))
 	nsPending := make([]int, len(c.nsList))
-	groupTimers := 0
+	nsDoomed := make([]int, len(c.nsList))
+	groupTimers, doomedHeads := 0, 0
 	for s := uint32(0); s < n; s++ {
 		cnt[c.state(s)]++
 		if c.state(s) == stFree {
@@ -58,7 +59,7 @@ func (c *Cache) CheckInvariants() error {
 		}
 		heads++
 		id := c.nsOf[s]
-		if id == 0 || int(id) > len(c.nsList) {
+		if id == 0 || int(id) > len(c.nsList) || c.nsList[id-1] == nil {
 			bad("head %d: bad namespace %d", s, id)
 			continue
 		}
@@ -91,8 +92,23 @@ func (c *Cache) CheckInvariants() error {
 		if r != ns.world || m != s {
 			bad("block %d: ring length %d, world %d", s, r, ns.world)
 		}
-		if int(c.done[s]) != stored {
+		doomed := c.isDoomed(s)
+		if int(c.done[s]&^doomedBit) != stored {
 			bad("block %d: done %d, stored members %d", s, c.done[s], stored)
+		}
+		if doomed {
+			nsDoomed[id-1]++
+			doomedHeads++
+			if writing == 0 {
+				bad("doomed block %d: no write in flight, yet not freed", s)
+			}
+			if got := c.find(id, c.digest[s][:ns.width]); got == s {
+				bad("doomed block %d: still indexed", s)
+			}
+			if _, ok := c.pendingKey[s]; ok {
+				bad("doomed block %d: still charged", s)
+			}
+			continue
 		}
 		if w := ns.width; w < MaxDigestLen {
 			for _, b := range c.digest[s][w:] {
@@ -137,24 +153,62 @@ func (c *Cache) CheckInvariants() error {
 	if cnt[stFree] != c.nFree || cnt[stReserved] != c.nReserved || cnt[stWriting] != c.nWriting || cnt[stStored] != c.nStored {
 		bad("state counts %v != free %d reserved %d writing %d stored %d", cnt, c.nFree, c.nReserved, c.nWriting, c.nStored)
 	}
+	live, logBytes := 0, int64(0)
 	for i, ns := range c.nsList {
-		if ns.blocks != nsBlocks[i] || ns.pending != nsPending[i] {
-			bad("namespace %d: blocks %d/%d pending %d/%d", i+1, ns.blocks, nsBlocks[i], ns.pending, nsPending[i])
+		if ns == nil {
+			if nsBlocks[i]+nsPending[i]+nsDoomed[i] != 0 {
+				bad("removed namespace %d still owns slots", i+1)
+			}
+			continue
+		}
+		live++
+		logBytes += ns.log.bytes()
+		if id, ok := c.nsByKey[ns.key]; !ok || int(id) != i+1 {
+			bad("namespace %d: key maps to %d (%v)", i+1, id, ok)
+		}
+		if ns.blocks != nsBlocks[i] || ns.pending != nsPending[i] || ns.doomed != nsDoomed[i] {
+			bad("namespace %d: blocks %d/%d pending %d/%d doomed %d/%d", i+1, ns.blocks, nsBlocks[i], ns.pending, nsPending[i], ns.doomed, nsDoomed[i])
 		}
 		l := &ns.log
-		lo := uint64(0)
-		if l.head > uint64(len(l.ents)) {
-			lo = l.head - uint64(len(l.ents))
+		if len(l.ents) == 0 || len(l.ents)&(len(l.ents)-1) != 0 || len(l.ents) > c.cfg.DeltaLogSize || l.head < l.base {
+			bad("namespace %d: log of %d entries, base %d head %d", i+1, len(l.ents), l.base, l.head)
+			continue
 		}
-		for q := lo; q < l.head; q++ {
+		for q := l.oldest(); q < l.head; q++ {
 			if l.ents[q&l.mask].seq != q {
 				bad("namespace %d: log entry %d has seq %d", i+1, q, l.ents[q&l.mask].seq)
 				break
 			}
 		}
 	}
-	if heads != c.entries {
-		bad("heads %d != index entries %d", heads, c.entries)
+	if live != c.nsLive || len(c.nsByKey) != live || live+len(c.nsFree) != len(c.nsList) {
+		bad("namespaces: %d live, counter %d, keys %d, free ids %d, list %d", live, c.nsLive, len(c.nsByKey), len(c.nsFree), len(c.nsList))
+	}
+	if logBytes != c.logBytes || (c.cfg.MaxLogBytes > 0 && logBytes > c.cfg.MaxLogBytes && live > 0 && logBytes > int64(live)*int64(c.cfg.InitialLogSize)*logEntrySize) {
+		bad("log bytes %d, counter %d, bound %d", logBytes, c.logBytes, c.cfg.MaxLogBytes)
+	}
+	// Charges of incomplete blocks.
+	charged := map[uint32]int{}
+	for h, key := range c.pendingKey {
+		if h >= n || c.rank(h) != 0 || c.state(h) == stFree || c.isDoomed(h) || c.present(h) {
+			bad("charge of slot %d: not an incomplete head", h)
+			continue
+		}
+		charged[key] += c.worldOf(h)
+	}
+	for key, v := range c.pendingByKey {
+		if charged[key] != v || v <= 0 {
+			bad("charge key %d: %d slots counted, %d held", key, v, charged[key])
+		}
+	}
+	if len(charged) != len(c.pendingByKey) {
+		bad("%d charge keys hold slots, %d counted", len(charged), len(c.pendingByKey))
+	}
+	if heads-doomedHeads != c.entries {
+		bad("heads %d (doomed %d) != index entries %d", heads, doomedHeads, c.entries)
+	}
+	if doomedHeads != c.doomed {
+		bad("doomed blocks %d != counter %d", doomedHeads, c.doomed)
 	}
 	if evictable != c.evictable {
 		bad("evictable %d != computed %d", c.evictable, evictable)
@@ -220,6 +274,14 @@ func (c *Cache) CheckInvariants() error {
 	// Leases and pins.
 	pins := make(map[uint32]uint32)
 	leaseTimers := 0
+	for id, heads := range c.loads {
+		if id == 0 || id > c.nextLoad {
+			bad("load %d: id beyond counter %d", id, c.nextLoad)
+		}
+		for _, h := range heads {
+			pins[h]++
+		}
+	}
 	for id, li := range c.leaseByID {
 		l := &c.leases[li]
 		if l.id != id {
@@ -242,15 +304,15 @@ func (c *Cache) CheckInvariants() error {
 	}
 	for h, p := range pins {
 		if h >= n || c.rank(h) != 0 || !c.present(h) || c.aux[h] != p {
-			bad("block %d: pins %d, leases hold %d", h, c.aux[h], p)
+			bad("block %d: pins %d, leases and loads hold %d", h, c.aux[h], p)
 		}
 	}
 	if len(pins) != pinnedBlocks {
-		bad("%d blocks leased, %d pinned", len(pins), pinnedBlocks)
+		bad("%d blocks leased or loading, %d pinned", len(pins), pinnedBlocks)
 	}
 
 	// Writers.
-	live := 0
+	live = 0
 	for i := range c.writers {
 		w := &c.writers[i]
 		if !w.live {

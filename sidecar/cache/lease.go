@@ -42,7 +42,11 @@ func addDeadline(now int64, d time.Duration) int64 {
 }
 
 // leading scans digests (a flat array of width-byte digests) and appends
-// the heads of the leading present blocks to c.scratch.
+// the heads of the leading present blocks to c.scratch. It stops at the
+// first miss and at the first digest the scan has already seen: a prefix
+// of chained block hashes never repeats one, and a view that repeats a
+// digest must not pin (or count) the same block twice, so a lease never
+// holds more blocks than the pool.
 func (c *Cache) leading(ns NamespaceID, digests []byte) (*namespace, []uint32, error) {
 	n, err := c.ns(ns)
 	if err != nil {
@@ -54,10 +58,16 @@ func (c *Cache) leading(ns NamespaceID, digests []byte) (*namespace, []uint32, e
 	heads := c.scratch[:0]
 	for off := 0; off < len(digests); off += n.width {
 		h := c.find(uint16(ns), digests[off:off+n.width])
+		// A head collected already carries doomedBit (below), so its
+		// done no longer equals the world size: a repeat ends the scan.
 		if h == NoSlot || int(c.done[h]) != n.world || c.state(h) != stStored {
 			break
 		}
+		c.done[h] |= doomedBit
 		heads = append(heads, h)
+	}
+	for _, h := range heads {
+		c.done[h] &^= doomedBit
 	}
 	c.scratch = heads
 	return n, heads, nil
@@ -191,6 +201,63 @@ func (c *Cache) LeaseSlots(id uint64, rank int, dst []uint32) ([]uint32, error) 
 	return dst, nil
 }
 
+// LeaseBlocks returns how many blocks lease id pins.
+func (c *Cache) LeaseBlocks(id uint64) (int, bool) {
+	li, ok := c.leaseByID[id]
+	if !ok {
+		return 0, false
+	}
+	return len(c.leases[li].heads), true
+}
+
+// BeginLoad pins blocks [first, first+n) of lease id for a copy out of the
+// pool by rank, and appends the rank's slots of those blocks to dst. The pin is the load's own:
+// it holds even if the lease is released or expires while the copy runs,
+// so that no slot the copy reads is freed or reused before EndLoad. The
+// returned id is never reused.
+func (c *Cache) BeginLoad(id uint64, rank, first, n int, dst []uint32) (uint64, []uint32, error) {
+	li, ok := c.leaseByID[id]
+	if !ok {
+		return 0, dst, fmt.Errorf("%w: %d", ErrUnknownLease, id)
+	}
+	l := &c.leases[li]
+	if first < 0 || n < 0 || first+n > len(l.heads) {
+		return 0, dst, fmt.Errorf("cache: blocks [%d, %d) past the %d blocks of lease %d", first, first+n, len(l.heads), id)
+	}
+	if n > 0 {
+		if w := c.worldOf(l.heads[0]); rank < 0 || rank >= w {
+			return 0, dst, fmt.Errorf("%w: rank %d, world size %d", ErrBadRank, rank, w)
+		}
+	}
+	heads := make([]uint32, n)
+	copy(heads, l.heads[first:first+n])
+	for _, h := range heads {
+		if c.aux[h] == math.MaxUint32 {
+			return 0, dst, fmt.Errorf("%w: slot %d", ErrTooManyPins, h)
+		}
+	}
+	for _, h := range heads {
+		c.pin(h, c.worldOf(h))
+		dst = append(dst, c.member(h, rank))
+	}
+	c.nextLoad++
+	c.loads[c.nextLoad] = heads
+	return c.nextLoad, dst, nil
+}
+
+// EndLoad drops the pins of a load (its copy finished or was cancelled).
+func (c *Cache) EndLoad(id uint64) error {
+	heads, ok := c.loads[id]
+	if !ok {
+		return fmt.Errorf("%w: %d", ErrUnknownLoad, id)
+	}
+	delete(c.loads, id)
+	for i := len(heads) - 1; i >= 0; i-- {
+		c.unpin(heads[i])
+	}
+	return nil
+}
+
 // LeaseOwner returns the owner a lease was acquired for.
 func (c *Cache) LeaseOwner(id uint64) (SessionID, bool) {
 	li, ok := c.leaseByID[id]
@@ -237,8 +304,24 @@ func (c *Cache) releaseLease(li int32) {
 }
 
 // ReleaseOwner releases every lease of owner and aborts its writes (the
-// session died). Cost is proportional to what the owner held.
+// session died). Cost is proportional to what the owner held. A caller
+// whose copies may still be running must not abort their writes: see
+// ReleaseLeases.
 func (c *Cache) ReleaseOwner(owner SessionID) ReapResult {
+	r := c.ReleaseLeases(owner)
+	o, ok := c.owners[owner]
+	if !ok {
+		return r
+	}
+	for o.writers >= 0 {
+		c.abortWriter(o.writers)
+		r.Writes++
+	}
+	return r
+}
+
+// ReleaseLeases releases every lease of owner and leaves its writes alone.
+func (c *Cache) ReleaseLeases(owner SessionID) ReapResult {
 	var r ReapResult
 	o, ok := c.owners[owner]
 	if !ok {
@@ -249,10 +332,6 @@ func (c *Cache) ReleaseOwner(owner SessionID) ReapResult {
 		c.timerRemove(int(c.leases[li].heapIdx))
 		c.releaseLease(li) // may delete o from the map; o stays valid
 		r.Leases++
-	}
-	for o.writers >= 0 {
-		c.abortWriter(o.writers)
-		r.Writes++
 	}
 	return r
 }

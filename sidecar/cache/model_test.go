@@ -39,10 +39,18 @@ type mLease struct {
 }
 
 type mTicket struct {
-	key   mKey
-	rank  int
-	owner SessionID
-	tk    Ticket
+	key    mKey
+	rank   int
+	owner  SessionID
+	tk     Ticket
+	doomed *mDoomed // the block was reaped while this write was in flight
+}
+
+// mDoomed is a block reaped with writes in flight: its slots stay used
+// until the last of them ends.
+type mDoomed struct {
+	world   int
+	writers int
 }
 
 type model struct {
@@ -52,9 +60,24 @@ type model struct {
 	leases   map[uint64]*mLease
 	order    []uint64 // lease ids in creation order
 	tickets  map[uint64]*mTicket
+	doomed   map[*mDoomed]bool
+	loads    map[uint64][]mKey
+	charge   map[mKey]SessionID // pending block -> charge key (its first writer's owner)
 	clock    uint64
 	tseq     uint64
 	wt       int64
+}
+
+const modelChargeLimit = 9 // slots of incomplete blocks one owner may hold
+
+func (m *model) charged(owner SessionID) int {
+	n := 0
+	for k, o := range m.charge {
+		if o == owner {
+			n += m.world[k.ns]
+		}
+	}
+	return n
 }
 
 func (m *model) present(b *mBlock) bool {
@@ -70,6 +93,9 @@ func (m *model) used() int {
 	u := 0
 	for k := range m.blocks {
 		u += m.world[k.ns]
+	}
+	for d := range m.doomed {
+		u += d.world
 	}
 	return u
 }
@@ -122,6 +148,9 @@ func (m *model) begin(k mKey, rank int, owner SessionID, now int64) (Status, []m
 		}
 		return Allocated, nil
 	}
+	if m.charged(owner)+w > modelChargeLimit {
+		return OverQuota, nil
+	}
 	if m.capacity-m.used()+m.evictable() < w {
 		return NoSpace, nil
 	}
@@ -133,17 +162,20 @@ func (m *model) begin(k mKey, rank int, owner SessionID, now int64) (Status, []m
 	b := &mBlock{ranks: make([]int, w), writers: make([]uint64, w), deadline: now + m.wt, tseq: m.tseq}
 	b.ranks[rank] = rWriting
 	m.blocks[k] = b
+	m.charge[k] = owner
 	return Allocated, evicted
 }
 
 func (m *model) leading(k mKey, ds []string) []mKey {
 	var out []mKey
+	seen := map[string]bool{}
 	for _, d := range ds {
 		kk := mKey{k.ns, d}
 		b, ok := m.blocks[kk]
-		if !ok || !m.present(b) {
+		if !ok || !m.present(b) || seen[d] {
 			break
 		}
+		seen[d] = true
 		out = append(out, kk)
 	}
 	return out
@@ -162,9 +194,21 @@ func (m *model) dropLease(id uint64) {
 	delete(m.leases, id)
 }
 
+// endDoomed ends a write of a doomed block.
+func (m *model) endDoomed(t *mTicket) {
+	t.doomed.writers--
+	if t.doomed.writers == 0 {
+		delete(m.doomed, t.doomed)
+	}
+}
+
 func (m *model) abort(tid uint64) {
 	t := m.tickets[tid]
 	delete(m.tickets, tid)
+	if t.doomed != nil {
+		m.endDoomed(t)
+		return
+	}
 	b := m.blocks[t.key]
 	b.ranks[t.rank] = rReserved
 	for _, r := range b.ranks {
@@ -173,6 +217,7 @@ func (m *model) abort(tid uint64) {
 		}
 	}
 	delete(m.blocks, t.key)
+	delete(m.charge, t.key)
 }
 
 func TestModelRandomized(t *testing.T) {
@@ -209,7 +254,8 @@ func runModel(t *testing.T, seed uint64, ops int) {
 		nss = append(nss, n)
 	}
 	m := &model{capacity: capacity, world: map[NamespaceID]int{}, blocks: map[mKey]*mBlock{},
-		leases: map[uint64]*mLease{}, tickets: map[uint64]*mTicket{}, wt: int64(50 * time.Millisecond)}
+		leases: map[uint64]*mLease{}, tickets: map[uint64]*mTicket{}, doomed: map[*mDoomed]bool{},
+		loads: map[uint64][]mKey{}, charge: map[mKey]SessionID{}, wt: int64(50 * time.Millisecond)}
 	for _, n := range nss {
 		m.world[n.id] = n.world
 	}
@@ -225,6 +271,15 @@ func runModel(t *testing.T, seed uint64, ops int) {
 	}
 	var dead []Ticket
 	var deadLeases []uint64
+	removed, doomedSeen := 0, 0
+	indexOf := func(nss []nsDef, id NamespaceID) int {
+		for i, n := range nss {
+			if n.id == id {
+				return i
+			}
+		}
+		return -1
+	}
 	now := int64(0)
 	owners := []SessionID{1, 2, 3}
 	var buf []Change
@@ -238,8 +293,12 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			var ds []string
 			var flat []byte
 			for i := 0; i < l && start+i < len(n.ds); i++ {
-				ds = append(ds, n.ds[start+i])
-				flat = append(flat, n.ds[start+i]...)
+				d := n.ds[start+i]
+				if i > 0 && rng.IntN(8) == 0 { // now and then a repeated digest
+					d = ds[rng.IntN(len(ds))]
+				}
+				ds = append(ds, d)
+				flat = append(flat, d...)
 			}
 			return ds, flat
 		}
@@ -249,7 +308,7 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			rank := rng.IntN(n.world)
 			k := mKey{n.id, d}
 			want, _ := m.begin(k, rank, owner, now)
-			tk, got, err := c.BeginStore(n.id, rank, []byte(d), owner, now)
+			tk, got, err := c.BeginStoreCharged(n.id, rank, []byte(d), owner, now, Charge{Key: uint32(owner), Limit: modelChargeLimit})
 			if err != nil || got != want {
 				t.Fatalf("op %d: BeginStore = %v %v, model %v", op, got, err, want)
 			}
@@ -263,16 +322,25 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			}
 			id := pickTicket(rng, m)
 			mt := m.tickets[id]
-			if err := c.CommitStore(mt.tk); err != nil {
+			err := c.CommitStore(mt.tk)
+			dead = append(dead, mt.tk)
+			delete(m.tickets, id)
+			if mt.doomed != nil {
+				if !errors.Is(err, ErrDoomed) {
+					t.Fatalf("op %d: commit of a doomed block: %v", op, err)
+				}
+				m.endDoomed(mt)
+				break
+			}
+			if err != nil {
 				t.Fatalf("op %d: commit: %v", op, err)
 			}
-			delete(m.tickets, id)
 			b := m.blocks[mt.key]
 			b.ranks[mt.rank] = rStored
 			if m.present(b) {
+				delete(m.charge, mt.key)
 				m.touch(b)
 			}
-			dead = append(dead, mt.tk)
 		case p < 53: // AbortStore
 			if len(m.tickets) == 0 {
 				continue
@@ -382,7 +450,7 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			if r.Leases != nl || r.Writes != nw {
 				t.Fatalf("op %d: ReleaseOwner = %+v, model %d/%d", op, r, nl, nw)
 			}
-		case p < 97: // Reap
+		case p < 95: // Reap
 			type exp struct {
 				deadline int64
 				tseq     uint64
@@ -416,18 +484,88 @@ func runModel(t *testing.T, seed uint64, ops int) {
 						want.Writes++
 					}
 				}
-				for id, mt := range m.tickets {
-					if mt.key == e.key {
-						dead = append(dead, mt.tk)
-						delete(m.tickets, id)
+				var d *mDoomed
+				for _, mt := range m.tickets {
+					if mt.key == e.key && mt.doomed == nil {
+						if d == nil {
+							d = &mDoomed{world: m.world[e.key.ns]}
+							m.doomed[d] = true
+							doomedSeen++
+						}
+						d.writers++
+						mt.doomed = d
 					}
 				}
 				delete(m.blocks, e.key)
+				delete(m.charge, e.key)
 				want.Blocks++
 			}
 			if got := c.Reap(now); got != want {
 				t.Fatalf("op %d: Reap = %+v, model %+v", op, got, want)
 			}
+		case p < 97: // BeginLoad / EndLoad
+			if len(m.loads) > 0 && rng.IntN(2) == 0 {
+				var id uint64
+				for id = range m.loads {
+					break
+				}
+				if err := c.EndLoad(id); err != nil {
+					t.Fatalf("op %d: EndLoad: %v", op, err)
+				}
+				for i := len(m.loads[id]) - 1; i >= 0; i-- {
+					b := m.blocks[m.loads[id][i]]
+					b.pins--
+					m.touch(b)
+				}
+				delete(m.loads, id)
+				break
+			}
+			if len(m.leases) == 0 {
+				continue
+			}
+			lid := pickLease(rng, m)
+			ml := m.leases[lid]
+			first := rng.IntN(len(ml.keys))
+			cnt := rng.IntN(len(ml.keys) - first + 1)
+			world := m.world[ml.keys[0].ns]
+			id, slots, err := c.BeginLoad(lid, rng.IntN(world), first, cnt, nil)
+			if err != nil || len(slots) != cnt {
+				t.Fatalf("op %d: BeginLoad = %d %v %v", op, id, slots, err)
+			}
+			keys := append([]mKey(nil), ml.keys[first:first+cnt]...)
+			for _, k := range keys {
+				m.blocks[k].pins++
+			}
+			m.loads[id] = keys
+		case p < 98 && rng.IntN(2) == 0: // RemoveNamespace (of an empty one), then add it back
+			in := 0
+			for k := range m.blocks {
+				if k.ns == n.id {
+					in++
+				}
+			}
+			doomedIn := 0
+			for _, mt := range m.tickets {
+				if mt.doomed != nil && mt.key.ns == n.id {
+					doomedIn++
+				}
+			}
+			err := c.RemoveNamespace(n.id)
+			if in > 0 || doomedIn > 0 {
+				if !errors.Is(err, ErrNamespaceInUse) {
+					t.Fatalf("op %d: RemoveNamespace of a namespace in use: %v", op, err)
+				}
+				break
+			}
+			if err != nil {
+				t.Fatalf("op %d: RemoveNamespace: %v", op, err)
+			}
+			key := NamespaceKey{Model: "m", Layout: 1, TenantSalt: uint64(indexOf(nss, n.id)), DigestWidth: n.width, WorldSize: n.world}
+			id, err := c.AddNamespace(key)
+			if err != nil || id != n.id {
+				t.Fatalf("op %d: re-adding namespace %d gave %d %v", op, n.id, id, err)
+			}
+			removed++
 		case p < 98: // Clear
 			got, err := c.Clear(n.id)
 			want := 0
@@ -494,20 +632,27 @@ func runModel(t *testing.T, seed uint64, ops int) {
 				}
 			}
 		}
-		if s.Used != m.used() || s.Blocks != present || s.PinnedBlocks != pinned ||
+		for owner := range owners {
+			if got, want := c.PendingCharged(uint32(owners[owner])), m.charged(owners[owner]); got != want {
+				t.Fatalf("op %d: owner %d charged %d slots, model %d", op, owners[owner], got, want)
+			}
+		}
+		if s.Used != m.used() || s.Blocks != present || s.PinnedBlocks != pinned || s.DoomedBlocks != len(m.doomed) ||
+			s.Loads != len(m.loads) ||
 			s.Leases != len(m.leases) || s.Writers != len(m.tickets) || s.PendingBlocks != len(m.blocks)-present {
 			t.Fatalf("op %d: stats %+v; model used %d present %d pinned %d leases %d writers %d",
 				op, s, m.used(), present, pinned, len(m.leases), len(m.tickets))
 		}
 	}
 	s := c.Stats()
-	t.Logf("seed %d: %+v", seed, s)
+	t.Logf("seed %d: %+v (namespaces removed %d, blocks doomed %d)", seed, s, removed, doomedSeen)
 	resyncs := 0
 	for _, cn := range cons {
 		resyncs += cn.resyncs
 	}
-	if s.Evictions == 0 || s.NoSpace == 0 || s.ExpiredLeases == 0 || s.ExpiredBlocks == 0 || s.Stores == 0 || resyncs == 0 {
-		t.Fatalf("random walk did not cover enough: %+v resyncs %d", s, resyncs)
+	if s.Evictions == 0 || s.NoSpace == 0 || s.ExpiredLeases == 0 || s.ExpiredBlocks == 0 || s.Stores == 0 || resyncs == 0 ||
+		s.OverQuota == 0 || removed == 0 || s.Aborts == 0 || doomedSeen == 0 {
+		t.Fatalf("random walk did not cover enough: %+v resyncs %d namespaces removed %d doomed %d", s, resyncs, removed, doomedSeen)
 	}
 }
 

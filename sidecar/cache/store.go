@@ -21,6 +21,9 @@ const (
 	// NoSpace: not enough free or evictable slots (everything else is
 	// pinned or being written).
 	NoSpace
+	// OverQuota: the block would need new slots beyond its charge's limit
+	// (BeginStoreCharged); nothing was reserved.
+	OverQuota
 )
 
 func (s Status) String() string {
@@ -33,6 +36,8 @@ func (s Status) String() string {
 		return "InFlight"
 	case NoSpace:
 		return "NoSpace"
+	case OverQuota:
+		return "OverQuota"
 	}
 	return "Status(" + strconv.Itoa(int(s)) + ")"
 }
@@ -62,6 +67,25 @@ type writerRec struct {
 // does not happen within Config.WriteTimeout of the latest BeginStore,
 // Reap reclaims the whole block.
 func (c *Cache) BeginStore(ns NamespaceID, rank int, digest []byte, owner SessionID, now int64) (Ticket, Status, error) {
+	return c.BeginStoreCharged(ns, rank, digest, owner, now, Charge{})
+}
+
+// Charge names who pays for the slots an incomplete block reserves, and
+// how many such slots that payer may hold at once. Key 0 is not charged.
+type Charge struct {
+	Key   uint32
+	Limit int // slots of incomplete blocks Key may hold; <= 0: no limit
+}
+
+// PendingCharged returns the slots of incomplete blocks charged to key.
+func (c *Cache) PendingCharged(key uint32) int { return c.pendingByKey[key] }
+
+// BeginStoreCharged is BeginStore that charges the slots a new incomplete
+// block reserves (all W of them) to ch.Key until the block becomes present
+// or is dropped, and answers OverQuota, reserving nothing, when that would
+// take the key past ch.Limit. Joining a block another rank began costs no
+// new slots and is never refused.
+func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner SessionID, now int64, ch Charge) (Ticket, Status, error) {
 	n, err := c.ns(ns)
 	if err != nil {
 		return Ticket{}, StatusInvalid, err
@@ -91,6 +115,10 @@ func (c *Cache) BeginStore(ns NamespaceID, rank int, digest []byte, owner Sessio
 		}
 	}
 	w := n.world
+	if ch.Key != 0 && ch.Limit > 0 && c.pendingByKey[ch.Key]+w > ch.Limit {
+		c.st.overQuota++
+		return Ticket{}, OverQuota, nil
+	}
 	if c.nFree+c.evictable < w {
 		c.st.noSpace++
 		return Ticket{}, NoSpace, nil
@@ -100,6 +128,10 @@ func (c *Cache) BeginStore(ns NamespaceID, rank int, digest []byte, owner Sessio
 	}
 	head = c.allocGroup(uint16(ns), digest, w)
 	n.pending++
+	if ch.Key != 0 {
+		c.pendingKey[head] = ch.Key
+		c.pendingByKey[ch.Key] += w
+	}
 	c.indexInsert(head, h)
 	c.next[head] = uint32(c.timerPush(deadline, timerGroup, head))
 	return c.startWrite(c.member(head, rank), owner), Allocated, nil
@@ -107,32 +139,54 @@ func (c *Cache) BeginStore(ns NamespaceID, rank int, digest []byte, owner Sessio
 
 // CommitStore makes the ticket's shard stored. When the last rank of the
 // logical block commits, the block becomes present: visible to Lookup and
-// Acquire, evictable, and a Stored change is logged.
+// Acquire, evictable, and a Stored change is logged. If the block was
+// dropped while this write was in flight (its deadline passed), the write
+// is discarded and ErrDoomed is returned; the slots are freed when the
+// last write in flight on them ends.
 func (c *Cache) CommitStore(t Ticket) error {
 	wi, err := c.ticket(t)
 	if err != nil {
 		return err
 	}
 	s := t.Slot
+	head := c.headOf(s)
+	if c.isDoomed(head) {
+		c.abortWriter(wi)
+		return fmt.Errorf("%w: slot %d", ErrDoomed, s)
+	}
 	c.dropWriter(wi)
 	c.setState(s, stStored)
 	c.nWriting--
 	c.nStored++
-	head := c.headOf(s)
 	c.done[head]++
 	n := c.nsList[c.nsOf[head]-1]
 	if int(c.done[head]) < n.world {
 		return nil
 	}
 	c.timerRemove(int(c.next[head]))
+	c.unchargePending(head)
 	c.aux[head] = 0
 	c.lruPushFront(head)
 	c.evictable += n.world
 	n.pending--
 	n.blocks++
 	c.st.stores++
-	n.log.append(OpStored, head, c.digest[head][:n.width])
+	c.logAppend(n, OpStored, head, c.digest[head][:n.width])
 	return nil
+}
+
+// unchargePending ends the charge of an incomplete block.
+func (c *Cache) unchargePending(head uint32) {
+	key, ok := c.pendingKey[head]
+	if !ok {
+		return
+	}
+	delete(c.pendingKey, head)
+	if left := c.pendingByKey[key] - c.worldOf(head); left > 0 {
+		c.pendingByKey[key] = left
+	} else {
+		delete(c.pendingByKey, key)
+	}
 }
 
 // AbortStore abandons the ticket's write. The rank's slot goes back to
@@ -156,6 +210,10 @@ func (c *Cache) abortWriter(wi int32) {
 	c.nReserved++
 	c.st.aborts++
 	head := c.headOf(s)
+	if c.isDoomed(head) {
+		c.freeIfDone(head)
+		return
+	}
 	if c.done[head] != 0 {
 		return
 	}
@@ -172,22 +230,49 @@ func (c *Cache) abortWriter(wi int32) {
 	c.dropPending(head)
 }
 
-// dropPending frees an incomplete block; writers still holding tickets on
-// its slots are dropped (their tickets become stale).
+// dropPending drops an incomplete block whose timer is already gone. A
+// block that no rank is writing now is freed at once. A block with writes
+// in flight is doomed instead: it leaves the index (a new store of the
+// digest starts afresh) but keeps its slots until the last of those writes
+// commits or aborts (both then discard it), so that a copy still running
+// never writes into a slot handed to another block.
 func (c *Cache) dropPending(head uint32) {
 	n := c.nsList[c.nsOf[head]-1]
-	m := head
-	for {
+	writing := 0
+	for m := head; ; {
 		if c.state(m) == stWriting {
-			c.dropWriter(int32(c.aux[m]))
-			c.st.reapedWrites++
+			writing++
 		}
 		if m = c.ring[m]; m == head {
 			break
 		}
 	}
 	n.pending--
+	c.unchargePending(head)
 	c.indexRemove(head)
+	if writing == 0 {
+		c.freeGroup(head)
+		return
+	}
+	c.done[head] |= doomedBit
+	n.doomed++
+	c.doomed++
+	c.st.reapedWrites += uint64(writing)
+}
+
+// freeIfDone frees a doomed block once no rank writes it any more.
+func (c *Cache) freeIfDone(head uint32) {
+	for m := head; ; {
+		if c.state(m) == stWriting {
+			return
+		}
+		if m = c.ring[m]; m == head {
+			break
+		}
+	}
+	n := c.nsList[c.nsOf[head]-1]
+	n.doomed--
+	c.doomed--
 	c.freeGroup(head)
 }
 
@@ -282,7 +367,7 @@ func (c *Cache) evictBlock(head uint32, evicted bool) {
 	n.blocks--
 	if evicted {
 		c.st.evictions++
-		n.log.append(OpEvicted, head, c.digest[head][:n.width])
+		c.logAppend(n, OpEvicted, head, c.digest[head][:n.width])
 	}
 	c.indexRemove(head)
 	c.freeGroup(head)
