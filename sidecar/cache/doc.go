@@ -35,11 +35,21 @@
 // a Writing slot to Reserved (the rank may retry); if no rank of the block
 // has committed or is writing, the block is freed immediately. An
 // incomplete block carries one deadline, WriteTimeout after its latest
-// BeginStore; Reap frees it, including slots still Writing (their owner is
-// presumed dead; their tickets become stale and Commit/Abort return
-// ErrStaleTicket). Tickets carry a never-reused writer ID so a late commit
-// can never land on a reused slot. Incomplete blocks are invisible and not
-// evictable.
+// BeginStore; Reap then drops it. A block no rank is writing is freed at
+// once. A block with writes in flight is *doomed*: it leaves the index (a
+// new store of the digest starts afresh) and its deadline, but keeps its
+// slots until the last of those writes ends, whose CommitStore then
+// returns ErrDoomed and frees them. The caller issues a ticket only for a
+// copy it is about to start, so a slot is never handed to another block
+// while a copy may still write it. Tickets carry a never-reused writer ID,
+// so a commit or abort of an ended write returns ErrStaleTicket.
+// Incomplete and doomed blocks are invisible and not evictable.
+//
+// BeginStoreCharged charges the W slots a new incomplete block reserves to
+// a caller-chosen key, refusing (OverQuota) a block that would take the
+// key past its limit; the charge ends when the block becomes present or is
+// dropped. The sidecar keys it by uid, so that no client can hold the pool
+// in half-written blocks.
 //
 // # Memory layout (per slot, struct of arrays, preallocated by capacity)
 //
@@ -51,7 +61,7 @@
 //	aux     uint32     4  pin count (present head) | writer record (Writing)
 //	ns      uint16     2  namespace id
 //	meta    uint8      1  rank<<2 | state
-//	done    uint8      1  committed ranks (head)
+//	done    uint8      1  committed ranks (head); bit 7 marks a doomed block
 //	                 ---
 //	                  52  bytes per slot
 //	index   uint32  4*5/3 open addressing, head slot+1 (0 = empty), load
@@ -87,12 +97,27 @@
 // writes (intrusive per-owner lists: cost proportional to what it held).
 // Reap(now) pops a min-heap of deadlines (leases and incomplete blocks,
 // with back-pointers for O(log n) removal), so its cost is proportional to
-// what expired. Pinned blocks are never evicted nor cleared.
+// what expired. Pinned blocks are never evicted nor cleared. Lookup and
+// Acquire stop at the first repeated digest (a chain of block hashes never
+// repeats one), so a lease pins distinct blocks and never more than the
+// pool holds.
+//
+// BeginLoad(lease, rank, first, n) pins blocks of a lease for one copy out
+// of the pool, with a pin of its own: releasing the lease, its expiry or
+// its owner's end leave the blocks pinned until EndLoad, so a slot is
+// never freed or reused while a copy reads it.
 //
 // # Delta log
 //
-// Each namespace has a fixed ring (Config.DeltaLogSize, power of two) of
-// 48-byte entries {seq uint64, head slot uint32, op uint8, digest [32]byte}.
+// Each namespace has a ring of 48-byte entries {seq uint64, head slot
+// uint32, op uint8, digest [32]byte}. It starts at Config.InitialLogSize
+// entries and doubles, up to Config.DeltaLogSize (powers of two), when an
+// append would overwrite its oldest entry and the logs of all namespaces
+// together stay within Config.MaxLogBytes; past either bound it overwrites.
+// Each namespace's sequence numbers start at incarnation<<40, where the
+// incarnation counts AddNamespace calls, so a cursor into a removed
+// namespace never validates against a later one (RemoveNamespace frees an
+// empty namespace and lets a later AddNamespace reuse its id).
 // The digest is copied into the entry, so a consumer gets the right digest
 // even after the slot is reused. Ops: Stored (block became present),
 // Evicted (evicted for space), Cleared (Clear dropped the namespace;
