@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/ringside-kv/ringside/ring"
@@ -93,9 +94,11 @@ func Dial(o Options) (*Client, error) {
 	_, werr := conn.Write(req.Append(nil))
 	// A sidecar that refuses the peer's uid answers before reading the
 	// request and closes: the write may fail, the refusal is still there
-	// to read.
+	// to read. A successful reply carries the two rings as descriptors
+	// (protocol version 2): the submission ring first.
 	b := make([]byte, 8192)
-	n, err := conn.Read(b)
+	oob := make([]byte, syscall.CmsgSpace(2*4))
+	n, oobn, _, _, err := conn.ReadMsgUnix(b, oob)
 	if err != nil {
 		conn.Close()
 		if werr != nil {
@@ -103,21 +106,35 @@ func Dial(o Options) (*Client, error) {
 		}
 		return nil, fmt.Errorf("connector: attach reply: %w", err)
 	}
+	fds, ferr := parseRights(oob[:oobn])
 	conn.SetDeadline(time.Time{})
 	c := &Client{opts: o, conn: conn, pending: map[uint64][]byte{}}
-	if err := c.info.Decode(b[:n]); err != nil {
+	fail := func(err error) (*Client, error) {
+		for _, fd := range fds {
+			syscall.Close(fd)
+		}
 		conn.Close()
 		return nil, err
 	}
-	if c.info.Status != schema.OK {
-		conn.Close()
-		return nil, &schema.Error{Status: c.info.Status, Message: c.info.Message}
+	if err := c.info.Decode(b[:n]); err != nil {
+		return fail(err)
 	}
-	if c.sub, err = ring.Open(c.info.SubmissionRing, c.info.Epoch); err == nil {
-		if c.cmp, err = ring.Open(c.info.CompletionRing, c.info.Epoch); err == nil {
-			if c.prod, err = ring.NewProducer(c.sub.Ring, o.Wait); err == nil {
-				c.cons, err = ring.NewConsumer(c.cmp.Ring, o.Wait)
-			}
+	if c.info.Status != schema.OK {
+		return fail(&schema.Error{Status: c.info.Status, Message: c.info.Message})
+	}
+	if ferr != nil || len(fds) != 2 {
+		return fail(fmt.Errorf("connector: attach reply carried %d ring descriptors, want 2 (%v)", len(fds), ferr))
+	}
+	subFD, cmpFD := fds[0], fds[1]
+	// ring.OpenFD takes its descriptor over, also on error.
+	if c.sub, err = ring.OpenFD(subFD, c.info.SubmissionRing, c.info.Epoch); err != nil {
+		syscall.Close(cmpFD)
+		conn.Close()
+		return nil, fmt.Errorf("connector: rings: %w", err)
+	}
+	if c.cmp, err = ring.OpenFD(cmpFD, c.info.CompletionRing, c.info.Epoch); err == nil {
+		if c.prod, err = ring.NewProducer(c.sub.Ring, o.Wait); err == nil {
+			c.cons, err = ring.NewConsumer(c.cmp.Ring, o.Wait)
 		}
 	}
 	if err != nil {
@@ -125,6 +142,33 @@ func Dial(o Options) (*Client, error) {
 		return nil, fmt.Errorf("connector: rings: %w", err)
 	}
 	return c, nil
+}
+
+// parseRights returns the descriptors of SCM_RIGHTS messages in oob.
+func parseRights(oob []byte) ([]int, error) {
+	msgs, err := syscall.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, err
+	}
+	var fds []int
+	for i := range msgs {
+		f, err := syscall.ParseUnixRights(&msgs[i])
+		if err != nil {
+			return fds, err
+		}
+		fds = append(fds, f...)
+	}
+	return fds, nil
+}
+
+// RingFDs returns the descriptors of the session's submission and
+// completion rings (valid until Close): tests use them to attack their own
+// rings, since the files have no name.
+func (c *Client) RingFDs() (sub, cmp int) {
+	if c.unmapped {
+		return -1, -1
+	}
+	return c.sub.FD(), c.cmp.FD()
 }
 
 // Info is the sidecar's attach reply: session id, epoch, pool geometry.

@@ -185,3 +185,46 @@ func (p *Producer) Close() {
 	p.r.consFutex.Add(1)
 	shm.FutexWake(p.r.consFutex, 1)
 }
+
+// TryWrite appends one record and publishes it without waiting: ErrFull
+// when the ring has no room now.
+func (p *Producer) TryWrite(typ, flags uint16, seq uint64, payload []byte) error {
+	if err := p.Append(typ, flags, seq, payload); err != nil {
+		return err
+	}
+	p.Publish()
+	return nil
+}
+
+// SpaceWaiter returns a wait for room for a record of size bytes (header
+// included) at the producer's current position. The wait reads only the
+// ring's shared words (the consumer's head and state, the producer's park
+// flag and futex) and none of the Producer's own fields, so its owner may
+// release whatever lock guards the Producer while it waits, provided
+// nothing writes through the Producer until the wait returns. It returns
+// nil when the room is there, ErrPeerClosed or ErrPeerDead when the
+// consumer is gone, and os.ErrDeadlineExceeded when deadline passes first.
+func (p *Producer) SpaceWaiter(size int) func(deadline time.Time) error {
+	need := uint64(size)
+	if off := p.tail & p.r.mask; p.r.cap-off < need {
+		need += p.r.cap - off
+	}
+	// Room for need bytes at tail: tail + need - head <= cap.
+	target := int64(p.tail) + int64(need) - int64(p.r.cap)
+	r, w := p.r, p.wait
+	return func(deadline time.Time) error {
+		var alive aliveCheck
+		var st WaitStats
+		cond := func() bool { return int64(r.head.Load()) >= target }
+		peer := func() error {
+			if r.consState.Load() != 0 {
+				return ErrPeerClosed
+			}
+			if !alive.ok(r.ConsumerAlive) {
+				return ErrPeerDead
+			}
+			return nil
+		}
+		return w.wait(cond, peer, r.prodParked, r.prodFutex, deadline, r.check, &st)
+	}
+}

@@ -20,8 +20,11 @@ import (
 	"fmt"
 )
 
-// Version is the protocol version spoken in the attach handshake.
-const Version uint16 = 1
+// Version is the protocol version spoken in the attach handshake. Version
+// 2 hands the session's rings to the client as file descriptors with the
+// AttachReply (SCM_RIGHTS) instead of paths it opens: no other process can
+// open a session's rings (docs/protocol.md, section 4.3).
+const Version uint16 = 2
 
 // Record types. Requests flow engine -> sidecar on the submission ring,
 // replies sidecar -> engine on the completion ring with ReplyBit set.
@@ -40,8 +43,25 @@ const (
 	TypePing           uint16 = 0x0C // liveness and round-trip check
 	TypeSnapshot       uint16 = 0x0D // read a page of the namespace's present blocks
 
+	// TypeReserved is never a request: its reply type would be the ring's
+	// padding type 0xFFFF. Like any unknown type it is answered with
+	// status 2, in a Reply whose record type is ReplyBit alone
+	// (ReplyToReserved).
+	TypeReserved uint16 = 0x7FFF
+
 	ReplyBit uint16 = 0x8000
+	// ReplyToReserved is the record type of the reply to a request of type
+	// TypeReserved.
+	ReplyToReserved uint16 = ReplyBit
 )
+
+// ReplyType is the record type of the reply to a request of type t.
+func ReplyType(t uint16) uint16 {
+	if t == TypeReserved {
+		return ReplyToReserved
+	}
+	return t | ReplyBit
+}
 
 // TypeName names a record type for logs and errors.
 func TypeName(t uint16) string {
@@ -84,13 +104,14 @@ const (
 	ErrCodeShuttingDown  Status = 14
 	ErrCodeBadVersion    Status = 15
 	ErrCodeBadState      Status = 16 // e.g. Load on a lease that is still waiting for budget
+	ErrCodeMismatch      Status = 17 // a region's page size differs from its namespace's block size
 )
 
 var statusNames = [...]string{
 	"ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
 	"unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
 	"copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
-	"bad state",
+	"bad state", "mismatch",
 }
 
 func (s Status) String() string {

@@ -739,16 +739,16 @@ func TestStatusString(t *testing.T) {
 		schema.ErrCodeDuplicate: "duplicate id", schema.ErrCodeCopyFailed: "copy failed",
 		schema.ErrCodeNotPermitted: "not permitted", schema.ErrCodeInternal: "internal error",
 		schema.ErrCodeShuttingDown: "shutting down", schema.ErrCodeBadVersion: "unsupported protocol version",
-		schema.ErrCodeBadState: "bad state",
-		17:                     "status(17)", 0xffffffff: "status(4294967295)",
+		schema.ErrCodeBadState: "bad state", schema.ErrCodeMismatch: "mismatch",
+		18: "status(18)", 0xffffffff: "status(4294967295)",
 	}
 	for s, w := range want {
 		if got := s.String(); got != w {
 			t.Errorf("Status(%d).String() = %q, want %q", uint32(s), got, w)
 		}
 	}
-	// Codes are dense from 0 to 16.
-	for s := schema.OK; s <= schema.ErrCodeBadState; s++ {
+	// Codes are dense from 0 to 17.
+	for s := schema.OK; s <= schema.ErrCodeMismatch; s++ {
 		if strings.HasPrefix(s.String(), "status(") {
 			t.Errorf("status %d has no name", s)
 		}
@@ -787,8 +787,9 @@ func TestTypeName(t *testing.T) {
 }
 
 func TestConstants(t *testing.T) {
-	// Frozen for protocol version 1: a change here is a wire-format change.
-	if schema.Version != 1 || schema.ReplyBit != 0x8000 || schema.ViewSize != 16 {
+	// Frozen for protocol version 2 (version 1 named the rings by path; 2
+	// passes them as file descriptors): a change here is a wire-format change.
+	if schema.Version != 2 || schema.ReplyBit != 0x8000 || schema.ViewSize != 16 {
 		t.Error("version, reply bit or view size changed")
 	}
 	if schema.AttachMagic != 0x54415352 || schema.AttachReplyMagic != 0x4b415352 {
@@ -799,7 +800,13 @@ func TestConstants(t *testing.T) {
 		t.Error("limits changed")
 	}
 	if schema.TypePutHashes != 1 || schema.TypePing != 0x0C || schema.TypeSnapshot != 0x0D || schema.FlagAppend != 1 ||
-		schema.SnapshotFlagDone != 1 {
+		schema.SnapshotFlagDone != 1 || schema.TypeReserved != 0x7FFF || schema.ReplyToReserved != 0x8000 {
 		t.Error("type codes or flags changed")
+	}
+	if schema.ReplyType(schema.TypeLoad) != 0x8008 || schema.ReplyType(schema.TypeReserved) != 0x8000 || schema.ReplyType(0x7FFE) != 0xFFFE {
+		t.Error("reply types changed")
+	}
+	if schema.ErrCodeMismatch != 17 || schema.ErrCodeMismatch.String() != "mismatch" {
+		t.Error("status codes changed")
 	}
 }

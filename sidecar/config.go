@@ -88,6 +88,37 @@ type Config struct {
 	ReplyTimeout time.Duration
 	// HTTP bounds the metrics server's connections (httpserve.go).
 	HTTP HTTPConfig
+
+	// MemoryLimit is the memory the sidecar may use in all (0: its
+	// cgroup's limit, when it has one). With a limit, the Go heap's soft
+	// limit (GOMEMLIMIT, unless set in the environment) and the metadata
+	// and ring bounds below default to shares of what the pool leaves.
+	MemoryLimit int64
+	// MetaBytes bounds the metadata of all clients together (hash batches,
+	// queries, regions, copies in flight, sessions, instances, namespaces,
+	// change logs); RingBytes the shared memory of all sessions' rings and
+	// reply queues. Zero: 30% and 25% of the memory the pool leaves under
+	// MemoryLimit, or 512 MiB and 1 GiB without a limit.
+	MetaBytes int64
+	RingBytes int64
+	// MaxNamespaces bounds namespaces; an idle one is reclaimed when the
+	// bound is reached.
+	MaxNamespaces int
+	// PinShare is the part of the pool one uid, and one session, may pin
+	// under leases; PendingShare the part one uid may hold in incomplete
+	// blocks; UIDShare and SessionShare the parts of MetaBytes (and of
+	// RingBytes and MaxSessions, for a uid) one uid and one session may
+	// hold. Zero: the defaults of sidecar/machine.
+	PinShare     float64
+	PendingShare float64
+	UIDShare     float64
+	SessionShare float64
+	// CopyChunkBytes is the largest piece a copy is split into for fair
+	// scheduling between sessions (default 4 MiB); CopyStall how long a
+	// piece may run before its worker is counted as stalled and another
+	// one takes its turn (default 200 ms).
+	CopyChunkBytes uint64
+	CopyStall      time.Duration
 }
 
 // Defaults.
@@ -163,6 +194,15 @@ func (c *Config) EnsureDefaults() {
 		c.ReplyTimeout = 2 * time.Second
 	}
 	c.HTTP.ensureDefaults()
+	if c.MaxNamespaces == 0 {
+		c.MaxNamespaces = 1024
+	}
+	if c.CopyChunkBytes == 0 {
+		c.CopyChunkBytes = 4 << 20
+	}
+	if c.CopyStall == 0 {
+		c.CopyStall = 200 * time.Millisecond
+	}
 }
 
 // Validate reports every bad setting, each naming its flag.
@@ -222,6 +262,30 @@ func (c *Config) Validate() error {
 		bad("reap-interval", "reap interval and reply timeout must be positive")
 	}
 	errs = append(errs, c.HTTP.validate()...)
+	if c.MemoryLimit < 0 || c.MetaBytes < 0 || c.RingBytes < 0 {
+		bad("limits.memory", "memory limits must not be negative")
+	}
+	if c.MetaBytes != 0 && c.MetaBytes < 1<<20 {
+		bad("limits.metadata-bytes", "%d must be at least 1 MiB", c.MetaBytes)
+	}
+	if c.RingBytes != 0 && c.RingBytes < 1<<20 {
+		bad("limits.ring-bytes", "%d must be at least 1 MiB", c.RingBytes)
+	}
+	if c.MaxNamespaces < 1 || c.MaxNamespaces > 65535 {
+		bad("limits.namespaces", "%d outside [1, 65535]", c.MaxNamespaces)
+	}
+	for flag, v := range map[string]float64{"limits.pin-share": c.PinShare, "limits.pending-share": c.PendingShare,
+		"limits.uid-share": c.UIDShare, "limits.session-share": c.SessionShare} {
+		if v < 0 || v > 1 {
+			bad(flag, "%v must be in (0, 1] (0: default)", v)
+		}
+	}
+	if c.CopyChunkBytes < 4096 {
+		bad("copy.chunk-bytes", "%d must be at least 4 KiB", c.CopyChunkBytes)
+	}
+	if c.CopyStall <= 0 {
+		bad("copy.stall", "%v must be positive", c.CopyStall)
+	}
 	return errors.Join(errs...)
 }
 

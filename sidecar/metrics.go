@@ -1,22 +1,27 @@
 package sidecar
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"net"
 	"net/http"
+	"sort"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
-// metrics are the sidecar's Prometheus series. Pool and cache figures are
-// read from the cache when scraped; request counters are kept as they
-// happen.
+// metrics are the sidecar's Prometheus series. Pool, cache and machine
+// figures are read when scraped (under the server's lock, briefly);
+// request counters are kept as they happen.
 type metrics struct {
 	reg          *prometheus.Registry
 	requests     *prometheus.CounterVec
@@ -27,16 +32,23 @@ type metrics struct {
 	attaches     prometheus.Counter
 	detaches     prometheus.Counter
 	attachErrors prometheus.Counter
-	expired      prometheus.Counter
+	dropped      prometheus.Counter
 	acceptErrors prometheus.Counter
 	srv          *http.Server
 	http         HTTPConfig
+
+	// Request and status labels come from a fixed set: a client that sends
+	// random record types must not grow the registry (one series each).
+	reqByType [256]prometheus.Counter
+	reqOther  prometheus.Counter
+	errByCode [32]prometheus.Counter
+	errOther  prometheus.Counter
 }
 
 func newMetrics(s *Server) *metrics {
 	m := &metrics{reg: prometheus.NewRegistry(), http: s.cfg.HTTP}
 	f := func(c prometheus.Collector) { m.reg.MustRegister(c) }
-	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_requests_total", Help: "Ring records served, by type."}, []string{"type"})
+	m.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_requests_total", Help: "Ring records served, by type (unknown types as \"unknown\")."}, []string{"type"})
 	m.errors = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_errors_total", Help: "Error replies, by status."}, []string{"status"})
 	m.copyBytes = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_copy_bytes_total", Help: "Bytes moved by the copy engine, by direction."}, []string{"direction"})
 	m.copySeconds = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_copy_seconds_total", Help: "Time spent copying, by direction."}, []string{"direction"})
@@ -44,50 +56,104 @@ func newMetrics(s *Server) *metrics {
 	m.attaches = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attaches_total", Help: "Sessions attached."})
 	m.detaches = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_detaches_total", Help: "Sessions ended (clean or not)."})
 	m.attachErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attach_errors_total", Help: "Attach requests refused."})
-	m.expired = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_leases_expired_total", Help: "Leases whose deadline passed (their queries resolved as misses)."})
+	m.dropped = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_sessions_dropped_total", Help: "Sessions dropped because their completion ring stayed full (the client stopped reading)."})
 	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_accept_errors_total", Help: "Failed accepts on the attach socket (EMFILE and the like); each is retried after a backoff of 5 ms to 1 s."})
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.expired, m.acceptErrors} {
+	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.dropped, m.acceptErrors} {
 		f(c)
 	}
-	f(collectors.NewGoCollector())
-	f(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	stat := func(get func(st *cache.Stats, s *Server) float64) func() float64 {
-		return func() float64 {
-			s.mu.Lock()
-			st := s.cache.Stats()
-			v := get(&st, s)
-			s.mu.Unlock()
-			return v
+	for t := uint16(1); t < 256; t++ {
+		if n := schema.TypeName(t); !strings.HasPrefix(n, "type(") {
+			m.reqByType[t] = m.requests.WithLabelValues(n)
 		}
 	}
-	gauge := func(name, help string, get func(st *cache.Stats, s *Server) float64) {
-		f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, stat(get)))
+	m.reqOther = m.requests.WithLabelValues("unknown")
+	for c := schema.Status(1); int(c) < len(m.errByCode); c++ {
+		if n := c.String(); !strings.HasPrefix(n, "status(") {
+			m.errByCode[c] = m.errors.WithLabelValues(n)
+		}
 	}
-	counter := func(name, help string, get func(st *cache.Stats, s *Server) float64) {
-		f(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, stat(get)))
+	m.errOther = m.errors.WithLabelValues("unknown")
+	f(collectors.NewGoCollector())
+	f(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	type view struct {
+		st cache.Stats
+		u  machine.Usage
+		c  machine.Counters
+	}
+	read := func() view {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return view{st: s.m.Cache().Stats(), u: s.m.Usage(), c: s.m.Counters()}
+	}
+	gauge := func(name, help string, get func(v *view) float64) {
+		f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { v := read(); return get(&v) }))
+	}
+	counter := func(name, help string, get func(v *view) float64) {
+		f(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { v := read(); return get(&v) }))
 	}
 	slot := float64(s.cfg.SlotBytes)
-	gauge("ringside_pool_slots", "Pool capacity in slots.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Capacity) })
-	gauge("ringside_pool_slots_free", "Free pool slots.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Free) })
-	gauge("ringside_pool_bytes_used", "Bytes of pool slots in use.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Used) * slot })
-	gauge("ringside_blocks", "Present blocks.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Blocks) })
-	gauge("ringside_blocks_pinned", "Present blocks under a lease.", func(st *cache.Stats, _ *Server) float64 { return float64(st.PinnedBlocks) })
-	gauge("ringside_leases", "Live leases.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Leases) })
-	gauge("ringside_queries_waiting", "Queries admitted but waiting for load budget.", func(_ *cache.Stats, s *Server) float64 {
-		n := 0
-		for _, in := range s.instances {
-			n += len(in.waiting)
+	gauge("ringside_pool_slots", "Pool capacity in slots.", func(v *view) float64 { return float64(v.st.Capacity) })
+	gauge("ringside_pool_slots_free", "Free pool slots.", func(v *view) float64 { return float64(v.st.Free) })
+	gauge("ringside_pool_bytes_used", "Bytes of pool slots in use.", func(v *view) float64 { return float64(v.st.Used) * slot })
+	gauge("ringside_blocks", "Present blocks.", func(v *view) float64 { return float64(v.st.Blocks) })
+	gauge("ringside_blocks_pinned", "Present blocks under a lease or a load.", func(v *view) float64 { return float64(v.st.PinnedBlocks) })
+	gauge("ringside_blocks_doomed", "Blocks dropped while a store copy still ran, waiting for it to end.", func(v *view) float64 { return float64(v.st.DoomedBlocks) })
+	gauge("ringside_leases", "Live leases.", func(v *view) float64 { return float64(v.st.Leases) })
+	gauge("ringside_queries_waiting", "Queries admitted but waiting for load budget.", func(v *view) float64 { return float64(v.u.Waiting) })
+	gauge("ringside_sessions", "Attached sessions.", func(v *view) float64 { return float64(v.u.Sessions) })
+	gauge("ringside_namespaces", "Live namespaces.", func(v *view) float64 { return float64(v.u.Namespaces) })
+	gauge("ringside_copies_in_flight", "Copies submitted and not yet ended.", func(v *view) float64 { return float64(v.u.Copies) })
+	gauge("ringside_metadata_bytes", "Metadata held by clients (batches, queries, regions, copies, sessions, namespaces, change logs).", func(v *view) float64 { return float64(v.u.MetaBytes) })
+	gauge("ringside_metadata_limit_bytes", "The bound on ringside_metadata_bytes (--limits.metadata-bytes).", func(v *view) float64 { return float64(v.u.MetaLimit) })
+	gauge("ringside_ring_bytes", "Shared memory of the sessions' rings and reply queues.", func(v *view) float64 { return float64(v.u.RingBytes) })
+	counter("ringside_lookups_total", "Lookup calls.", func(v *view) float64 { return float64(v.st.Lookups) })
+	counter("ringside_lookup_blocks_total", "Blocks asked by lookups.", func(v *view) float64 { return float64(v.st.LookupBlocks) })
+	counter("ringside_hit_blocks_total", "Leading blocks found by lookups.", func(v *view) float64 { return float64(v.st.HitBlocks) })
+	counter("ringside_stores_total", "Blocks that became present.", func(v *view) float64 { return float64(v.st.Stores) })
+	counter("ringside_evictions_total", "Blocks evicted for space.", func(v *view) float64 { return float64(v.st.Evictions) })
+	counter("ringside_store_no_space_total", "Stores refused because nothing was evictable.", func(v *view) float64 { return float64(v.st.NoSpace) })
+	counter("ringside_leases_expired_total", "Leases whose deadline passed (their queries resolved as misses).", func(v *view) float64 { return float64(v.c.ExpiredLeases) })
+	counter("ringside_quota_refusals_total", "Requests refused, or leases shortened, by a quota (any limit).", func(v *view) float64 {
+		n := uint64(0)
+		for _, c := range v.c.QuotaRefusals {
+			n += c
 		}
 		return float64(n)
 	})
-	gauge("ringside_sessions", "Attached sessions.", func(_ *cache.Stats, s *Server) float64 { return float64(len(s.sessions)) })
-	counter("ringside_lookups_total", "Lookup calls.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Lookups) })
-	counter("ringside_lookup_blocks_total", "Blocks asked by lookups.", func(st *cache.Stats, _ *Server) float64 { return float64(st.LookupBlocks) })
-	counter("ringside_hit_blocks_total", "Leading blocks found by lookups.", func(st *cache.Stats, _ *Server) float64 { return float64(st.HitBlocks) })
-	counter("ringside_stores_total", "Blocks that became present.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Stores) })
-	counter("ringside_evictions_total", "Blocks evicted for space.", func(st *cache.Stats, _ *Server) float64 { return float64(st.Evictions) })
-	counter("ringside_store_no_space_total", "Stores refused because nothing was evictable.", func(st *cache.Stats, _ *Server) float64 { return float64(st.NoSpace) })
+	counter("ringside_namespaces_reclaimed_total", "Idle namespaces dropped to make room for a new one.", func(v *view) float64 { return float64(v.c.NamespacesReclaimed) })
+	counter("ringside_store_doomed_total", "Store copies that ended after their block's write deadline: discarded.", func(v *view) float64 { return float64(v.c.DoomedWrites) })
+	counter("ringside_store_exited_total", "Stores discarded because their process exited during the copy.", func(v *view) float64 { return float64(v.c.DiscardedExitedStores) })
+	gauge("ringside_copy_chunks_stalled", "Copy chunks running longer than --copy.stall.", func(*view) float64 {
+		_, st, _ := s.sched.stats()
+		return float64(st)
+	})
+	gauge("ringside_copy_chunks_queued", "Copy chunks waiting for a worker.", func(*view) float64 {
+		_, _, q := s.sched.stats()
+		return float64(q)
+	})
 	return m
+}
+
+// request counts one request by type.
+func (m *metrics) request(t uint16) {
+	if int(t) < len(m.reqByType) && m.reqByType[t] != nil {
+		m.reqByType[t].Inc()
+		return
+	}
+	m.reqOther.Inc()
+}
+
+// status counts an error reply by the status at the start of its payload.
+func (m *metrics) status(payload []byte) {
+	st := schema.Status(binary.LittleEndian.Uint32(payload))
+	if st == schema.OK {
+		return
+	}
+	if int(st) < len(m.errByCode) && m.errByCode[st] != nil {
+		m.errByCode[st].Inc()
+		return
+	}
+	m.errOther.Inc()
 }
 
 func (m *metrics) copied(dir gpu.Direction, r gpu.Result) {
@@ -107,6 +173,7 @@ type State struct {
 	Ready     bool           `json:"ready"`
 	SlotBytes uint64         `json:"slot_bytes"`
 	Pool      cache.Stats    `json:"pool"`
+	Usage     machine.Usage  `json:"usage"`
 	Sessions  []SessionState `json:"sessions"`
 }
 
@@ -117,36 +184,45 @@ type SessionState struct {
 	Role           uint16 `json:"role"`
 	Rank           int    `json:"rank"`
 	PID            int    `json:"pid"`
+	UID            uint32 `json:"uid"`
 	SubmissionRing string `json:"submission_ring"`
 	CompletionRing string `json:"completion_ring"`
 	SubmissionUsed uint64 `json:"submission_used_bytes"`
 	CompletionUsed uint64 `json:"completion_used_bytes"`
+	RepliesQueued  int    `json:"replies_queued"`
 	Regions        int    `json:"regions"`
+	Leases         int    `json:"leases"`
+	MetaBytes      int64  `json:"metadata_bytes"`
+	PinnedSlots    int    `json:"pinned_slots"`
 }
 
 // State returns a snapshot of the sidecar's live state.
 func (s *Server) State() State {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.SlotBytes, Pool: s.cache.Stats()}
-	for _, ss := range s.sessions {
-		var t1, h1, t2, h2 uint64
-		faultSafe(func() { // a truncated ring must not crash the endpoint
-			t1, h1 = ss.sub.Positions()
-			t2, h2 = ss.cmp.Positions()
-		})
-		name := ss.inst.name
-		for i := range name {
-			if name[i] == 0 {
-				name = name[:i]
-				break
+	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.SlotBytes,
+		Pool: s.m.Cache().Stats(), Usage: s.m.Usage()}
+	infos := s.m.Sessions()
+	s.mu.Unlock()
+	sort.Slice(infos, func(i, j int) bool { return infos[i].ID < infos[j].ID })
+	for _, in := range infos {
+		ss := s.session(in.ID)
+		e := SessionState{ID: uint64(in.ID), Instance: in.Instance, Role: in.Role, Rank: in.Rank, PID: in.PID, UID: in.UID,
+			Regions: in.Regions, Leases: in.Leases, MetaBytes: in.Meta, PinnedSlots: in.Pins}
+		if ss != nil {
+			ss.lifeMu.Lock()
+			if !ss.unmapped {
+				var t1, h1, t2, h2 uint64
+				faultSafe(func() { // a truncated ring must not crash the endpoint
+					t1, h1 = ss.sub.Positions()
+					t2, h2 = ss.cmp.Positions()
+				})
+				e.SubmissionUsed, e.CompletionUsed = t1-h1, t2-h2
 			}
+			ss.lifeMu.Unlock()
+			e.SubmissionRing, e.CompletionRing = ss.sub.Path(), ss.cmp.Path()
+			e.RepliesQueued = ss.ob.pending()
 		}
-		st.Sessions = append(st.Sessions, SessionState{
-			ID: ss.id, Instance: name, Role: ss.role, Rank: ss.rank, PID: ss.cred.PID,
-			SubmissionRing: ss.sub.Path(), CompletionRing: ss.cmp.Path(),
-			SubmissionUsed: t1 - h1, CompletionUsed: t2 - h2, Regions: len(ss.regions),
-		})
+		st.Sessions = append(st.Sessions, e)
 	}
 	return st
 }

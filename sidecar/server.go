@@ -2,13 +2,12 @@ package sidecar
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,11 +18,16 @@ import (
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/ring"
-	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
-// Server is a running sidecar.
+// Server is a running sidecar: the I/O around the protocol state machine
+// (sidecar/machine). It accepts sessions, runs one goroutine per session
+// that reads its submission ring and calls the machine, and carries out
+// what the machine returns: replies into completion rings (outbox.go, which
+// never waits for a client), copies on the copy engine (copysched.go, fair
+// between sessions), region registrations.
 type Server struct {
 	cfg   Config
 	log   zerolog.Logger
@@ -31,55 +35,30 @@ type Server struct {
 
 	pool   *shm.Mapping
 	copier gpu.Engine
+	sched  *scheduler
+	exits  *sys.ExitWatcher
 	ln     *net.UnixListener
 	met    *metrics
 	// dirLock keeps a second sidecar off Dir (dirlock.go).
 	dirLock *sys.FileLock
 
-	// mu guards everything below: the cache, the budget, instances,
-	// queries and the session table. Handlers hold it only for bookkeeping,
-	// never across a copy or a ring wait.
-	mu        sync.Mutex
-	cache     *cache.Cache
-	budget    *cache.Budget
-	instances map[string]*instance
-	queries   map[uint64]*query
-	sessions  map[uint64]*session
-	nextSess  uint64
-	nextInst  uint64
-	reaped    []uint64
+	// mu guards m. It is held for one call of the machine and nothing
+	// else: never across a ring write or wait, a reply, a copy or a
+	// registration with the copy engine.
+	mu sync.Mutex
+	m  *machine.Machine
+
+	smu      sync.RWMutex // guards sessions
+	sessions map[machine.SessionID]*session
+
+	outs sync.Pool // *machine.Output for copy completions and the reaper
 
 	ready    atomic.Bool
 	draining atomic.Bool
 	wg       sync.WaitGroup
+	bg       sync.WaitGroup // unregistrations in the background
 	stop     chan struct{}
 	stopOnce sync.Once
-}
-
-// instance is one engine instance: all the sessions (scheduler and ranks)
-// that attached with the same instance id and namespace.
-type instance struct {
-	name      string
-	id        cache.SessionID // budget owner
-	ns        cache.NamespaceID
-	width     int
-	world     int
-	sessions  int
-	batches   map[uint64][]byte
-	hashBytes int      // digest bytes held by batches
-	waiting   []*query // FIFO of queries over budget
-}
-
-// query is a lease as the protocol sees it: its state and its budget.
-type query struct {
-	lease    uint64
-	inst     *instance
-	owner    *session
-	state    schema.State
-	blocks   int
-	bytes    int64
-	budgeted bool
-	loading  int
 }
 
 // New creates the pool, the copy engine and the socket. Call Serve to run.
@@ -114,25 +93,22 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 			return nil, fmt.Errorf("--pool.bytes: %s has only %d bytes free, not enough for 16 slots of %d bytes", cfg.Dir, free, cfg.SlotBytes)
 		}
 	}
-	s := &Server{
-		cfg: cfg, log: log, epoch: ring.RandomEpoch(),
-		instances: map[string]*instance{}, queries: map[uint64]*query{}, sessions: map[uint64]*session{},
-		stop: make(chan struct{}), dirLock: lock,
-	}
 	if ferr == nil && free < cfg.PoolBytes {
 		return nil, fmt.Errorf("--pool.bytes: %s has %d bytes free, the pool needs %d: lower --pool.bytes or raise the size of the shared-memory mount (the emptyDir sizeLimit in Kubernetes)", cfg.Dir, free, cfg.PoolBytes)
 	}
+	s := &Server{
+		cfg: cfg, log: log, epoch: ring.RandomEpoch(),
+		sessions: map[machine.SessionID]*session{}, stop: make(chan struct{}), dirLock: lock,
+	}
+	s.outs.New = func() any { return new(machine.Output) }
 	slots := cfg.PoolBytes / cfg.SlotBytes
-	c, err := cache.New(cache.Config{Capacity: int(slots), DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout, Epoch: s.epoch})
-	if err != nil {
+	if err := s.memoryBudget(slots * cfg.SlotBytes); err != nil {
 		return nil, err
 	}
-	s.cache = c
-	s.budget = cache.NewBudget(cfg.Budget)
-	if cfg.PrefillBlocks > 0 {
-		if err := s.prefill(cfg.PrefillBlocks); err != nil {
-			return nil, err
-		}
+	c, err := cache.New(cache.Config{Capacity: int(slots), DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
+		Epoch: s.epoch, MaxLogBytes: cfg.MetaBytes / 4})
+	if err != nil {
+		return nil, err
 	}
 	// Rings left behind by an earlier sidecar that crashed are removed
 	// (their epoch is not ours, and nobody may trust them).
@@ -147,6 +123,9 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("pool: %w", err)
 	}
+	// Nobody else may open the pool: it is reached only through the
+	// sidecar's copies. Its name goes as soon as it is mapped.
+	shm.Unlink(poolPath)
 	if cfg.PoolReserve {
 		t0 := time.Now()
 		switch err := s.pool.Reserve(); {
@@ -154,16 +133,45 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 			log.Warn().Str("dir", cfg.Dir).Msg("--pool.reserve: this file system cannot reserve the pool's pages ahead; the pool stays sparse")
 		case err != nil:
 			s.pool.Close()
-			shm.Unlink(poolPath)
 			return nil, fmt.Errorf("--pool.reserve: %w: the pool (%d bytes) does not fit; lower --pool.bytes or raise the shared-memory mount's size and the sidecar's memory limit", err, slots*cfg.SlotBytes)
 		default:
 			log.Info().Uint64("pool_bytes", slots*cfg.SlotBytes).Dur("took", time.Since(t0)).Msg("pool reserved")
 		}
 	}
-	s.copier, err = newCopier(cfg, s.pool.Bytes(), log)
+	maxWorkers := cfg.CopyWorkers * 8
+	s.copier, err = newCopier(cfg, s.pool.Bytes(), maxWorkers, log)
 	if err != nil {
 		s.pool.Close()
 		return nil, err
+	}
+	mcfg := machine.Config{
+		SlotBytes: cfg.SlotBytes, Budget: cfg.Budget, LeaseTTL: cfg.LeaseTTL, MaxLeaseTTL: cfg.MaxLeaseTTL,
+		CUDAIPC: gpu.Supports(s.copier, gpu.CUDAIPC), SnapshotScan: cfg.SnapshotScan,
+		MaxBatches: cfg.MaxBatches, MaxBatchHashes: cfg.MaxBatchHashes, MaxHashBytes: cfg.MaxHashBytes,
+		MaxLeases: cfg.MaxLeases, MetaBytes: cfg.MetaBytes, RingBytes: cfg.RingBytes, MaxSessions: cfg.MaxSessions,
+		MaxNamespaces: cfg.MaxNamespaces, PinShare: cfg.PinShare, PendingShare: cfg.PendingShare,
+		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare,
+	}
+	if invariantsEnabled {
+		pool, sb := s.pool.Bytes(), cfg.SlotBytes
+		mcfg.PoisonSlot = func(slot uint32) { poison(pool[uint64(slot)*sb : uint64(slot+1)*sb]) }
+	}
+	s.m, err = machine.New(mcfg, c)
+	if err != nil {
+		s.closeResources()
+		return nil, err
+	}
+	if cfg.PrefillBlocks > 0 {
+		t0 := time.Now()
+		if err := s.m.Prefill(cfg.PrefillBlocks, s.epoch); err != nil {
+			s.closeResources()
+			return nil, fmt.Errorf("--debug.prefill-blocks: %w", err)
+		}
+		log.Info().Int("blocks", cfg.PrefillBlocks).Dur("took", time.Since(t0)).Msg("prefilled the index with synthetic blocks")
+	}
+	s.sched = newScheduler(s.copier, cfg.CopyWorkers, maxWorkers, cfg.CopyChunkBytes, cfg.CopyStall)
+	if s.exits, err = sys.NewExitWatcher(); err != nil {
+		log.Warn().Err(err).Msg("cannot watch client processes with pidfds: a session then ends only when its socket closes")
 	}
 	if err := shm.Unlink(cfg.Socket); err != nil {
 		s.closeResources()
@@ -179,16 +187,56 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	s.met = newMetrics(s)
 	log.Info().Str("dir", cfg.Dir).Str("socket", cfg.Socket).Uint64("pool_bytes", slots*cfg.SlotBytes).
 		Uint64("slot_bytes", cfg.SlotBytes).Uint64("slots", slots).Str("copy_backend", s.copier.Name()).
-		Float64("index_bytes_per_slot", c.BytesPerBlock()).Msg("sidecar ready")
+		Float64("index_bytes_per_slot", c.BytesPerBlock()).Int64("metadata_limit", s.cfg.MetaBytes).
+		Int64("ring_limit", s.cfg.RingBytes).Msg("sidecar ready")
 	return s, nil
+}
+
+// memoryBudget derives the metadata and ring bounds, and the Go heap's soft
+// limit, from the memory the sidecar may use.
+func (s *Server) memoryBudget(pool uint64) error {
+	limit, from := s.cfg.MemoryLimit, "--limits.memory"
+	if limit == 0 {
+		if v, file, ok := sys.MemoryLimit(); ok {
+			limit, from = v, file
+		}
+	}
+	if limit == 0 {
+		if s.cfg.MetaBytes == 0 {
+			s.cfg.MetaBytes = machine.DefaultMetaBytes
+		}
+		if s.cfg.RingBytes == 0 {
+			s.cfg.RingBytes = machine.DefaultRingBytes
+		}
+		return nil
+	}
+	left := limit - int64(pool)
+	if left < 64<<20 {
+		return fmt.Errorf("memory limit %d bytes (%s) leaves %d bytes beside the %d-byte pool: at least 64 MiB are needed (raise the limit or lower --pool.bytes)", limit, from, left, pool)
+	}
+	if s.cfg.MetaBytes == 0 {
+		s.cfg.MetaBytes = left * 3 / 10
+	}
+	if s.cfg.RingBytes == 0 {
+		s.cfg.RingBytes = left / 4
+	}
+	heap := left * 7 / 10
+	if os.Getenv("GOMEMLIMIT") == "" {
+		debug.SetMemoryLimit(heap)
+	}
+	s.log.Info().Int64("memory_limit", limit).Str("from", from).Int64("heap_soft_limit", heap).
+		Int64("metadata_limit", s.cfg.MetaBytes).Int64("ring_limit", s.cfg.RingBytes).Msg("memory budget")
+	return nil
 }
 
 // newCopier builds the copy engine: "host" is the host backend alone;
 // "auto" and "cuda" route CUDA IPC regions to the CUDA backend and host
 // regions to the host backend. "auto" falls back to the host backend alone
-// (and says why) when CUDA cannot run; "cuda" fails instead.
-func newCopier(cfg Config, pool []byte, log zerolog.Logger) (gpu.Engine, error) {
-	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: cfg.CopyWorkers})
+// (and says why) when CUDA cannot run; "cuda" fails instead. workers is
+// the most copies the engine must be able to run at once (the scheduler
+// keeps to cfg.CopyWorkers unless some are stalled).
+func newCopier(cfg Config, pool []byte, workers int, log zerolog.Logger) (gpu.Engine, error) {
+	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers})
 	if err != nil || cfg.CopyBackend == "host" {
 		return host, err
 	}
@@ -214,33 +262,6 @@ func newCopier(cfg Config, pool []byte, log zerolog.Logger) (gpu.Engine, error) 
 			Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")
 	}
 	return gpu.NewRouter(c, host), nil
-}
-
-// prefill stores n synthetic blocks (random digests, no bytes) in a private
-// namespace that no engine can attach to with the same key.
-func (s *Server) prefill(n int) error {
-	if n > s.cache.Capacity() {
-		return fmt.Errorf("--debug.prefill-blocks: %d blocks do not fit in %d slots", n, s.cache.Capacity())
-	}
-	ns, err := s.cache.AddNamespace(cache.NamespaceKey{Model: "\x00ringside-prefill", Layout: 1, DigestWidth: 32, WorldSize: 1})
-	if err != nil {
-		return err
-	}
-	var d [32]byte
-	binary.LittleEndian.PutUint64(d[24:], s.epoch)
-	t0 := time.Now()
-	for i := 0; i < n; i++ {
-		binary.LittleEndian.PutUint64(d[:8], uint64(i))
-		t, st, err := s.cache.BeginStore(ns, 0, d[:], 0, 0)
-		if err != nil || st != cache.Allocated {
-			return fmt.Errorf("prefill block %d: %v %v", i, st, err)
-		}
-		if err := s.cache.CommitStore(t); err != nil {
-			return err
-		}
-	}
-	s.log.Info().Int("blocks", n).Dur("took", time.Since(t0)).Msg("prefilled the index with synthetic blocks")
-	return nil
 }
 
 func (s *Server) removeStaleRings() {
@@ -297,10 +318,11 @@ func (s *Server) Serve(ctx context.Context) error {
 			continue
 		}
 		delay = 0
+		accepted := time.Now()
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.attach(conn)
+			s.attach(conn, accepted)
 		}()
 	}
 	s.Shutdown()
@@ -325,20 +347,26 @@ func (s *Server) Shutdown() {
 		s.ready.Store(false)
 		close(s.stop)
 		s.ln.Close()
-		s.mu.Lock()
+		s.smu.RLock()
 		for _, ss := range s.sessions {
-			ss.shutdown()
+			ss.shutdown("the sidecar is shutting down")
 		}
-		s.mu.Unlock()
+		s.smu.RUnlock()
 	})
 }
 
 func (s *Server) closeResources() {
+	if s.sched != nil {
+		s.sched.close()
+	}
+	s.bg.Wait()
 	if s.copier != nil {
 		s.copier.Close()
 	}
+	if s.exits != nil {
+		s.exits.Close()
+	}
 	if s.pool != nil {
-		shm.Unlink(s.pool.Path())
 		s.pool.Close()
 	}
 	shm.Unlink(s.cfg.Socket)
@@ -350,6 +378,7 @@ func (s *Server) reaper() {
 	defer s.wg.Done()
 	t := time.NewTicker(s.cfg.ReapInterval)
 	defer t.Stop()
+	out := new(machine.Output)
 	for {
 		select {
 		case <-s.stop:
@@ -357,90 +386,83 @@ func (s *Server) reaper() {
 		case <-t.C:
 		}
 		s.mu.Lock()
-		var r cache.ReapResult
-		r, s.reaped = s.cache.ReapLeases(monotonic(), s.reaped[:0])
-		for _, id := range s.reaped {
-			if q := s.queries[id]; q != nil {
-				s.expireLocked(q)
-			}
-		}
+		r := s.m.Tick(monotonic(), out)
 		s.mu.Unlock()
+		s.apply(out)
 		if r.Leases+r.Writes > 0 {
 			s.log.Debug().Int("leases", r.Leases).Int("writes", r.Writes).Int("blocks", r.Blocks).Msg("reaped")
 		}
 	}
 }
 
-// expireLocked resolves a query whose lease the cache reclaimed: it becomes a
-// miss (the engine recomputes) and gives back its budget.
-func (s *Server) expireLocked(q *query) {
-	s.unbudgetLocked(q)
-	q.state = schema.StateMiss
-	s.met.expired.Inc()
+func (s *Server) session(id machine.SessionID) *session {
+	s.smu.RLock()
+	defer s.smu.RUnlock()
+	return s.sessions[id]
 }
 
-// unbudgetLocked gives back a query's budget (or removes it from the wait
-// queue) and admits waiting queries that now fit, oldest first.
-func (s *Server) unbudgetLocked(q *query) {
-	in := q.inst
-	if q.budgeted {
-		q.budgeted = false
-		s.budget.Done(in.id, q.bytes)
-	} else if q.state == schema.StateWaiting {
-		for i, w := range in.waiting {
-			if w == q {
-				in.waiting = append(in.waiting[:i], in.waiting[i+1:]...)
-				break
+// apply carries out what the machine asked for: replies, copies,
+// registrations and unregistrations. It holds no lock of the Server's.
+func (s *Server) apply(out *machine.Output) {
+	var last *session
+	for _, r := range out.Replies {
+		if last == nil || last.id != r.Session {
+			last = s.session(r.Session)
+		}
+		if len(r.Payload) >= 4 {
+			s.met.status(r.Payload)
+		}
+		if last != nil {
+			last.ob.send(r.Type, r.Seq, r.Payload)
+		}
+	}
+	for i := range out.Copies {
+		s.submitCopy(out.Copies[i])
+	}
+	for _, h := range out.Unregister {
+		s.bg.Add(1)
+		go func() {
+			defer s.bg.Done()
+			s.copier.Unregister(h) // waits for the region's copies
+		}()
+	}
+	for _, rg := range out.Registers {
+		h, err := s.copier.Register(rg.Region)
+		if err == nil {
+			if ss := s.session(rg.Session); ss != nil && rg.Region.Kind == gpu.HostProcess {
+				ss.probeAt.CompareAndSwap(0, rg.Region.Base)
 			}
 		}
-	}
-	for len(in.waiting) > 0 {
-		w := in.waiting[0]
-		if !s.budget.Admit(in.id, w.bytes) {
-			break
-		}
-		w.budgeted = true
-		w.state = schema.StateReady
-		in.waiting = in.waiting[1:]
+		o := s.outs.Get().(*machine.Output)
+		s.mu.Lock()
+		s.m.RegisterDone(monotonic(), rg.Session, rg.ID, h, err, o)
+		s.mu.Unlock()
+		s.apply(o)
+		s.outs.Put(o)
 	}
 }
 
-// instanceLocked finds or creates the instance for an attach request.
-func (s *Server) instanceLocked(req *schema.AttachRequest) (*instance, error) {
-	key := cache.NamespaceKey{
-		Model: req.Model, Layout: fingerprint(req.Layout), TenantSalt: fingerprint(req.Salt),
-		DigestWidth: int(req.DigestWidth), WorldSize: int(req.WorldSize),
+// submitCopy hands a copy to the scheduler; its completion goes back to
+// the machine.
+func (s *Server) submitCopy(c machine.Copy) {
+	alive := func() bool { return false } // the session ended: its stores are not kept
+	if ss := s.session(c.Session); ss != nil {
+		alive = ss.alive
 	}
-	name := req.Instance + "\x00" + req.Model + "\x00" + req.Layout + "\x00" + req.Salt
-	if in, ok := s.instances[name]; ok {
-		if in.width != int(req.DigestWidth) || in.world != int(req.WorldSize) {
-			return nil, schema.Errorf(schema.ErrCodeNotPermitted, "instance %q attached before with digest width %d and world size %d", req.Instance, in.width, in.world)
-		}
-		return in, nil
-	}
-	ns, err := s.cache.AddNamespace(key)
-	if err != nil {
-		return nil, schema.Errorf(schema.ErrCodeTooLarge, "namespace: %v", err)
-	}
-	s.nextInst++
-	in := &instance{name: name, id: cache.SessionID(s.nextInst), ns: ns, width: int(req.DigestWidth), world: int(req.WorldSize), batches: map[uint64][]byte{}}
-	s.instances[name] = in
-	return in, nil
-}
-
-// fingerprint reduces a namespace string to the cache's 64-bit key part.
-// Namespaces are separated by the full model string plus these 64-bit
-// fingerprints; block hits always compare full digests.
-func fingerprint(s string) uint64 {
-	if s == "" {
-		return 0
-	}
-	h := sha256.Sum256([]byte(s))
-	return binary.LittleEndian.Uint64(h[:8])
+	op := gpu.Op{Dir: c.Dir, Region: c.Region, Pages: c.Pages, PoolOffsets: c.PoolOffsets}
+	s.sched.submit(uint64(c.Session), op, c.PageBytes, alive, func(res gpu.Result, exited bool) {
+		s.met.copied(c.Dir, res)
+		o := s.outs.Get().(*machine.Output)
+		s.mu.Lock()
+		s.m.CopyDone(monotonic(), c.ID, machine.CopyResult{Err: res.Err, Exited: exited, Bytes: res.Bytes}, o)
+		s.mu.Unlock()
+		s.apply(o)
+		s.outs.Put(o)
+	})
 }
 
 var monoBase = time.Now()
 
-// monotonic is the cache's clock: nanoseconds on the monotonic clock, so
+// monotonic is the machine's clock: nanoseconds on the monotonic clock, so
 // that a wall-clock jump never expires or extends a lease.
 func monotonic() int64 { return int64(time.Since(monoBase)) }

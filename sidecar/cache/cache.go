@@ -45,7 +45,6 @@ var (
 	ErrBadNamespaceKey  = errors.New("cache: invalid namespace key")
 	ErrTooManyPins      = errors.New("cache: pin count overflow")
 	ErrBadConfig        = errors.New("cache: invalid config")
-	ErrBudget           = errors.New("cache: budget accounting error")
 	ErrNamespaceInUse   = errors.New("cache: namespace still holds blocks")
 	ErrDoomed           = errors.New("cache: the block's write deadline passed during the copy: the block was dropped")
 	ErrUnknownLoad      = errors.New("cache: unknown load")
@@ -218,7 +217,13 @@ type Cache struct {
 
 	scratch []uint32
 	st      counters
+	onFree  func(slot uint32)
 }
+
+// OnFree sets a function called with every slot the cache frees, as it
+// frees it (nil: none). The sidecar's invariants builds poison freed
+// slots this way.
+func (c *Cache) OnFree(f func(slot uint32)) { c.onFree = f }
 
 type counters struct {
 	lookups, lookupBlocks, hitBlocks   uint64

@@ -7,8 +7,8 @@
 // pure Go: no unsafe, no syscalls, no I/O, no clock and no randomness.
 // Time is a caller-supplied monotonic nanosecond value (now int64).
 //
-// A Cache is NOT safe for concurrent use; the sidecar serialises every
-// call with one mutex. Budget is likewise not safe for concurrent use.
+// A Cache is NOT safe for concurrent use; the sidecar's protocol state
+// machine (sidecar/machine) owns it, under the sidecar's one mutex.
 //
 // # Namespaces and keys
 //
@@ -131,12 +131,6 @@
 // time: all pages, followed by the log from the first page's cursor,
 // rebuild the namespace exactly. ChangesSince costs O(changes);
 // Snapshot and Clear cost O(capacity), a SnapshotPage O(slots scanned).
-//
-// # Admission
-//
-// Budget limits bytes being loaded per owner (default 64 MiB). A query
-// larger than the whole budget is admitted when the owner has nothing
-// else in flight, otherwise it could never run.
 //
 // # Accounting
 //

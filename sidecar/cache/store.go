@@ -352,6 +352,9 @@ func (c *Cache) freeGroup(head uint32) {
 		c.next[s] = c.freeHead
 		c.freeHead = s
 		c.nFree++
+		if c.onFree != nil {
+			c.onFree(s)
+		}
 		if nx == head {
 			break
 		}

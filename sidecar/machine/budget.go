@@ -1,6 +1,15 @@
-package cache
+package machine
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrBudget reports a Done that returns more than was admitted.
+var ErrBudget = errors.New("machine: budget accounting error")
+
+// OwnerID names who a Budget charges: the sidecar charges engine instances.
+type OwnerID uint64
 
 // DefaultBudgetBytes is the default per-owner admission budget.
 const DefaultBudgetBytes = 64 << 20
@@ -14,7 +23,7 @@ const DefaultBudgetBytes = 64 << 20
 // Not safe for concurrent use.
 type Budget struct {
 	limit    int64
-	inflight map[SessionID]int64
+	inflight map[OwnerID]int64
 }
 
 // NewBudget returns a Budget of limit bytes per owner (<= 0: default).
@@ -22,14 +31,14 @@ func NewBudget(limit int64) *Budget {
 	if limit <= 0 {
 		limit = DefaultBudgetBytes
 	}
-	return &Budget{limit: limit, inflight: make(map[SessionID]int64)}
+	return &Budget{limit: limit, inflight: make(map[OwnerID]int64)}
 }
 
 // Limit returns the per-owner limit.
 func (b *Budget) Limit() int64 { return b.limit }
 
 // Admit reserves n bytes for owner and reports whether they fit.
-func (b *Budget) Admit(owner SessionID, n int64) bool {
+func (b *Budget) Admit(owner OwnerID, n int64) bool {
 	if n < 0 {
 		return false
 	}
@@ -45,7 +54,7 @@ func (b *Budget) Admit(owner SessionID, n int64) bool {
 
 // Done returns n admitted bytes of owner. Returning more than is in flight
 // is an accounting error and changes nothing.
-func (b *Budget) Done(owner SessionID, n int64) error {
+func (b *Budget) Done(owner OwnerID, n int64) error {
 	cur := b.inflight[owner]
 	if n < 0 || n > cur {
 		return fmt.Errorf("%w: owner %d returns %d bytes, %d in flight", ErrBudget, owner, n, cur)
@@ -59,7 +68,7 @@ func (b *Budget) Done(owner SessionID, n int64) error {
 }
 
 // InFlight returns the bytes owner has admitted and not yet returned.
-func (b *Budget) InFlight(owner SessionID) int64 { return b.inflight[owner] }
+func (b *Budget) InFlight(owner OwnerID) int64 { return b.inflight[owner] }
 
 // Forget drops owner's accounting (the session died).
-func (b *Budget) Forget(owner SessionID) { delete(b.inflight, owner) }
+func (b *Budget) Forget(owner OwnerID) { delete(b.inflight, owner) }

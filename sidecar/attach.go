@@ -1,0 +1,212 @@
+package sidecar
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/ring"
+	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+)
+
+// attach runs the handshake on a new connection and then the session.
+func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
+	defer conn.Close()
+	reply := func(r *schema.AttachReply, fds []int) error {
+		r.Version = schema.Version
+		conn.SetWriteDeadline(time.Now().Add(time.Second))
+		var oob []byte
+		if len(fds) > 0 {
+			oob = syscall.UnixRights(fds...)
+		}
+		_, _, err := conn.WriteMsgUnix(r.Append(nil), oob, nil)
+		return err
+	}
+	fail := func(st schema.Status, format string, args ...any) {
+		msg := fmt.Sprintf(format, args...)
+		s.log.Warn().Str("status", st.String()).Msg("attach refused: " + msg)
+		s.met.attachErrors.Inc()
+		reply(&schema.AttachReply{Status: st, Message: msg}, nil)
+	}
+	cred, err := sys.PeerCred(conn)
+	if err != nil {
+		fail(schema.ErrCodeNotPermitted, "%v", err)
+		return
+	}
+	if !s.uidAllowed(cred.UID) {
+		// Take the request off the socket first (bounded): closing with it
+		// unread resets the connection, and the client would lose the
+		// refusal.
+		conn.SetReadDeadline(time.Now().Add(time.Second))
+		conn.Read(make([]byte, 8192))
+		fail(schema.ErrCodeNotPermitted, "uid %d is not allowed to attach (see --allow-uid)", cred.UID)
+		return
+	}
+	buf := make([]byte, 8192)
+	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
+	n, err := conn.Read(buf)
+	if err != nil {
+		fail(schema.ErrCodeMalformed, "reading the attach request: %v", err)
+		return
+	}
+	var req schema.AttachRequest
+	if err := req.Decode(buf[:n]); err != nil {
+		fail(schema.ErrCodeMalformed, "%v", err)
+		return
+	}
+	if req.Version != schema.Version {
+		fail(schema.ErrCodeBadVersion, "client speaks protocol version %d, this sidecar %d (version 2 passes the rings as file descriptors)", req.Version, schema.Version)
+		return
+	}
+	if s.draining.Load() {
+		fail(schema.ErrCodeShuttingDown, "the sidecar is shutting down")
+		return
+	}
+	capacity := s.cfg.RingCapacity
+	if req.RingCapacity != 0 {
+		if req.RingCapacity < 64<<10 || req.RingCapacity > 64<<20 || req.RingCapacity&(req.RingCapacity-1) != 0 {
+			fail(schema.ErrCodeTooLarge, "ring capacity %d must be a power of two in [64 KiB, 64 MiB]", req.RingCapacity)
+			return
+		}
+		capacity = uint64(req.RingCapacity)
+	}
+	// The session is bound to the process that connected, not to its pid:
+	// a child it forks, or a later holder of the pid, never inherits it.
+	pidfd, err := sys.PeerPidfd(conn, cred, accepted)
+	if err != nil && !errors.Is(err, sys.ErrNoPidfd) {
+		fail(schema.ErrCodeNotPermitted, "%v", err)
+		return
+	}
+	ss, err := s.newSession(conn, cred, pidfd, &req, capacity)
+	if err != nil {
+		if pidfd != nil {
+			pidfd.Close()
+		}
+		var se *schema.Error
+		if errors.As(err, &se) {
+			fail(se.Status, "%s", se.Message)
+		} else {
+			fail(schema.ErrCodeInternal, "%v", err)
+		}
+		return
+	}
+	rep := &schema.AttachReply{
+		Status: schema.OK, Namespace: ss.ns, Session: uint64(ss.id), Epoch: s.epoch,
+		PoolSlots: uint64(s.cfg.PoolBytes / s.cfg.SlotBytes), SlotBytes: uint32(s.cfg.SlotBytes),
+		MaxPayload: uint32(ss.sub.MaxPayload()), SubmissionRing: ss.sub.Path(), CompletionRing: ss.cmp.Path(),
+	}
+	if err := reply(rep, []int{ss.sub.FD(), ss.cmp.FD()}); err != nil {
+		ss.log.Warn().Err(err).Msg("attach reply not delivered")
+		ss.shutdown("attach reply not delivered")
+	}
+	conn.SetReadDeadline(time.Time{})
+	// The socket now only tells when the peer is gone.
+	go func() {
+		b := make([]byte, 64)
+		for {
+			if _, err := conn.Read(b); err != nil {
+				ss.shutdown("socket closed")
+				return
+			}
+		}
+	}()
+	ss.run()
+}
+
+func (s *Server) uidAllowed(uid uint32) bool {
+	if uid == uint32(os.Getuid()) {
+		return true
+	}
+	for _, u := range s.cfg.AllowUIDs {
+		if u == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// newSession admits the session in the machine and sets up its rings. The
+// ring files are unlinked as soon as they exist: the client gets them as
+// descriptors, and no other process can open them.
+func (s *Server) newSession(conn *net.UnixConn, cred sys.Cred, pidfd *sys.Pidfd, req *schema.AttachRequest, capacity uint64) (*session, error) {
+	outboxLimit := int(min(capacity, 4<<20))
+	ringBytes := int64(2*(ring.HeaderSize+capacity)) + int64(outboxLimit)
+	s.mu.Lock()
+	att, serr := s.m.Attach(monotonic(), machine.AttachArgs{UID: cred.UID, PID: cred.PID, Req: req, RingBytes: ringBytes,
+		MaxPayload: int(ring.DefaultMaxRecord(capacity)) - ring.RecordHeaderSize})
+	s.mu.Unlock()
+	if serr != nil {
+		return nil, serr
+	}
+	undo := func() {
+		out := new(machine.Output)
+		s.mu.Lock()
+		s.m.AttachFailed(monotonic(), att.Session, out)
+		s.mu.Unlock()
+		s.apply(out)
+	}
+	base := filepath.Join(s.cfg.Dir, fmt.Sprintf("s%d-%016x", att.Session, s.epoch))
+	opts := ring.Options{Capacity: capacity, Mode: s.cfg.fileMode(), Epoch: s.epoch}
+	sub, err := ring.Create(base+".sub", opts)
+	if err != nil {
+		undo()
+		return nil, ringError(err)
+	}
+	sub.Remove()
+	opts.CreatorProducer = true
+	cmp, err := ring.Create(base+".cmp", opts)
+	if err != nil {
+		sub.Close()
+		undo()
+		return nil, ringError(err)
+	}
+	cmp.Remove()
+	wait := ring.WaitConfig{Spin: s.cfg.Spin, Yield: s.cfg.Yield, Park: 10 * time.Millisecond, IdlePark: 160 * time.Millisecond}
+	cons, err1 := ring.NewConsumer(sub.Ring, wait)
+	prod, err2 := ring.NewProducer(cmp.Ring, wait)
+	if err := errors.Join(err1, err2); err != nil {
+		sub.Close()
+		cmp.Close()
+		undo()
+		return nil, err
+	}
+	ss := &session{srv: s, id: att.Session, ns: att.Namespace, cred: cred, pidfd: pidfd, conn: conn, sub: sub, cmp: cmp, cons: cons, prod: prod}
+	ss.log = s.log.With().Uint64("session", uint64(att.Session)).Str("instance", req.Instance).Uint32("rank", req.Rank).Int("pid", cred.PID).Logger()
+	ss.ob = newOutbox(prod, cmp.MaxPayload(), outboxLimit, s.cfg.ReplyTimeout, func(err error) {
+		ss.log.Warn().Err(err).Msg("completion ring: dropping the session")
+		s.met.dropped.Inc()
+		ss.shutdown("completion ring stuck: " + err.Error())
+	})
+	s.smu.Lock()
+	s.sessions[ss.id] = ss
+	s.smu.Unlock()
+	if pidfd != nil && s.exits != nil {
+		if err := s.exits.Watch(pidfd, func() { ss.shutdown("the attached process exited") }); err != nil {
+			ss.log.Warn().Err(err).Msg("cannot watch the attached process")
+		}
+	}
+	if pidfd != nil && pidfd.Exited() {
+		ss.shutdown("the attached process exited")
+	}
+	s.met.attaches.Inc()
+	ss.log.Info().Str("model", req.Model).Uint16("role", req.Role).Uint32("uid", cred.UID).Msg("attached")
+	return ss, nil
+}
+
+// ringError maps a failure to create a session's rings to a status: a full
+// shared-memory mount refuses the attach with status 8, with the reason.
+func ringError(err error) error {
+	if errors.Is(err, syscall.ENOSPC) {
+		return schema.Errorf(schema.ErrCodeNoSpace, "no space for the session's rings in the shared-memory mount: %v", err)
+	}
+	if errors.Is(err, syscall.ENOMEM) {
+		return schema.Errorf(schema.ErrCodeNoSpace, "no memory for the session's rings: %v", err)
+	}
+	return schema.Errorf(schema.ErrCodeInternal, "creating the session's rings: %v", err)
+}

@@ -1,0 +1,5 @@
+//go:build !(invariants || race)
+
+package sidecar
+
+const invariantsEnabled = false

@@ -1,0 +1,487 @@
+package machine
+
+import (
+	"errors"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar/cache"
+)
+
+// Handle serves one request record of session id. payload may alias ring
+// memory: the Machine keeps nothing that points into it.
+func (m *Machine) Handle(now int64, id SessionID, typ uint16, seq uint64, payload []byte, out *Output) {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	s := m.sessions[id]
+	if s == nil {
+		return
+	}
+	h := handler{m: m, s: s, now: now, typ: typ, seq: seq, out: out}
+	var err error
+	switch typ {
+	case schema.TypePutHashes:
+		err = h.putHashes(payload)
+	case schema.TypeDropHashes:
+		err = h.dropHashes(payload)
+	case schema.TypeLookup:
+		err = h.lookup(payload)
+	case schema.TypeAcquire:
+		err = h.acquire(payload)
+	case schema.TypePoll:
+		err = h.poll(payload)
+	case schema.TypeRelease:
+		err = h.release(payload)
+	case schema.TypeRegisterRegion:
+		err = h.registerRegion(payload)
+	case schema.TypeLoad:
+		err = h.load(payload)
+	case schema.TypeStore:
+		err = h.store(payload)
+	case schema.TypeChanges:
+		err = h.changes(payload)
+	case schema.TypeSnapshot:
+		err = h.snapshot(payload)
+	case schema.TypePing:
+		var r schema.IDRequest
+		if err = r.Decode(payload); err == nil {
+			h.ok(r.ID)
+		}
+	case schema.TypeDetach:
+		h.ok(0)
+		out.End = true
+	default:
+		err = schema.Errorf(schema.ErrCodeUnknownType, "record type %#x", typ)
+	}
+	if err != nil {
+		h.fail(err)
+	}
+	m.check()
+}
+
+// handler serves one request.
+type handler struct {
+	m   *Machine
+	s   *session
+	now int64
+	typ uint16
+	seq uint64
+	out *Output
+}
+
+// ok answers with a common Reply; a fire-and-forget request (seq 0) that
+// succeeds gets no reply (docs/protocol.md, section 3.2).
+func (h *handler) ok(v uint64) {
+	if h.seq == 0 {
+		return
+	}
+	r := schema.Reply{Value: v}
+	h.out.reply(h.s.id, h.typ, h.seq, r.Append)
+}
+
+// fail answers an error in the layout of the request's reply.
+func (h *handler) fail(err error) {
+	var se *schema.Error
+	if errors.As(err, &se) {
+	} else if errors.Is(err, schema.ErrMalformed) {
+		se = &schema.Error{Status: schema.ErrCodeMalformed, Message: err.Error()}
+	} else {
+		se = &schema.Error{Status: schema.ErrCodeInternal, Message: err.Error()}
+	}
+	failReply(h.out, h.s, h.typ, h.seq, se)
+}
+
+func failReply(out *Output, s *session, typ uint16, seq uint64, se *schema.Error) {
+	switch typ {
+	case schema.TypeAcquire, schema.TypePoll:
+		r := schema.LeaseReply{Status: se.Status, State: schema.StateMiss, Message: se.Message}
+		out.reply(s.id, typ, seq, r.Append)
+	case schema.TypeChanges:
+		r := schema.ChangesReply{Status: se.Status, Width: uint8(s.inst.width)}
+		out.reply(s.id, typ, seq, r.Append)
+	case schema.TypeSnapshot:
+		r := schema.SnapshotReply{Status: se.Status, Width: uint8(s.inst.width)}
+		out.reply(s.id, typ, seq, r.Append)
+	case schema.TypeStore:
+		r := schema.StoreReply{Status: se.Status, Message: se.Message}
+		out.reply(s.id, typ, seq, r.Append)
+	default:
+		r := schema.Reply{Status: se.Status, Message: se.Message}
+		out.reply(s.id, typ, seq, r.Append)
+	}
+}
+
+func malformed(err error) error {
+	return &schema.Error{Status: schema.ErrCodeMalformed, Message: err.Error()}
+}
+
+// view resolves a view of the session's instance to its digests.
+func (h *handler) view(v schema.View) ([]byte, error) {
+	b, ok := h.s.inst.batches[v.Batch]
+	if !ok {
+		return nil, schema.Errorf(schema.ErrCodeUnknownBatch, "batch %d", v.Batch)
+	}
+	w := h.s.inst.width
+	n := uint64(len(b.d) / w)
+	if uint64(v.Start)+uint64(v.Count) > n {
+		return nil, schema.Errorf(schema.ErrCodeOutOfRange, "view [%d, %d) past the end of batch %d (%d hashes)", v.Start, uint64(v.Start)+uint64(v.Count), v.Batch, n)
+	}
+	return b.d[int(v.Start)*w : int(v.Start+v.Count)*w], nil
+}
+
+func (h *handler) putHashes(p []byte) error {
+	m, s, in := h.m, h.s, h.s.inst
+	var r schema.PutHashes
+	if err := r.Decode(p, in.width); err != nil {
+		return malformed(err)
+	}
+	b, exists := in.batches[r.Batch]
+	switch {
+	case r.Flags&(schema.FlagAppend|schema.FlagReplace) == 0 && exists:
+		return schema.Errorf(schema.ErrCodeDuplicate, "batch %d is already registered (drop it first, or append)", r.Batch)
+	case r.Flags&schema.FlagAppend != 0 && !exists:
+		return schema.Errorf(schema.ErrCodeUnknownBatch, "batch %d: nothing to append to", r.Batch)
+	case !exists && len(in.batches) >= m.cfg.MaxBatches:
+		return m.refuse("batches", "%d batches registered, the maximum", len(in.batches))
+	}
+	old := 0
+	if exists {
+		old = len(b.d)
+	}
+	keep := old
+	if r.Flags&schema.FlagReplace != 0 {
+		keep = 0
+	}
+	switch {
+	case (keep+len(r.Digests))/in.width > m.cfg.MaxBatchHashes:
+		return m.refuse("batch-hashes", "batch %d would hold more than %d hashes", r.Batch, m.cfg.MaxBatchHashes)
+	case in.hashBytes-old+keep+len(r.Digests) > m.cfg.MaxHashBytes:
+		return m.refuse("hash-bytes", "the instance's batches would hold more than %d bytes of hashes: drop finished batches", m.cfg.MaxHashBytes)
+	}
+	if !exists {
+		b = &batch{owner: s, uid: s.uid}
+	}
+	// The new digests, in a new array when replacing (nothing may see the
+	// old one change) or when appending past its capacity.
+	var d []byte
+	if keep == 0 {
+		d = make([]byte, len(r.Digests))
+		copy(d, r.Digests)
+	} else {
+		d = append(b.d, r.Digests...) // copies: the payload aliases the ring
+	}
+	charge := int64(batchMeta + cap(d))
+	if delta := charge - b.charge; delta > 0 {
+		if err := m.chargeMeta(b.owner, b.uid, delta); err != nil {
+			return err
+		}
+	} else if delta < 0 {
+		m.uncharge(b.owner, b.uid, usage{meta: -delta})
+	}
+	b.d, b.charge = d, charge
+	in.batches[r.Batch] = b
+	in.hashBytes += len(d) - old
+	v := uint64(len(d) / in.width)
+	if r.Flags&schema.FlagLookup != 0 {
+		hits, err := m.cache.Lookup(in.ns.id, d)
+		if err != nil {
+			return internal(err)
+		}
+		v = uint64(hits)
+	}
+	h.ok(v)
+	return nil
+}
+
+func (h *handler) dropHashes(p []byte) error {
+	in := h.s.inst
+	var r schema.IDRequest
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	b, ok := in.batches[r.ID]
+	if !ok {
+		return schema.Errorf(schema.ErrCodeUnknownBatch, "batch %d", r.ID)
+	}
+	delete(in.batches, r.ID)
+	in.hashBytes -= len(b.d)
+	h.m.uncharge(b.owner, b.uid, usage{meta: b.charge})
+	h.ok(0)
+	return nil
+}
+
+func (h *handler) lookup(p []byte) error {
+	var r schema.Lookup
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	d, err := h.view(r.View)
+	if err != nil {
+		return err
+	}
+	hits, err := h.m.cache.Lookup(h.s.inst.ns.id, d)
+	if err != nil {
+		return internal(err)
+	}
+	h.ok(uint64(hits))
+	return nil
+}
+
+func (h *handler) acquire(p []byte) error {
+	m, s, in := h.m, h.s, h.s.inst
+	var r schema.Acquire
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	ttl := m.cfg.LeaseTTL
+	if r.TTLms != 0 {
+		ttl = min(time.Duration(r.TTLms)*time.Millisecond, m.cfg.MaxLeaseTTL)
+	}
+	d, err := h.view(r.View)
+	if err != nil {
+		return err
+	}
+	if s.leases >= m.cfg.MaxLeases {
+		return m.refuse("leases", "%d live leases in this session, the maximum: release finished ones", s.leases)
+	}
+	// Pin no more than the session's and its uid's pin quota allow: a
+	// shorter lease (fewer hits), never a failed request.
+	room := m.pinRoom(s) / in.world
+	if room == 0 {
+		return m.refuse("pins", "this session or its uid pins its share of the pool (--limits.pin-share): release leases")
+	}
+	if n := len(d) / in.width; n > room {
+		d = d[:room*in.width]
+	}
+	// A lease pins distinct blocks, so it never exceeds the pool either.
+	blocksMax := min(len(d)/in.width, m.slots)
+	meta := int64(queryMeta + 4*blocksMax)
+	if err := m.chargeMeta(s, s.uid, meta); err != nil {
+		return err
+	}
+	l, err := m.cache.Acquire(in.ns.id, s.rank, d, s.owner, ttl, h.now)
+	if err != nil {
+		m.uncharge(s, s.uid, usage{meta: meta})
+		return internal(err)
+	}
+	rep := schema.LeaseReply{Lease: l.ID, Blocks: uint32(l.Blocks), State: schema.StateMiss}
+	if l.ID == 0 {
+		m.uncharge(s, s.uid, usage{meta: meta})
+	} else {
+		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta, pins: l.Blocks * in.world,
+			bytes: int64(l.Blocks) * int64(m.cfg.SlotBytes) * int64(in.world)}
+		m.charge(s, s.uid, usage{pins: q.pins})
+		if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
+			q.budgeted, q.state = true, schema.StateReady
+		} else {
+			q.state = schema.StateWaiting
+			in.waiting = append(in.waiting, q)
+		}
+		m.queries[l.ID] = q
+		s.leases++
+		rep.State = q.state
+	}
+	h.out.reply(s.id, h.typ, h.seq, rep.Append)
+	return nil
+}
+
+// query finds a lease visible to the session: its own, or one of another
+// session of the same engine instance (a scheduler acquires, the
+// tensor-parallel workers load).
+func (h *handler) query(id uint64) (*query, error) {
+	q, ok := h.m.queries[id]
+	if !ok || q.inst != h.s.inst {
+		return nil, schema.Errorf(schema.ErrCodeUnknownLease, "lease %d", id)
+	}
+	return q, nil
+}
+
+func (h *handler) poll(p []byte) error {
+	var r schema.IDRequest
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	q, err := h.query(r.ID)
+	if err != nil {
+		return err
+	}
+	rep := schema.LeaseReply{State: q.state, Lease: q.lease, Blocks: uint32(q.blocks)}
+	h.out.reply(h.s.id, h.typ, h.seq, rep.Append)
+	return nil
+}
+
+func (h *handler) release(p []byte) error {
+	var r schema.IDRequest
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	q, err := h.query(r.ID)
+	if err != nil {
+		return err
+	}
+	h.m.dropQuery(q)
+	delete(h.m.queries, q.lease)
+	h.ok(0)
+	return nil
+}
+
+func (h *handler) registerRegion(p []byte) error {
+	m, s := h.m, h.s
+	var r schema.RegisterRegion
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	cudaIPC := r.Kind == schema.RegionCUDAIPC && m.cfg.CUDAIPC
+	switch {
+	case r.Kind != schema.RegionHostProcess && !cudaIPC:
+		return schema.Errorf(schema.ErrCodeNotPermitted, "region kind %d needs the CUDA copy backend, which this sidecar does not run", r.Kind)
+	case r.PID != uint64(s.pid):
+		return schema.Errorf(schema.ErrCodeNotPermitted, "region pid %d is not the attached process (%d): a session may only register its own memory", r.PID, s.pid)
+	case r.PageSize > m.cfg.SlotBytes:
+		return schema.Errorf(schema.ErrCodeTooLarge, "page size %d is larger than the pool slot (%d bytes, --pool.slot-bytes)", r.PageSize, m.cfg.SlotBytes)
+	case s.regions[r.Region] != nil:
+		return schema.Errorf(schema.ErrCodeDuplicate, "region %d is already registered", r.Region)
+	case len(s.regions) >= m.cfg.MaxRegions:
+		return m.refuse("regions", "%d regions registered in this session, the maximum", len(s.regions))
+	}
+	ns := s.inst.ns
+	if ns.pageBytes != 0 && r.PageSize != ns.pageBytes {
+		return schema.Errorf(schema.ErrCodeMismatch, "region page size %d differs from the namespace's block size %d (set by its first region): a load must copy exactly what a store wrote", r.PageSize, ns.pageBytes)
+	}
+	g := gpu.Region{Kind: gpu.HostProcess, PID: int(r.PID), Base: r.Base, Length: r.Length, PageSize: r.PageSize, PageCount: r.PageCount}
+	for _, sg := range r.Segments {
+		g.Segments = append(g.Segments, gpu.Segment{Offset: sg.Offset, Stride: sg.Stride, Length: sg.Length})
+	}
+	if cudaIPC {
+		ipc, err := gpu.ParseIPCExtra(r.Extra)
+		if err != nil {
+			return malformed(err)
+		}
+		g.Kind, g.IPC = gpu.CUDAIPC, ipc
+	}
+	if err := g.Validate(); err != nil {
+		return schema.Errorf(schema.ErrCodeOutOfRange, "%v", err)
+	}
+	meta := int64(regionMeta + 24*len(r.Segments))
+	if err := m.chargeMeta(s, s.uid, meta); err != nil {
+		return err
+	}
+	ns.pageBytes = r.PageSize
+	s.regions[r.Region] = &region{pageBytes: r.PageSize, pages: r.PageCount, pending: true, meta: meta, seq: h.seq}
+	h.out.Registers = append(h.out.Registers, Register{Session: s.id, ID: r.Region, Region: g})
+	return nil
+}
+
+// RegisterDone completes a registration: h is the copy engine's handle, or
+// err why it refused the region.
+func (m *Machine) RegisterDone(now int64, id SessionID, regionID uint32, hd gpu.Handle, err error, out *Output) {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	s := m.sessions[id]
+	if s == nil || s.regions[regionID] == nil || !s.regions[regionID].pending {
+		if err == nil {
+			out.Unregister = append(out.Unregister, hd) // the session ended meanwhile
+		}
+		return
+	}
+	r := s.regions[regionID]
+	seq := r.seq
+	if err != nil {
+		delete(s.regions, regionID)
+		m.uncharge(s, s.uid, usage{meta: r.meta})
+		st := schema.ErrCodeOutOfRange
+		if errors.Is(err, gpu.ErrUnsupported) {
+			// Memory the backend cannot reach (not shareable over CUDA IPC,
+			// a GPU the sidecar does not see): a configuration problem.
+			st = schema.ErrCodeNotPermitted
+		}
+		failReply(out, s, schema.TypeRegisterRegion, seq, schema.Errorf(st, "%v", err))
+		return
+	}
+	r.handle, r.pending = hd, false
+	if seq != 0 {
+		rep := schema.Reply{}
+		out.reply(s.id, schema.TypeRegisterRegion, seq, rep.Append)
+	}
+	m.check()
+}
+
+func (h *handler) changes(p []byte) error {
+	m, s := h.m, h.s
+	var r schema.Changes
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	w := s.inst.width
+	limit := min((s.maxPayload-32)/(8+w), schema.MaxChangesPerReply)
+	if r.Max != 0 {
+		limit = min(limit, int(r.Max))
+	}
+	limit = max(limit, 0)
+	rep := schema.ChangesReply{Width: uint8(w)}
+	var changes []cache.Change
+	var cur cache.Cursor
+	var err error
+	ns := s.inst.ns.id
+	if r.Epoch == 0 && r.Seq == 0 {
+		// A new consumer starts at the head of the log; it learns the
+		// present blocks from Lookup, or rebuilds from a snapshot.
+		cur, err = m.cache.Head(ns)
+		rep.Resync = true
+	} else {
+		changes, cur, err = m.cache.ChangesSince(ns, cache.Cursor{Epoch: r.Epoch, Seq: r.Seq}, limit, nil)
+		if errors.Is(err, cache.ErrResync) {
+			cur, err = m.cache.Head(ns)
+			rep.Resync = true
+			changes = nil
+		}
+	}
+	if err != nil {
+		return internal(err)
+	}
+	rep.Epoch, rep.Next = cur.Epoch, cur.Seq
+	entries := make([]byte, 0, len(changes)*(8+w))
+	for i := range changes {
+		entries = schema.AppendChange(entries, uint8(changes[i].Op), changes[i].Digest())
+	}
+	rep.Entries = entries
+	h.out.reply(s.id, h.typ, h.seq, rep.Append)
+	return nil
+}
+
+// snapshot answers one page of the digests of the namespace's present
+// blocks, with the log's head cursor when the page was read
+// (docs/protocol.md, sections 5.10 and 11). A page scans at most
+// SnapshotScan slots.
+func (h *handler) snapshot(p []byte) error {
+	m, s := h.m, h.s
+	if s.role == schema.RoleWorker {
+		// The only request refused by role: a worker has no use for the
+		// namespace's index, and a page takes a while.
+		return schema.Errorf(schema.ErrCodeNotPermitted, "Snapshot is for scheduler and client sessions, not workers")
+	}
+	var r schema.Snapshot
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	w := s.inst.width
+	limit := min((s.maxPayload-40)/w, schema.MaxSnapshotPerReply)
+	if r.Max != 0 {
+		limit = min(limit, int(r.Max))
+	}
+	limit = max(limit, 1) // never unbounded (a ring too small for one digest gets "reply too large")
+	var d []byte
+	cur, next, done, err := m.cache.SnapshotPage(s.inst.ns.id, r.From, limit, m.cfg.SnapshotScan, func(dg []byte) {
+		d = append(d, dg...)
+	})
+	if err != nil {
+		return internal(err)
+	}
+	rep := schema.SnapshotReply{Done: done, Epoch: cur.Epoch, Seq: cur.Seq, Next: next, Width: uint8(w), Entries: d}
+	h.out.reply(s.id, h.typ, h.seq, rep.Append)
+	return nil
+}
+
