@@ -761,8 +761,13 @@ func TestSnapshotPageBound(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if r, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, pagesN(0, n)); err != nil || int(r.Stored) != n {
-		t.Fatalf("store: %+v %v", r, err)
+	// In steps of 128 blocks: a uid may hold at most a quarter of the pool
+	// in blocks being written (--limits.pending-share).
+	for off := 0; off < n; off += 128 {
+		k := min(128, n-off)
+		if r, err := c.Store(schema.View{Batch: 1, Start: uint32(off), Count: uint32(k)}, 1, pagesN(off, k)); err != nil || int(r.Stored) != k {
+			t.Fatalf("store: %+v %v", r, err)
+		}
 	}
 	r, err := c.Snapshot(0, 0)
 	if err != nil || r.Len() != bound || r.Done {
@@ -890,6 +895,41 @@ func TestQuotas(t *testing.T) {
 	}
 }
 
+// poolFD returns the /proc/self/fd path of the (unlinked) pool file of the
+// sidecar on dir.
+func poolFD(t *testing.T, dir string) string {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc/self/fd")
+	for _, e := range ents {
+		p := filepath.Join("/proc/self/fd", e.Name())
+		if target, err := os.Readlink(p); err == nil && target == filepath.Join(dir, "pool")+" (deleted)" {
+			return p
+		}
+	}
+	t.Fatalf("no descriptor of %s/pool", dir)
+	return ""
+}
+
+// TestPoolUnlinked: the pool and the rings have no name in the directory:
+// no other process can open them.
+func TestPoolUnlinked(t *testing.T) {
+	h := newHarness(t, nil)
+	c := h.dial(nil)
+	ents, err := os.ReadDir(h.cfg.Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if e.Name() != "ringside.sock" {
+			t.Errorf("%s is in the sidecar's directory", e.Name())
+		}
+	}
+	if err := c.Ping(1); err != nil {
+		t.Fatal(err)
+	}
+	poolFD(t, h.cfg.Dir)
+}
+
 // TestPoolReserve: with PoolReserve every byte of the pool file is allocated
 // at start (charged now, so a mount or limit too small fails at start);
 // without it the file is sparse.
@@ -897,8 +937,10 @@ func TestPoolReserve(t *testing.T) {
 	for _, reserve := range []bool{false, true} {
 		t.Run(fmt.Sprintf("reserve=%v", reserve), func(t *testing.T) {
 			h := newHarness(t, func(c *sidecar.Config) { c.PoolBytes = 256 * slot; c.PoolReserve = reserve })
+			// The pool has no name once mapped (nobody may open it): find
+			// it among this process's descriptors.
 			var st unix.Stat_t
-			if err := unix.Stat(filepath.Join(h.cfg.Dir, "pool"), &st); err != nil {
+			if err := unix.Stat(poolFD(t, h.cfg.Dir), &st); err != nil {
 				t.Fatal(err)
 			}
 			allocated := st.Blocks * 512
