@@ -115,8 +115,9 @@ type Config struct {
 	SessionShare float64
 	// CopyChunkBytes is the largest piece a copy is split into for fair
 	// scheduling between sessions (default 4 MiB); CopyStall how long a
-	// piece may run before its worker is counted as stalled and another
-	// one takes its turn (default 200 ms).
+	// piece may run before it counts as stuck (default 1 s): another
+	// worker then takes its turn, and its session's queued pieces are
+	// cancelled until it returns.
 	CopyChunkBytes uint64
 	CopyStall      time.Duration
 }
@@ -201,7 +202,7 @@ func (c *Config) EnsureDefaults() {
 		c.CopyChunkBytes = 4 << 20
 	}
 	if c.CopyStall == 0 {
-		c.CopyStall = 200 * time.Millisecond
+		c.CopyStall = time.Second
 	}
 }
 

@@ -9,97 +9,94 @@ import (
 	"github.com/ringside-kv/ringside/gpu"
 )
 
-// scheduler runs copies on the copy engine fairly between sessions: each
-// copy is split into chunks of at most chunkBytes, each session's chunks
-// wait in a queue of their own, and the engine is given chunks round robin
-// over the sessions that have some, at most `limit` at a time. A session
-// that pipelines huge loads therefore delays another session's copy by at
-// most one chunk per worker, not by its whole backlog.
+// scheduler runs copies on the copy engine fairly between sessions. The
+// machine splits every Load and Store into chunks of at most
+// --copy.chunk-bytes; each session's chunks wait in a queue of its own, and
+// the engine is given chunks round robin over the sessions that have some,
+// at most `base` at a time. A session that pipelines huge loads therefore
+// delays another session's copy by at most one chunk per worker, not by its
+// whole backlog.
 //
 // A chunk that runs longer than stallAfter (a copy stuck on a page fault
-// the client holds, e.g. with userfaultfd) stops counting against the
-// limit, so the other sessions keep their workers, and its session gets no
-// further chunk until it returns. Nothing here waits while holding mu, and
-// no completion ever waits for anything: done callbacks only post results.
+// the client holds, e.g. with userfaultfd, or on a process that stopped) is
+// stalled: it stops counting against `base`, so the other sessions keep
+// their workers, and its session's queued chunks are cancelled, as are the
+// new ones it submits until the stuck chunk returns. A uid with
+// maxStalledPerUID stuck chunks has all its new chunks cancelled. A stuck
+// chunk therefore holds the slots of one chunk, never a session's backlog.
+// Nothing here waits while holding mu, and no completion waits for
+// anything: done callbacks only post results.
 type scheduler struct {
 	eng        gpu.Engine
-	chunkBytes uint64
 	base       int // chunks in flight when nothing is stalled
 	maxLimit   int // the engine's workers: the most chunks in flight ever
 	stallAfter time.Duration
 
-	mu      sync.Mutex
-	queues  map[uint64]*sessQueue
-	order   []*sessQueue // sessions with queued chunks, round-robin order
-	next    int
-	running map[*chunk]struct{}
-	stalled int
-	stop    chan struct{}
-	stopped sync.Once
+	mu       sync.Mutex
+	queues   map[uint64]*sessQueue
+	order    []*sessQueue // sessions with queued chunks, round-robin order
+	next     int
+	running  map[*chunk]struct{}
+	stalled  int
+	uidStall map[uint32]int
+	stop     chan struct{}
+	stopped  sync.Once
 }
+
+// maxStalledPerUID bounds the stuck chunks of one uid: past it, the uid's
+// new chunks are cancelled at once.
+const maxStalledPerUID = 4
 
 type sessQueue struct {
 	id      uint64
+	uid     uint32
 	chunks  []*chunk
 	running int
 	stalled int
 	queued  bool // in order
 }
 
-// copyJob is one Op as the machine asked for it.
-type copyJob struct {
+type chunk struct {
 	op      gpu.Op
-	sess    uint64
 	alive   func() bool // false once the region's process is gone
 	done    func(gpu.Result, bool)
-	mu      sync.Mutex
-	left    int
-	res     gpu.Result
-	exited  bool
-	started time.Time
-}
-
-type chunk struct {
-	job     *copyJob
-	pages   []uint32
-	offsets []uint64
 	started time.Time
 	stalled bool
 	q       *sessQueue
 }
 
-// errCancelled ends the chunks of a session that ended before they ran.
-var errCancelled = errors.New("copy cancelled: the session ended before it ran")
+var (
+	// errCancelled ends the chunks of a session that ended before they ran.
+	errCancelled = errors.New("copy cancelled: the session ended before it ran")
+	// errStalled ends the chunks of a session (or uid) with a copy stuck.
+	errStalled = errors.New("copy cancelled: another copy of this session has been stuck for longer than --copy.stall")
+)
 
-func newScheduler(eng gpu.Engine, workers, maxWorkers int, chunkBytes uint64, stallAfter time.Duration) *scheduler {
-	s := &scheduler{eng: eng, chunkBytes: chunkBytes, base: workers, maxLimit: maxWorkers, stallAfter: stallAfter,
-		queues: map[uint64]*sessQueue{}, running: map[*chunk]struct{}{}, stop: make(chan struct{})}
+func newScheduler(eng gpu.Engine, workers, maxWorkers int, stallAfter time.Duration) *scheduler {
+	s := &scheduler{eng: eng, base: workers, maxLimit: maxWorkers, stallAfter: stallAfter,
+		queues: map[uint64]*sessQueue{}, running: map[*chunk]struct{}{}, uidStall: map[uint32]int{}, stop: make(chan struct{})}
 	go s.watch()
 	return s
 }
 
-// submit splits op into chunks and queues them for session sess. done is
-// called once, when every chunk has ended, with the bytes copied, the
-// first error, and whether the process was found gone after the copy.
-// pageBytes is the size of one page of the region.
-func (s *scheduler) submit(sess uint64, op gpu.Op, pageBytes uint64, alive func() bool, done func(gpu.Result, bool)) {
-	per := 1
-	if pageBytes > 0 && s.chunkBytes > pageBytes {
-		per = int(s.chunkBytes / pageBytes)
-	}
-	n := (len(op.Pages) + per - 1) / per
-	j := &copyJob{op: op, sess: sess, alive: alive, done: done, left: n, started: time.Now()}
+// submit queues one chunk of session sess (of uid). done is called once,
+// when the chunk has ended, with its result and whether its process was
+// found gone after the copy.
+func (s *scheduler) submit(sess uint64, uid uint32, op gpu.Op, alive func() bool, done func(gpu.Result, bool)) {
 	s.mu.Lock()
 	q := s.queues[sess]
 	if q == nil {
-		q = &sessQueue{id: sess}
+		q = &sessQueue{id: sess, uid: uid}
 		s.queues[sess] = q
 	}
-	for i := 0; i < len(op.Pages); i += per {
-		e := min(i+per, len(op.Pages))
-		q.chunks = append(q.chunks, &chunk{job: j, pages: op.Pages[i:e], offsets: op.PoolOffsets[i:e], q: q})
+	if q.stalled > 0 || s.uidStall[uid] >= maxStalledPerUID {
+		s.forget(q)
+		s.mu.Unlock()
+		done(gpu.Result{Err: errStalled}, false)
+		return
 	}
-	if !q.queued && len(q.chunks) > 0 {
+	q.chunks = append(q.chunks, &chunk{op: op, alive: alive, done: done, q: q})
+	if !q.queued {
 		q.queued = true
 		s.order = append(s.order, q)
 	}
@@ -108,7 +105,9 @@ func (s *scheduler) submit(sess uint64, op gpu.Op, pageBytes uint64, alive func(
 }
 
 // cancel ends every queued chunk of session sess (those running finish).
-func (s *scheduler) cancel(sess uint64) {
+func (s *scheduler) cancel(sess uint64) { s.drop(sess, errCancelled) }
+
+func (s *scheduler) drop(sess uint64, why error) {
 	s.mu.Lock()
 	q := s.queues[sess]
 	var drop []*chunk
@@ -118,14 +117,14 @@ func (s *scheduler) cancel(sess uint64) {
 	}
 	s.mu.Unlock()
 	for _, c := range drop {
-		s.finish(c, gpu.Result{Err: errCancelled}, false, false)
+		c.done(gpu.Result{Err: why}, false)
 	}
 }
 
 // forget drops q from the scheduler's tables when it holds nothing.
 // Caller holds mu.
 func (s *scheduler) forget(q *sessQueue) {
-	if len(q.chunks) == 0 && q.running == 0 {
+	if len(q.chunks) == 0 && q.running == 0 && s.queues[q.id] == q {
 		delete(s.queues, q.id)
 	}
 }
@@ -147,7 +146,7 @@ func (s *scheduler) dispatch() {
 		if c == nil {
 			return
 		}
-		if j := c.job; j.alive != nil && !j.alive() {
+		if c.alive != nil && !c.alive() {
 			s.finish(c, gpu.Result{Err: fmt.Errorf("%w: the region's process has exited", gpu.ErrTransfer)}, true, false)
 			continue
 		}
@@ -157,7 +156,7 @@ func (s *scheduler) dispatch() {
 
 // pick takes the next chunk, round robin. Caller holds mu.
 func (s *scheduler) pick() *chunk {
-	for tries := len(s.order); tries > 0; tries-- {
+	for len(s.order) > 0 {
 		if s.next >= len(s.order) {
 			s.next = 0
 		}
@@ -168,11 +167,8 @@ func (s *scheduler) pick() *chunk {
 			s.forget(q)
 			continue
 		}
-		if q.stalled > 0 { // wait for its stuck chunk first
-			s.next++
-			continue
-		}
 		c := q.chunks[0]
+		q.chunks[0] = nil
 		q.chunks = q.chunks[1:]
 		s.next++
 		return c
@@ -184,10 +180,8 @@ func (s *scheduler) pick() *chunk {
 // dispatch) and after the copy: a store is kept only if its process was
 // alive at both ends, so its pid cannot have changed hands in between.
 func (s *scheduler) start(c *chunk) {
-	j := c.job
-	op := gpu.Op{Dir: j.op.Dir, Region: j.op.Region, Pages: c.pages, PoolOffsets: c.offsets}
-	err := s.eng.Submit(op, func(r gpu.Result) {
-		exited := j.alive != nil && !j.alive()
+	err := s.eng.Submit(c.op, func(r gpu.Result) {
+		exited := c.alive != nil && !c.alive()
 		s.finish(c, r, exited, true)
 	})
 	if err != nil {
@@ -195,8 +189,8 @@ func (s *scheduler) start(c *chunk) {
 	}
 }
 
-// finish records a chunk's end, completes the job after its last chunk
-// and, when more is set, starts the next chunks.
+// finish records a chunk's end, completes it and, when more is set, starts
+// the next chunks.
 func (s *scheduler) finish(c *chunk, r gpu.Result, exited, more bool) {
 	s.mu.Lock()
 	if _, ok := s.running[c]; ok {
@@ -205,34 +199,21 @@ func (s *scheduler) finish(c *chunk, r gpu.Result, exited, more bool) {
 		if c.stalled {
 			s.stalled--
 			c.q.stalled--
+			if s.uidStall[c.q.uid]--; s.uidStall[c.q.uid] <= 0 {
+				delete(s.uidStall, c.q.uid)
+			}
 		}
 		s.forget(c.q)
 	}
 	s.mu.Unlock()
-	j := c.job
-	j.mu.Lock()
-	j.res.Bytes += r.Bytes
-	j.res.Ranges += r.Ranges
-	j.res.Calls += r.Calls
-	j.res.Queued += r.Queued
-	j.res.Elapsed += r.Elapsed
-	if r.Err != nil && j.res.Err == nil {
-		j.res.Err = r.Err
-	}
-	j.exited = j.exited || exited
-	j.left--
-	last := j.left == 0
-	j.mu.Unlock()
-	if last {
-		j.done(j.res, j.exited)
-	}
+	c.done(r, exited)
 	if more {
 		s.dispatch()
 	}
 }
 
-// watch marks chunks that run too long as stalled, freeing their worker's
-// place in the limit for the other sessions.
+// watch marks chunks that run too long as stalled, cancels their
+// sessions' queues, and lets the other sessions have the workers.
 func (s *scheduler) watch() {
 	t := time.NewTicker(max(s.stallAfter/4, time.Millisecond))
 	defer t.Stop()
@@ -242,18 +223,22 @@ func (s *scheduler) watch() {
 			return
 		case <-t.C:
 		}
+		var stuck []uint64
 		s.mu.Lock()
-		more := false
 		for c := range s.running {
 			if !c.stalled && time.Since(c.started) > s.stallAfter {
 				c.stalled = true
 				c.q.stalled++
 				s.stalled++
-				more = true
+				s.uidStall[c.q.uid]++
+				stuck = append(stuck, c.q.id)
 			}
 		}
 		s.mu.Unlock()
-		if more {
+		for _, id := range stuck {
+			s.drop(id, errStalled)
+		}
+		if len(stuck) > 0 {
 			s.dispatch()
 		}
 	}

@@ -150,7 +150,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		MaxBatches: cfg.MaxBatches, MaxBatchHashes: cfg.MaxBatchHashes, MaxHashBytes: cfg.MaxHashBytes,
 		MaxLeases: cfg.MaxLeases, MetaBytes: cfg.MetaBytes, RingBytes: cfg.RingBytes, MaxSessions: cfg.MaxSessions,
 		MaxNamespaces: cfg.MaxNamespaces, PinShare: cfg.PinShare, PendingShare: cfg.PendingShare,
-		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare,
+		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare, ChunkBytes: cfg.CopyChunkBytes,
 	}
 	if invariantsEnabled {
 		pool, sb := s.pool.Bytes(), cfg.SlotBytes
@@ -169,7 +169,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		}
 		log.Info().Int("blocks", cfg.PrefillBlocks).Dur("took", time.Since(t0)).Msg("prefilled the index with synthetic blocks")
 	}
-	s.sched = newScheduler(s.copier, cfg.CopyWorkers, maxWorkers, cfg.CopyChunkBytes, cfg.CopyStall)
+	s.sched = newScheduler(s.copier, cfg.CopyWorkers, maxWorkers, cfg.CopyStall)
 	if s.exits, err = sys.NewExitWatcher(); err != nil {
 		log.Warn().Err(err).Msg("cannot watch client processes with pidfds: a session then ends only when its socket closes")
 	}
@@ -450,7 +450,7 @@ func (s *Server) submitCopy(c machine.Copy) {
 		alive = ss.alive
 	}
 	op := gpu.Op{Dir: c.Dir, Region: c.Region, Pages: c.Pages, PoolOffsets: c.PoolOffsets}
-	s.sched.submit(uint64(c.Session), op, c.PageBytes, alive, func(res gpu.Result, exited bool) {
+	s.sched.submit(uint64(c.Session), c.UID, op, alive, func(res gpu.Result, exited bool) {
 		s.met.copied(c.Dir, res)
 		o := s.outs.Get().(*machine.Output)
 		s.mu.Lock()

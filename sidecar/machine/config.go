@@ -23,6 +23,10 @@ type Config struct {
 	CUDAIPC bool
 	// SnapshotScan bounds the pool slots one Snapshot page scans.
 	SnapshotScan int
+	// ChunkBytes is the most one copy moves: a Load or Store is split into
+	// chunks of this many bytes (at least one page each), which run,
+	// complete and can be cancelled on their own.
+	ChunkBytes uint64
 
 	// Per engine instance.
 	MaxBatches     int // hash batches
@@ -70,6 +74,7 @@ const (
 	DefaultLeaseTTL       = 30 * time.Second
 	DefaultMaxLeaseTTL    = 5 * time.Minute
 	DefaultSnapshotScan   = 1 << 16
+	DefaultChunkBytes     = 4 << 20
 	DefaultMaxBatches     = 1 << 16
 	DefaultMaxBatchHashes = 1 << 20
 	DefaultMaxHashBytes   = 256 << 20
@@ -111,6 +116,9 @@ func (c *Config) EnsureDefaults() {
 		c.MaxLeaseTTL = DefaultMaxLeaseTTL
 	}
 	set(&c.SnapshotScan, DefaultSnapshotScan)
+	if c.ChunkBytes == 0 {
+		c.ChunkBytes = DefaultChunkBytes
+	}
 	set(&c.MaxBatches, DefaultMaxBatches)
 	set(&c.MaxBatchHashes, DefaultMaxBatchHashes)
 	set(&c.MaxHashBytes, DefaultMaxHashBytes)

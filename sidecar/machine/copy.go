@@ -8,22 +8,30 @@ import (
 	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
-// startCopy charges a copy's record to the session and registers it.
-func (h *handler) startCopy(dir gpu.Direction, r *region, pages []uint32, offsets []uint64) (*copyOp, error) {
-	m, s := h.m, h.s
-	meta := int64(copyMeta + 12*len(pages))
-	if err := m.chargeMeta(s, s.uid, meta); err != nil {
-		return nil, err
+// chunkPages is how many pages of pageBytes one chunk moves.
+func (m *Machine) chunkPages(pageBytes uint64) int {
+	if pageBytes == 0 || m.cfg.ChunkBytes <= pageBytes {
+		return 1
 	}
-	s.copyMeta += meta
+	return int(m.cfg.ChunkBytes / pageBytes)
+}
+
+// chunkMeta is what the record of a chunk of n pages costs.
+func chunkMeta(n int) int64 { return int64(copyMeta + 12*n) }
+
+// addChunk registers one chunk of req and emits its Copy. The chunk's
+// metadata must be charged already.
+func (h *handler) addChunk(req *copyReq, r *region, pages []uint32, offsets []uint64, meta int64) *copyOp {
+	m := h.m
 	m.nextCopy++
-	op := &copyOp{id: m.nextCopy, sess: s, uid: s.uid, typ: h.typ, seq: h.seq, dir: dir, meta: meta, pages: len(pages)}
+	op := &copyOp{id: m.nextCopy, req: req, meta: meta, pages: len(pages)}
 	m.copies[op.id] = op
+	req.left++
+	h.s.copyMeta += meta
 	m.st.CopiesStarted++
-	c := Copy{ID: op.id, Session: s.id, Dir: dir, Region: r.handle, PageBytes: r.pageBytes,
-		Pages: append([]uint32(nil), pages...), PoolOffsets: offsets}
-	h.out.Copies = append(h.out.Copies, c)
-	return op, nil
+	h.out.Copies = append(h.out.Copies, Copy{ID: op.id, Session: h.s.id, UID: h.s.uid, Dir: req.dir, Region: r.handle, PageBytes: r.pageBytes,
+		Pages: append([]uint32(nil), pages...), PoolOffsets: offsets})
+	return op
 }
 
 // regionFor checks a region and the page indices a request names in it.
@@ -70,22 +78,35 @@ func (h *handler) load(p []byte) error {
 		h.ok(0)
 		return nil
 	}
-	// The copy's own pin: the blocks stay put until CopyDone, whatever
-	// happens to the lease meanwhile.
-	id, slots, err := m.cache.BeginLoad(r.Lease, s.rank, int(r.First), len(r.Pages), nil)
-	if err != nil {
-		return schema.Errorf(schema.ErrCodeExpired, "%v", err)
-	}
-	offsets := make([]uint64, len(slots))
-	for i, sl := range slots {
-		offsets[i] = uint64(sl) * m.cfg.SlotBytes
-	}
-	op, err := h.startCopy(gpu.PoolToEngine, rg, r.Pages, offsets)
-	if err != nil {
-		m.cache.EndLoad(id)
+	per := m.chunkPages(rg.pageBytes)
+	nChunks := (len(r.Pages) + per - 1) / per
+	meta := int64(nChunks)*copyMeta + 12*int64(len(r.Pages))
+	if err := m.chargeMeta(s, s.uid, meta); err != nil {
 		return err
 	}
-	op.q, op.load = q, id
+	req := &copyReq{sess: s, uid: s.uid, typ: h.typ, seq: h.seq, dir: gpu.PoolToEngine, q: q, pages: len(r.Pages)}
+	for i := 0; i < len(r.Pages); i += per {
+		e := min(i+per, len(r.Pages))
+		// The chunk's own pin: its blocks stay put until its CopyDone,
+		// whatever happens to the lease meanwhile.
+		id, slots, err := m.cache.BeginLoad(r.Lease, s.rank, int(r.First)+i, e-i, nil)
+		if err != nil {
+			// Cannot happen after the checks above; give back what the
+			// chunks not started hold.
+			m.uncharge(s, s.uid, usage{meta: meta - int64(req.left)*copyMeta - 12*int64(i)})
+			if req.left == 0 {
+				return internal(err)
+			}
+			req.err = err
+			break
+		}
+		offsets := make([]uint64, len(slots))
+		for k, sl := range slots {
+			offsets[k] = uint64(sl) * m.cfg.SlotBytes
+		}
+		op := h.addChunk(req, rg, r.Pages[i:e], offsets, chunkMeta(e-i))
+		op.load = id
+	}
 	m.cache.Renew(r.Lease, m.cfg.LeaseTTL, h.now)
 	q.loading++
 	q.state = schema.StateLoading
@@ -107,52 +128,69 @@ func (h *handler) store(p []byte) error {
 		return err
 	}
 	w := in.width
-	var rep schema.StoreReply
+	per := m.chunkPages(rg.pageBytes)
+	// Charge the largest record the store can need before reserving
+	// anything; the excess goes back below.
+	maxMeta := int64((len(r.Pages)+per-1)/per)*copyMeta + 12*int64(len(r.Pages))
+	if err := m.chargeMeta(s, s.uid, maxMeta); err != nil {
+		return err
+	}
+	// Only blocks of several ranks are charged as incomplete: they may wait
+	// for ranks that never come until --write-timeout. A one-rank block is
+	// incomplete only while its chunk copies.
+	var ch cache.Charge
+	if in.world > 1 {
+		ch = cache.Charge{Key: s.uid + 1, Limit: m.pendingLimit()}
+	}
+	req := &copyReq{sess: s, uid: s.uid, typ: h.typ, seq: h.seq, dir: gpu.EngineToPool}
 	var tickets []cache.Ticket
 	var pages []uint32
 	var offsets []uint64
-	ch := cache.Charge{Key: s.uid + 1, Limit: m.pendingLimit()}
+	used := int64(0)
+	flush := func() {
+		if len(tickets) == 0 {
+			return
+		}
+		meta := chunkMeta(len(tickets))
+		used += meta
+		op := h.addChunk(req, rg, pages, offsets, meta)
+		op.tickets = tickets
+		tickets, pages, offsets = nil, nil, nil
+	}
 	for i := range r.Pages {
 		t, st, err := m.cache.BeginStoreCharged(in.ns.id, s.rank, d[i*w:(i+1)*w], s.owner, h.now, ch)
 		if err != nil {
-			for _, t := range tickets {
-				m.cache.AbortStore(t)
-			}
-			return internal(err)
+			return internal(err) // cannot happen: the view and rank are valid
 		}
 		switch st {
 		case cache.Allocated:
 			tickets = append(tickets, t)
 			pages = append(pages, r.Pages[i])
 			offsets = append(offsets, uint64(t.Slot)*m.cfg.SlotBytes)
+			if len(tickets) == per {
+				flush()
+			}
 		case cache.AlreadyPresent, cache.InFlight:
-			rep.Present++
+			req.reply.Present++
 		case cache.NoSpace:
-			rep.Skipped++
+			req.reply.Skipped++
 		case cache.OverQuota:
-			rep.Skipped++
+			req.reply.Skipped++
 			m.st.QuotaRefusals["pending"]++
 		}
 	}
-	if len(tickets) == 0 {
-		h.out.reply(s.id, h.typ, h.seq, rep.Append)
-		return nil
+	flush()
+	m.uncharge(s, s.uid, usage{meta: maxMeta - used})
+	if req.left == 0 {
+		h.out.reply(s.id, h.typ, h.seq, req.reply.Append)
 	}
-	op, err := h.startCopy(gpu.EngineToPool, rg, pages, offsets)
-	if err != nil {
-		for _, t := range tickets {
-			m.cache.AbortStore(t)
-		}
-		return err
-	}
-	op.tickets, op.reply = tickets, rep
 	return nil
 }
 
-// CopyDone applies the end of a copy: a load's pins are dropped and its
-// query moves on; a store's blocks are committed, or discarded when the
-// copy failed or its process exited during it. The reply goes to the
-// session that asked, if it is still there.
+// CopyDone applies the end of one chunk: a load's pins are dropped; a
+// store's blocks are committed, or discarded when the copy failed or its
+// process exited during it. When the request's last chunk ends, its reply
+// goes to the session that asked, if it is still there.
 func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 	out.reset()
 	m.out = out
@@ -162,62 +200,76 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 		return
 	}
 	delete(m.copies, id)
-	m.uncharge(op.sess, op.uid, usage{meta: op.meta})
-	if !op.sess.gone {
-		op.sess.copyMeta -= op.meta
+	req := op.req
+	m.uncharge(req.sess, req.uid, usage{meta: op.meta})
+	if !req.sess.gone {
+		req.sess.copyMeta -= op.meta
 	}
-	failed := res.Err != nil || (res.Exited && op.dir == gpu.EngineToPool)
+	failed := res.Err != nil || (res.Exited && req.dir == gpu.EngineToPool)
 	if failed {
 		m.st.CopiesFailed++
+		if req.err == nil {
+			req.err = res.Err
+		}
+		req.exited = req.exited || res.Exited
 	} else {
 		m.st.CopiesOK++
 	}
-	var payload func([]byte) []byte
-	switch op.dir {
+	switch req.dir {
 	case gpu.PoolToEngine:
 		m.cache.EndLoad(op.load)
-		if q := op.q; m.queries[q.lease] == q {
+	case gpu.EngineToPool:
+		for _, t := range op.tickets {
+			if failed {
+				m.cache.AbortStore(t)
+				req.reply.Skipped++
+				continue
+			}
+			switch err := m.cache.CommitStore(t); {
+			case err == nil:
+				req.reply.Stored++
+			case errors.Is(err, cache.ErrDoomed):
+				m.st.DoomedWrites++
+				req.reply.Skipped++
+			default:
+				req.reply.Skipped++
+			}
+		}
+	}
+	req.left--
+	if req.left > 0 {
+		m.check()
+		return
+	}
+	var payload func([]byte) []byte
+	switch req.dir {
+	case gpu.PoolToEngine:
+		if q := req.q; m.queries[q.lease] == q {
 			q.loading--
 			if q.loading == 0 && q.state == schema.StateLoading {
 				q.state = schema.StateLoaded
 			}
 		}
-		if res.Err != nil {
-			r := schema.Reply{Status: schema.ErrCodeCopyFailed, Message: res.Err.Error()}
+		if req.err != nil {
+			r := schema.Reply{Status: schema.ErrCodeCopyFailed, Message: req.err.Error()}
 			payload = r.Append
-		} else if op.seq != 0 { // a fire-and-forget Load that succeeded gets no reply
-			r := schema.Reply{Value: uint64(op.pages)}
+		} else if req.seq != 0 { // a fire-and-forget Load that succeeded gets no reply
+			r := schema.Reply{Value: uint64(req.pages)}
 			payload = r.Append
 		}
 	case gpu.EngineToPool:
-		r := op.reply
-		for _, t := range op.tickets {
-			if failed {
-				m.cache.AbortStore(t)
-				r.Skipped++
-				continue
-			}
-			switch err := m.cache.CommitStore(t); {
-			case err == nil:
-				r.Stored++
-			case errors.Is(err, cache.ErrDoomed):
-				m.st.DoomedWrites++
-				r.Skipped++
-			default:
-				r.Skipped++
-			}
-		}
+		r := req.reply
 		switch {
-		case res.Err != nil:
-			r.Status, r.Message = schema.ErrCodeCopyFailed, res.Err.Error()
-		case failed:
+		case req.err != nil:
+			r.Status, r.Message = schema.ErrCodeCopyFailed, req.err.Error()
+		case req.exited:
 			m.st.DiscardedExitedStores++
 			r.Status, r.Message = schema.ErrCodeCopyFailed, "the process that owns the region exited during the copy: the store was discarded"
 		}
 		payload = r.Append
 	}
-	if !op.sess.gone && payload != nil {
-		out.reply(op.sess.id, op.typ, op.seq, payload)
+	if !req.sess.gone && payload != nil {
+		out.reply(req.sess.id, req.typ, req.seq, payload)
 	}
 	m.check()
 }

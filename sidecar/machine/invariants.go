@@ -125,7 +125,7 @@ func (m *Machine) CheckInvariants() error {
 		}
 	}
 	for _, op := range m.copies {
-		at(op.sess, op.uid, usage{meta: op.meta})
+		at(op.req.sess, op.req.uid, usage{meta: op.meta})
 	}
 	nsSessions := map[*nsRec]int{}
 	for _, in := range m.instances {
@@ -168,17 +168,17 @@ func (m *Machine) CheckInvariants() error {
 	}
 	var cm int64
 	for _, op := range m.copies {
-		if op.sess.gone {
+		if op.req.sess.gone {
 			continue
 		}
-		if m.sessions[op.sess.id] != op.sess {
-			bad("copy %d: session %d not live yet not gone", op.id, op.sess.id)
+		if m.sessions[op.req.sess.id] != op.req.sess {
+			bad("copy %d: session %d not live yet not gone", op.id, op.req.sess.id)
 		}
 	}
 	for _, s := range m.sessions {
 		cm = 0
 		for _, op := range m.copies {
-			if op.sess == s {
+			if op.req.sess == s {
 				cm += op.meta
 			}
 		}

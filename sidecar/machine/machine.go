@@ -158,19 +158,32 @@ type query struct {
 	meta     int64
 }
 
+// copyOp is one chunk of a Load or Store: at most ChunkBytes, run and
+// completed on its own, so that a chunk stuck on a client's page fault
+// holds only its own slots (the session's other chunks can be cancelled).
 type copyOp struct {
 	id      CopyID
-	sess    *session
-	uid     uint32
-	typ     uint16
-	seq     uint64
-	dir     gpu.Direction
+	req     *copyReq
 	meta    int64
 	pages   int
-	q       *query // load
-	load    uint64 // load: the cache's load id
+	load    uint64 // load: the cache's load id of this chunk's pins
 	tickets []cache.Ticket
-	reply   schema.StoreReply
+}
+
+// copyReq is the request a chunk belongs to: its reply is sent when its
+// last chunk ends.
+type copyReq struct {
+	sess   *session
+	uid    uint32
+	typ    uint16
+	seq    uint64
+	dir    gpu.Direction
+	q      *query // load
+	left   int    // chunks not yet done
+	pages  int
+	err    error
+	exited bool
+	reply  schema.StoreReply
 }
 
 // New returns a Machine over c (which it owns from now on).

@@ -47,6 +47,7 @@ type Reply struct {
 type Copy struct {
 	ID        CopyID
 	Session   SessionID
+	UID       uint32 // the session's uid
 	Dir       gpu.Direction
 	Region    gpu.Handle
 	PageBytes uint64
