@@ -267,23 +267,37 @@ class Session:
                 sock.settimeout(max(deadline - _monotonic(), 1e-3))
                 sock.send(msg)
                 sock.settimeout(max(deadline - _monotonic(), 1e-3))
-                b = sock.recv(8192)
+                # Protocol version 2: a successful reply carries the two
+                # rings as descriptors (submission first).
+                b, fds, _, _ = _socket.recv_fds(sock, 8192, 2)
             except _socket.timeout:
                 raise RingsideTimeout("attach to %s: no answer within %.3gs" % (socket_path, timeout)) from None
             except OSError as e:
                 raise RingsideUnavailable("attach to %s: %s" % (socket_path, e)) from None
-            if not b:
-                raise RingsideUnavailable("attach to %s: the sidecar closed the connection" % socket_path)
             try:
-                info = _schema.decode_attach_reply(b)
-            except _schema.SchemaError as e:
-                raise _malformed(e) from None
-            if info.status != 0:
-                raise RingsideError(info.status, info.message)
+                if not b:
+                    raise RingsideUnavailable("attach to %s: the sidecar closed the connection" % socket_path)
+                try:
+                    info = _schema.decode_attach_reply(b)
+                except _schema.SchemaError as e:
+                    raise _malformed(e) from None
+                if info.status != 0:
+                    raise RingsideError(info.status, info.message)
+                if len(fds) != 2:
+                    raise RingsideUnavailable("attach reply carried %d ring descriptors, want 2" % len(fds))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
             sub = cmp = prod = cons = None
             try:
-                sub = _ring.open_ring(info.submission_ring, info.epoch)
-                cmp = _ring.open_ring(info.completion_ring, info.epoch)
+                sub_fd, cmp_fd = fds
+                try:
+                    sub = _ring.open_fd(sub_fd, info.epoch, info.submission_ring)
+                except BaseException:
+                    os.close(cmp_fd)
+                    raise
+                cmp = _ring.open_fd(cmp_fd, info.epoch, info.completion_ring)
                 w = wait if wait is not None else _ring.DEFAULT_WAIT
                 prod = _ring.Producer(sub, w)
                 cons = _ring.Consumer(cmp, w)

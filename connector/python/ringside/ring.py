@@ -641,6 +641,30 @@ def open_ring(path: str, epoch: int = 0) -> Ring:
     return r
 
 
+def open_fd(fd: int, epoch: int = 0, name: str = "") -> Ring:
+    """Map a ring from a file descriptor (taken over: closed with the Ring,
+    or at once on error) and validate its header, like open_ring.  This is
+    how a client maps the rings the sidecar passes with its attach reply:
+    they have no path, so no other process can open them."""
+    name = name or f"fd {fd}"
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise RingError(f"{name}: not a regular file")
+        if st.st_size < HEADER_SIZE + MIN_CAPACITY or st.st_size > HEADER_SIZE + MAX_CAPACITY:
+            raise RingBadHeader(f"{name}: size {st.st_size} outside "
+                                f"[{HEADER_SIZE + MIN_CAPACITY}, {HEADER_SIZE + MAX_CAPACITY}]")
+        os.set_inheritable(fd, False)
+        r = _map_fd(fd, name, st.st_size)
+    except BaseException:
+        os.close(fd)
+        raise
+    if epoch and r.epoch != epoch:
+        r.close()
+        raise RingBadHeader(f"{name} has epoch {r.epoch:#x}, expected {epoch:#x} (stale ring)")
+    return r
+
+
 # ---------------------------------------------------------------------------
 # Producer.
 

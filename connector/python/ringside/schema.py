@@ -96,6 +96,7 @@ class Status(IntEnum):
     SHUTTING_DOWN = _w.SCHEMA_ERR_CODE_SHUTTING_DOWN
     BAD_VERSION = _w.SCHEMA_ERR_CODE_BAD_VERSION
     BAD_STATE = _w.SCHEMA_ERR_CODE_BAD_STATE
+    MISMATCH = _w.SCHEMA_ERR_CODE_MISMATCH
 
     def __str__(self) -> str:
         return STATUS_NAMES[self.value]
@@ -106,7 +107,7 @@ STATUS_NAMES = (
     "ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
     "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
     "copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
-    "bad state",
+    "bad state", "mismatch",
 )
 
 

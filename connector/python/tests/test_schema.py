@@ -492,10 +492,10 @@ def test_names():
     go = ["ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
           "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
           "copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
-          "bad state"]
-    assert [S.status_name(i) for i in range(17)] == go
+          "bad state", "mismatch"]
+    assert [S.status_name(i) for i in range(18)] == go
     assert [str(s) for s in S.Status] == go
-    assert S.status_name(17) == "status(17)"
+    assert S.status_name(18) == "status(18)"
     assert [S.state_name(i) for i in range(8)] == [
         "state(0)", "waiting", "ready", "loading", "loaded", "miss", "released", "state(7)"]
     names = ["PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release", "RegisterRegion", "Load",
