@@ -256,7 +256,9 @@ func checkAlive(t *testing.T, sc *sidecar) {
 func loadRace(t *testing.T, row *Row, extra []string, race func(a *tenant, lease uint64) (string, func())) {
 	const slots, nC = 32, 8
 	const nA = slots - nC
-	args := append([]string{"--pool.bytes", fmt.Sprint(slots * slot), "--copy.workers", "4"}, extra...)
+	// The test pins the whole pool on purpose (a bystander holds what A does
+	// not): the pin quota of point 15 is TestPinQuota's.
+	args := append([]string{"--pool.bytes", fmt.Sprint(slots * slot), "--copy.workers", "4", "--limits.pin-share", "1"}, extra...)
 	sc := startSidecar(t, newDir(t), args...)
 	a := newTenant(t, sc.sock, "loader-a", "", "tenant-a", nA, 0xA)
 	b := newTenant(t, sc.sock, "attacker-b", "", "tenant-b", nA, 0xB)

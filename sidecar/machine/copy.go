@@ -34,6 +34,23 @@ func (h *handler) addChunk(req *copyReq, r *region, pages []uint32, offsets []ui
 	return op
 }
 
+// geometry checks a copy through r against its namespace's block size,
+// which the namespace's first Store fixes for as long as it lives: a load
+// then always copies exactly the bytes a store wrote, never a slot's tail
+// or a neighbour.
+func (h *handler) geometry(r *region) error {
+	ns := h.s.inst.ns
+	switch {
+	case ns.pageBytes == 0 && h.typ == schema.TypeStore:
+		ns.pageBytes = r.pageBytes
+	case ns.pageBytes == 0:
+		return schema.Errorf(schema.ErrCodeMismatch, "nothing was ever stored in this namespace")
+	case r.pageBytes != ns.pageBytes:
+		return schema.Errorf(schema.ErrCodeMismatch, "region pages of %d bytes, but the namespace's blocks are %d bytes (its first store fixed that): a copy must move exactly one stored block", r.pageBytes, ns.pageBytes)
+	}
+	return nil
+}
+
 // regionFor checks a region and the page indices a request names in it.
 func (h *handler) regionFor(id uint32, pages []uint32) (*region, error) {
 	r, ok := h.s.regions[id]
@@ -73,6 +90,9 @@ func (h *handler) load(p []byte) error {
 	}
 	if uint64(r.First)+uint64(len(r.Pages)) > uint64(q.blocks) {
 		return schema.Errorf(schema.ErrCodeOutOfRange, "blocks [%d, %d) past the %d blocks of lease %d", r.First, uint64(r.First)+uint64(len(r.Pages)), q.blocks, r.Lease)
+	}
+	if err := h.geometry(rg); err != nil {
+		return err
 	}
 	if len(r.Pages) == 0 {
 		h.ok(0)
@@ -125,6 +145,9 @@ func (h *handler) store(p []byte) error {
 	}
 	d, err := h.view(r.View)
 	if err != nil {
+		return err
+	}
+	if err := h.geometry(rg); err != nil {
 		return err
 	}
 	w := in.width

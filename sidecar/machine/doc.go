@@ -37,11 +37,11 @@
 //
 // # Geometry
 //
-// Every region registered in a namespace has the page size of the first
-// region registered there (the namespace's block size, fixed while the
-// namespace lives); a region of another page size is refused with status
-// 17. Stores and loads therefore always copy exactly one block's bytes: a
-// load never returns bytes a store did not write.
+// A namespace's first Store fixes its block size (the page size of the
+// region it copies from) for as long as the namespace lives; a Load or
+// Store through a region of another page size is refused with status 17.
+// Copies therefore always move exactly one stored block: a load never
+// returns bytes a store did not write (a slot's tail, a previous occupant).
 //
 // # Quotas
 //

@@ -346,10 +346,6 @@ func (h *handler) registerRegion(p []byte) error {
 	case len(s.regions) >= m.cfg.MaxRegions:
 		return m.refuse("regions", "%d regions registered in this session, the maximum", len(s.regions))
 	}
-	ns := s.inst.ns
-	if ns.pageBytes != 0 && r.PageSize != ns.pageBytes {
-		return schema.Errorf(schema.ErrCodeMismatch, "region page size %d differs from the namespace's block size %d (set by its first region): a load must copy exactly what a store wrote", r.PageSize, ns.pageBytes)
-	}
 	g := gpu.Region{Kind: gpu.HostProcess, PID: int(r.PID), Base: r.Base, Length: r.Length, PageSize: r.PageSize, PageCount: r.PageCount}
 	for _, sg := range r.Segments {
 		g.Segments = append(g.Segments, gpu.Segment{Offset: sg.Offset, Stride: sg.Stride, Length: sg.Length})
@@ -368,7 +364,6 @@ func (h *handler) registerRegion(p []byte) error {
 	if err := m.chargeMeta(s, s.uid, meta); err != nil {
 		return err
 	}
-	ns.pageBytes = r.PageSize
 	s.regions[r.Region] = &region{pageBytes: r.PageSize, pages: r.PageCount, pending: true, meta: meta, seq: h.seq}
 	h.out.Registers = append(h.out.Registers, Register{Session: s.id, ID: r.Region, Region: g})
 	return nil
