@@ -106,7 +106,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		return nil, err
 	}
 	c, err := cache.New(cache.Config{Capacity: int(slots), DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
-		Epoch: s.epoch, MaxLogBytes: cfg.MetaBytes / 4})
+		Epoch: s.epoch, MaxLogBytes: s.cfg.MetaBytes / 4})
 	if err != nil {
 		return nil, err
 	}
@@ -148,7 +148,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		SlotBytes: cfg.SlotBytes, Budget: cfg.Budget, LeaseTTL: cfg.LeaseTTL, MaxLeaseTTL: cfg.MaxLeaseTTL,
 		CUDAIPC: gpu.Supports(s.copier, gpu.CUDAIPC), SnapshotScan: cfg.SnapshotScan,
 		MaxBatches: cfg.MaxBatches, MaxBatchHashes: cfg.MaxBatchHashes, MaxHashBytes: cfg.MaxHashBytes,
-		MaxLeases: cfg.MaxLeases, MetaBytes: cfg.MetaBytes, RingBytes: cfg.RingBytes, MaxSessions: cfg.MaxSessions,
+		MaxLeases: cfg.MaxLeases, MetaBytes: s.cfg.MetaBytes, RingBytes: s.cfg.RingBytes, MaxSessions: cfg.MaxSessions,
 		MaxNamespaces: cfg.MaxNamespaces, PinShare: cfg.PinShare, PendingShare: cfg.PendingShare,
 		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare, ChunkBytes: cfg.CopyChunkBytes,
 	}
