@@ -288,7 +288,7 @@ func (f *fuzzer) settle(p pending) {
 		f.t.Fatalf("reply without a status: %x", b)
 	}
 	st := schema.Status(binary.LittleEndian.Uint32(b))
-	if st > schema.ErrCodeBadState {
+	if st > schema.ErrCodeMismatch {
 		f.t.Fatalf("unknown status %d", st)
 	}
 	f.statuses[st]++

@@ -117,7 +117,7 @@ func nobodyChild() int {
 		if err == nil {
 			f.Close()
 		}
-		res[filepath.Base(p)] = errString(err)
+		res[p] = errString(err)
 	}
 	json.NewEncoder(os.Stdout).Encode(res)
 	return 0
@@ -162,17 +162,15 @@ func runAsNobody(t *testing.T, sock string, files []string) map[string]string {
 // TestOtherUIDRefused: a process of another uid cannot attach or open the
 // sidecar's files, even when the directory and socket are opened up.
 func TestOtherUIDRefused(t *testing.T) {
-	row := record(t, "Isolation", "a process of another uid (65534) attaching and opening the pool and a live session's rings; then again with the directory opened to 0711 and the socket to 0666 (a misconfiguration)",
-		"files: directory 0700, pool, rings and socket 0600, all owned by the sidecar's uid; the other uid cannot connect (EACCES), and once it can, SO_PEERCRED refuses the attach with status 12; it can open none of the files", "")
+	row := record(t, "Isolation", "a process of another uid (65534) attaching and opening the pool and a live session's rings (by their former names, and through /proc/PID/fd of the sidecar and of the client); then again with the directory opened to 0711 and the socket to 0666 (a misconfiguration)",
+		"directory 0700 and socket 0600, owned by the sidecar's uid; the pool and the rings have no name at all (the rings reach their client as descriptors); the other uid cannot connect (EACCES), and once it can, SO_PEERCRED refuses the attach with status 12; it can open none of the files, by any path", "")
 	if os.Getuid() != 0 {
 		t.Skip("needs root to start a child of another uid")
 	}
 	dir := newDir(t)
 	sc := startSidecar(t, dir)
 	c := dial(t, opts(sc.sock, "owner"))
-	files := []string{filepath.Join(dir, "pool"), c.Info().SubmissionRing, c.Info().CompletionRing}
-	want := map[string]os.FileMode{dir: 0o700 | os.ModeDir, files[0]: 0o600, files[1]: 0o600, files[2]: 0o600, sc.sock: 0o600 | os.ModeSocket}
-	for p, mode := range want {
+	for p, mode := range map[string]os.FileMode{dir: 0o700 | os.ModeDir, sc.sock: 0o600 | os.ModeSocket} {
 		fi, err := os.Lstat(p)
 		if err != nil {
 			t.Fatal(err)
@@ -182,6 +180,12 @@ func TestOtherUIDRefused(t *testing.T) {
 			t.Errorf("%s: mode %v uid %d, want %v uid %d", p, fi.Mode(), st.Uid, mode, os.Getuid())
 		}
 	}
+	names := dirNames(t, dir)
+	// The former names, and the descriptors in /proc of both processes.
+	files := []string{filepath.Join(dir, "pool"), c.Info().SubmissionRing, c.Info().CompletionRing}
+	files = append(files, procFDs(t, sc.pid(), dir)...)
+	sub, cmp := c.RingFDs()
+	files = append(files, fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), sub), fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), cmp))
 	closed := runAsNobody(t, sc.sock, files)
 	if closed["uid"] != "65534" || !strings.Contains(closed["attach"], "permission denied") {
 		t.Fatalf("as uid 65534 with the directory closed: %v", closed)
@@ -195,22 +199,59 @@ func TestOtherUIDRefused(t *testing.T) {
 		t.Fatalf("as uid 65534 with the socket reachable: %v", open)
 	}
 	for _, p := range files {
-		if !strings.Contains(open[filepath.Base(p)], "permission denied") {
-			t.Errorf("uid 65534 opened %s: %v", p, open[filepath.Base(p)])
+		if r := open[p]; r == "ok" {
+			t.Errorf("uid 65534 opened %s", p)
 		}
 	}
 	if err := c.Ping(1); err != nil {
 		t.Fatal(err)
 	}
-	row.add("modes checked (dir 0700, pool/rings/socket 0600, owner uid %d); directory closed: %q", os.Getuid(), short(closed["attach"], 70))
-	row.add("socket reachable: attach refused with status %s (%s); pool and both rings: permission denied", open["attach_status"], short(open["attach"], 60))
+	row.add("modes checked (dir 0700, socket 0600, owner uid %d); in the directory only %v; directory closed: %q", os.Getuid(), names, short(closed["attach"], 70))
+	row.add("socket reachable: attach refused with status %s (%s); none of %d paths opened (former names: %q; /proc fd: %q)", open["attach_status"], short(open["attach"], 60), len(files), short(open[files[0]], 40), short(open[files[len(files)-1]], 40))
+}
+
+// dirNames lists the names in dir, and fails the test if the sidecar left
+// anything there besides its socket and lock file.
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+		if e.Name() != "ringside.sock" && e.Name() != "ringside.lock" {
+			t.Errorf("%s has a name in the sidecar's directory", e.Name())
+		}
+	}
+	return names
+}
+
+// procFDs returns /proc/PID/fd paths of pid's descriptors of files that
+// were in dir (the unlinked pool and rings).
+func procFDs(t *testing.T, pid int, dir string) []string {
+	t.Helper()
+	base := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, _ := os.ReadDir(base)
+	var out []string
+	for _, e := range ents {
+		p := filepath.Join(base, e.Name())
+		if target, err := os.Readlink(p); err == nil && strings.HasPrefix(target, dir+"/") && strings.HasSuffix(target, " (deleted)") {
+			out = append(out, p)
+		}
+	}
+	if len(out) < 3 {
+		t.Fatalf("the sidecar holds %d unlinked files of %s (want the pool and two rings)", len(out), dir)
+	}
+	return out
 }
 
 // TestSymlinkPlanted: symbolic links at the pool, a ring and the socket
 // path, and as the directory itself.
 func TestSymlinkPlanted(t *testing.T) {
 	row := record(t, "Isolation", "symbolic links planted in the sidecar's directory: at the pool path before start, at the socket path, at the next session's two ring paths (epoch read from /debug/state) before attach; and the --dir itself a symlink",
-		"no write ever goes through a link: every victim file keeps its bytes, the pool, socket and rings are new files of their own; a symlinked --dir is refused at start", "")
+		"no write ever goes through a link: every victim file keeps its bytes; the links are removed, the pool and rings are new files of their own that then lose their names, the socket a new socket; a symlinked --dir is refused at start", "")
 	dir := newDir(t)
 	victims := map[string]string{}
 	victim := func(name string) string {
@@ -230,10 +271,11 @@ func TestSymlinkPlanted(t *testing.T) {
 	if err := c.Ping(1); err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{filepath.Join(dir, "pool"), c.Info().SubmissionRing, c.Info().CompletionRing} {
-		fi, err := os.Lstat(p)
-		if err != nil || !fi.Mode().IsRegular() {
-			t.Errorf("%s is not a regular file: %v %v", p, fi.Mode(), err)
+	sub, cmp := c.RingFDs()
+	for _, fd := range []int{sub, cmp} {
+		var st syscall.Stat_t
+		if err := syscall.Fstat(fd, &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Nlink != 0 {
+			t.Errorf("ring descriptor %d: mode %o links %d (%v), want a regular file with no name", fd, st.Mode, st.Nlink, err)
 		}
 	}
 	if fi, err := os.Lstat(sc.sock); err != nil || fi.Mode()&os.ModeSocket == 0 {
@@ -242,6 +284,7 @@ func TestSymlinkPlanted(t *testing.T) {
 	if !strings.HasSuffix(c.Info().SubmissionRing, fmt.Sprintf("s1-%016x.sub", epoch)) {
 		t.Errorf("the session did not take the planted path: %s", c.Info().SubmissionRing)
 	}
+	names := dirNames(t, dir)
 	for p, want := range victims {
 		if b, err := os.ReadFile(p); err != nil || string(b) != want {
 			t.Errorf("victim %s changed: %q %v", p, b, err)
@@ -255,7 +298,7 @@ func TestSymlinkPlanted(t *testing.T) {
 	if err == nil || !strings.Contains(out, "symbolic link") {
 		t.Errorf("a symlinked --dir: %v %s", err, out)
 	}
-	row.add("%d victims (pool, socket, 2 rings) unchanged; pool, socket and rings created as new files; symlinked --dir refused: %q", len(victims), short(lastLine(out), 90))
+	row.add("%d victims (pool, socket, 2 rings) unchanged; afterwards the directory holds only %v, the rings are nameless regular files; symlinked --dir refused: %q", len(victims), names, short(lastLine(out), 90))
 }
 
 func lastLine(s string) string {
