@@ -43,28 +43,31 @@ const (
 	TypePing           uint16 = 0x0C // liveness and round-trip check
 	TypeSnapshot       uint16 = 0x0D // read a page of the namespace's present blocks
 
-	// TypeReserved is never a request: its reply type would be the ring's
+	// ReservedType is never a request: its reply type would be the ring's
 	// padding type 0xFFFF. Like any unknown type it is answered with
 	// status 2, in a Reply whose record type is ReplyBit alone
-	// (ReplyToReserved).
-	TypeReserved uint16 = 0x7FFF
+	// (ReservedReplyType). (Not named Type*: it is no record type.)
+	ReservedType uint16 = 0x7FFF
 
 	ReplyBit uint16 = 0x8000
-	// ReplyToReserved is the record type of the reply to a request of type
-	// TypeReserved.
-	ReplyToReserved uint16 = ReplyBit
+	// ReservedReplyType is the record type of the reply to a request of type
+	// ReservedType.
+	ReservedReplyType uint16 = ReplyBit
 )
 
 // ReplyType is the record type of the reply to a request of type t.
 func ReplyType(t uint16) uint16 {
-	if t == TypeReserved {
-		return ReplyToReserved
+	if t == ReservedType {
+		return ReservedReplyType
 	}
 	return t | ReplyBit
 }
 
 // TypeName names a record type for logs and errors.
 func TypeName(t uint16) string {
+	if t == ReservedType|ReplyBit { // the ring's padding type, never a reply
+		return fmt.Sprintf("type(%#x)", t)
+	}
 	n, ok := typeNames[t&^ReplyBit]
 	if !ok {
 		return fmt.Sprintf("type(%#x)", t)

@@ -800,10 +800,10 @@ func TestConstants(t *testing.T) {
 		t.Error("limits changed")
 	}
 	if schema.TypePutHashes != 1 || schema.TypePing != 0x0C || schema.TypeSnapshot != 0x0D || schema.FlagAppend != 1 ||
-		schema.SnapshotFlagDone != 1 || schema.TypeReserved != 0x7FFF || schema.ReplyToReserved != 0x8000 {
+		schema.SnapshotFlagDone != 1 || schema.ReservedType != 0x7FFF || schema.ReservedReplyType != 0x8000 {
 		t.Error("type codes or flags changed")
 	}
-	if schema.ReplyType(schema.TypeLoad) != 0x8008 || schema.ReplyType(schema.TypeReserved) != 0x8000 || schema.ReplyType(0x7FFE) != 0xFFFE {
+	if schema.ReplyType(schema.TypeLoad) != 0x8008 || schema.ReplyType(schema.ReservedType) != 0x8000 || schema.ReplyType(0x7FFE) != 0xFFFE {
 		t.Error("reply types changed")
 	}
 	if schema.ErrCodeMismatch != 17 || schema.ErrCodeMismatch.String() != "mismatch" {

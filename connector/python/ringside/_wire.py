@@ -58,7 +58,7 @@ SCHEMA_SNAPSHOT_FLAG_DONE = 1  # SnapshotFlagDone uint32
 # schema/schema.go
 
 # Version is the protocol version spoken in the attach handshake.
-SCHEMA_VERSION = 1  # Version uint16
+SCHEMA_VERSION = 2  # Version uint16
 
 # Record types.
 SCHEMA_TYPE_PUT_HASHES = 0x1  # TypePutHashes uint16: register (or extend) a hash batch
@@ -74,7 +74,9 @@ SCHEMA_TYPE_CHANGES = 0xa  # TypeChanges uint16: read the namespace's change log
 SCHEMA_TYPE_DETACH = 0xb  # TypeDetach uint16: end the session cleanly
 SCHEMA_TYPE_PING = 0xc  # TypePing uint16: liveness and round-trip check
 SCHEMA_TYPE_SNAPSHOT = 0xd  # TypeSnapshot uint16: read a page of the namespace's present blocks
+SCHEMA_RESERVED_TYPE = 0x7fff  # ReservedType uint16
 SCHEMA_REPLY_BIT = 0x8000  # ReplyBit uint16
+SCHEMA_RESERVED_REPLY_TYPE = 32768  # ReservedReplyType uint16
 
 # Status codes.
 SCHEMA_OK = 0  # OK Status
@@ -94,6 +96,7 @@ SCHEMA_ERR_CODE_INTERNAL = 13  # ErrCodeInternal Status
 SCHEMA_ERR_CODE_SHUTTING_DOWN = 14  # ErrCodeShuttingDown Status
 SCHEMA_ERR_CODE_BAD_VERSION = 15  # ErrCodeBadVersion Status
 SCHEMA_ERR_CODE_BAD_STATE = 16  # ErrCodeBadState Status: e.g. Load on a lease that is still waiting for budget
+SCHEMA_ERR_CODE_MISMATCH = 17  # ErrCodeMismatch Status: a region's page size differs from its namespace's block size
 
 # Limits on what one record may carry.
 SCHEMA_MAX_HASHES_PER_RECORD = 4096  # MaxHashesPerRecord untyped int

@@ -50,6 +50,10 @@ TYPE_PING = _w.SCHEMA_TYPE_PING
 TYPE_SNAPSHOT = _w.SCHEMA_TYPE_SNAPSHOT
 
 REPLY_BIT = _w.SCHEMA_REPLY_BIT
+# Never a request type: its reply type would be the ring's pad type. The
+# sidecar answers it with status 2 under record type RESERVED_REPLY_TYPE.
+RESERVED_TYPE = _w.SCHEMA_RESERVED_TYPE
+RESERVED_REPLY_TYPE = _w.SCHEMA_RESERVED_REPLY_TYPE
 
 TYPE_NAMES = {
     TYPE_PUT_HASHES: "PutHashes",
