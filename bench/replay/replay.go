@@ -321,7 +321,10 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 	args := []string{"serve",
 		"--dir", dir, "--socket", sock, "--metrics.addr", "",
 		"--pool.slot-bytes", strconv.Itoa(c.PageBytes), "--pool.bytes", strconv.FormatInt(int64(capacity)*int64(c.PageBytes), 10),
-		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn"}
+		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn",
+		// The engines of one trace are one tenant: a pin quota would shorten
+		// leases and take the hit rate off the exact LRU model.
+		"--limits.pin-share", "1"}
 	sc, err := harness.Start("sidecar", c.Ringside, args, harness.Options{Timeout: c.Timeout})
 	if err != nil {
 		return nil, err

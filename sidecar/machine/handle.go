@@ -337,6 +337,8 @@ func (h *handler) registerRegion(p []byte) error {
 	switch {
 	case r.Kind != schema.RegionHostProcess && !cudaIPC:
 		return schema.Errorf(schema.ErrCodeNotPermitted, "region kind %d needs the CUDA copy backend, which this sidecar does not run", r.Kind)
+	case r.Kind == schema.RegionHostProcess && s.pid <= 0:
+		return schema.Errorf(schema.ErrCodeNotPermitted, "the sidecar cannot see this process (SO_PEERCRED gave pid %d: another pid namespace): host-memory regions need the engine and the sidecar in one pid namespace (shareProcessNamespace in Kubernetes)", s.pid)
 	case r.PID != uint64(s.pid):
 		return schema.Errorf(schema.ErrCodeNotPermitted, "region pid %d is not the attached process (%d): a session may only register its own memory", r.PID, s.pid)
 	case r.PageSize > m.cfg.SlotBytes:
