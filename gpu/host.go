@@ -3,6 +3,7 @@ package gpu
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"time"
 
@@ -19,6 +20,10 @@ type HostOptions struct {
 	// PerRange issues one process_vm_* call per range instead of batching
 	// up to IOV_MAX ranges per call (benchmarks: the "per_range" mode).
 	PerRange bool
+	// ThreadSetup, if set, runs on each worker's own OS thread (the worker
+	// goroutine is locked to it) before it copies anything: the sidecar
+	// lowers the copy threads' priority there.
+	ThreadSetup func()
 }
 
 // Host is the CPU backend: HostShared regions are copied with copy(),
@@ -37,6 +42,7 @@ type Host struct {
 	workers  sync.WaitGroup
 	noMerge  bool // tests and benchmarks: skip MergeRanges
 	perRange bool
+	setup    func()
 }
 
 var _ Engine = (*Host)(nil)
@@ -72,6 +78,7 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 		regions:  make(map[Handle]*hostRegion),
 		jobs:     make(chan hostJob, opts.Queue),
 		perRange: opts.PerRange,
+		setup:    opts.ThreadSetup,
 	}
 	h.workers.Add(opts.Workers)
 	for range opts.Workers {
@@ -178,6 +185,11 @@ func (h *Host) Close() error {
 
 func (h *Host) worker() {
 	defer h.workers.Done()
+	if h.setup != nil {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		h.setup()
+	}
 	for j := range h.jobs {
 		start := time.Now()
 		res := h.run(j)

@@ -372,8 +372,10 @@ func TestOversizedLoadsStarveOthers(t *testing.T) {
 	big := n * page
 	row := record(t, "Isolation", fmt.Sprintf("a session of another tenant keeps %d Loads of %d MiB each (%d pages of %d KiB) in flight; one copy worker", depth, big>>20, n, page>>10),
 		"every oversized load completes; a bystander of another tenant (PutHashes, Store, Lookup, Acquire, Load with every byte checked, Release, DropHashes; pages of the pool's slot size) sees no failure, timeout or wrong byte, and its median Lookup and Load latency under attack stays within 5x of its median without attack in the same run", "7. backpressure")
+	// The attacker pins nearly the whole pool for its loads: the pin quota
+	// (point 15, TestPinQuota) is lifted, since this test is about copies.
 	sc := startSidecar(t, newDir(t), "--pool.slot-bytes", fmt.Sprint(page), "--pool.bytes", fmt.Sprint(big+256*page),
-		"--budget", fmt.Sprint(2*big), "--copy.workers", "1")
+		"--budget", fmt.Sprint(2*big), "--copy.workers", "1", "--limits.pin-share", "1")
 	o := opts(sc.sock, "oversized")
 	o.Salt = "oversized-tenant"
 	o.Timeout = 60 * time.Second

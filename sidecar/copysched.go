@@ -13,7 +13,7 @@ import (
 // machine splits every Load and Store into chunks of at most
 // --copy.chunk-bytes; each session's chunks wait in a queue of its own, and
 // the engine is given chunks round robin over the sessions that have some,
-// at most `base` at a time. A session that pipelines huge loads therefore
+// `base` at a time, plus one for each session that has none running. A session that pipelines huge loads therefore
 // delays another session's copy by at most one chunk per worker, not by its
 // whole backlog.
 //
@@ -130,12 +130,16 @@ func (s *scheduler) forget(q *sessQueue) {
 }
 
 // dispatch starts chunks while there is room, round robin over sessions.
+// Room is `base` chunks, and beyond that one chunk for every session that
+// has none running (up to maxLimit): a session with copies queued never
+// waits for another session's chunk to finish, so one session's large
+// copies delay another's small one by nothing but the CPU they share.
 func (s *scheduler) dispatch() {
 	for {
 		s.mu.Lock()
 		var c *chunk
-		if len(s.running)-s.stalled < s.base && len(s.running) < s.maxLimit {
-			c = s.pick()
+		if len(s.running) < s.maxLimit {
+			c = s.pick(len(s.running)-s.stalled < s.base)
 		}
 		if c != nil {
 			c.started = time.Now()
@@ -154,9 +158,10 @@ func (s *scheduler) dispatch() {
 	}
 }
 
-// pick takes the next chunk, round robin. Caller holds mu.
-func (s *scheduler) pick() *chunk {
-	for len(s.order) > 0 {
+// pick takes the next chunk, round robin; with room false only from a
+// session that has no chunk running. Caller holds mu.
+func (s *scheduler) pick(room bool) *chunk {
+	for tries := len(s.order); tries > 0 && len(s.order) > 0; tries-- {
 		if s.next >= len(s.order) {
 			s.next = 0
 		}
@@ -165,6 +170,11 @@ func (s *scheduler) pick() *chunk {
 			q.queued = false
 			s.order = append(s.order[:s.next], s.order[s.next+1:]...)
 			s.forget(q)
+			tries++
+			continue
+		}
+		if !room && q.running > 0 {
+			s.next++
 			continue
 		}
 		c := q.chunks[0]

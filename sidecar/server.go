@@ -236,7 +236,10 @@ func (s *Server) memoryBudget(pool uint64) error {
 // the most copies the engine must be able to run at once (the scheduler
 // keeps to cfg.CopyWorkers unless some are stalled).
 func newCopier(cfg Config, pool []byte, workers int, log zerolog.Logger) (gpu.Engine, error) {
-	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers})
+	// Copy threads run at a lower priority (nice +5): on a busy CPU the
+	// session loops, which answer every client, go before bulk copies.
+	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers,
+		ThreadSetup: func() { sys.NiceThread(5) }})
 	if err != nil || cfg.CopyBackend == "host" {
 		return host, err
 	}

@@ -103,3 +103,18 @@ func listTids(dir string) ([]int, error) {
 	}
 	return tids, nil
 }
+
+// NiceThread lowers the calling thread's priority by delta nice steps (a
+// higher nice value; no privilege needed). Call it from a goroutine locked
+// to its thread (runtime.LockOSThread): the copy workers of the sidecar
+// run this way, so that on a busy CPU the session loops, which answer
+// every other client, go first.
+func NiceThread(delta int) error {
+	tid := unix.Gettid()
+	cur, err := unix.Getpriority(unix.PRIO_PROCESS, tid)
+	if err != nil {
+		return err
+	}
+	// getpriority returns 20 - nice.
+	return unix.Setpriority(unix.PRIO_PROCESS, tid, min(20-cur+delta, 19))
+}
