@@ -182,7 +182,12 @@ func TestResourceExhaustion(t *testing.T) {
 	row := record(t, "Resource exhaustion", "from another process: one session registers hash batches without end, one registers 4096-digest batches without end, one opens leases without releasing, one floods its ring with pipelined PutHashes (FlagLookup), Lookup and Load requests (at least 2 s, until the others hit their quotas); then sessions attach without end",
 		"each hog is bounded by its quota with status 7 and a message naming the maximum (65,536 batches per instance, 256 MiB of digests per instance, 65,536 leases per session, --max-sessions 16); everything is reclaimed when they leave; a bystander of another tenant (PutHashes, Store, Lookup, Acquire, Load with every byte checked, Release, DropHashes) sees no failure, timeout or wrong byte while and after the hogs run, and its median Lookup and Load latency under attack stays within 5x of its median without attack in the same run",
 		"1. leaks / pins never released; 7. backpressure")
-	sc := startSidecar(t, newDir(t), "--max-sessions", "16", "--ring.capacity", "1MiB", "--budget", "1GiB")
+	// The per-instance and per-session bounds under test here, not the
+	// per-uid shares (all hogs run as this test's uid; TestMetadataMemoryBound
+	// and TestPinQuota are about those): the uid may hold every session and
+	// pin, and a session the instance's whole 256 MiB of digests.
+	sc := startSidecar(t, newDir(t), "--max-sessions", "16", "--ring.capacity", "1MiB", "--budget", "1GiB",
+		"--limits.metadata-bytes", "2GiB", "--limits.uid-share", "1", "--limits.pin-share", "1")
 	by := startBystander(t, sc)
 	by.baseline(300)
 	var results []exhaustHog

@@ -104,9 +104,9 @@ type Config struct {
 	// MaxNamespaces bounds namespaces; an idle one is reclaimed when the
 	// bound is reached.
 	MaxNamespaces int
-	// PinShare is the part of the pool one uid, and one session, may pin
-	// under leases; PendingShare the part one uid may hold in incomplete
-	// blocks; UIDShare and SessionShare the parts of MetaBytes (and of
+	// PinShare is the part of the pool the leases of one uid may pin
+	// (distinct blocks); PendingShare the part one uid may hold in blocks
+	// that some tensor-parallel ranks have not written yet; UIDShare and SessionShare the parts of MetaBytes (and of
 	// RingBytes and MaxSessions, for a uid) one uid and one session may
 	// hold. Zero: the defaults of sidecar/machine.
 	PinShare     float64

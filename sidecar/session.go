@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -106,7 +107,7 @@ func (ss *session) run() {
 			ss.shutdown("submission ring unusable: " + err.Error())
 			return
 		}
-		for i := 0; i < 256; i++ {
+		for i := 1; ; i++ {
 			rec, err := ss.cons.Next()
 			if errors.Is(err, ring.ErrEmpty) {
 				break
@@ -119,10 +120,21 @@ func (ss *session) run() {
 				ss.cons.Commit()
 				return
 			}
+			// A client that floods its ring gets its turn like any other:
+			// every few records the loop releases what it read and lets the
+			// other sessions' goroutines run (Go's scheduler would otherwise
+			// let it run for a 10 ms time slice while they wait).
+			if i%yieldEvery == 0 {
+				ss.cons.Commit()
+				runtime.Gosched()
+			}
 		}
 		ss.cons.Commit()
 	}
 }
+
+// yieldEvery is how many records a session loop serves before it yields.
+const yieldEvery = 8
 
 // handle serves one record. It returns false when the session must end.
 func (ss *session) handle(rec ring.Record) bool {

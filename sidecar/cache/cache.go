@@ -198,6 +198,10 @@ type Cache struct {
 	// pending head was charged to, and the slots charged per key.
 	pendingKey   map[uint32]uint32
 	pendingByKey map[uint32]int
+	// Pins charged per key (AcquireCharged): per key, the leases' pins of
+	// each block, and the distinct slots they hold.
+	pinKey   map[uint32]map[uint32]uint32
+	pinByKey map[uint32]int
 
 	writers    []writerRec
 	writerFree int32
@@ -260,6 +264,8 @@ func New(cfg Config) (*Cache, error) {
 		loads:        make(map[uint64][]uint32),
 		pendingKey:   make(map[uint32]uint32),
 		pendingByKey: make(map[uint32]int),
+		pinKey:       make(map[uint32]map[uint32]uint32),
+		pinByKey:     make(map[uint32]int),
 		writerFree:   -1,
 		leaseFree:    -1,
 	}

@@ -302,6 +302,34 @@ func (c *Cache) CheckInvariants() error {
 			bad("lease %d: id beyond counter %d", id, c.nextLeaseID)
 		}
 	}
+	keyPins := map[uint32]map[uint32]uint32{}
+	for _, li := range c.leaseByID {
+		l := &c.leases[li]
+		if l.key == 0 {
+			continue
+		}
+		if keyPins[l.key] == nil {
+			keyPins[l.key] = map[uint32]uint32{}
+		}
+		for _, h := range l.heads {
+			keyPins[l.key][h]++
+		}
+	}
+	if len(keyPins) != len(c.pinKey) || len(c.pinByKey) != len(c.pinKey) {
+		bad("pin charges: %d keys in leases, %d kept, %d counted", len(keyPins), len(c.pinKey), len(c.pinByKey))
+	}
+	for key, want := range keyPins {
+		got, slots := c.pinKey[key], 0
+		for h, n := range want {
+			if got[h] != n {
+				bad("pin charge key %d block %d: %d, leases hold %d", key, h, got[h], n)
+			}
+			slots += c.worldOf(h)
+		}
+		if len(got) != len(want) || c.pinByKey[key] != slots {
+			bad("pin charge key %d: %d slots counted, leases pin %d", key, c.pinByKey[key], slots)
+		}
+	}
 	for h, p := range pins {
 		if h >= n || c.rank(h) != 0 || !c.present(h) || c.aux[h] != p {
 			bad("block %d: pins %d, leases and loads hold %d", h, c.aux[h], p)

@@ -17,6 +17,7 @@ type Lease struct {
 type leaseRec struct {
 	id         uint64
 	owner      SessionID
+	key        uint32 // pin charge key (AcquireCharged); 0: none
 	heads      []uint32
 	heapIdx    int32
 	prev, next int32 // owner list (next doubles as free-list link)
@@ -96,26 +97,53 @@ func (c *Cache) Lookup(ns NamespaceID, digests []byte) (int, error) {
 // Release, ReleaseOwner or, once ttl has passed since now, Reap. Slots are
 // rank's shard slots. Pinned blocks are never evicted nor cleared.
 func (c *Cache) Acquire(ns NamespaceID, rank int, digests []byte, owner SessionID, ttl time.Duration, now int64) (Lease, error) {
+	l, _, err := c.AcquireCharged(ns, rank, digests, owner, ttl, now, Charge{})
+	return l, err
+}
+
+// PinnedCharged returns the slots of distinct blocks that leases charged
+// to key pin (a block pinned by several of them counts once).
+func (c *Cache) PinnedCharged(key uint32) int { return c.pinByKey[key] }
+
+// AcquireCharged is Acquire that charges the blocks its lease pins to
+// ch.Key: the distinct blocks all of the key's leases pin, W slots each,
+// may not exceed ch.Limit slots. The lease stops at the first block that
+// would take the key past it (a shorter prefix; short reports it), so a
+// key can never pin more of the pool than its limit, while many leases of
+// one key over the same shared prefix cost it that prefix once.
+func (c *Cache) AcquireCharged(ns NamespaceID, rank int, digests []byte, owner SessionID, ttl time.Duration, now int64, ch Charge) (l Lease, short bool, err error) {
 	if ttl <= 0 {
-		return Lease{}, fmt.Errorf("%w: %v", ErrBadTTL, ttl)
+		return Lease{}, false, fmt.Errorf("%w: %v", ErrBadTTL, ttl)
 	}
 	n, err := c.ns(ns)
 	if err != nil {
-		return Lease{}, err
+		return Lease{}, false, err
 	}
 	if rank < 0 || rank >= n.world {
-		return Lease{}, fmt.Errorf("%w: rank %d, world size %d", ErrBadRank, rank, n.world)
+		return Lease{}, false, fmt.Errorf("%w: rank %d, world size %d", ErrBadRank, rank, n.world)
 	}
 	_, heads, err := c.leading(ns, digests)
 	if err != nil {
-		return Lease{}, err
+		return Lease{}, false, err
+	}
+	if ch.Key != 0 && ch.Limit > 0 {
+		have, room := c.pinKey[ch.Key], ch.Limit-c.pinByKey[ch.Key]
+		for i, h := range heads {
+			if have[h] == 0 {
+				if room < n.world {
+					heads, short = heads[:i], true
+					break
+				}
+				room -= n.world
+			}
+		}
 	}
 	if len(heads) == 0 {
-		return Lease{}, nil
+		return Lease{}, short, nil
 	}
 	for _, h := range heads {
 		if c.aux[h] > math.MaxUint32-uint32(len(heads)) {
-			return Lease{}, fmt.Errorf("%w: slot %d", ErrTooManyPins, h)
+			return Lease{}, false, fmt.Errorf("%w: slot %d", ErrTooManyPins, h)
 		}
 	}
 	var li int32
@@ -127,25 +155,56 @@ func (c *Cache) Acquire(ns NamespaceID, rank int, digests []byte, owner SessionI
 		li = int32(len(c.leases) - 1)
 	}
 	c.nextLeaseID++
-	l := &c.leases[li]
-	l.id, l.owner, l.prev, l.next = c.nextLeaseID, owner, -1, -1
-	l.heads = append(l.heads[:0], heads...)
+	r := &c.leases[li]
+	r.id, r.owner, r.key, r.prev, r.next = c.nextLeaseID, owner, ch.Key, -1, -1
+	r.heads = append(r.heads[:0], heads...)
 	slots := make([]uint32, len(heads))
 	for i, h := range heads {
 		c.pin(h, n.world)
 		slots[i] = c.member(h, rank)
 	}
-	l.heapIdx = int32(c.timerPush(addDeadline(now, ttl), timerLease, uint32(li)))
+	if ch.Key != 0 {
+		c.chargePins(ch.Key, heads, n.world)
+	}
+	r.heapIdx = int32(c.timerPush(addDeadline(now, ttl), timerLease, uint32(li)))
 	o := c.ownerGet(owner)
 	if o.leases >= 0 {
 		c.leases[o.leases].prev = li
-		l.next = o.leases
+		r.next = o.leases
 	}
 	o.leases = li
-	c.leaseByID[l.id] = li
+	c.leaseByID[r.id] = li
 	c.st.acquires++
 	c.st.acquiredBlocks += uint64(len(heads))
-	return Lease{ID: l.id, Blocks: len(heads), Slots: slots}, nil
+	return Lease{ID: r.id, Blocks: len(heads), Slots: slots}, short, nil
+}
+
+func (c *Cache) chargePins(key uint32, heads []uint32, world int) {
+	m := c.pinKey[key]
+	if m == nil {
+		m = map[uint32]uint32{}
+		c.pinKey[key] = m
+	}
+	for _, h := range heads {
+		if m[h] == 0 {
+			c.pinByKey[key] += world
+		}
+		m[h]++
+	}
+}
+
+func (c *Cache) unchargePins(key uint32, heads []uint32) {
+	m := c.pinKey[key]
+	for _, h := range heads {
+		if m[h]--; m[h] == 0 {
+			delete(m, h)
+			c.pinByKey[key] -= c.worldOf(h)
+		}
+	}
+	if len(m) == 0 {
+		delete(c.pinKey, key)
+		delete(c.pinByKey, key)
+	}
 }
 
 func (c *Cache) pin(h uint32, world int) {
@@ -285,6 +344,9 @@ func (c *Cache) Renew(id uint64, ttl time.Duration, now int64) error {
 // releaseLease unpins and frees a lease record whose timer is already gone.
 func (c *Cache) releaseLease(li int32) {
 	l := &c.leases[li]
+	if l.key != 0 {
+		c.unchargePins(l.key, l.heads)
+	}
 	for i := len(l.heads) - 1; i >= 0; i-- {
 		c.unpin(l.heads[i])
 	}

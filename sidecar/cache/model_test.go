@@ -69,6 +69,25 @@ type model struct {
 }
 
 const modelChargeLimit = 9 // slots of incomplete blocks one owner may hold
+const modelPinLimit = 2    // slots of distinct blocks one owner's leases may pin
+
+// pinnedBy returns the distinct blocks the leases of owner pin, as a set,
+// and their slots.
+func (m *model) pinnedBy(owner SessionID) (map[mKey]bool, int) {
+	set, slots := map[mKey]bool{}, 0
+	for _, l := range m.leases {
+		if l.owner != owner {
+			continue
+		}
+		for _, k := range l.keys {
+			if !set[k] {
+				set[k] = true
+				slots += m.world[k.ns]
+			}
+		}
+	}
+	return set, slots
+}
 
 func (m *model) charged(owner SessionID) int {
 	n := 0
@@ -271,7 +290,7 @@ func runModel(t *testing.T, seed uint64, ops int) {
 	}
 	var dead []Ticket
 	var deadLeases []uint64
-	removed, doomedSeen := 0, 0
+	removed, doomedSeen, pinShort := 0, 0, 0
 	indexOf := func(nss []nsDef, id NamespaceID) int {
 		for i, n := range nss {
 			if n.id == id {
@@ -373,11 +392,25 @@ func runModel(t *testing.T, seed uint64, ops int) {
 		case p < 80: // Acquire
 			ds, flat := query()
 			want := m.leading(mKey{ns: n.id}, ds)
+			set, slots := m.pinnedBy(owner)
+			wantShort := false
+			for i, k := range want {
+				if !set[k] {
+					if slots+n.world > modelPinLimit {
+						want, wantShort = want[:i], true
+						break
+					}
+					slots += n.world
+				}
+			}
 			ttl := time.Duration(1+rng.IntN(100)) * time.Millisecond
 			rank := rng.IntN(n.world)
-			l, err := c.Acquire(n.id, rank, flat, owner, ttl, now)
-			if err != nil || l.Blocks != len(want) || len(l.Slots) != len(want) {
-				t.Fatalf("op %d: Acquire = %+v %v, model %d", op, l, err, len(want))
+			l, short, err := c.AcquireCharged(n.id, rank, flat, owner, ttl, now, Charge{Key: uint32(owner), Limit: modelPinLimit})
+			if err != nil || l.Blocks != len(want) || len(l.Slots) != len(want) || short != wantShort {
+				t.Fatalf("op %d: Acquire = %+v short %v %v, model %d short %v", op, l, short, err, len(want), wantShort)
+			}
+			if short {
+				pinShort++
 			}
 			for _, s := range l.Slots {
 				if c.rank(s) != rank {
@@ -636,6 +669,9 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			if got, want := c.PendingCharged(uint32(owners[owner])), m.charged(owners[owner]); got != want {
 				t.Fatalf("op %d: owner %d charged %d slots, model %d", op, owners[owner], got, want)
 			}
+			if _, want := m.pinnedBy(owners[owner]); c.PinnedCharged(uint32(owners[owner])) != want {
+				t.Fatalf("op %d: owner %d pins %d charged slots, model %d", op, owners[owner], c.PinnedCharged(uint32(owners[owner])), want)
+			}
 		}
 		if s.Used != m.used() || s.Blocks != present || s.PinnedBlocks != pinned || s.DoomedBlocks != len(m.doomed) ||
 			s.Loads != len(m.loads) ||
@@ -651,8 +687,8 @@ func runModel(t *testing.T, seed uint64, ops int) {
 		resyncs += cn.resyncs
 	}
 	if s.Evictions == 0 || s.NoSpace == 0 || s.ExpiredLeases == 0 || s.ExpiredBlocks == 0 || s.Stores == 0 || resyncs == 0 ||
-		s.OverQuota == 0 || removed == 0 || s.Aborts == 0 || doomedSeen == 0 {
-		t.Fatalf("random walk did not cover enough: %+v resyncs %d namespaces removed %d doomed %d", s, resyncs, removed, doomedSeen)
+		s.OverQuota == 0 || removed == 0 || s.Aborts == 0 || doomedSeen == 0 || pinShort == 0 {
+		t.Fatalf("random walk did not cover enough: %+v resyncs %d namespaces removed %d doomed %d pins cut short %d", s, resyncs, removed, doomedSeen, pinShort)
 	}
 }
 

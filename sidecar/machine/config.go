@@ -51,8 +51,8 @@ type Config struct {
 	MaxSessions int
 	// MaxNamespaces bounds namespaces (model, layout, salt, width, world).
 	MaxNamespaces int
-	// PinShare is the part of the pool's slots one uid, and one session,
-	// may keep pinned under leases; the rest stays evictable for others.
+	// PinShare is the part of the pool's slots the leases of one uid may
+	// pin (distinct blocks); the rest stays evictable for others.
 	PinShare float64
 	// PendingShare is the part of the pool's slots one uid may hold in
 	// incomplete blocks (written by some ranks, not yet by all).

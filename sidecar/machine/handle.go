@@ -246,33 +246,33 @@ func (h *handler) acquire(p []byte) error {
 	if s.leases >= m.cfg.MaxLeases {
 		return m.refuse("leases", "%d live leases in this session, the maximum: release finished ones", s.leases)
 	}
-	// Pin no more than the session's and its uid's pin quota allow: a
-	// shorter lease (fewer hits), never a failed request.
-	room := m.pinRoom(s) / in.world
-	if room == 0 {
-		return m.refuse("pins", "this session or its uid pins its share of the pool (--limits.pin-share): release leases")
-	}
-	if n := len(d) / in.width; n > room {
-		d = d[:room*in.width]
-	}
-	// A lease pins distinct blocks, so it never exceeds the pool either.
+	// A lease pins distinct blocks, so it never exceeds the pool.
 	blocksMax := min(len(d)/in.width, m.slots)
 	meta := int64(queryMeta + 4*blocksMax)
 	if err := m.chargeMeta(s, s.uid, meta); err != nil {
 		return err
 	}
-	l, err := m.cache.Acquire(in.ns.id, s.rank, d, s.owner, ttl, h.now)
+	// The distinct blocks a uid's leases pin stay within its pin quota
+	// (--limits.pin-share of the pool): past it the lease is shorter (fewer
+	// hits), so that other tenants can always store.
+	l, short, err := m.cache.AcquireCharged(in.ns.id, s.rank, d, s.owner, ttl, h.now, cache.Charge{Key: s.uid + 1, Limit: m.pinLimit()})
 	if err != nil {
 		m.uncharge(s, s.uid, usage{meta: meta})
 		return internal(err)
+	}
+	if short {
+		m.st.QuotaRefusals["pins"]++
+		if l.ID == 0 {
+			m.uncharge(s, s.uid, usage{meta: meta})
+			return schema.Errorf(schema.ErrCodeTooLarge, "uid %d's leases pin its share of the pool (--limits.pin-share): release leases", s.uid)
+		}
 	}
 	rep := schema.LeaseReply{Lease: l.ID, Blocks: uint32(l.Blocks), State: schema.StateMiss}
 	if l.ID == 0 {
 		m.uncharge(s, s.uid, usage{meta: meta})
 	} else {
-		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta, pins: l.Blocks * in.world,
+		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta,
 			bytes: int64(l.Blocks) * int64(m.cfg.SlotBytes) * int64(in.world)}
-		m.charge(s, s.uid, usage{pins: q.pins})
 		if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
 			q.budgeted, q.state = true, schema.StateReady
 		} else {

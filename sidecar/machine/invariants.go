@@ -8,9 +8,20 @@ import (
 )
 
 // check panics with every broken invariant in invariants builds; it
-// compiles to nothing otherwise.
+// compiles to nothing otherwise. A full check is O(state), so on a large
+// state it runs on every n-th call only, n growing with the state's size
+// (an amortised cost of a few dozen steps a call): small states, as in
+// unit tests, are checked after every call.
 func (m *Machine) check() {
 	if !invariantsEnabled {
+		return
+	}
+	m.calls++
+	size := m.slots + len(m.queries) + len(m.copies) + len(m.sessions)
+	for _, in := range m.instances {
+		size += len(in.batches)
+	}
+	if every := size / 32; every > 1 && m.calls%uint64(every) != 0 {
 		return
 	}
 	if err := m.CheckInvariants(); err != nil {
@@ -73,10 +84,7 @@ func (m *Machine) CheckInvariants() error {
 		if q.owner.gone {
 			bad("lease %d: owned by a session that ended", q.lease)
 		}
-		at(q.owner, q.owner.uid, usage{meta: q.meta, pins: q.pins})
-		if q.state == schema.StateMiss && q.pins != 0 {
-			bad("lease %d: a miss still charges %d pinned slots", q.lease, q.pins)
-		}
+		at(q.owner, q.owner.uid, usage{meta: q.meta})
 		if _, live := m.cache.LeaseBlocks(q.lease); live != (q.state != schema.StateMiss) {
 			bad("lease %d: state %v but cache lease live %v", q.lease, q.state, live)
 		}

@@ -34,6 +34,7 @@ type Machine struct {
 	uids  map[uint32]*usage
 
 	reaped []uint64
+	calls  uint64  // calls so far (invariants builds sample their checks by it)
 	out    *Output // the Output of the call in progress (for the cache's free hook)
 	st     Counters
 }
@@ -55,21 +56,18 @@ type Counters struct {
 // usage is what one holder (a session, a uid, everyone) holds.
 type usage struct {
 	meta     int64 // metadata bytes
-	pins     int   // slots pinned by leases
 	rings    int64 // ring and reply-queue bytes
 	sessions int
 }
 
 func (u *usage) add(o usage) {
 	u.meta += o.meta
-	u.pins += o.pins
 	u.rings += o.rings
 	u.sessions += o.sessions
 }
 
 func (u *usage) sub(o usage) {
 	u.meta -= o.meta
-	u.pins -= o.pins
 	u.rings -= o.rings
 	u.sessions -= o.sessions
 }
@@ -154,7 +152,6 @@ type query struct {
 	bytes    int64
 	budgeted bool
 	loading  int
-	pins     int // slots charged to owner's pin quota (0 once the lease is gone)
 	meta     int64
 }
 
@@ -305,15 +302,8 @@ func (m *Machine) uncharge(s *session, uid uint32, c usage) {
 	}
 }
 
-// pinRoom is how many more slots s may pin.
-func (m *Machine) pinRoom(s *session) int {
-	limit := int(share(int64(m.slots), m.cfg.PinShare))
-	room := limit - s.use.pins
-	if u := m.uids[s.uid]; u != nil {
-		room = min(room, limit-u.pins)
-	}
-	return max(room, 0)
-}
+// pinLimit is the slots one uid's leases may pin.
+func (m *Machine) pinLimit() int { return max(int(share(int64(m.slots), m.cfg.PinShare)), 1) }
 
 func (m *Machine) pendingLimit() int { return max(int(share(int64(m.slots), m.cfg.PendingShare)), 1) }
 
@@ -548,8 +538,8 @@ func (m *Machine) dropQuery(q *query) {
 		m.cache.Release(q.lease)
 	}
 	m.unbudget(q)
-	m.uncharge(q.owner, q.owner.uid, usage{meta: q.meta, pins: q.pins})
-	q.pins, q.meta = 0, 0
+	m.uncharge(q.owner, q.owner.uid, usage{meta: q.meta})
+	q.meta = 0
 	q.owner.leases--
 	q.state = schema.StateReleased
 }
@@ -565,8 +555,6 @@ func (m *Machine) Tick(now int64, out *Output) cache.ReapResult {
 	for _, id := range m.reaped {
 		if q := m.queries[id]; q != nil {
 			m.unbudget(q)
-			m.uncharge(q.owner, q.owner.uid, usage{pins: q.pins})
-			q.pins = 0
 			q.state = schema.StateMiss
 			m.st.ExpiredLeases++
 		}
@@ -625,7 +613,7 @@ type SessionInfo struct {
 	Regions  int
 	Leases   int
 	Meta     int64
-	Pins     int
+	Pins     int // slots the leases of its uid pin (distinct blocks)
 }
 
 // Sessions lists the live sessions.
@@ -640,7 +628,7 @@ func (m *Machine) Sessions() []SessionInfo {
 			}
 		}
 		out = append(out, SessionInfo{ID: s.id, Instance: name, Role: s.role, Rank: s.rank, PID: s.pid, UID: s.uid,
-			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta, Pins: s.use.pins})
+			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta, Pins: m.cache.PinnedCharged(s.uid + 1)})
 	}
 	return out
 }
@@ -651,7 +639,6 @@ type Usage struct {
 	RingBytes, RingLimit int64
 	Sessions             int
 	Namespaces           int
-	PinnedSlots          int
 	Queries              int
 	Waiting              int
 	Copies               int
@@ -665,7 +652,7 @@ func (m *Machine) Usage() Usage {
 		w += len(in.waiting)
 	}
 	return Usage{MetaBytes: m.total.meta + m.cache.LogBytes(), MetaLimit: m.cfg.MetaBytes, RingBytes: m.total.rings,
-		RingLimit: m.cfg.RingBytes, Sessions: m.total.sessions, Namespaces: len(m.namespaces), PinnedSlots: m.total.pins,
+		RingLimit: m.cfg.RingBytes, Sessions: m.total.sessions, Namespaces: len(m.namespaces),
 		Queries: len(m.queries), Waiting: w, Copies: len(m.copies), UIDs: len(m.uids)}
 }
 
