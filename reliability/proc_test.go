@@ -23,6 +23,7 @@ import (
 	"unsafe"
 
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/ring"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -431,4 +432,61 @@ func percentile(d []time.Duration, q float64) time.Duration {
 	slices.Sort(s)
 	i := int(q * float64(len(s)-1))
 	return s[i]
+}
+
+// ringPath is a path that reaches one of c's rings, which have no name
+// (protocol version 2 passes them as descriptors): its descriptor in
+// /proc/self/fd. Opening or truncating it reaches the ring file itself.
+func ringPath(c *connector.Client, sub bool) string {
+	s, m := c.RingFDs()
+	if !sub {
+		s = m
+	}
+	return fmt.Sprintf("/proc/self/fd/%d", s)
+}
+
+// openRing maps one of c's rings a second time, from a duplicate of its
+// descriptor, checking the epoch like ring.Open.
+func openRing(c *connector.Client, sub bool, epoch uint64) (*ring.File, error) {
+	s, m := c.RingFDs()
+	if !sub {
+		s = m
+	}
+	fd, err := syscall.Dup(s)
+	if err != nil {
+		return nil, err
+	}
+	return ring.OpenFD(fd, ringPath(c, sub), epoch)
+}
+
+// holdsRing reports whether process pid still holds a descriptor of the
+// ring behind c's descriptor (same inode).
+func holdsRing(pid int, c *connector.Client, sub bool) bool {
+	var want syscall.Stat_t
+	if syscall.Stat(ringPath(c, sub), &want) != nil {
+		return false
+	}
+	base := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, _ := os.ReadDir(base)
+	for _, e := range ents {
+		var st syscall.Stat_t
+		if syscall.Stat(filepath.Join(base, e.Name()), &st) == nil && st.Ino == want.Ino && st.Dev == want.Dev {
+			return true
+		}
+	}
+	return false
+}
+
+// poolPath is /proc/PID/fd/N of the sidecar's pool (nameless once mapped).
+func (s *sidecar) poolPath() string {
+	base := fmt.Sprintf("/proc/%d/fd", s.pid())
+	ents, _ := os.ReadDir(base)
+	for _, e := range ents {
+		p := filepath.Join(base, e.Name())
+		if target, err := os.Readlink(p); err == nil && target == filepath.Join(s.dir, "pool")+" (deleted)" {
+			return p
+		}
+	}
+	s.t.Fatalf("the sidecar holds no descriptor of %s/pool", s.dir)
+	return ""
 }

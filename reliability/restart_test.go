@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -126,7 +125,7 @@ func TestSidecarSIGKILLRestart(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 		oldEpoch := sc.state().Epoch
 		var poolIno uint64
-		if fi, err := os.Stat(filepath.Join(dir, "pool")); err == nil {
+		if fi, err := os.Stat(sc.poolPath()); err == nil {
 			poolIno = fi.Sys().(*syscall.Stat_t).Ino
 		}
 		killAt = time.Now()
@@ -158,14 +157,15 @@ func TestSidecarSIGKILLRestart(t *testing.T) {
 				t.Errorf("ring %s of the dead sidecar is still there", p)
 			}
 		}
-		fi, err := os.Stat(filepath.Join(dir, "pool"))
+		pool := sc.poolPath()
+		fi, err := os.Stat(pool)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if fi.Sys().(*syscall.Stat_t).Ino == poolIno {
 			t.Error("the pool file was reused, not recreated")
 		}
-		if b, err := os.ReadFile(filepath.Join(dir, "pool")); err != nil || bytes.ContainsFunc(b, func(r rune) bool { return r != 0 }) {
+		if b, err := os.ReadFile(pool); err != nil || bytes.ContainsFunc(b, func(r rune) bool { return r != 0 }) {
 			t.Errorf("the new pool is not all zero (%v)", err)
 		}
 		if st.Pool.Blocks != 0 || st.Pool.Used != 0 {
