@@ -918,6 +918,9 @@ func PageList(spec string) ([]uint32, error) {
 // to width, and remembers their names.
 func (r *runner) digests(spec string, width int) ([]byte, error) {
 	var out []byte
+	if spec == "" {
+		return out, nil
+	}
 	for _, item := range strings.Split(spec, ",") {
 		seed, rng, ok := strings.Cut(item, "#")
 		if !ok || seed == "" {
