@@ -42,6 +42,7 @@ type pure struct {
 	m         *machine.Machine
 	pool      []byte
 	slotBytes uint64
+	chunk     uint64 // the most one copy may move
 	now       int64
 
 	mem      map[uint64][]byte // client memory by base address
@@ -55,7 +56,7 @@ func (d *pure) Start(c scenario.Config) error {
 	// the Machine's and the cache's as sidecar.New maps them.
 	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes, SlotBytes: c.SlotBytes, Budget: c.Budget, CopyChunkBytes: c.ChunkBytes}
 	cfg.EnsureDefaults()
-	d.slotBytes = cfg.SlotBytes
+	d.slotBytes, d.chunk = cfg.SlotBytes, cfg.CopyChunkBytes
 	d.pool = make([]byte, c.Slots*int(c.SlotBytes))
 	for i := range d.pool {
 		d.pool[i] = poisonB
@@ -205,6 +206,9 @@ func (d *pure) copy(c machine.Copy) machine.CopyResult {
 	}
 	if c.PageBytes != r.PageSize || c.PageBytes > d.slotBytes || len(c.Pages) != len(c.PoolOffsets) || len(c.Pages) == 0 {
 		d.t.Fatalf("copy %d: %d pages of %d bytes, %d pool offsets, region pages of %d bytes", c.ID, len(c.Pages), c.PageBytes, len(c.PoolOffsets), r.PageSize)
+	}
+	if uint64(len(c.Pages))*c.PageBytes > max(d.chunk, c.PageBytes) {
+		d.t.Fatalf("copy %d of %d pages of %d bytes: more than a piece (%d bytes)", c.ID, len(c.Pages), c.PageBytes, d.chunk)
 	}
 	slots := map[uint64]bool{}
 	var n int64
