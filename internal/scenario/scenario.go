@@ -361,8 +361,18 @@ func (r *runner) pool() (string, error) {
 		p.Blocks, p.Pending, p.Pinned, p.Leases, p.Loads, p.Writers, p.Used, p.Free), nil
 }
 
+// sessionCommands are the commands of one session (s=NAME).
+var sessionCommands = map[string]bool{
+	"detach": true, "abandon": true, "put": true, "drop": true, "lookup": true, "acquire": true, "poll": true,
+	"release": true, "region": true, "fill": true, "check": true, "store": true, "load": true, "changes": true,
+	"snapshot": true, "ping": true, "raw": true, "send": true,
+}
+
 // request runs a command of one session.
 func (r *runner) request(td *datadriven.TestData, a *args) (string, error) {
+	if !sessionCommands[td.Cmd] {
+		return "", fmt.Errorf("unknown command %q", td.Cmd)
+	}
 	name, err := a.need("s")
 	if err != nil {
 		return "", err
@@ -566,6 +576,9 @@ func (r *runner) acquire(s *sess, a *args) (string, error) {
 	name, err := a.need("as")
 	if err != nil {
 		return "", err
+	}
+	if _, err := strconv.ParseUint(name, 10, 64); err == nil || name == "" {
+		return "", fmt.Errorf("lease name %q: a number names a lease id", name)
 	}
 	ttl, err := a.num("ttl", 0)
 	if err != nil {

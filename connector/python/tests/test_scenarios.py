@@ -482,7 +482,12 @@ class Runner:
         count = a.need_num("count") if need_count else 0
         return b, start, count
 
+    COMMANDS = frozenset({"detach", "abandon", "put", "drop", "lookup", "acquire", "poll", "release", "region",
+                          "fill", "check", "store", "load", "changes", "snapshot", "ping", "raw", "send"})
+
     def request(self, d, a):
+        if d.cmd not in self.COMMANDS:
+            raise ScenarioError("unknown command %r" % d.cmd)
         name = a.need("s")
         ss = self.sessions.get(name)
         if ss is None:
@@ -520,6 +525,8 @@ class Runner:
         if cmd == "acquire":
             b, start, count = self.view(a)
             as_ = a.need("as")
+            if as_ == "" or as_.isdigit():
+                raise ScenarioError("lease name %r: a number names a lease id" % as_)
             ttl = a.num("ttl", 0)
             r = s.acquire(b, start, count, ttl=ttl or None)
             self.leases[as_] = r.lease
