@@ -133,12 +133,12 @@ def read_directives(path):
             continue
         inp, sep = [], False
         while i < len(lines):
-            l = lines[i]
+            ln = lines[i]
             i += 1
-            if l == "----":
+            if ln == "----":
                 sep = True
                 break
-            inp.append(l)
+            inp.append(ln)
         expected = []
         if sep:
             first = ""
@@ -147,29 +147,29 @@ def read_directives(path):
                 i += 1
             if first == "----":
                 while i < len(lines):
-                    l = lines[i]
+                    ln = lines[i]
                     i += 1
-                    if l == "----" and i < len(lines):
-                        l2 = lines[i]
+                    if ln == "----" and i < len(lines):
+                        ln2 = lines[i]
                         i += 1
-                        if l2 == "----":
+                        if ln2 == "----":
                             if i < len(lines):
                                 if lines[i] != "":
                                     raise ScenarioError("%s: non-blank line after ---- ----" % pos)
                                 i += 1
                             break
-                        expected += [l, l2]
+                        expected += [ln, ln2]
                         continue
-                    expected.append(l)
+                    expected.append(ln)
             else:
-                l = first
+                ln = first
                 while True:
-                    if l.strip() == "":
+                    if ln.strip() == "":
                         break
-                    expected.append(l)
+                    expected.append(ln)
                     if i >= len(lines):
                         break
-                    l = lines[i]
+                    ln = lines[i]
                     i += 1
         out.append(Directive(pos, line, cmd, args, "\n".join(inp).strip(),
                              "".join(e + "\n" for e in expected)))
