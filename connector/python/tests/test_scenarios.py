@@ -789,3 +789,22 @@ def test_reader_matches_datadriven():
     assert page_list("0-2,7") == [0, 1, 2, 7] and page_list("") == []
     with pytest.raises(ScenarioError):
         page_list("3-1")
+
+
+def test_deterministic_data():
+    """The drivers must send the same bytes: these values are pinned here and
+    in internal/scenario/scenario_test.go (TestDeterministicData)."""
+    r = Runner("")
+    d = r.digests("p#0,p#299", 32)
+    assert d[:32].hex() == "d3c226bfb1ac95e23c678396c52fdd83071367264bc0d7790e603838eb020f0c"
+    assert d[32:40].hex() == "5181c2c785d41e9e"
+    assert r.names[d[32:]] == "p#299"
+    w8 = r.digests("p#299", 8)
+    assert w8 == d[32:40] and r.names[w8] == "p#299"
+    assert hashlib.sha256(content("kv", 3, 70)).hexdigest() == \
+        "5ab27d17b40c3b491391f2b9e683d3daeff4e9885bde4676a45c4fdee9fa215a"
+    for bad in ("p", "#1", "p#", "p#2-1", "p#x", "p#0,"):
+        with pytest.raises(ScenarioError):
+            r.digests(bad, 32)
+    d = r.digests("a-b#1-2,c#0", 16)
+    assert len(d) == 48 and r.names[d[16:32]] == "a-b#2"
