@@ -38,9 +38,11 @@ func (h *handler) addChunk(req *copyReq, r *region, pages []uint32, offsets []ui
 // which the namespace's first Store fixes for as long as it lives: a load
 // then always copies exactly the bytes a store wrote, never a slot's tail
 // or a neighbour.
-func (h *handler) geometry(r *region) error {
+func (h *handler) geometry(r *region, pages int) error {
 	ns := h.s.inst.ns
 	switch {
+	case ns.pageBytes == 0 && h.typ == schema.TypeStore && pages == 0:
+		return nil // an empty store copies nothing: it fixes nothing
 	case ns.pageBytes == 0 && h.typ == schema.TypeStore:
 		ns.pageBytes = r.pageBytes
 	case ns.pageBytes == 0:
@@ -91,7 +93,7 @@ func (h *handler) load(p []byte) error {
 	if uint64(r.First)+uint64(len(r.Pages)) > uint64(q.blocks) {
 		return schema.Errorf(schema.ErrCodeOutOfRange, "blocks [%d, %d) past the %d blocks of lease %d", r.First, uint64(r.First)+uint64(len(r.Pages)), q.blocks, r.Lease)
 	}
-	if err := h.geometry(rg); err != nil {
+	if err := h.geometry(rg, len(r.Pages)); err != nil {
 		return err
 	}
 	if len(r.Pages) == 0 {
@@ -147,7 +149,7 @@ func (h *handler) store(p []byte) error {
 	if err != nil {
 		return err
 	}
-	if err := h.geometry(rg); err != nil {
+	if err := h.geometry(rg, len(r.Pages)); err != nil {
 		return err
 	}
 	w := in.width

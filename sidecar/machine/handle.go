@@ -481,4 +481,3 @@ func (h *handler) snapshot(p []byte) error {
 	h.out.reply(s.id, h.typ, h.seq, rep.Append)
 	return nil
 }
-

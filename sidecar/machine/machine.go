@@ -4,7 +4,6 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
-	"math"
 
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/schema"
@@ -666,15 +665,8 @@ func (m *Machine) Counters() Counters {
 	return c
 }
 
-// errorf wraps a failure of the cache the caller cannot act on.
+// internal wraps a failure of the cache the caller cannot act on.
 func internal(err error) *schema.Error {
 	return schema.Errorf(schema.ErrCodeInternal, "%v", err)
-}
-
-func u32(n int) uint32 {
-	if n > math.MaxUint32 {
-		return math.MaxUint32
-	}
-	return uint32(n)
 }
 
