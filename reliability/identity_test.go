@@ -27,7 +27,8 @@ func init() {
 	childRoles["stalledstore"] = stalledStoreChild
 	defect(Defect{Issue: 16, Point: 5, Title: "RegisterRegion trusts a bare pid: the session of an engine that forked and exited lives on in its child, and once the pid is reused the sidecar reads and writes the new process's memory; a store whose engine died mid-copy is served",
 		Tests:  "TestForkedChildOutlivesAttacher, TestStalledStoreEngineExits",
-		Before: "at d6f9fd5: TestForkedChildOutlivesAttacher: session not gone 5 s after the engine exited; \"ping ok\", Load \"ok 1\", \"the sidecar wrote into the memory of the new process that has pid P (the exited engine's): its page holds the stored block\"; TestStalledStoreEngineExits: \"the store of an engine killed during its copy is served: lookup 4 of 4\" (block 0 loads as zeros)"})
+		Before: "at d6f9fd5: TestForkedChildOutlivesAttacher: session not gone 5 s after the engine exited; \"ping ok\", Load \"ok 1\", \"the sidecar wrote into the memory of the new process that has pid P (the exited engine's): its page holds the stored block\"; TestStalledStoreEngineExits: \"the store of an engine killed during its copy is served: lookup 4 of 4\" (block 0 loads as zeros)",
+		Fix:    "the session is bound to a pidfd of the attached process (SO_PEERPIDFD, else pidfd_open with a start-time check) and ends when it exits; copies run only while it is alive, checked before and after (pidfd and a one-byte read), a store whose process died is discarded"})
 }
 
 // lineReader reads one JSON object per line from a pipe, with a deadline.

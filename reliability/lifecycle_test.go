@@ -21,13 +21,16 @@ import (
 func init() {
 	defect(Defect{Issue: 16, Point: 1, Title: "Release during a Load of the same lease unpins the slots while the copy runs: another tenant's next store lands there and the loader's pages receive it; an Acquire over one digest repeated 8192 times gives an 8192-block lease (duplicates not collapsed, a lease larger than the pool)",
 		Tests:  "TestReleaseDuringLoad, TestAcquireDuplicateDigests",
-		Before: "at d6f9fd5: TestReleaseDuringLoad: \"tenant A's load (err <nil>) delivered tenant B's bytes into 24 of 24 pages\"; TestAcquireDuplicateDigests: \"a view of 1 distinct present digests repeated to 8192 gave a lease of 8192 blocks (pool: 1024 slots)\" (2 alternating digests: 8192 blocks too)"})
+		Before: "at d6f9fd5: TestReleaseDuringLoad: \"tenant A's load (err <nil>) delivered tenant B's bytes into 24 of 24 pages\"; TestAcquireDuplicateDigests: \"a view of 1 distinct present digests repeated to 8192 gave a lease of 8192 blocks (pool: 1024 slots)\" (2 alternating digests: 8192 blocks too)",
+		Fix:    "a Load pins its blocks for its own copy (cache.BeginLoad) until it ends, whatever happens to the lease; a repeated digest ends the prefix, so a lease pins distinct blocks and never more than the pool"})
 	defect(Defect{Issue: 16, Point: 2, Title: "Lease expiry (TTL) during a Load in flight unpins the slots mid-copy: same cross-tenant leak as a Release",
 		Tests:  "TestLeaseExpiryDuringLoad",
-		Before: "at d6f9fd5: lease expired (state miss) 1.1 s into the stalled load; \"tenant A's load (err <nil>) delivered tenant B's bytes into 24 of 24 pages\""})
+		Before: "at d6f9fd5: lease expired (state miss) 1.1 s into the stalled load; \"tenant A's load (err <nil>) delivered tenant B's bytes into 24 of 24 pages\"",
+		Fix:    "a block whose write deadline passes during its copy is doomed: it leaves the index, keeps its slots until the copy ends, and the late commit is discarded (ErrDoomed)"})
 	defect(Defect{Issue: 16, Point: 3, Title: "The --write-timeout reaper frees slots whose Store copy is still running; the late copy overwrites the block another tenant stored there next, which Lookup keeps reporting as a hit",
 		Tests:  "TestWriteTimeoutDuringStore",
-		Before: "at d6f9fd5: the reaper freed all 16 slots of the stalled store, B stored 16 there, then A's late copy overwrote them: \"writer-b: 16 of its 16 Lookup hits load bytes that are not its own\""})
+		Before: "at d6f9fd5: the reaper freed all 16 slots of the stalled store, B stored 16 there, then A's late copy overwrote them: \"writer-b: 16 of its 16 Lookup hits load bytes that are not its own\"",
+		Fix:    "a namespace's first store fixes its block size; a Load or Store through pages of another size is refused with status 17, so a copy moves exactly one stored block"})
 	defect(Defect{Issue: 16, Point: 4, Title: "A Load through pages of another size than the stored block's is served: a 4 KiB block loaded through 256 KiB pages returns 252 KiB of the slot's previous occupant (stored length not recorded, slot tail never cleared)",
 		Tests:  "TestPageGeometryMismatch",
 		Before: "at d6f9fd5: 4 KiB -> 256 KiB: \"served (status 0); the page now holds 128 own, 8064 another tenant's chunks\" (252 KiB of the evicted block of tenant B); 256 KiB -> 4 KiB: served (status 0), page changed"})

@@ -25,11 +25,13 @@ func init() {
 		Title:  "per-client metadata (hash batches, leases, queries, namespaces, instances, sessions) is bounded per instance or session only: sessions sending each at its maximum get the sidecar OOM-killed inside the manifest's memory limit (pool + 256 MiB)",
 		Tests:  "TestMetadataMemoryBound",
 		Before: "1cc2144: the sidecar was OOM-killed 0.8 s into the attack (cgroup v1, oom_kill 1, peak 320 MiB of 320); the 4 instances' 4096-digest PutHashes alone get it killed in 0.55 s",
+		Fix:    "metadata (batches, queries, regions, copies, sessions, instances, namespaces, change logs) is charged per session, per uid and in total against bounds derived from the memory limit (cgroup v1/v2), GOMEMLIMIT set from it; status 7 past any of them",
 	})
 	defect(Defect{Issue: 16, Point: 13,
 		Title:  "namespaces are never freed: 65,535 attach/detach cycles with new model names refuse every new model (status 7) until a restart, and keep ~9 KB each",
 		Tests:  "TestNamespaceChurn",
 		Before: "1cc2144: 4,466 of 70,000 cycles with new model names refused with status 7 (too many namespaces), and so was a new model afterwards; +561 MiB of anonymous memory (bound 64 MiB), 65,535 namespaces kept",
+		Fix:    "an instance is freed when its last session ends (with its batches)",
 	})
 	defect(Defect{Issue: 16, Point: 14,
 		Title:  "instance records are never freed: every attach with a new instance name keeps one for good",

@@ -11,7 +11,8 @@ import (
 func init() {
 	defect(Defect{Issue: 16, Point: 20, Title: "Request type 0x7FFF is answered with reply type 0xFFFF (the ring's pad type): the reply cannot be written and the session is dropped instead of getting status 2",
 		Tests:  "TestUnknownRequestType",
-		Before: "at d6f9fd5: \"request type 0x7fff: no reply under its seq: ring: peer closed the ring\", and the ping after it: peer closed (0x7FFE, 0x4000, 0x0100 answered status 2)"})
+		Before: "at d6f9fd5: \"request type 0x7fff: no reply under its seq: ring: peer closed the ring\", and the ping after it: peer closed (0x7FFE, 0x4000, 0x0100 answered status 2)",
+		Fix:    "0x7FFF is reserved: it is answered with status 2 in a reply of record type 0x8000 (ReservedReplyType); the session goes on"})
 }
 
 // TestUnknownRequestType: every request type the sidecar does not know,

@@ -23,11 +23,13 @@ func init() {
 		Title:  "a lease is not bounded by the pool (an Acquire over one digest repeated 1M times gives a 1M-block lease on a 64-slot pool, 4 MiB kept per lease) and a session may hold 65,536 leases",
 		Tests:  "TestLeaseBoundedByPool",
 		Before: "1cc2144: an Acquire over 1,048,576 digests (64 distinct) gave a 1,048,576-block lease on a 64-slot pool; 64 such leases: +259 MiB of anonymous memory (bound 32 MiB); one session's 65,536 leases of 64 blocks: +74 MiB (bound 16 MiB)",
+		Fix:    "a lease pins distinct blocks (at most the pool); leases are charged as metadata per session and uid",
 	})
 	defect(Defect{Issue: 16, Point: 12,
 		Title:  "one Store from a session attached with world size 64 reserves 64 slots a block: it evicts every other tenant and leaves the pool unusable until the write timeout",
 		Tests:  "TestWideWorldReservation",
 		Before: "1cc2144: one Store of 64 blocks at world size 64 left 0 of the tenant's 32 blocks (1,008 slots reserved, 16 pending blocks, 32 evictions); the tenant's store of 16 new blocks right after: 0 stored, 16 skipped",
+		Fix:    "the distinct blocks a uid's leases pin are bounded by --limits.pin-share (half the pool): a shorter lease, or status 7, past it",
 	})
 	defect(Defect{Issue: 16, Point: 15,
 		Title:  "one tenant can pin the whole pool with renewable long leases: no other tenant can store",

@@ -21,6 +21,7 @@ func init() {
 		Title:  "a full /dev/shm mount (any engine can fill it by touching its own large ring) makes the next attach crash the whole sidecar with SIGBUS in ring.Format; ring files are sparse, so a reply into a completion-ring page not yet allocated faults too (the session is dropped)",
 		Tests:  "TestFullShmMount",
 		Before: "1cc2144: the attach on the full mount got no status (attach reply: EOF): the sidecar died, SIGBUS in ring.Format ← ring.Create ← Server.newSession. Found with the attach step left out: the earlier session's reply faulted on a completion-ring page the mount could not allocate, the session was dropped, and closing it published the half-written record, which crashed the client reading it",
+		Fix:    "rings are allocated (fallocate) before they are mapped and an attach that finds no room is refused with status 8; the pool is reserved by default; the rings and pool have no name",
 	})
 }
 

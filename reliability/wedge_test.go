@@ -24,12 +24,14 @@ func init() {
 		Title: "a session that stops draining its completion ring blocks everyone: PutHashes replies under the server mutex and waits up to ReplyTimeout (2 s) for ring space",
 		Tests: "TestWedgedRingHoldsLock, TestWedgedRingBystanderEveryType, TestPeerStopsReading",
 		Before: "998be55, TestWedgedRingHoldsLock: the five wedged sessions were dropped one after another, 2 s each (3 of 5 still attached 8 s after their flood); " +
-			"the bystander's Release and DropHashes timed out (3 s), its median Lookup was 2.8 ms against 74 µs without attack (×38), and it completed 1 round in the attack"})
+			"the bystander's Release and DropHashes timed out (3 s), its median Lookup was 2.8 ms against 74 µs without attack (×38), and it completed 1 round in the attack",
+		Fix: "replies never wait: each session has its own reply queue and flusher; no lock is held across a ring write; a session whose client frees no room for --reply-timeout is dropped and its rings closed"})
 	defect(Defect{Issue: 16, Point: 9,
 		Title: "the same session blocks the shared copy workers: each copy completion waits 2 s for ring space, and keeps doing so after the session timed out",
 		Tests: "TestWedgedRingHoldsCopyWorkers, TestWedgedRingBystanderEveryType, TestPeerStopsReading",
 		Before: "998be55, TestWedgedRingHoldsCopyWorkers: the wedged session was still attached 8 s after its flood; every bystander Store timed out (3 s), " +
-			"also after the attack (0 rounds completed); the sidecar did not stop within 10 s of SIGTERM"})
+			"also after the attack (0 rounds completed); the sidecar did not stop within 10 s of SIGTERM",
+		Fix: "copies are split into chunks (--copy.chunk-bytes), queued per session, run round robin with a worker for every session that has copies; stuck chunks free their turn; copy threads at nice +5"})
 	defect(Defect{Issue: 16, Point: 10,
 		Title: "oversized pipelined Loads make another session's load wait behind them: copies have no fairness between sessions",
 		Tests: "TestOversizedLoadsStarveOthers",
