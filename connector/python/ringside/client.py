@@ -40,6 +40,7 @@ drives its session.
 
 from __future__ import annotations
 
+import logging as _logging
 import os
 import socket as _socket
 import struct
@@ -84,8 +85,6 @@ __all__ = [
     "REGION_HOST_PROCESS",
 ]
 
-
-import logging as _logging
 
 _log = _logging.getLogger("ringside.client")
 
@@ -140,8 +139,7 @@ _MAX_ABANDONED = 1 << 12  # seqs of timed-out calls whose late replies are dropp
 _U32_MAX = 0xFFFFFFFF
 _monotonic = time.monotonic
 
-_UNAVAILABLE = (_ring.RingPeerDead, _ring.RingPeerClosed, _ring.RingCorrupt, _ring.RingClosed,
-                _ring.RingBadHeader)
+_UNAVAILABLE = (_ring.RingPeerDead, _ring.RingPeerClosed, _ring.RingCorrupt, _ring.RingClosed, _ring.RingBadHeader)
 
 
 def _msg(mv, off: int) -> str:
@@ -154,6 +152,7 @@ def _malformed(e: Exception) -> RingsideError:
 
 # Decoders applied to the reply payload (a memoryview of ring memory) before
 # the slot is handed back. Each returns the value or raises RingsideError.
+
 
 def _dec_value(mv) -> int:
     try:
@@ -222,8 +221,9 @@ def _dec_bytes(mv) -> bytes:
 class Session:
     """One attached session. Create it with :meth:`Session.attach`."""
 
-    def __init__(self, sock: _socket.socket, info: AttachReply, sub, cmp, prod, cons, *,
-                 digest_width: int, timeout: float):
+    def __init__(
+        self, sock: _socket.socket, info: AttachReply, sub, cmp, prod, cons, *, digest_width: int, timeout: float
+    ):
         self._sock = sock
         self.info = info  #: the sidecar's AttachReply (session id, epoch, pool geometry)
         self._sub, self._cmp = sub, cmp
@@ -242,10 +242,22 @@ class Session:
     # -- attach / detach -------------------------------------------------------
 
     @classmethod
-    def attach(cls, socket: str = DEFAULT_SOCKET, *, instance: str, model: str, layout: str,
-               salt: str = "", role: int = ROLE_CLIENT, rank: int = 0, world_size: int = 1,
-               digest_width: int = 32, ring_capacity: int = 0, timeout: float = 5.0,
-               wait: Optional[_ring.WaitConfig] = None) -> "Session":
+    def attach(
+        cls,
+        socket: str = DEFAULT_SOCKET,
+        *,
+        instance: str,
+        model: str,
+        layout: str,
+        salt: str = "",
+        role: int = ROLE_CLIENT,
+        rank: int = 0,
+        world_size: int = 1,
+        digest_width: int = 32,
+        ring_capacity: int = 0,
+        timeout: float = 5.0,
+        wait: Optional[_ring.WaitConfig] = None,
+    ) -> "Session":
         """Attach to the sidecar listening on the socket path.
 
         Raises RingsideError (status and message of the refusal),
@@ -254,8 +266,9 @@ class Session:
         socket_path = socket
         if timeout is None or timeout <= 0:
             raise ValueError("timeout must be positive seconds")
-        req = _schema.AttachRequest(_schema.VERSION, role, rank, world_size, digest_width, ring_capacity,
-                                    instance, model, layout, salt)
+        req = _schema.AttachRequest(
+            _schema.VERSION, role, rank, world_size, digest_width, ring_capacity, instance, model, layout, salt
+        )
         _schema.validate_attach_request(req)
         msg = _schema.encode_attach_request(*req)
         deadline = _monotonic() + timeout
@@ -321,7 +334,7 @@ class Session:
             if self._dead is None:
                 try:
                     self._call(_T_DETACH, b"", _dec_bytes, min(self.timeout, 1.0))
-                except Exception:
+                except Exception:  # noqa: BLE001 (closing must never raise)
                     pass
         finally:
             self._closed = True
@@ -338,12 +351,12 @@ class Session:
         for side in (self._prod, self._cons):
             try:
                 side.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 (closing must never raise)
                 pass
         for r in (self._sub, self._cmp):
             try:
                 r.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 (closing must never raise)
                 pass
         try:
             self._sock.close()
@@ -550,7 +563,10 @@ class Session:
             # the ones that succeeded: status 0, not counted).
             if len(payload) >= 4 and _schema.reply_status(payload):
                 self.quiet_failures += 1
-                self.last_quiet_failure = (_schema.reply_status(payload), _msg(payload, 16) if len(payload) >= 16 else "")
+                self.last_quiet_failure = (
+                    _schema.reply_status(payload),
+                    _msg(payload, 16) if len(payload) >= 16 else "",
+                )
             return
         if seq in self._abandoned:
             del self._abandoned[seq]
@@ -619,12 +635,22 @@ class Session:
         """End a lease (in any state)."""
         self._call(_T_RELEASE, _schema.encode_release(lease), _dec_value)
 
-    def register_region(self, region_id: int, base: int, length: int, page_size: int, page_count: int,
-                        segments: Sequence[Tuple[int, int, int]] = (), pid: Optional[int] = None,
-                        kind: int = REGION_HOST_PROCESS, extra=b"") -> None:
+    def register_region(
+        self,
+        region_id: int,
+        base: int,
+        length: int,
+        page_size: int,
+        page_count: int,
+        segments: Sequence[Tuple[int, int, int]] = (),
+        pid: Optional[int] = None,
+        kind: int = REGION_HOST_PROCESS,
+        extra=b"",
+    ) -> None:
         """Register engine memory (by default host memory of this process)."""
-        p = _schema.encode_register_region(region_id, kind, os.getpid() if pid is None else pid, base, length,
-                                           page_size, page_count, segments, extra)
+        p = _schema.encode_register_region(
+            region_id, kind, os.getpid() if pid is None else pid, base, length, page_size, page_count, segments, extra
+        )
         self._call(_T_REGION, p, _dec_value)
 
     def load(self, lease: int, region: int, first: int, pages) -> int:
@@ -676,8 +702,9 @@ class Link:
     from an older session can be recognised as void. ``miss_text`` says in
     the logs what the engine does meanwhile."""
 
-    def __init__(self, socket: str, timeout: float, reattach: float, attach: dict,
-                 miss_text: str = "serving without the cache"):
+    def __init__(
+        self, socket: str, timeout: float, reattach: float, attach: dict, miss_text: str = "serving without the cache"
+    ):
         self.socket, self.timeout, self.reattach, self.attach_args = socket, timeout, reattach, attach
         self.miss_text = miss_text
         self.session: Optional[Session] = None
@@ -696,8 +723,13 @@ class Link:
             self.session = Session.attach(self.socket, timeout=self.timeout, **self.attach_args)
         except (RingsideError, OSError, ValueError) as e:
             if not self._warned:
-                _log.warning("ringside: sidecar not available at %s (%s); %s, retrying every %.0fs",
-                             self.socket, e, self.miss_text, self.reattach)
+                _log.warning(
+                    "ringside: sidecar not available at %s (%s); %s, retrying every %.0fs",
+                    self.socket,
+                    e,
+                    self.miss_text,
+                    self.reattach,
+                )
                 self._warned = True
             return None
         self.generation += 1

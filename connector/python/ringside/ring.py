@@ -196,8 +196,15 @@ FUTEX_WAKE = 1  # never FUTEX_PRIVATE_FLAG (128): the word is shared between pro
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-_syscall.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint,
-                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_syscall.argtypes = (
+    ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_uint,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_uint,
+)
 
 
 class _Timespec(ctypes.Structure):
@@ -245,7 +252,7 @@ def _parse_stat(b: bytes):
     i = b.rfind(b")")
     if i < 0:
         return None
-    fields = b[i + 1:].split()
+    fields = b[i + 1 :].split()
     # fields[0] is field 3 (state); field 22 (starttime) is fields[19].
     if len(fields) < 20:
         return None
@@ -313,15 +320,34 @@ def default_max_record(capacity: int) -> int:
     return min(capacity // 4, 1 << 24)
 
 
-Header = namedtuple("Header", "magic version header_size capacity align max_record epoch flags "
-                              "producer_pid producer_start consumer_pid consumer_start")
+Header = namedtuple(
+    "Header",
+    "magic version header_size capacity align max_record epoch flags "
+    "producer_pid producer_start consumer_pid consumer_start",
+)
 
 
 def encode_header(buf, h: Header) -> None:
     """Write the static header fields of h (magic included) into buf[:80]."""
-    _HEADER.pack_into(buf, 0, h.magic, h.version, h.header_size, h.capacity, h.align,
-                      h.max_record, h.epoch, h.flags, 0, h.producer_pid, 0, h.producer_start,
-                      h.consumer_pid, 0, h.consumer_start)
+    _HEADER.pack_into(
+        buf,
+        0,
+        h.magic,
+        h.version,
+        h.header_size,
+        h.capacity,
+        h.align,
+        h.max_record,
+        h.epoch,
+        h.flags,
+        0,
+        h.producer_pid,
+        0,
+        h.producer_start,
+        h.consumer_pid,
+        0,
+        h.consumer_start,
+    )
 
 
 def validate_header(h: Header, file_size: int) -> None:
@@ -339,8 +365,9 @@ def validate_header(h: Header, file_size: int) -> None:
     if cap < MIN_CAPACITY or cap > MAX_CAPACITY or cap & (cap - 1):
         raise RingBadHeader(f"capacity {cap} is not a power of two in [{MIN_CAPACITY}, {MAX_CAPACITY}]")
     if h.max_record < 2 * RECORD_HEADER_SIZE or h.max_record > cap // 2 or h.max_record % ALIGN:
-        raise RingBadHeader(f"max record {h.max_record} outside [{2 * RECORD_HEADER_SIZE}, "
-                            f"capacity/2={cap // 2}] or unaligned")
+        raise RingBadHeader(
+            f"max record {h.max_record} outside [{2 * RECORD_HEADER_SIZE}, capacity/2={cap // 2}] or unaligned"
+        )
     if file_size >= 0 and file_size != HEADER_SIZE + cap:
         raise RingBadHeader(f"file is {file_size} bytes, header says {HEADER_SIZE + cap}")
 
@@ -350,8 +377,9 @@ def decode_header(buf, file_size: int = -1) -> Header:
     RingBadHeader for bad contents."""
     if len(buf) < HEADER_SIZE:
         raise RingBadHeader(f"{len(buf)} bytes, want at least {HEADER_SIZE}")
-    (magic, version, hsize, cap, align, maxrec, epoch, flags, _r0, ppid, _r1, pstart,
-     cpid, _r2, cstart) = _HEADER.unpack_from(buf, 0)
+    (magic, version, hsize, cap, align, maxrec, epoch, flags, _r0, ppid, _r1, pstart, cpid, _r2, cstart) = (
+        _HEADER.unpack_from(buf, 0)
+    )
     h = Header(magic, version, hsize, cap, align, maxrec, epoch, flags, ppid, pstart, cpid, cstart)
     validate_header(h, file_size)
     return h
@@ -365,7 +393,7 @@ def encode_record(payload: bytes, typ: int, flags: int = 0, seq: int = 0) -> byt
     """The bytes of one record: header, payload, zero padding to 8."""
     b = bytearray(record_size(len(payload)))
     encode_record_header(b, 0, len(payload), typ, flags, seq)
-    b[RECORD_HEADER_SIZE:RECORD_HEADER_SIZE + len(payload)] = payload
+    b[RECORD_HEADER_SIZE : RECORD_HEADER_SIZE + len(payload)] = payload
     return bytes(b)
 
 
@@ -443,8 +471,10 @@ class Ring:
 
     def __init__(self, buf, *, fd: int = -1, path: str = "", _mmap=None, _owner=None):
         if not _TSO and not os.environ.get("RINGSIDE_UNSAFE_WEAK_ORDERING"):
-            raise RingError(f"ringside.ring needs a TSO CPU (x86-64); {_MACHINE} needs release/acquire "
-                            "fences from a C helper (see the module docstring)")
+            raise RingError(
+                f"ringside.ring needs a TSO CPU (x86-64); {_MACHINE} needs release/acquire "
+                "fences from a C helper (see the module docstring)"
+            )
         self._fd = fd
         self.path = path
         self._mmap = _mmap
@@ -584,8 +614,14 @@ def _map_fd(fd: int, path: str, size: int) -> Ring:
         raise
 
 
-def create(path: str, capacity: int = 256 << 10, max_record: int = 0, epoch: int = 0,
-           mode: int = 0o600, creator_producer: bool = False) -> Ring:
+def create(
+    path: str,
+    capacity: int = 256 << 10,
+    max_record: int = 0,
+    epoch: int = 0,
+    mode: int = 0o600,
+    creator_producer: bool = False,
+) -> Ring:
     """Create a new ring file at path: O_CREAT|O_EXCL|O_NOFOLLOW, exact mode,
     ftruncate, header written with the magic last.  An existing file (or a
     symbolic link) at path is an error: FileExistsError."""
@@ -600,8 +636,7 @@ def create(path: str, capacity: int = 256 << 10, max_record: int = 0, epoch: int
         os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            Ring.format(mm, capacity, max_record, epoch,
-                        FLAG_CREATOR_PRODUCER if creator_producer else 0)
+            Ring.format(mm, capacity, max_record, epoch, FLAG_CREATOR_PRODUCER if creator_producer else 0)
             return Ring(mm, fd=fd, path=path, _mmap=mm)
         except BaseException:
             mm.close()
@@ -629,8 +664,9 @@ def open_ring(path: str, epoch: int = 0) -> Ring:
         if not _stat.S_ISREG(st.st_mode):
             raise RingError(f"{path}: not a regular file")
         if st.st_size < HEADER_SIZE + MIN_CAPACITY or st.st_size > HEADER_SIZE + MAX_CAPACITY:
-            raise RingBadHeader(f"{path}: size {st.st_size} outside "
-                                f"[{HEADER_SIZE + MIN_CAPACITY}, {HEADER_SIZE + MAX_CAPACITY}]")
+            raise RingBadHeader(
+                f"{path}: size {st.st_size} outside [{HEADER_SIZE + MIN_CAPACITY}, {HEADER_SIZE + MAX_CAPACITY}]"
+            )
         r = _map_fd(fd, path, st.st_size)
     except BaseException:
         os.close(fd)
@@ -652,8 +688,9 @@ def open_fd(fd: int, epoch: int = 0, name: str = "") -> Ring:
         if not _stat.S_ISREG(st.st_mode):
             raise RingError(f"{name}: not a regular file")
         if st.st_size < HEADER_SIZE + MIN_CAPACITY or st.st_size > HEADER_SIZE + MAX_CAPACITY:
-            raise RingBadHeader(f"{name}: size {st.st_size} outside "
-                                f"[{HEADER_SIZE + MIN_CAPACITY}, {HEADER_SIZE + MAX_CAPACITY}]")
+            raise RingBadHeader(
+                f"{name}: size {st.st_size} outside [{HEADER_SIZE + MIN_CAPACITY}, {HEADER_SIZE + MAX_CAPACITY}]"
+            )
         os.set_inheritable(fd, False)
         r = _map_fd(fd, name, st.st_size)
     except BaseException:
@@ -684,7 +721,7 @@ class Producer:
         self.ring = ring
         self._q, self._i, self._dq, self._data = q, i, ring._dq, ring._data
         self._cap, self._mask, self._max = ring.capacity, ring._mask, ring.max_record
-        self._tail = t          # local: written, maybe not published
+        self._tail = t  # local: written, maybe not published
         self._published = t
         self._head_cache = h
         self._wait = wait
@@ -750,7 +787,7 @@ class Producer:
         payload bytes to fill in place.  Visible at the next publish().
         Raises RingFull (no room now), RingTooLarge, RingBadType."""
         start = self._claim(n, typ, flags, seq)
-        return self._data[start:start + n]
+        return self._data[start : start + n]
 
     def append(self, payload, typ: int = 1, flags: int = 0, seq: int = 0) -> None:
         """Copy payload (any bytes-like object) into a new record; see claim()."""
@@ -759,7 +796,7 @@ class Producer:
         n = len(payload)
         start = self._claim(n, typ, flags, seq)
         if n:
-            self._data[start:start + n] = payload
+            self._data[start : start + n] = payload
 
     def publish(self, wake: bool = True) -> None:
         """Make every record claimed so far visible with one store of tail, and
@@ -813,13 +850,21 @@ class Producer:
             dq[w + (size >> 3) - 1] = 0  # the alignment padding (the payload overwrites its part)
         if n:
             start = off + RECORD_HEADER_SIZE
-            self._data[start:start + n] = payload
+            self._data[start : start + n] = payload
         self._tail = tail + size
         self.publish(wake)
         return True
 
-    def write(self, payload, typ: int = 1, flags: int = 0, seq: int = 0,
-              deadline: float | None = None, timeout: float | None = None, wake: bool = True) -> None:
+    def write(
+        self,
+        payload,
+        typ: int = 1,
+        flags: int = 0,
+        seq: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        wake: bool = True,
+    ) -> None:
         """Append one record and publish it, waiting for space until deadline
         (time.monotonic() seconds) or timeout; None waits while the consumer
         lives.  wake=False: see publish().  Raises RingPeerDead /
@@ -924,7 +969,7 @@ class Consumer:
         self.ring = ring
         self._q, self._i, self._dq, self._rdata = q, i, ring._dq, ring._rdata
         self._cap, self._mask, self._max = ring.capacity, ring._mask, ring.max_record
-        self._head = h          # local: records up to here were handed out
+        self._head = h  # local: records up to here were handed out
         self._committed = h
         self._tail_cache = h
         self._wait = wait
@@ -981,14 +1026,15 @@ class Consumer:
                 _check_record(length, typ, avail, self._max, head)  # raises with the detail
             if typ == TYPE_PAD:
                 if total != contig:
-                    raise RingCorrupt(f"pad record of {total} bytes at position {head} does not reach "
-                                      f"the end of the ring ({contig} bytes)")
+                    raise RingCorrupt(
+                        f"pad record of {total} bytes at position {head} does not reach "
+                        f"the end of the ring ({contig} bytes)"
+                    )
                 head += total
                 continue
             self._head = head + total
             start = off + RECORD_HEADER_SIZE
-            return _new_record(Record, (typ, w0 >> 48, self._dq[w + 1],
-                                        self._rdata[start:start + length]))
+            return _new_record(Record, (typ, w0 >> 48, self._dq[w + 1], self._rdata[start : start + length]))
 
     def commit(self) -> None:
         """Release every borrowed record to the producer with one store of

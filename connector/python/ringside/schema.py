@@ -108,10 +108,24 @@ class Status(IntEnum):
 
 # Go's Status.String, indexed by code.
 STATUS_NAMES = (
-    "ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
-    "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
-    "copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
-    "bad state", "mismatch",
+    "ok",
+    "malformed record",
+    "unknown record type",
+    "unknown hash batch",
+    "unknown lease",
+    "unknown region",
+    "out of range",
+    "too large",
+    "no space",
+    "expired",
+    "duplicate id",
+    "copy failed",
+    "not permitted",
+    "internal error",
+    "shutting down",
+    "unsupported protocol version",
+    "bad state",
+    "mismatch",
 )
 
 
@@ -156,7 +170,9 @@ REGION_CUDA_IPC = _w.SCHEMA_REGION_CUDAIPC  # GPU memory exported with a CUDA IP
 
 FLAG_APPEND = _w.SCHEMA_FLAG_APPEND  # PutHashes: append to an existing batch
 FLAG_LOOKUP = _w.SCHEMA_FLAG_LOOKUP  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
-FLAG_REPLACE = _w.SCHEMA_FLAG_REPLACE  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
+FLAG_REPLACE = (
+    _w.SCHEMA_FLAG_REPLACE
+)  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
 
 OP_STORED = _w.SCHEMA_OP_STORED
 OP_EVICTED = _w.SCHEMA_OP_EVICTED
@@ -312,14 +328,24 @@ def validate_attach_request(m: AttachRequest) -> None:
             raise SchemaError("attach: string longer than %d bytes or not UTF-8" % MAX_STRING_LEN)
 
 
-def encode_attach_request(version: int = VERSION, role: int = ROLE_WORKER, rank: int = 0, world_size: int = 1,
-                          digest_width: int = 32, ring_capacity: int = 0, instance: str = "", model: str = "",
-                          layout: str = "", salt: str = "") -> bytes:
+def encode_attach_request(
+    version: int = VERSION,
+    role: int = ROLE_WORKER,
+    rank: int = 0,
+    world_size: int = 1,
+    digest_width: int = 32,
+    ring_capacity: int = 0,
+    instance: str = "",
+    model: str = "",
+    layout: str = "",
+    salt: str = "",
+) -> bytes:
     """The attach request (socket message). Does not validate: see validate_attach_request."""
     strs = [_enc_str(s, "attach request") for s in (instance, model, layout, salt)]
     try:
-        head = _ATTACH_REQ.pack(ATTACH_MAGIC, version, role, rank, world_size, digest_width, ring_capacity,
-                                *(len(s) for s in strs))
+        head = _ATTACH_REQ.pack(
+            ATTACH_MAGIC, version, role, rank, world_size, digest_width, ring_capacity, *(len(s) for s in strs)
+        )
     except struct.error as e:
         raise SchemaError("attach request: %s" % e) from None
     return head + b"".join(strs)
@@ -339,7 +365,7 @@ def decode_attach_request(b) -> AttachRequest:
     mv = _view(b)
     strs = []
     for n in (n1, n2, n3, n4):
-        strs.append(_dec_str(mv[off:off + n]))
+        strs.append(_dec_str(mv[off : off + n]))
         off += n
     _done(what, b, off)
     m = AttachRequest(version, role, rank, world, width, cap, *strs)
@@ -365,13 +391,35 @@ class AttachReply(NamedTuple):
         return _err(self.status, self.message)
 
 
-def encode_attach_reply(version: int = VERSION, status: int = 0, namespace: int = 0, session: int = 0, epoch: int = 0,
-                        pool_slots: int = 0, slot_bytes: int = 0, max_payload: int = 0, submission_ring: str = "",
-                        completion_ring: str = "", pool_path: str = "", message: str = "") -> bytes:
+def encode_attach_reply(
+    version: int = VERSION,
+    status: int = 0,
+    namespace: int = 0,
+    session: int = 0,
+    epoch: int = 0,
+    pool_slots: int = 0,
+    slot_bytes: int = 0,
+    max_payload: int = 0,
+    submission_ring: str = "",
+    completion_ring: str = "",
+    pool_path: str = "",
+    message: str = "",
+) -> bytes:
     strs = [_enc_str(s, "attach reply") for s in (submission_ring, completion_ring, pool_path, message)]
     try:
-        head = _ATTACH_REP.pack(ATTACH_REPLY_MAGIC, version, 0, status, namespace, session, epoch, pool_slots,
-                                slot_bytes, max_payload, *(len(s) for s in strs))
+        head = _ATTACH_REP.pack(
+            ATTACH_REPLY_MAGIC,
+            version,
+            0,
+            status,
+            namespace,
+            session,
+            epoch,
+            pool_slots,
+            slot_bytes,
+            max_payload,
+            *(len(s) for s in strs),
+        )
     except struct.error as e:
         raise SchemaError("attach reply: %s" % e) from None
     return head + b"".join(strs)
@@ -384,14 +432,15 @@ def decode_attach_reply(b) -> AttachReply:
     if magic != ATTACH_REPLY_MAGIC:
         raise SchemaError("%s: magic %#x" % (what, magic))
     _need(what, b, 4, _ATTACH_REP.size - 4)
-    (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload,
-     n1, n2, n3, n4) = _ATTACH_REP.unpack_from(b, 0)
+    (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload, n1, n2, n3, n4) = (
+        _ATTACH_REP.unpack_from(b, 0)
+    )
     off = _ATTACH_REP.size
     _need(what, b, off, n1 + n2 + n3 + n4)
     mv = _view(b)
     strs = []
     for n in (n1, n2, n3, n4):
-        strs.append(_dec_str(mv[off:off + n]))
+        strs.append(_dec_str(mv[off : off + n]))
         off += n
     _done(what, b, off)
     return AttachReply(version, status, ns, session, epoch, slots, slot_bytes, max_payload, *strs)
@@ -530,8 +579,17 @@ class RegisterRegion(NamedTuple):
     extra: bytes  # kind-specific; CUDA IPC: see encode_cuda_ipc_extra
 
 
-def encode_register_region(region: int, kind: int, pid: int, base: int, length: int, page_size: int,
-                           page_count: int, segments: Sequence[Tuple[int, int, int]] = (), extra=b"") -> bytes:
+def encode_register_region(
+    region: int,
+    kind: int,
+    pid: int,
+    base: int,
+    length: int,
+    page_size: int,
+    page_count: int,
+    segments: Sequence[Tuple[int, int, int]] = (),
+    extra=b"",
+) -> bytes:
     if len(segments) > MAX_SEGMENTS:
         raise SchemaError("RegisterRegion: %d segments, at most %d" % (len(segments), MAX_SEGMENTS))
     try:
@@ -784,13 +842,13 @@ class ChangesReply(NamedTuple):
         es = 8 + self.width
         if not 0 <= i < self.n_entries:
             raise IndexError(i)
-        return Change(self.entries[i * es], self.entries[i * es + 8:(i + 1) * es])
+        return Change(self.entries[i * es], self.entries[i * es + 8 : (i + 1) * es])
 
     def changes(self) -> Iterator[Change]:
         es = 8 + self.width
         e = self.entries
         for off in range(0, self.n_entries * es, es):
-            yield Change(e[off], e[off + 8:off + es])
+            yield Change(e[off], e[off + 8 : off + es])
 
 
 def encode_change(op: int, digest) -> bytes:
@@ -798,8 +856,14 @@ def encode_change(op: int, digest) -> bytes:
     return _CHANGE_HEAD.pack(op) + bytes(digest)
 
 
-def encode_changes_reply(status: int, resync: bool, epoch: int, next: int, width: int,  # noqa: A002
-                         entries=b"") -> bytes:
+def encode_changes_reply(
+    status: int,
+    resync: bool,
+    epoch: int,
+    next: int,  # noqa: A002
+    width: int,
+    entries=b"",
+) -> bytes:
     """entries: joined encode_change() bytes, each 8 + width long."""
     es = 8 + width
     n, rem = divmod(len(entries), es)
@@ -850,16 +914,23 @@ class SnapshotReply(NamedTuple):
         if not 0 <= i < self.count:
             raise IndexError(i)
         w = self.width
-        return self.entries[i * w:(i + 1) * w]
+        return self.entries[i * w : (i + 1) * w]
 
     def digests(self) -> list[bytes]:
         """The page's digests, each a bytes of width bytes."""
         w, e = self.width, self.entries
-        return [e[off:off + w] for off in range(0, self.count * w, w)]
+        return [e[off : off + w] for off in range(0, self.count * w, w)]
 
 
-def encode_snapshot_reply(status: int, done: bool, epoch: int, seq: int, next: int, width: int,  # noqa: A002
-                          entries=b"") -> bytes:
+def encode_snapshot_reply(
+    status: int,
+    done: bool,
+    epoch: int,
+    seq: int,
+    next: int,  # noqa: A002
+    width: int,
+    entries=b"",
+) -> bytes:
     """entries: joined digests, a multiple of width bytes."""
     if width <= 0:
         n, rem = 0, len(entries)
@@ -912,5 +983,21 @@ def reply_status(b) -> int:
     return _U32.unpack_from(b, 0)[0]
 
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in (
-    "annotations", "struct", "sys", "array", "IntEnum", "Iterator", "NamedTuple", "Optional", "Sequence", "Tuple")]
+__all__ = [
+    n
+    for n in dir()
+    if not n.startswith("_")
+    and n
+    not in (
+        "annotations",
+        "struct",
+        "sys",
+        "array",
+        "IntEnum",
+        "Iterator",
+        "NamedTuple",
+        "Optional",
+        "Sequence",
+        "Tuple",
+    )
+]

@@ -15,8 +15,9 @@ from ringside import ring as R
 
 
 def run_peer(args):
-    out = subprocess.run([sys.executable, "-m", "ringside._benchpeer", *args], capture_output=True,
-                         env=child_env(), timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ringside._benchpeer", *args], capture_output=True, env=child_env(), timeout=60
+    )
     assert out.returncode == 0, out.stderr.decode()
     lines = out.stdout.decode().strip().splitlines()
     assert len(lines) == 1
@@ -31,8 +32,25 @@ def test_ring_mode(shm_path, wait):
     done = []
     th = threading.Thread(target=lambda: done.append(_benchpeer.serve_ring_echo(req, resp, count + warmup, 30)))
     th.start()
-    res = run_peer(["ring", req.path, resp.path, "--size", "64", "--count", str(count), "--wait", wait,
-                    "--warmup", str(warmup), "--req-epoch", hex(req.epoch), "--resp-epoch", hex(resp.epoch)])
+    res = run_peer(
+        [
+            "ring",
+            req.path,
+            resp.path,
+            "--size",
+            "64",
+            "--count",
+            str(count),
+            "--wait",
+            wait,
+            "--warmup",
+            str(warmup),
+            "--req-epoch",
+            hex(req.epoch),
+            "--resp-epoch",
+            hex(resp.epoch),
+        ]
+    )
     th.join(30)
     assert done == [count + warmup]
     assert res["n"] == count and res["mode"] == "ring-" + wait
@@ -68,6 +86,21 @@ def test_summarize():
 
 
 def test_bad_args_exit_nonzero(shm_path):
-    out = subprocess.run([sys.executable, "-m", "ringside._benchpeer", "ring", shm_path("nope"), shm_path("nope2"),
-                          "--size", "8", "--count", "1"], capture_output=True, env=child_env(), timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringside._benchpeer",
+            "ring",
+            shm_path("nope"),
+            shm_path("nope2"),
+            "--size",
+            "8",
+            "--count",
+            "1",
+        ],
+        capture_output=True,
+        env=child_env(),
+        timeout=30,
+    )
     assert out.returncode == 1 and b"benchpeer:" in out.stderr

@@ -21,10 +21,12 @@ from ringside import schema as S
 from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
 from ringside.schema import State, Status
 
-pytestmark = pytest.mark.skipif(shutil.which("go") is None,
-                                reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
+pytestmark = pytest.mark.skipif(
+    shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
+)
 
 SLOT = 4096
+
 
 def wait_stopped(pid, timeout=5):
     """SIGSTOP is asynchronous: wait until the process is in state T."""
@@ -79,13 +81,6 @@ def test_bad_input(sidecar):
     src = Region(1, 4)
     src.register(c)
     assert c.put_hashes(1, digests("x", 4)) == 4
-    me = os.getpid()
-    reg = dict(region=1, kind=S.REGION_HOST_PROCESS, pid=me, base=src.base, length=4 * SLOT, page_size=SLOT,
-               page_count=4)
-    other = dict(reg, region=9, pid=1)
-    big = dict(reg, region=10, page_size=2 * SLOT)
-    overflow = dict(reg, region=11, page_count=1 << 30)
-    cuda = dict(region=3, kind=S.REGION_CUDA_IPC, pid=me, base=0, length=1, page_size=1, page_count=1)
     # The statuses of bad records are the scenarios' (testdata/scenarios/malformed.txt);
     # here, the typed API: refusals raise RingsideError with the status.
     api = [
@@ -132,7 +127,7 @@ def test_out_of_order_replies(sidecar):
         assert S.decode_store_reply(c.await_reply(seq)).stored == 1
     assert c.lookup(1, 0, 8) == 8
     with pytest.raises(ValueError):
-        c.await_reply(10 ** 6)
+        c.await_reply(10**6)
 
 
 def test_quiet_sends(sidecar):
@@ -163,8 +158,10 @@ def test_pipelined_without_wake(sidecar):
     assert c.store(1, 0, 2, 1, [0, 1]).stored == 2
     # The sidecar parks when idle: give it time to, then pipeline without waking.
     time.sleep(0.05)
-    seqs = [c.submit(S.TYPE_PUT_HASHES, S.encode_put_hashes(10 + i, d[:(i + 1) * 32], 32, S.FLAG_LOOKUP), wake=False)
-            for i in range(4)]
+    seqs = [
+        c.submit(S.TYPE_PUT_HASHES, S.encode_put_hashes(10 + i, d[: (i + 1) * 32], 32, S.FLAG_LOOKUP), wake=False)
+        for i in range(4)
+    ]
     for i in range(100):
         c.send(S.TYPE_PING, S.encode_id(i), wake=False)
     assert c._unwoken
@@ -241,7 +238,7 @@ def test_snapshot(start_sidecar):
     more = digests("more", 250)
     c.put_hashes(1, d)
     for off in range(0, 250, 125):
-        c.put_hashes(2, more[off * 32:(off + 125) * 32], append=off > 0)
+        c.put_hashes(2, more[off * 32 : (off + 125) * 32], append=off > 0)
     assert c.store(1, 0, 10, 1, list(range(10))).stored == 10
     # Each block once, in pages of at most 3.
     seen, pos, pages = [], 0, 0
@@ -254,7 +251,7 @@ def test_snapshot(start_sidecar):
             break
         assert r.next > pos
         pos = r.next
-    assert sorted(seen) == sorted(d[i * 32:(i + 1) * 32] for i in range(10)) and pages >= 4
+    assert sorted(seen) == sorted(d[i * 32 : (i + 1) * 32] for i in range(10)) and pages >= 4
     # Past the end; max 1.
     for pos in (slots, 1 << 40, (1 << 64) - 1):
         r = c.snapshot(pos)
@@ -273,7 +270,7 @@ def test_snapshot(start_sidecar):
         for batch, all_ in ((1, d), (2, more)):
             for i in range(len(all_) // 32):
                 if c.lookup(batch, i, 1):
-                    out.add(all_[i * 32:(i + 1) * 32])
+                    out.add(all_[i * 32 : (i + 1) * 32])
         return out
 
     for rnd in range(5):
@@ -361,8 +358,7 @@ def test_dead_session_lease_reclaimed(start_sidecar):
     src.register(c)
     c.put_hashes(1, digests("dead", 8))
     assert c.store(1, 0, 8, 1, list(range(8))).stored == 8
-    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.sock], stdout=subprocess.PIPE, env=child_env(),
-                             text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, sc.sock], stdout=subprocess.PIPE, env=child_env(), text=True)
     try:
         line = child.stdout.readline().split()
         assert len(line) == 3, "child failed"

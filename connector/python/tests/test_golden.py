@@ -35,9 +35,20 @@ def first_diff(a, b):
 
 
 def header_of(d):
-    return R.Header(d["magic"], d["version"], d["header_size"], d["capacity"], d["align"], d["max_record"],
-                    d["epoch"], d["flags"], d["producer_pid"], d["producer_start"], d["consumer_pid"],
-                    d["consumer_start"])
+    return R.Header(
+        d["magic"],
+        d["version"],
+        d["header_size"],
+        d["capacity"],
+        d["align"],
+        d["max_record"],
+        d["epoch"],
+        d["flags"],
+        d["producer_pid"],
+        d["producer_start"],
+        d["consumer_pid"],
+        d["consumer_start"],
+    )
 
 
 def test_header(manifest):
@@ -65,7 +76,7 @@ def test_records(manifest):
             continue
         assert R.encode_record(pl, r["type"], r["flags"], r["seq"]) == want, r["name"]
         assert R.decode_record_header(want, 0, len(want), 1 << 20) == (r["len"], r["type"], r["flags"], r["seq"])
-        assert want[16:16 + r["len"]] == pl and want[16 + r["len"]:] == bytes(len(want) - 16 - r["len"])
+        assert want[16 : 16 + r["len"]] == pl and want[16 + r["len"] :] == bytes(len(want) - 16 - r["len"])
 
 
 def replay_image(img):
@@ -84,7 +95,7 @@ def replay_image(img):
             p.append(payload(seq, n), s.get("type", 0), s.get("flags", 0), seq)
             if contig < R.record_size(n):  # this append wrapped
                 if contig >= R.RECORD_HEADER_SIZE:
-                    data = mem[R.HEADER_SIZE:]
+                    data = mem[R.HEADER_SIZE :]
                     assert R.decode_record_header(data, off, contig, 1024) == (contig - 16, R.TYPE_PAD, 0, 0)
                     wraps.append(("pad", contig))
                 else:
@@ -107,8 +118,17 @@ def replay_image(img):
     peers = img["peers"]
     ring.close()
     # Like the Go generator: overwrite the pid/start-time words with fixed values.
-    struct.pack_into("<IIQIIQ", mem, R.OFF_PRODUCER_PID, peers["producer_pid"], 0, peers["producer_start"],
-                     peers["consumer_pid"], 0, peers["consumer_start"])
+    struct.pack_into(
+        "<IIQIIQ",
+        mem,
+        R.OFF_PRODUCER_PID,
+        peers["producer_pid"],
+        0,
+        peers["producer_start"],
+        peers["consumer_pid"],
+        0,
+        peers["consumer_start"],
+    )
     return bytes(mem)
 
 

@@ -2,6 +2,7 @@
 what the sidecar holds after a snapshot copied in pages while blocks are
 stored and evicted, follows the change log, starts again after a resync, and
 turns itself off where Snapshot is refused."""
+
 import random
 import time
 
@@ -16,7 +17,7 @@ POOL_BLOCKS = 1024  # the test sidecar's pool: 4 MiB of 4 KiB slots
 def store(c, region, batch, d, first, n):
     """Store blocks [first, first+n) of digest string d from region pages."""
     for a in range(0, n, 256):  # the test rings carry ~500 digests a record
-        c.put_hashes(batch, d[(first + a) * 32:(first + min(n, a + 256)) * 32], append=a > 0)
+        c.put_hashes(batch, d[(first + a) * 32 : (first + min(n, a + 256)) * 32], append=a > 0)
     for i in range(n):
         region.fill(i % region.pages, first + i)
     done = 0
@@ -31,8 +32,8 @@ def store(c, region, batch, d, first, n):
 def present(c, d, n):
     """The set of d's first n digests the sidecar holds (one lookup each)."""
     for a in range(0, n, 256):
-        c.put_hashes(99, d[a * 32:min(n, a + 256) * 32], append=a > 0)
-    out = {d[i * 32:(i + 1) * 32] for i in range(n) if c.lookup(99, i, 1) == 1}
+        c.put_hashes(99, d[a * 32 : min(n, a + 256) * 32], append=a > 0)
+    out = {d[i * 32 : (i + 1) * 32] for i in range(n) if c.lookup(99, i, 1) == 1}
     c.drop_hashes(99)
     return out
 
@@ -61,7 +62,7 @@ def test_snapshot_then_log(sidecar):
     sync(m, c)
     assert m.present == present(c, d, 300) and len(m.present) == 100
     assert m.stats["pages"] >= 15
-    assert m.leading([d[i * 32:(i + 1) * 32] for i in range(300)], 300) == 100
+    assert m.leading([d[i * 32 : (i + 1) * 32] for i in range(300)], 300) == 100
     # Stores after the sync come through the change log.
     store(c, reg, 2, d, 100, 50)
     m.pump(c, budget_ns=50_000_000)
@@ -134,11 +135,11 @@ def test_answer_reads_own_writes():
     m.present.update(hs[:4])
     m._mine_t = 0.0
     for mine, n, want in [
-        (set(), 10, 4),          # a plain miss at 4
-        ({hs[4]}, 10, -1),       # the first miss is ours: ask
-        ({hs[4]}, 4, 4),         # all asked-for blocks hit
-        ({hs[6]}, 10, 4),        # ours, but not the first miss
-        ({hs[0]}, 10, 4),        # ours and present
+        (set(), 10, 4),  # a plain miss at 4
+        ({hs[4]}, 10, -1),  # the first miss is ours: ask
+        ({hs[4]}, 4, 4),  # all asked-for blocks hit
+        ({hs[6]}, 10, 4),  # ours, but not the first miss
+        ({hs[0]}, 10, 4),  # ours and present
     ]:
         m.mine, m._mine_old = set(mine), set()
         assert m.answer(hs, n) == want, (mine, n)
@@ -172,7 +173,7 @@ def test_own_store_found_before_the_index_polls_it(sidecar):
     misses it, answer() says ask, and the sidecar has it."""
     c, reg = attached(sidecar, 16)
     d = digests("ryw", 12)
-    hs = [d[i * 32:(i + 1) * 32] for i in range(12)]
+    hs = [d[i * 32 : (i + 1) * 32] for i in range(12)]
     store(c, reg, 1, d, 0, 8)
     m = Mirror()
     sync(m, c)

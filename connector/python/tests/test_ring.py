@@ -37,6 +37,7 @@ def put_rec(mem, off, length, typ, flags=0, seq=0):
 
 # --- basic behaviour -------------------------------------------------------
 
+
 def test_round_trip():
     mem, r = mem_ring()
     p, c = r.producer(), r.consumer()
@@ -54,6 +55,7 @@ def test_round_trip():
     buf = p.claim(4, seq=1)
     buf[:] = b"abcd"
     import array
+
     p.append(array.array("Q", [1, 2]), seq=2)
     p.append(bytearray(b"xy"), seq=3)
     p.append(b"", seq=4)
@@ -114,10 +116,10 @@ def test_pad_and_gap():
     p.publish()
     for s in range(4, 8):
         assert c.read().seq == s
-    before = bytes(mem[R.HEADER_SIZE + 4088:])
+    before = bytes(mem[R.HEADER_SIZE + 4088 :])
     p.append(pl(8, 1), seq=8)
     p.publish()
-    assert bytes(mem[R.HEADER_SIZE + 4088:]) == before, "gap bytes are not written"
+    assert bytes(mem[R.HEADER_SIZE + 4088 :]) == before, "gap bytes are not written"
     assert r.positions()[0] == 2 * 4096 + 24
     rec = c.read()
     assert rec.seq == 8 and rec.payload == pl(8, 1)
@@ -210,25 +212,29 @@ def test_park_and_wake_across_threads():
 
 # --- header validation -------------------------------------------------------
 
+
 def _hdr(**kw):
     h = R.Header(R.MAGIC, 1, 4096, CAP, 8, 1024, 1, 0, 0, 0, 0, 0)
     return h._replace(**kw)
 
 
-@pytest.mark.parametrize("fields,size,msg", [
-    (dict(magic=0), None, "magic 0x0"),
-    (dict(magic=0x3130474952535352), None, "not a ring"),
-    (dict(version=2), None, "layout version 2"),
-    (dict(header_size=8192), None, "header size 8192"),
-    (dict(align=16), None, "record alignment 16"),
-    (dict(capacity=3000), 4096 + 3000, "capacity 3000 is not a power of two"),
-    (dict(capacity=2048), 4096 + 2048, "capacity 2048"),
-    (dict(capacity=1 << 31), -1, "capacity 2147483648"),
-    (dict(max_record=16), None, "max record 16"),
-    (dict(max_record=4096), None, "max record 4096"),
-    (dict(max_record=1020), None, "unaligned"),
-    ({}, 4096 + 8192, "file is 12288 bytes, header says 8192"),
-])
+@pytest.mark.parametrize(
+    "fields,size,msg",
+    [
+        (dict(magic=0), None, "magic 0x0"),
+        (dict(magic=0x3130474952535352), None, "not a ring"),
+        (dict(version=2), None, "layout version 2"),
+        (dict(header_size=8192), None, "header size 8192"),
+        (dict(align=16), None, "record alignment 16"),
+        (dict(capacity=3000), 4096 + 3000, "capacity 3000 is not a power of two"),
+        (dict(capacity=2048), 4096 + 2048, "capacity 2048"),
+        (dict(capacity=1 << 31), -1, "capacity 2147483648"),
+        (dict(max_record=16), None, "max record 16"),
+        (dict(max_record=4096), None, "max record 4096"),
+        (dict(max_record=1020), None, "unaligned"),
+        ({}, 4096 + 8192, "file is 12288 bytes, header says 8192"),
+    ],
+)
 def test_bad_header(fields, size, msg):
     h = _hdr(**fields)
     size = 4096 + CAP if size is None else size
@@ -288,6 +294,7 @@ def test_symlink_refused(shm_path):
 
 
 # --- corrupt positions and records ---------------------------------------------
+
 
 def _c_tail_behind(mem, r):
     set_pos(mem, tail=64, head=64)
@@ -385,22 +392,26 @@ def _p_head_backwards(mem, r):
     return lambda: p.append(bytes(1000))
 
 
-@pytest.mark.parametrize("setup,msg", [
-    (_c_tail_behind, "producer tail 32"),
-    (_c_tail_past_capacity, "producer tail 4104"),
-    (_c_tail_unaligned, "producer tail 20"),
-    (_c_len_past_published, "runs past the 32 published bytes"),
-    (_c_len_past_max, "exceeds the maximum 1024"),
-    (_c_len_huge, "exceeds the maximum"),
-    (_c_type_zero, "record type 0"),
-    (_c_pad_short, "does not reach the end"),
-    (_c_pad_past_end, "runs past the 64 published bytes"),
-    (_c_less_than_header, "less than a record header"),
-    (_c_open_bad_positions, "positions tail=8 head=16"),
-    (_c_open_unaligned_head, "positions tail=12 head=4"),
-    (_p_head_past_published, "consumer head 16384 outside"),
-    (_p_head_backwards, "consumer head 0 outside"),
-], ids=lambda v: getattr(v, "__name__", None))
+@pytest.mark.parametrize(
+    "setup,msg",
+    [
+        (_c_tail_behind, "producer tail 32"),
+        (_c_tail_past_capacity, "producer tail 4104"),
+        (_c_tail_unaligned, "producer tail 20"),
+        (_c_len_past_published, "runs past the 32 published bytes"),
+        (_c_len_past_max, "exceeds the maximum 1024"),
+        (_c_len_huge, "exceeds the maximum"),
+        (_c_type_zero, "record type 0"),
+        (_c_pad_short, "does not reach the end"),
+        (_c_pad_past_end, "runs past the 64 published bytes"),
+        (_c_less_than_header, "less than a record header"),
+        (_c_open_bad_positions, "positions tail=8 head=16"),
+        (_c_open_unaligned_head, "positions tail=12 head=4"),
+        (_p_head_past_published, "consumer head 16384 outside"),
+        (_p_head_backwards, "consumer head 0 outside"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)
 def test_corrupt(setup, msg):
     mem, r = mem_ring()
     fn = setup(mem, r)
@@ -412,13 +423,14 @@ def test_corrupt_random_never_crashes():
     """Random garbage in the data area and positions: only RingCorrupt (or
     plausible records), never IndexError / struct.error / OverflowError."""
     import random
+
     rnd = random.Random(1)
     for _ in range(2000):
         mem, r = mem_ring()
         head = rnd.randrange(0, 4 * CAP, 8)
         set_pos(mem, tail=head, head=head)
         c = r.consumer()
-        mem[R.HEADER_SIZE:] = rnd.randbytes(CAP)
+        mem[R.HEADER_SIZE :] = rnd.randbytes(CAP)
         if rnd.random() < 0.5:  # small plausible headers
             for off in range(0, CAP, 16):
                 hdr = (rnd.randrange(0, 1200), rnd.choice([0, 1, 0xFFFF]), 0)
@@ -434,12 +446,16 @@ def test_corrupt_random_never_crashes():
 
 # --- processes --------------------------------------------------------------
 
+
 def test_dead_producer(shm_path):
     path = shm_path()
     r = R.create(path, 16384)
     c = r.consumer(R.PARK_WAIT)
-    child = subprocess.Popen([sys.executable, "-m", "ringside._xproc", "produce-forever", path, "--interval-ms", "2"],
-                             stdout=subprocess.PIPE, env=child_env())
+    child = subprocess.Popen(
+        [sys.executable, "-m", "ringside._xproc", "produce-forever", path, "--interval-ms", "2"],
+        stdout=subprocess.PIPE,
+        env=child_env(),
+    )
     try:
         assert child.stdout.readline().strip() == b"ready"
         got = 0
@@ -467,8 +483,10 @@ def test_dead_producer(shm_path):
 def test_dead_consumer(shm_path):
     path = shm_path()
     r = R.create(path, CAP)
-    code = ("import sys, time; from ringside import ring as R; r = R.open_ring(sys.argv[1]); "
-            "c = r.consumer(); print('ready', flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from ringside import ring as R; r = R.open_ring(sys.argv[1]); "
+        "c = r.consumer(); print('ready', flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, env=child_env())
     try:
         assert child.stdout.readline().strip() == b"ready"
@@ -491,13 +509,18 @@ def test_dead_consumer(shm_path):
 def test_cross_process_checksums(shm_path):
     """Python producer process -> Python consumer process, wrapping many times."""
     import json
+
     path = shm_path()
     r = R.create(path, 16384)
     n = 3000
-    cons = subprocess.Popen([sys.executable, "-m", "ringside._xproc", "consume", path, str(n), "--epoch", hex(r.epoch)],
-                            stdout=subprocess.PIPE, env=child_env())
-    prod = subprocess.Popen([sys.executable, "-m", "ringside._xproc", "produce", path, str(n)],
-                            stdout=subprocess.PIPE, env=child_env())
+    cons = subprocess.Popen(
+        [sys.executable, "-m", "ringside._xproc", "consume", path, str(n), "--epoch", hex(r.epoch)],
+        stdout=subprocess.PIPE,
+        env=child_env(),
+    )
+    prod = subprocess.Popen(
+        [sys.executable, "-m", "ringside._xproc", "produce", path, str(n)], stdout=subprocess.PIPE, env=child_env()
+    )
     out_p, _ = prod.communicate(timeout=60)
     out_c, _ = cons.communicate(timeout=60)
     assert prod.returncode == 0 and cons.returncode == 0

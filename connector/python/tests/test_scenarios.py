@@ -28,8 +28,9 @@ import pytest
 from ringside import schema as S
 from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
 
-pytestmark = pytest.mark.skipif(shutil.which("go") is None,
-                                reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
+pytestmark = pytest.mark.skipif(
+    shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCENARIOS = os.path.join(REPO, "testdata", "scenarios")
@@ -40,7 +41,7 @@ RING_CAPACITY = 64 << 10
 # with process_vm_readv unless we allow it. Harmless where Yama is absent.
 try:
     ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong((1 << 64) - 1), 0, 0, 0)
-except Exception:  # pragma: no cover
+except Exception:  # noqa: BLE001  # pragma: no cover
     pass
 
 
@@ -49,6 +50,7 @@ class ScenarioError(Exception):
 
 
 # -- the datadriven file format (github.com/cockroachdb/datadriven) ----------
+
 
 def parse_line(line):
     """datadriven's ParseLine: a command, then arguments `key`, `key=value`
@@ -91,7 +93,7 @@ def parse_line(line):
                     ch = line[pos]
                     pos += 1
                     if ch == "," and nest == 1:
-                        vals.append(line[start:pos - 1])
+                        vals.append(line[start : pos - 1])
                         while pos < len(line) and line[pos] == " ":
                             pos += 1
                         start = pos
@@ -99,7 +101,7 @@ def parse_line(line):
                         nest += 1
                     elif ch == ")":
                         nest -= 1
-                vals.append(line[start:pos - 1])
+                vals.append(line[start : pos - 1])
                 line = line[pos:]
         args.append((key, vals))
         line = line.strip()
@@ -171,12 +173,12 @@ def read_directives(path):
                         break
                     ln = lines[i]
                     i += 1
-        out.append(Directive(pos, line, cmd, args, "\n".join(inp).strip(),
-                             "".join(e + "\n" for e in expected)))
+        out.append(Directive(pos, line, cmd, args, "\n".join(inp).strip(), "".join(e + "\n" for e in expected)))
     return out
 
 
 # -- deterministic data ---------------------------------------------------------
+
 
 def content(tag, i, n):
     """The page content named TAG#I, n bytes."""
@@ -206,14 +208,26 @@ def status_string(st):
     return "status %d (%s)" % (st, S.status_name(st))
 
 
-TYPES = {"put": S.TYPE_PUT_HASHES, "drop": S.TYPE_DROP_HASHES, "lookup": S.TYPE_LOOKUP, "acquire": S.TYPE_ACQUIRE,
-         "poll": S.TYPE_POLL, "release": S.TYPE_RELEASE, "region": S.TYPE_REGISTER_REGION, "load": S.TYPE_LOAD,
-         "store": S.TYPE_STORE, "changes": S.TYPE_CHANGES, "detach": S.TYPE_DETACH, "ping": S.TYPE_PING,
-         "snapshot": S.TYPE_SNAPSHOT}
+TYPES = {
+    "put": S.TYPE_PUT_HASHES,
+    "drop": S.TYPE_DROP_HASHES,
+    "lookup": S.TYPE_LOOKUP,
+    "acquire": S.TYPE_ACQUIRE,
+    "poll": S.TYPE_POLL,
+    "release": S.TYPE_RELEASE,
+    "region": S.TYPE_REGISTER_REGION,
+    "load": S.TYPE_LOAD,
+    "store": S.TYPE_STORE,
+    "changes": S.TYPE_CHANGES,
+    "detach": S.TYPE_DETACH,
+    "ping": S.TYPE_PING,
+    "snapshot": S.TYPE_SNAPSHOT,
+}
 ROLES = {"client": S.ROLE_CLIENT, "scheduler": S.ROLE_SCHEDULER, "worker": S.ROLE_WORKER}
 
 
 # -- the driver: a real sidecar process ----------------------------------------
+
 
 def free_port():
     with socket.socket() as s:
@@ -243,9 +257,20 @@ class Sidecar:
         self.dir = tempfile.mkdtemp(prefix="rs-scen-", dir=BASE)
         self.sock = os.path.join(self.dir, "ringside.sock")
         self.metrics = "127.0.0.1:%d" % free_port()
-        args = [binary, "serve", "--dir", self.dir, "--pool.bytes", str(slots * slot_bytes),
-                "--pool.slot-bytes", str(slot_bytes), "--ring.capacity", str(RING_CAPACITY),
-                "--metrics.addr", self.metrics]
+        args = [
+            binary,
+            "serve",
+            "--dir",
+            self.dir,
+            "--pool.bytes",
+            str(slots * slot_bytes),
+            "--pool.slot-bytes",
+            str(slot_bytes),
+            "--ring.capacity",
+            str(RING_CAPACITY),
+            "--metrics.addr",
+            self.metrics,
+        ]
         if budget:
             args += ["--budget", str(budget)]
         if chunk_bytes:
@@ -392,10 +417,12 @@ class Runner:
             if actual and not actual.endswith("\n"):
                 actual += "\n"
             if actual != d.expected:
-                diff = "".join(difflib.unified_diff(d.expected.splitlines(True), actual.splitlines(True),
-                                                    "expected", "found"))
-                pytest.fail("%s:\n  %s\noutput differs from the expected output:\n%s" % (d.pos, d.line, diff),
-                            pytrace=False)
+                diff = "".join(
+                    difflib.unified_diff(d.expected.splitlines(True), actual.splitlines(True), "expected", "found")
+                )
+                pytest.fail(
+                    "%s:\n  %s\noutput differs from the expected output:\n%s" % (d.pos, d.line, diff), pytrace=False
+                )
 
     def exec(self, d):
         a = self.Args(d)
@@ -431,9 +458,16 @@ class Runner:
         if role not in ROLES:
             raise ScenarioError("role %r: client, scheduler or worker" % role)
         width = a.num("width", 32)
-        kw = dict(instance=a.str("instance", "engine-a"), model=a.str("model", "llama"),
-                  layout=a.str("layout", "bf16/16/HND"), salt=a.str("salt", ""), role=ROLES[role],
-                  rank=a.num("rank", 0), world_size=a.num("world", 1), digest_width=width)
+        kw = dict(
+            instance=a.str("instance", "engine-a"),
+            model=a.str("model", "llama"),
+            layout=a.str("layout", "bf16/16/HND"),
+            salt=a.str("salt", ""),
+            role=ROLES[role],
+            rank=a.num("rank", 0),
+            world_size=a.num("world", 1),
+            digest_width=width,
+        )
         try:
             s = Session.attach(self.sidecar.sock, timeout=5.0, **kw)
         except (RingsideTimeout, RingsideUnavailable):
@@ -446,8 +480,15 @@ class Runner:
     def pool(self):
         p = self.sidecar.state()["pool"]
         return "blocks=%d pending=%d pinned=%d leases=%d loads=%d writers=%d used=%d free=%d" % (
-            p["Blocks"], p["PendingBlocks"], p["PinnedBlocks"], p["Leases"], p["Loads"], p["Writers"], p["Used"],
-            p["Free"])
+            p["Blocks"],
+            p["PendingBlocks"],
+            p["PinnedBlocks"],
+            p["Leases"],
+            p["Loads"],
+            p["Writers"],
+            p["Used"],
+            p["Free"],
+        )
 
     def gone(self, session_id):
         """Waits until the sidecar has forgotten a session (its end is
@@ -482,8 +523,28 @@ class Runner:
         count = a.need_num("count") if need_count else 0
         return b, start, count
 
-    COMMANDS = frozenset({"detach", "abandon", "put", "drop", "lookup", "acquire", "poll", "release", "region",
-                          "fill", "check", "store", "load", "changes", "snapshot", "ping", "raw", "send"})
+    COMMANDS = frozenset(
+        {
+            "detach",
+            "abandon",
+            "put",
+            "drop",
+            "lookup",
+            "acquire",
+            "poll",
+            "release",
+            "region",
+            "fill",
+            "check",
+            "store",
+            "load",
+            "changes",
+            "snapshot",
+            "ping",
+            "raw",
+            "send",
+        }
+    )
 
     def request(self, d, a):
         if d.cmd not in self.COMMANDS:
@@ -615,8 +676,9 @@ class Runner:
             raise ScenarioError("kind: host or cuda")
         kind = S.REGION_CUDA_IPC if k == "cuda" else S.REGION_HOST_PROCESS
         if a.has("quiet"):
-            st = self.quiet(ss, S.TYPE_REGISTER_REGION,
-                            S.encode_register_region(rid, kind, pid, mem.base, mem.n, pb, declared))
+            st = self.quiet(
+                ss, S.TYPE_REGISTER_REGION, S.encode_register_region(rid, kind, pid, mem.base, mem.n, pb, declared)
+            )
         else:
             try:
                 ss.s.register_region(rid, mem.base, mem.n, pb, declared, pid=pid, kind=kind)
@@ -756,8 +818,9 @@ class Runner:
         return c
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(SCENARIOS, "*.txt"))),
-                         ids=lambda p: os.path.basename(p)[:-4])
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(SCENARIOS, "*.txt"))), ids=lambda p: os.path.basename(p)[:-4]
+)
 def test_scenario(path, ringside_bin):
     r = Runner(ringside_bin)
     try:
@@ -775,8 +838,10 @@ def test_reader_matches_datadriven():
     input blocks, outputs ended by a blank line or between ---- pairs, and
     argument values in parentheses."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("# comment\n\ncmd a=1 b \\\n  c=(x, y)\n----\nline 1\nline 2\n\n"
-                "raw s=a\n01 02\n03\n----\n----\nfirst\n\nafter a blank\n----\n----\n\nlast\n----\n")
+        f.write(
+            "# comment\n\ncmd a=1 b \\\n  c=(x, y)\n----\nline 1\nline 2\n\n"
+            "raw s=a\n01 02\n03\n----\n----\nfirst\n\nafter a blank\n----\n----\n\nlast\n----\n"
+        )
     try:
         ds = read_directives(f.name)
     finally:
@@ -801,8 +866,10 @@ def test_deterministic_data():
     assert r.names[d[32:]] == "p#299"
     w8 = r.digests("p#299", 8)
     assert w8 == d[32:40] and r.names[w8] == "p#299"
-    assert hashlib.sha256(content("kv", 3, 70)).hexdigest() == \
-        "5ab27d17b40c3b491391f2b9e683d3daeff4e9885bde4676a45c4fdee9fa215a"
+    assert (
+        hashlib.sha256(content("kv", 3, 70)).hexdigest()
+        == "5ab27d17b40c3b491391f2b9e683d3daeff4e9885bde4676a45c4fdee9fa215a"
+    )
     for bad in ("p", "#1", "p#", "p#2-1", "p#x", "p#0,"):
         with pytest.raises(ScenarioError):
             r.digests(bad, 32)

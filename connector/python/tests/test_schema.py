@@ -11,8 +11,9 @@ import pytest
 
 from ringside import schema as S
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "testdata", "golden", "schema",
-                      "vectors.json")
+GOLDEN = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "testdata", "golden", "schema", "vectors.json"
+)
 
 with open(GOLDEN) as _f:
     VECTORS = json.load(_f)["vectors"]
@@ -67,12 +68,28 @@ CODECS = {
     ),
     "RegisterRegion": (
         lambda f, v: S.encode_register_region(
-            f["region"], f["kind"], f["pid"], f["base"], f["length"], f["page_size"], f["page_count"],
-            [(s["offset"], s["stride"], s["length"]) for s in f["segments"]], _hex(f["extra"])),
+            f["region"],
+            f["kind"],
+            f["pid"],
+            f["base"],
+            f["length"],
+            f["page_size"],
+            f["page_count"],
+            [(s["offset"], s["stride"], s["length"]) for s in f["segments"]],
+            _hex(f["extra"]),
+        ),
         lambda b, v: S.decode_register_region(b),
         lambda f, v: S.RegisterRegion(
-            f["region"], f["kind"], f["pid"], f["base"], f["length"], f["page_size"], f["page_count"],
-            tuple(S.Segment(s["offset"], s["stride"], s["length"]) for s in f["segments"]), _hex(f["extra"])),
+            f["region"],
+            f["kind"],
+            f["pid"],
+            f["base"],
+            f["length"],
+            f["page_size"],
+            f["page_count"],
+            tuple(S.Segment(s["offset"], s["stride"], s["length"]) for s in f["segments"]),
+            _hex(f["extra"]),
+        ),
         _region_fixed,
     ),
     "Load": (
@@ -113,12 +130,22 @@ CODECS = {
     ),
     "ChangesReply": (
         lambda f, v: S.encode_changes_reply(
-            f["status"], f["resync"], f["epoch"], f["next"], f["width"],
-            b"".join(S.encode_change(e["op"], _hex(e["digest"])) for e in f["entries"])),
+            f["status"],
+            f["resync"],
+            f["epoch"],
+            f["next"],
+            f["width"],
+            b"".join(S.encode_change(e["op"], _hex(e["digest"])) for e in f["entries"]),
+        ),
         lambda b, v: S.decode_changes_reply(b),
         lambda f, v: S.ChangesReply(
-            f["status"], f["resync"], f["epoch"], f["next"], f["width"],
-            b"".join(S.encode_change(e["op"], _hex(e["digest"])) for e in f["entries"])),
+            f["status"],
+            f["resync"],
+            f["epoch"],
+            f["next"],
+            f["width"],
+            b"".join(S.encode_change(e["op"], _hex(e["digest"])) for e in f["entries"]),
+        ),
         None,
     ),
     "Snapshot": (
@@ -128,11 +155,13 @@ CODECS = {
         None,
     ),
     "SnapshotReply": (
-        lambda f, v: S.encode_snapshot_reply(f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"],
-                                             b"".join(_hex(d) for d in f["entries"])),
+        lambda f, v: S.encode_snapshot_reply(
+            f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"], b"".join(_hex(d) for d in f["entries"])
+        ),
         lambda b, v: S.decode_snapshot_reply(b),
-        lambda f, v: S.SnapshotReply(f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"],
-                                     b"".join(_hex(d) for d in f["entries"])),
+        lambda f, v: S.SnapshotReply(
+            f["status"], f["done"], f["epoch"], f["seq"], f["next"], f["width"], b"".join(_hex(d) for d in f["entries"])
+        ),
         None,
     ),
 }
@@ -167,7 +196,7 @@ def test_golden_decode(v):
     assert dec(memoryview(b), v) == want
     # A slice of a larger buffer, as a ring consumer hands out.
     big = memoryview(b"\xee" * 8 + b + b"\xee" * 8)
-    assert dec(big[8:8 + len(b)], v) == want
+    assert dec(big[8 : 8 + len(b)], v) == want
 
 
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
@@ -179,9 +208,17 @@ def test_record_type(v):
     assert not S.type_name(rt).startswith("type(")
     assert bool(rt & S.REPLY_BIT) == v["message"].endswith("Reply")
     if rt & S.REPLY_BIT:
-        assert S.REPLY_DECODERS[rt & ~S.REPLY_BIT].__name__ == "decode_" + {
-            "Reply": "reply", "LeaseReply": "lease_reply", "StoreReply": "store_reply",
-            "ChangesReply": "changes_reply", "SnapshotReply": "snapshot_reply"}[v["message"]]
+        assert (
+            S.REPLY_DECODERS[rt & ~S.REPLY_BIT].__name__
+            == "decode_"
+            + {
+                "Reply": "reply",
+                "LeaseReply": "lease_reply",
+                "StoreReply": "store_reply",
+                "ChangesReply": "changes_reply",
+                "SnapshotReply": "snapshot_reply",
+            }[v["message"]]
+        )
 
 
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
@@ -217,6 +254,7 @@ def test_schema_error_is_value_error():
 
 # --- limits and checks mirrored from the Go decoders ------------------------
 
+
 def _put(n, width, flags=0):
     return struct.pack("<QII", 7, n, flags) + bytes(n * width)
 
@@ -232,8 +270,13 @@ def test_put_hashes_limits(width):
     for flags in (8, 7, 5, 0x80000000):
         with pytest.raises(S.SchemaError, match="flags"):
             S.decode_put_hashes(_put(1, width, flags), width)
-    for flags in (S.FLAG_APPEND, S.FLAG_LOOKUP, S.FLAG_APPEND | S.FLAG_LOOKUP, S.FLAG_REPLACE,
-                  S.FLAG_REPLACE | S.FLAG_LOOKUP):
+    for flags in (
+        S.FLAG_APPEND,
+        S.FLAG_LOOKUP,
+        S.FLAG_APPEND | S.FLAG_LOOKUP,
+        S.FLAG_REPLACE,
+        S.FLAG_REPLACE | S.FLAG_LOOKUP,
+    ):
         assert S.decode_put_hashes(_put(1, width, flags), width).flags == flags
     # Encoder refuses what it cannot express.
     with pytest.raises(S.SchemaError):
@@ -416,18 +459,43 @@ def test_snapshot_reply_digests():
 
 
 def _attach(**kw):
-    f = dict(version=1, role=S.ROLE_WORKER, rank=1, world_size=2, digest_width=16, ring_capacity=0,
-             instance="i", model="m", layout="l", salt="")
+    f = dict(
+        version=1,
+        role=S.ROLE_WORKER,
+        rank=1,
+        world_size=2,
+        digest_width=16,
+        ring_capacity=0,
+        instance="i",
+        model="m",
+        layout="l",
+        salt="",
+    )
     f.update(kw)
     return f
 
 
-@pytest.mark.parametrize("kw", [
-    dict(role=0), dict(role=4), dict(world_size=0, rank=0), dict(world_size=65, rank=0),
-    dict(rank=2), dict(rank=1 << 31), dict(digest_width=0), dict(digest_width=7), dict(digest_width=64),
-    dict(instance=""), dict(model=""), dict(layout=""),
-    dict(instance="x" * 1025), dict(salt="y" * 1025), dict(model="é" * 513),
-], ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(role=0),
+        dict(role=4),
+        dict(world_size=0, rank=0),
+        dict(world_size=65, rank=0),
+        dict(rank=2),
+        dict(rank=1 << 31),
+        dict(digest_width=0),
+        dict(digest_width=7),
+        dict(digest_width=64),
+        dict(instance=""),
+        dict(model=""),
+        dict(layout=""),
+        dict(instance="x" * 1025),
+        dict(salt="y" * 1025),
+        dict(model="é" * 513),
+    ],
+    ids=str,
+)
 def test_attach_request_invalid(kw):
     f = _attach(**kw)
     with pytest.raises(S.SchemaError):
@@ -445,11 +513,20 @@ def test_attach_request_invalid_utf8():
             S.decode_attach_request(raw)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(role=S.ROLE_SCHEDULER, rank=0, world_size=1), dict(role=S.ROLE_CLIENT), dict(world_size=64, rank=63),
-    dict(digest_width=8), dict(digest_width=32), dict(salt="s"), dict(version=99),
-    dict(instance="x" * 1024, model="y" * 1024, layout="é" * 512, salt="z" * 1024),
-], ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(role=S.ROLE_SCHEDULER, rank=0, world_size=1),
+        dict(role=S.ROLE_CLIENT),
+        dict(world_size=64, rank=63),
+        dict(digest_width=8),
+        dict(digest_width=32),
+        dict(salt="s"),
+        dict(version=99),
+        dict(instance="x" * 1024, model="y" * 1024, layout="é" * 512, salt="z" * 1024),
+    ],
+    ids=str,
+)
 def test_attach_request_valid(kw):
     f = _attach(**kw)
     assert S.decode_attach_request(S.encode_attach_request(**f)) == S.AttachRequest(**f)
@@ -489,17 +566,54 @@ def test_reply_err():
 
 
 def test_names():
-    go = ["ok", "malformed record", "unknown record type", "unknown hash batch", "unknown lease",
-          "unknown region", "out of range", "too large", "no space", "expired", "duplicate id",
-          "copy failed", "not permitted", "internal error", "shutting down", "unsupported protocol version",
-          "bad state", "mismatch"]
+    go = [
+        "ok",
+        "malformed record",
+        "unknown record type",
+        "unknown hash batch",
+        "unknown lease",
+        "unknown region",
+        "out of range",
+        "too large",
+        "no space",
+        "expired",
+        "duplicate id",
+        "copy failed",
+        "not permitted",
+        "internal error",
+        "shutting down",
+        "unsupported protocol version",
+        "bad state",
+        "mismatch",
+    ]
     assert [S.status_name(i) for i in range(18)] == go
     assert [str(s) for s in S.Status] == go
     assert S.status_name(18) == "status(18)"
     assert [S.state_name(i) for i in range(8)] == [
-        "state(0)", "waiting", "ready", "loading", "loaded", "miss", "released", "state(7)"]
-    names = ["PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release", "RegisterRegion", "Load",
-             "Store", "Changes", "Detach", "Ping", "Snapshot"]
+        "state(0)",
+        "waiting",
+        "ready",
+        "loading",
+        "loaded",
+        "miss",
+        "released",
+        "state(7)",
+    ]
+    names = [
+        "PutHashes",
+        "DropHashes",
+        "Lookup",
+        "Acquire",
+        "Poll",
+        "Release",
+        "RegisterRegion",
+        "Load",
+        "Store",
+        "Changes",
+        "Detach",
+        "Ping",
+        "Snapshot",
+    ]
     for t, n in enumerate(names, 1):
         assert S.type_name(t) == n
         assert S.type_name(t | S.REPLY_BIT) == n + "Reply"
@@ -521,11 +635,25 @@ def test_garbage_never_crashes():
     import random
 
     rng = random.Random(1)
-    decoders = [S.decode_attach_request, S.decode_attach_reply, S.decode_id, S.decode_lookup, S.decode_acquire,
-                S.decode_register_region, S.decode_load, S.decode_store, S.decode_changes, S.decode_reply,
-                S.decode_lease_reply, S.decode_store_reply, S.decode_changes_reply, S.decode_snapshot,
-                S.decode_snapshot_reply,
-                lambda b: S.decode_put_hashes(b, 8), lambda b: S.decode_put_hashes(b, 32)]
+    decoders = [
+        S.decode_attach_request,
+        S.decode_attach_reply,
+        S.decode_id,
+        S.decode_lookup,
+        S.decode_acquire,
+        S.decode_register_region,
+        S.decode_load,
+        S.decode_store,
+        S.decode_changes,
+        S.decode_reply,
+        S.decode_lease_reply,
+        S.decode_store_reply,
+        S.decode_changes_reply,
+        S.decode_snapshot,
+        S.decode_snapshot_reply,
+        lambda b: S.decode_put_hashes(b, 8),
+        lambda b: S.decode_put_hashes(b, 32),
+    ]
     seeds = [_hex(v["hex"]) for v in VECTORS]
     for _ in range(3000):
         b = bytearray(rng.choice(seeds))
@@ -534,7 +662,7 @@ def test_garbage_never_crashes():
             if op == 0 and b:
                 b[rng.randrange(len(b))] = rng.randrange(256)
             elif op == 1:
-                del b[rng.randrange(len(b) + 1):]
+                del b[rng.randrange(len(b) + 1) :]
             else:
                 b += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
         for d in decoders:

@@ -25,18 +25,22 @@ try:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 except Exception as e:  # noqa: BLE001 - ImportError, or a module that fails at import
-    pytest.skip("SGLang's HiCache modules are not importable here (%s: %s): run `make sglang-venv`, then "
-                "this file with .venv-sglang/bin/python (make pytest does)" % (type(e).__name__, e),
-                allow_module_level=True)
+    pytest.skip(
+        "SGLang's HiCache modules are not importable here (%s: %s): run `make sglang-venv`, then "
+        "this file with .venv-sglang/bin/python (make pytest does)" % (type(e).__name__, e),
+        allow_module_level=True,
+    )
 
 from ringside import sglang as rs  # noqa: E402
 from ringside.client import Session  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("go") is None,
-                                reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar")
+pytestmark = pytest.mark.skipif(
+    shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
+)
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4  # a page: 2 x 3 x 4 x 2 x 8 bf16 = 768 bytes
 DEVICE_TOKENS = 64
+
 
 def chain(n, seed="s"):
     """SGLang-style page keys: hex sha256 digests chained page to page."""
@@ -51,12 +55,27 @@ def make_pool(layout="page_first", fill=True, heads=HEADS, seed=0):
     k = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
     v = tuple(torch.zeros(DEVICE_TOKENS, heads, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
     ptrs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64) for ts in (k, v)]
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1],
-                                           layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=heads, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                         dtype=torch.bfloat16, device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS)
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs[0], v_data_ptrs=ptrs[1], layout=KVBufferLayout.NHD),
+        page_size=PAGE,
+        head_num=heads,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    pool = MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
     if fill:
         g = torch.Generator().manual_seed(seed)
         pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(torch.bfloat16))
@@ -64,13 +83,28 @@ def make_pool(layout="page_first", fill=True, heads=HEADS, seed=0):
 
 
 def make_backend(sock, pool, instance="engine-a", tp_rank=0, tp_size=1, **extra):
-    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                               attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-                               is_page_first_layout=pool.layout == "page_first", model_name="tiny/llama",
-                               extra_config=dict(backend_name="ringside", module_path="ringside.sglang",
-                                                 class_name="RingsideHiCacheStorage", socket=sock,
-                                                 instance=instance, timeout=1.0, reattach_interval=0.2,
-                                                 **extra))
+    cfg = HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name="tiny/llama",
+        extra_config=dict(
+            backend_name="ringside",
+            module_path="ringside.sglang",
+            class_name="RingsideHiCacheStorage",
+            socket=sock,
+            instance=instance,
+            timeout=1.0,
+            reattach_interval=0.2,
+            **extra,
+        ),
+    )
     # What HiCacheController.attach_storage_backend does.
     b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     b.register_mem_pool_host(pool)
@@ -126,7 +160,7 @@ def test_set_exists_get_second_instance(sidecar, backends, layout):
     # The get reused the batch the exists registered: 8 keys sent, once.
     assert b._index.registered == 8 and len(b._index.batches) == 1
     # A shuffled page list lands where asked.
-    ic = torch.cat([ib[3 * PAGE:6 * PAGE], ib[:3 * PAGE]])
+    ic = torch.cat([ib[3 * PAGE : 6 * PAGE], ib[: 3 * PAGE]])
     pb.kv_buffer.zero_()
     assert b.batch_get_v1(keys[:6], ic) == [True] * 6
     assert pages_equal(pa, ia, pb, ic, 6)
@@ -140,8 +174,8 @@ def test_chunks_with_prefix_keys_share_one_batch(sidecar, backends):
     idx = pool.alloc(12 * PAGE)
     # The cache controller writes and queries a chain in chunks, passing the
     # keys before each chunk as prefix_keys.
-    assert a.batch_set_v1(keys[:5], idx[:5 * PAGE], HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 5
-    assert a.batch_set_v1(keys[5:], idx[5 * PAGE:], HiCacheStorageExtraInfo(prefix_keys=keys[:5])) == [True] * 7
+    assert a.batch_set_v1(keys[:5], idx[: 5 * PAGE], HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 5
+    assert a.batch_set_v1(keys[5:], idx[5 * PAGE :], HiCacheStorageExtraInfo(prefix_keys=keys[:5])) == [True] * 7
     assert len(a._index.batches) == 1 and a._index.registered == 12
     assert a.batch_exists(keys[:5]) == 5
     assert a.batch_exists(keys[5:], HiCacheStorageExtraInfo(prefix_keys=keys[:5])) == 7
@@ -196,7 +230,7 @@ def test_plain_methods_and_cross_path(sidecar, backends):
     assert c.batch_get_v1(keys, ic) == [True] * 6 + [False]
     assert pages_equal(pa, ia, pc, ic, 6)
     more = chain(2, seed="zc")
-    assert c.batch_set_v1(more, ic[:2 * PAGE]) == [True, True]
+    assert c.batch_set_v1(more, ic[: 2 * PAGE]) == [True, True]
     out = b.batch_get(more)
     assert torch.equal(out[0].view(torch.uint8), page(pc, ic[0]))
 
@@ -214,7 +248,7 @@ def test_tensor_parallel_ranks_see_one_answer(sidecar, backends):
     idx = [p.alloc(5 * PAGE) for p in pools]
     assert ranks[0].batch_set_v1(keys, idx[0]) == [True] * 5
     assert [b.batch_exists(keys) for b in ranks] == [0, 0]  # rank 1 has not stored yet
-    assert ranks[1].batch_set_v1(keys[:3], idx[1][:3 * PAGE]) == [True] * 3
+    assert ranks[1].batch_set_v1(keys[:3], idx[1][: 3 * PAGE]) == [True] * 3
     assert [b.batch_exists(keys) for b in ranks] == [3, 3]
     assert ranks[1].batch_set_v1(keys, idx[1]) == [True] * 5
     assert [b.batch_exists(keys) for b in ranks] == [5, 5]
@@ -346,8 +380,7 @@ def test_unsupported_methods_raise(backends):
     pool = make_pool()
     a, _ = make_backend("/nonexistent/ringside.sock", pool)
     backends.append(a)
-    for call in (lambda: a.batch_exists_v2(chain(1)), lambda: a.batch_get_v2([]), lambda: a.batch_set_v2([]),
-                 a.clear):
+    for call in (lambda: a.batch_exists_v2(chain(1)), lambda: a.batch_get_v2([]), lambda: a.batch_set_v2([]), a.clear):
         with pytest.raises(NotImplementedError):
             call()
     assert a.get_stats() is None

@@ -30,12 +30,11 @@ import struct
 import subprocess
 
 import pytest
+from conftest import REPO_ROOT
 
 from ringside import _wire as W
 from ringside import ring as R
 from ringside import schema as S
-
-from conftest import REPO_ROOT
 
 GOLDEN = os.path.join(REPO_ROOT, "testdata", "golden")
 
@@ -69,23 +68,35 @@ def test_wire_module_is_current_with_the_go_source():
     gobin = shutil.which("go")
     if gobin is None:
         pytest.skip("the Go toolchain (go) is not on PATH: cannot read the Go constants")
-    r = subprocess.run([gobin, "run", "./internal/wiregen/gen", "-root", ".", "-o", "-"], cwd=REPO_ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [gobin, "run", "./internal/wiregen/gen", "-root", ".", "-o", "-"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     with open(W.__file__) as f:
         committed = f.read()
     if committed != r.stdout:
-        diff = [f"  committed: {a}\n  from Go:   {b}" for a, b in zip(committed.splitlines(), r.stdout.splitlines())
-                if a != b]
-        pytest.fail("ringside/_wire.py differs from the Go constants: run `go generate ./schema/`, then "
-                    "`go test ./schema ./ring -run Golden -update`, and commit both\n" + "\n".join(diff[:10]))
+        diff = [
+            f"  committed: {a}\n  from Go:   {b}"
+            for a, b in zip(committed.splitlines(), r.stdout.splitlines())
+            if a != b
+        ]
+        pytest.fail(
+            "ringside/_wire.py differs from the Go constants: run `go generate ./schema/`, then "
+            "`go test ./schema ./ring -run Golden -update`, and commit both\n" + "\n".join(diff[:10])
+        )
 
 
 def test_wire_module_matches_the_vectors():
     want = {c["python"]: c["value"] for c in SCHEMA_CONSTS + RING_CONSTS}
     have = {n: getattr(W, n) for n in dir(W) if n.isupper()}
-    assert have == want, ("ringside/_wire.py and the golden vectors disagree: regenerate both "
-                          "(go generate ./schema/; go test ./schema ./ring -run Golden -update)")
+    assert have == want, (
+        "ringside/_wire.py and the golden vectors disagree: regenerate both "
+        "(go generate ./schema/; go test ./schema ./ring -run Golden -update)"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -110,8 +121,11 @@ def public(pkg, c):
     return f"ringside.schema.{name}", getattr(S, name, None)
 
 
-@pytest.mark.parametrize("pkg,c", [("schema", c) for c in SCHEMA_CONSTS] + [("ring", c) for c in RING_CONSTS],
-                         ids=lambda v: v["name"] if isinstance(v, dict) else v)
+@pytest.mark.parametrize(
+    "pkg,c",
+    [("schema", c) for c in SCHEMA_CONSTS] + [("ring", c) for c in RING_CONSTS],
+    ids=lambda v: v["name"] if isinstance(v, dict) else v,
+)
 def test_every_go_constant_has_its_public_name(pkg, c):
     where, value = public(pkg, c)
     assert value is not None, f"Go's {pkg}.{c['name']} has no Python name {where}: add it to {pkg}.py"
@@ -160,8 +174,18 @@ def test_record_types_have_names_and_reply_decoders():
 
 
 def _attach(**kw):
-    args = dict(version=1, role=S.ROLE_WORKER, rank=0, world_size=1, digest_width=32, ring_capacity=0,
-                instance="i", model="m", layout="l", salt="")
+    args = dict(
+        version=1,
+        role=S.ROLE_WORKER,
+        rank=0,
+        world_size=1,
+        digest_width=32,
+        ring_capacity=0,
+        instance="i",
+        model="m",
+        layout="l",
+        salt="",
+    )
     args.update(kw)
     return S.AttachRequest(**args)
 
@@ -177,17 +201,27 @@ def _accepts(f):
 def test_digest_widths_are_the_go_ones():
     want = SCHEMA["digest_widths"]
     assert list(S.DIGEST_WIDTHS) == want
-    assert [w for w in range(256) if _accepts(lambda: S.validate_attach_request(_attach(digest_width=w)))] == want
-    assert [w for w in range(256) if _accepts(lambda: S.decode_put_hashes(S._PUT_HASHES.pack(1, 0, 0), w))] == want
-    assert [w for w in range(256)
-            if _accepts(lambda: S.decode_changes_reply(struct.pack("<IIQQIB3x", 0, 0, 0, 0, 0, w)))] == want
-    assert [w for w in range(256)
-            if _accepts(lambda: S.decode_snapshot_reply(struct.pack("<IIQQQIB3x", 0, 0, 0, 0, 0, 0, w)))] == want
+    assert [w for w in range(256) if _accepts(lambda w=w: S.validate_attach_request(_attach(digest_width=w)))] == want
+    assert [w for w in range(256) if _accepts(lambda w=w: S.decode_put_hashes(S._PUT_HASHES.pack(1, 0, 0), w))] == want
+    assert [
+        w
+        for w in range(256)
+        if _accepts(lambda w=w: S.decode_changes_reply(struct.pack("<IIQQIB3x", 0, 0, 0, 0, 0, w)))
+    ] == want
+    assert [
+        w
+        for w in range(256)
+        if _accepts(lambda w=w: S.decode_snapshot_reply(struct.pack("<IIQQQIB3x", 0, 0, 0, 0, 0, 0, w)))
+    ] == want
 
 
 def test_region_kinds_are_the_go_ones():
     want = SCHEMA["region_kinds"]
-    got = [k for k in range(256) if _accepts(lambda: S.decode_register_region(S.encode_register_region(1, k, 1, 1, 1, 1, 1)))]
+    got = [
+        k
+        for k in range(256)
+        if _accepts(lambda k=k: S.decode_register_region(S.encode_register_region(1, k, 1, 1, 1, 1, 1)))
+    ]
     assert got == want
     assert sorted((S.REGION_HOST_PROCESS, S.REGION_CUDA_IPC)) == want
 
@@ -213,36 +247,49 @@ def _probe_pages(n):
     load = struct.pack("<QIIII", 1, 1, n, 0, 0) + bytes(4 * n)
     store = struct.pack("<QIIII", 1, 0, n, 1, n) + bytes(4 * n)
     pages = list(range(n))
-    return [lambda: S.decode_load(load), lambda: S.decode_store(store),
-            lambda: S.encode_load(1, 1, 0, pages), lambda: S.encode_store(1, 0, n, 1, pages)]
+    return [
+        lambda: S.decode_load(load),
+        lambda: S.decode_store(store),
+        lambda: S.encode_load(1, 1, 0, pages),
+        lambda: S.encode_store(1, 0, n, 1, pages),
+    ]
 
 
 def _probe_segments(n):
     raw = struct.pack("<IB3xQQQQII", 1, S.REGION_HOST_PROCESS, 1, 1, 1, 1, 1, n) + bytes(24 * n)
-    return [lambda: S.decode_register_region(raw),
-            lambda: S.encode_register_region(1, S.REGION_HOST_PROCESS, 1, 1, 1, 1, 1, [(0, 0, 0)] * n)]
+    return [
+        lambda: S.decode_register_region(raw),
+        lambda: S.encode_register_region(1, S.REGION_HOST_PROCESS, 1, 1, 1, 1, 1, [(0, 0, 0)] * n),
+    ]
 
 
 def _probe_string(n):
-    return [lambda f=f: S.validate_attach_request(_attach(**{f: "x" * n}))
-            for f in ("instance", "model", "layout", "salt")] + \
-           [lambda: S.decode_attach_request(S.encode_attach_request(instance="x" * n, model="m", layout="l"))]
+    return [
+        lambda f=f: S.validate_attach_request(_attach(**{f: "x" * n})) for f in ("instance", "model", "layout", "salt")
+    ] + [lambda: S.decode_attach_request(S.encode_attach_request(instance="x" * n, model="m", layout="l"))]
 
 
 def _probe_changes(n):
-    return [lambda w=w: S.decode_changes_reply(struct.pack("<IIQQIB3x", 0, 0, 1, 2, n, w) + bytes(n * (8 + w)))
-            for w in S.DIGEST_WIDTHS]
+    return [
+        lambda w=w: S.decode_changes_reply(struct.pack("<IIQQIB3x", 0, 0, 1, 2, n, w) + bytes(n * (8 + w)))
+        for w in S.DIGEST_WIDTHS
+    ]
 
 
 def _probe_snapshot(n):
-    return [lambda w=w: S.decode_snapshot_reply(struct.pack("<IIQQQIB3x", 0, 0, 1, 2, 3, n, w) + bytes(n * w))
-            for w in S.DIGEST_WIDTHS]
+    return [
+        lambda w=w: S.decode_snapshot_reply(struct.pack("<IIQQQIB3x", 0, 0, 1, 2, 3, n, w) + bytes(n * w))
+        for w in S.DIGEST_WIDTHS
+    ]
 
 
 def _probe_world(n):
-    return [lambda: S.validate_attach_request(_attach(world_size=n, rank=n - 1)),
-            lambda: S.decode_attach_request(S.encode_attach_request(world_size=n, rank=0, instance="i", model="m",
-                                                                    layout="l"))]
+    return [
+        lambda: S.validate_attach_request(_attach(world_size=n, rank=n - 1)),
+        lambda: S.decode_attach_request(
+            S.encode_attach_request(world_size=n, rank=0, instance="i", model="m", layout="l")
+        ),
+    ]
 
 
 # One probe per Go limit: a new Max* constant in Go needs one here.
@@ -265,7 +312,7 @@ def test_every_go_limit_has_a_probe():
 @pytest.mark.parametrize("name", sorted(LIMIT_PROBES))
 def test_python_enforces_the_go_limit(name):
     limit = go("schema", name)
-    for i, op in enumerate(LIMIT_PROBES[name](limit)):
+    for op in LIMIT_PROBES[name](limit):
         op()  # at the limit: accepted
     for i, op in enumerate(LIMIT_PROBES[name](limit + 1)):
         with pytest.raises(S.SchemaError):  # one past it: rejected, by every decoder and encoder
@@ -285,13 +332,15 @@ def test_schema_sizes_are_what_python_encodes():
     assert len(S.encode_change(S.OP_STORED, bytes(16))) - 16 == go("schema", "ChangeHeaderSize")
     assert len(S.encode_cuda_ipc_extra(bytes(64), bytes(16), 7)) == go("schema", "CUDAIPCExtraSize")
     sizes = {c["name"] for c in SCHEMA_CONSTS if c["name"].endswith("Size") and not c["name"].startswith("Max")}
-    assert sizes == {"ViewSize", "SegmentSize", "ChangeHeaderSize", "CUDAIPCExtraSize"}, \
+    assert sizes == {"ViewSize", "SegmentSize", "ChangeHeaderSize", "CUDAIPCExtraSize"}, (
         "a Go size without a check here"
+    )
 
 
 def test_schema_flags_and_magics_are_what_python_encodes():
-    assert struct.unpack_from("<I", S.encode_attach_request(instance="i", model="m", layout="l"))[0] == \
-        go("schema", "AttachMagic")
+    assert struct.unpack_from("<I", S.encode_attach_request(instance="i", model="m", layout="l"))[0] == go(
+        "schema", "AttachMagic"
+    )
     assert struct.unpack_from("<I", S.encode_attach_reply())[0] == go("schema", "AttachReplyMagic")
     assert struct.unpack_from("<4xH", S.encode_attach_request())[0] == go("schema", "Version")
     cr = S.encode_changes_reply(0, True, 1, 2, 8)
@@ -306,10 +355,20 @@ def test_schema_flags_and_magics_are_what_python_encodes():
 
 
 def _header(**kw):
-    h = dict(magic=go("ring", "Magic"), version=go("ring", "Version"), header_size=go("ring", "HeaderSize"),
-             capacity=go("ring", "MinCapacity"), align=go("ring", "Align"), max_record=1024, epoch=0x1122334455667788,
-             flags=go("ring", "FlagCreatorProducer"), producer_pid=0x01020304, producer_start=0x0A0B0C0D0E0F1011,
-             consumer_pid=0x05060708, consumer_start=0x1213141516171819)
+    h = dict(
+        magic=go("ring", "Magic"),
+        version=go("ring", "Version"),
+        header_size=go("ring", "HeaderSize"),
+        capacity=go("ring", "MinCapacity"),
+        align=go("ring", "Align"),
+        max_record=1024,
+        epoch=0x1122334455667788,
+        flags=go("ring", "FlagCreatorProducer"),
+        producer_pid=0x01020304,
+        producer_start=0x0A0B0C0D0E0F1011,
+        consumer_pid=0x05060708,
+        consumer_start=0x1213141516171819,
+    )
     h.update(kw)
     return R.Header(**h)
 
@@ -333,10 +392,17 @@ def test_ring_header_offsets_are_where_python_writes():
     b = bytearray(go("ring", "HeaderSize"))
     R.encode_header(b, h)
     fields = {  # Go offset constant: (header field, width)
-        "offMagic": ("magic", "Q"), "offVersion": ("version", "I"), "offHeaderSize": ("header_size", "I"),
-        "offCapacity": ("capacity", "Q"), "offAlign": ("align", "I"), "offMaxRecord": ("max_record", "I"),
-        "offEpoch": ("epoch", "Q"), "offFlags": ("flags", "I"), "offProducerPID": ("producer_pid", "I"),
-        "offProducerStart": ("producer_start", "Q"), "offConsumerPID": ("consumer_pid", "I"),
+        "offMagic": ("magic", "Q"),
+        "offVersion": ("version", "I"),
+        "offHeaderSize": ("header_size", "I"),
+        "offCapacity": ("capacity", "Q"),
+        "offAlign": ("align", "I"),
+        "offMaxRecord": ("max_record", "I"),
+        "offEpoch": ("epoch", "Q"),
+        "offFlags": ("flags", "I"),
+        "offProducerPID": ("producer_pid", "I"),
+        "offProducerStart": ("producer_start", "Q"),
+        "offConsumerPID": ("consumer_pid", "I"),
         "offConsumerStart": ("consumer_start", "Q"),
     }
     for name, (field, fmt) in fields.items():

@@ -161,8 +161,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--check", action="store_true", help="build twice, compare hashes")
     for opt, key in SHAPE_OPTIONS.items():
-        ap.add_argument("--" + opt.replace("_", "-"), type=int, default=CONFIG[key],
-                        help="%s (default %d)" % (key, CONFIG[key]))
+        ap.add_argument(
+            "--" + opt.replace("_", "-"), type=int, default=CONFIG[key], help="%s (default %d)" % (key, CONFIG[key])
+        )
     args = ap.parse_args()
     config = dict(CONFIG)
     for opt, key in SHAPE_OPTIONS.items():

@@ -51,8 +51,16 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=a.model, dtype="float32", max_model_len=1024, block_size=32, enforce_eager=True,
-              seed=0, distributed_executor_backend="uni", enable_prefix_caching=True)
+    kw = dict(
+        model=a.model,
+        dtype="float32",
+        max_model_len=1024,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        distributed_executor_backend="uni",
+        enable_prefix_caching=True,
+    )
     if a.max_num_batched_tokens:
         kw.update(max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=True)
     if a.num_blocks:
@@ -67,8 +75,11 @@ def main() -> int:
             extra.update(stats_path=a.stats_path, stats_every=1)
         extra.update(json.loads(a.connector_config))
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="RingsideConnector", kv_connector_module_path="ringside.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra)
+            kv_connector="RingsideConnector",
+            kv_connector_module_path="ringside.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
     t0 = time.time()
     llm = LLM(**kw)
     start_s = time.time() - t0
@@ -86,9 +97,14 @@ def main() -> int:
             outs = staggered(llm, inputs, sp, r)
         else:
             outs = llm.generate(inputs, sp, use_tqdm=False)
-        rounds.append({"seconds": time.time() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                       "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
-                       "cached_tokens": [o.num_cached_tokens for o in outs]})
+        rounds.append(
+            {
+                "seconds": time.time() - t,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+                "cached_tokens": [o.num_cached_tokens for o in outs],
+            }
+        )
         if a.cont:
             inputs = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)} for o in outs]
     json.dump({"start_seconds": start_s, "rounds": rounds}, open(a.out, "w"))

@@ -29,23 +29,48 @@ def main():
 
     import sglang as sgl
 
-    kw = dict(model_path=a.model, device=a.device, page_size=a.page_size, random_seed=0, log_level="warning",
-              mem_fraction_static=0.5, max_total_tokens=4096, disable_cuda_graph=True, tp_size=1)
+    kw = dict(
+        model_path=a.model,
+        device=a.device,
+        page_size=a.page_size,
+        random_seed=0,
+        log_level="warning",
+        mem_fraction_static=0.5,
+        max_total_tokens=4096,
+        disable_cuda_graph=True,
+        tp_size=1,
+    )
     if a.device == "cpu":
         kw["attention_backend"] = "torch_native"
     if a.socket:
-        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_write_policy="write_through",
-                  hicache_storage_backend="dynamic",
-                  hicache_storage_backend_extra_config=json.dumps({
-                      "backend_name": "ringside", "module_path": "ringside.sglang",
-                      "class_name": "RingsideHiCacheStorage", "socket": a.socket, "instance": a.instance}))
+        kw.update(
+            enable_hierarchical_cache=True,
+            hicache_ratio=2.0,
+            hicache_write_policy="write_through",
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps(
+                {
+                    "backend_name": "ringside",
+                    "module_path": "ringside.sglang",
+                    "class_name": "RingsideHiCacheStorage",
+                    "socket": a.socket,
+                    "instance": a.instance,
+                }
+            ),
+        )
     prompts = json.load(open(a.prompts))
     engine = sgl.Engine(**kw)
     try:
         params = {"temperature": 0.0, "max_new_tokens": a.max_tokens, "ignore_eos": True}
         outs = engine.generate(prompts, params)
-        res = [{"text": o["text"], "output_ids": o.get("output_ids"),
-                "cached_tokens": o["meta_info"].get("cached_tokens", 0)} for o in outs]
+        res = [
+            {
+                "text": o["text"],
+                "output_ids": o.get("output_ids"),
+                "cached_tokens": o["meta_info"].get("cached_tokens", 0),
+            }
+            for o in outs
+        ]
     finally:
         engine.shutdown()
     with open(a.out, "w") as f:

@@ -33,7 +33,8 @@ SKIP_REASON = (
     "reserve patched out and max_total_tokens=4096 it pins the pool with cudaHostRegister "
     "(pool_host/common.py _cuda_host_register: 'RuntimeError: Found no NVIDIA driver on your system'); "
     "its device<->host copies (transfer_kv_*) exist only for CUDA/HIP/XPU/NPU. "
-    "Set RINGSIDE_SGLANG_E2E=1 where SGLang's HiCache runs")
+    "Set RINGSIDE_SGLANG_E2E=1 where SGLang's HiCache runs"
+)
 
 if os.environ.get("RINGSIDE_SGLANG_E2E") != "1":
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -74,8 +75,21 @@ def run(model_dir, tmp, name, socket_path=None):
 def test_sglang_hits_identical_tokens(model_dir, ringside_bin, tmp_path):
     tmp = str(tmp_path)
     d = "/dev/shm/rs-sgl-e2e-%d" % os.getpid()
-    sc = subprocess.Popen([ringside_bin, "serve", "--dir", d, "--pool.bytes", "256MiB", "--pool.slot-bytes", "1MiB",
-                           "--metrics.addr", ""], stderr=open(os.path.join(tmp, "sidecar.log"), "w"))
+    sc = subprocess.Popen(
+        [
+            ringside_bin,
+            "serve",
+            "--dir",
+            d,
+            "--pool.bytes",
+            "256MiB",
+            "--pool.slot-bytes",
+            "1MiB",
+            "--metrics.addr",
+            "",
+        ],
+        stderr=open(os.path.join(tmp, "sidecar.log"), "w"),
+    )
     try:
         deadline = time.time() + 20
         while not os.path.exists(d + "/ringside.sock"):

@@ -31,8 +31,9 @@ if not os.path.exists(VENV_PY):
 # Prompts with long shared prefixes (one token per byte; blocks of 32 tokens).
 PREFIX_A = "You are a careful assistant. Answer briefly and cite the manual section. " * 3
 PREFIX_B = "System: the following is a transcript of a support conversation about ringside. " * 3
-PROMPTS = [PREFIX_A + "Question %d: how do I size the pool?" % i for i in range(3)] + \
-          [PREFIX_B + "User %d asks about leases." % i for i in range(3)]
+PROMPTS = [PREFIX_A + "Question %d: how do I size the pool?" % i for i in range(3)] + [
+    PREFIX_B + "User %d asks about leases." % i for i in range(3)
+]
 MAX_TOKENS = 12
 
 
@@ -46,8 +47,7 @@ def _env():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([VENV_PY, os.path.join(HERE, "make_tiny_model.py"), str(d)], check=True, env=_env(),
-                   timeout=300)
+    subprocess.run([VENV_PY, os.path.join(HERE, "make_tiny_model.py"), str(d)], check=True, env=_env(), timeout=300)
     return str(d)
 
 
@@ -60,17 +60,40 @@ def prompts_file(tmp_path_factory):
 
 def Sidecar(binary, tmp, extra=()):
     """A sidecar for one engine test (the shared fixture, ringside.sidecar_process)."""
-    return SidecarProcess(binary, pool="64MiB", slot="32KiB", metrics=True, log_level="warn", args=list(extra),
-                          log=os.path.join(tmp, "sidecar.log"), prefix="rs-e2e-")
+    return SidecarProcess(
+        binary,
+        pool="64MiB",
+        slot="32KiB",
+        metrics=True,
+        log_level="warn",
+        args=list(extra),
+        log=os.path.join(tmp, "sidecar.log"),
+        prefix="rs-e2e-",
+    )
 
 
-def run_engine(model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True, extra=(),
-               max_tokens=MAX_TOKENS):
+def run_engine(
+    model_dir, prompts_file, tmp, name, socket_path=None, rounds=1, wait=True, extra=(), max_tokens=MAX_TOKENS
+):
     out = os.path.join(tmp, name + ".json")
     ready = os.path.join(tmp, name + ".ready")
     stats = os.path.join(tmp, name + ".stats")
-    cmd = [VENV_PY, os.path.join(HERE, "run_engine.py"), "--model", model_dir, "--prompts", prompts_file,
-           "--out", out, "--rounds", str(rounds), "--max-tokens", str(max_tokens), "--ready-file", ready] + list(extra)
+    cmd = [
+        VENV_PY,
+        os.path.join(HERE, "run_engine.py"),
+        "--model",
+        model_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        out,
+        "--rounds",
+        str(rounds),
+        "--max-tokens",
+        str(max_tokens),
+        "--ready-file",
+        ready,
+    ] + list(extra)
     if socket_path:
         cmd += ["--socket", socket_path, "--stats-path", stats]
     log = open(os.path.join(tmp, name + ".log"), "w")
@@ -108,8 +131,15 @@ def test_hits_identical_tokens_and_restart(model_dir, prompts_file, baseline, ri
         # engine whose index is not live), so batch reuse is exercised; the
         # index's paths have tests of their own below. The restarted engine
         # runs with the defaults.
-        res, stats = run_engine(model_dir, prompts_file, tmp, "rounds", socket_path=sc.sock, rounds=2,
-                                extra=["--connector-config", '{"mirror": false}'])
+        res, stats = run_engine(
+            model_dir,
+            prompts_file,
+            tmp,
+            "rounds",
+            socket_path=sc.sock,
+            rounds=2,
+            extra=["--connector-config", '{"mirror": false}'],
+        )
         r1, r2 = res["rounds"][0]["tokens"], res["rounds"][1]["tokens"]
         assert r1 == baseline["rounds"][0]["tokens"], "round 1 differs from the engine without the connector"
         assert r2 == baseline["rounds"][1]["tokens"], "round 2 (sidecar hits) differs from the engine without it"
@@ -164,9 +194,16 @@ def test_chunked_prefill_preemption_and_decoded_blocks(model_dir, prompts_file, 
         # lose this race only now and then (a turn arriving as the last one
         # ends); these lose it every time.
         cfg = '{"overlap_saves": true, "mirror_idle_ms": 60000, "mirror_poll_ms": 60000, "mirror_max_lag_ms": 60000}'
-        res, stats = run_engine(model_dir, prompts_file, tmp, "turns", socket_path=sc.sock, rounds=2,
-                                extra=TURNS + ["--connector-config", cfg],
-                                max_tokens=TURN_TOKENS)
+        res, stats = run_engine(
+            model_dir,
+            prompts_file,
+            tmp,
+            "turns",
+            socket_path=sc.sock,
+            rounds=2,
+            extra=TURNS + ["--connector-config", cfg],
+            max_tokens=TURN_TOKENS,
+        )
         for r in range(2):
             assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
@@ -197,8 +234,9 @@ def test_local_index_hits_while_busy(model_dir, prompts_file, ringside_bin, tmp_
     base, _ = run_engine(model_dir, prompts_file, tmp, "stagger-base", rounds=2, extra=["--stagger"])
     sc = Sidecar(ringside_bin, tmp)
     try:
-        res, stats = run_engine(model_dir, prompts_file, tmp, "stagger", socket_path=sc.sock, rounds=2,
-                                extra=["--stagger"])
+        res, stats = run_engine(
+            model_dir, prompts_file, tmp, "stagger", socket_path=sc.sock, rounds=2, extra=["--stagger"]
+        )
         for r in range(2):
             assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
@@ -229,8 +267,9 @@ def test_load_budget_waits(model_dir, prompts_file, baseline, ringside_bin, tmp_
         # poll (waited for within max_wait_us, here up to 1 s so that a slow
         # machine cannot make it fall back) and all are looked up there.
         cfg = '{"mirror_idle_ms": 0, "max_wait_us": 1000000}'
-        res, stats = run_engine(model_dir, prompts_file, tmp, "budget", socket_path=sc.sock, rounds=2,
-                                extra=["--connector-config", cfg])
+        res, stats = run_engine(
+            model_dir, prompts_file, tmp, "budget", socket_path=sc.sock, rounds=2, extra=["--connector-config", cfg]
+        )
         for r in range(2):
             assert res["rounds"][r]["tokens"] == baseline["rounds"][r]["tokens"], "round %d differs" % (r + 1)
         sched, work = connector_stats(stats, "scheduler"), connector_stats(stats, "worker")
@@ -265,8 +304,9 @@ def test_tensor_parallel_two_ranks(model_dir, prompts_file, ringside_bin, tmp_pa
         base, _ = run_engine(model_dir, prompts_file, tmp, "tp-base", rounds=2, extra=["--tp", "2"])
         sc = Sidecar(ringside_bin, tmp)
         try:
-            res, stats = run_engine(model_dir, prompts_file, tmp, "tp", socket_path=sc.sock, rounds=2,
-                                    extra=["--tp", "2"])
+            res, stats = run_engine(
+                model_dir, prompts_file, tmp, "tp", socket_path=sc.sock, rounds=2, extra=["--tp", "2"]
+            )
             for r in range(2):
                 assert res["rounds"][r]["tokens"] == base["rounds"][r]["tokens"], "round %d differs" % (r + 1)
             workers = [json.load(open(f)) for f in sorted(glob.glob("%s.worker.*.json" % stats))]
@@ -291,8 +331,9 @@ def test_sidecar_killed_mid_generation(model_dir, prompts_file, baseline, ringsi
     tmp = str(tmp_path)
     sc = Sidecar(ringside_bin, tmp)
     try:
-        p, out, ready, stats = run_engine(model_dir, prompts_file, tmp, "killed", socket_path=sc.sock, rounds=2,
-                                          wait=False)
+        p, out, ready, stats = run_engine(
+            model_dir, prompts_file, tmp, "killed", socket_path=sc.sock, rounds=2, wait=False
+        )
         deadline = time.time() + 300
         while not os.path.exists(ready):  # the engine is generating its last round
             assert p.poll() is None, "engine exited early: see %s" % os.path.join(tmp, "killed.log")
