@@ -204,7 +204,10 @@ func (p *Producer) TryWrite(typ, flags uint16, seq uint64, payload []byte) error
 // nothing writes through the Producer until the wait returns. It returns
 // nil when the room is there, ErrPeerClosed or ErrPeerDead when the
 // consumer is gone, and os.ErrDeadlineExceeded when deadline passes first.
-func (p *Producer) SpaceWaiter(size int) func(deadline time.Time) error {
+//
+// stop, when not nil, is read whenever the wait wakes: once it returns
+// true the wait ends with ErrClosed (Interrupt wakes a parked wait).
+func (p *Producer) SpaceWaiter(size int, stop func() bool) func(deadline time.Time) error {
 	need := uint64(size)
 	if off := p.tail & p.r.mask; p.r.cap-off < need {
 		need += p.r.cap - off
@@ -217,6 +220,9 @@ func (p *Producer) SpaceWaiter(size int) func(deadline time.Time) error {
 		var st WaitStats
 		cond := func() bool { return int64(r.head.Load()) >= target }
 		peer := func() error {
+			if stop != nil && stop() {
+				return ErrClosed
+			}
 			if r.consState.Load() != 0 {
 				return ErrPeerClosed
 			}
@@ -227,4 +233,11 @@ func (p *Producer) SpaceWaiter(size int) func(deadline time.Time) error {
 		}
 		return w.wait(cond, peer, r.prodParked, r.prodFutex, deadline, r.check, &st)
 	}
+}
+
+// Interrupt wakes a parked SpaceWaiter wait (which then reads its stop
+// function); safe from any goroutine.
+func (p *Producer) Interrupt() {
+	p.r.prodFutex.Add(1)
+	shm.FutexWake(p.r.prodFutex, 1)
 }

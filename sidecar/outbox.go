@@ -198,7 +198,7 @@ func (o *outbox) flusher() {
 					if errors.Is(err, ring.ErrFull) {
 						// Nothing writes through prod until the wait
 						// ends: senders see a non-empty queue and queue.
-						wait = o.prod.SpaceWaiter(ring.RecordSize(len(r.b)))
+						wait = o.prod.SpaceWaiter(ring.RecordSize(len(r.b)), o.dead.Load)
 					}
 					break
 				}
@@ -220,6 +220,9 @@ func (o *outbox) flusher() {
 			var werr error
 			if !faultSafe(func() { werr = wait(progress.Add(o.replyTimeout)) }) {
 				werr = fmt.Errorf("%w: fault reading the completion ring", ring.ErrCorrupt)
+			}
+			if errors.Is(werr, ring.ErrClosed) {
+				return // closed
 			}
 			if werr != nil {
 				if errors.Is(werr, os.ErrDeadlineExceeded) {
@@ -246,5 +249,6 @@ func (o *outbox) close() {
 	default:
 		close(o.stop)
 	}
+	faultSafe(o.prod.Interrupt) // a flusher parked waiting for room
 	<-o.done
 }
