@@ -74,7 +74,7 @@ type Config struct {
 	// DeltaLogSize is each namespace's change-log length (power of two).
 	DeltaLogSize int
 	// SnapshotScan bounds the pool slots one Snapshot page scans (under
-	// the sidecar's lock), default 65,536: a page of a large, sparse pool
+	// the sidecar's lock), default 16,384: a page of a large, sparse pool
 	// may then hold few digests, or none.
 	SnapshotScan int
 	// ReapInterval is how often expired leases and writes are reclaimed.
@@ -132,7 +132,7 @@ const (
 	DefaultWriteTimeout = 30 * time.Second
 	DefaultRingCapacity = 1 << 20
 	DefaultMetricsAddr  = ":9477"
-	DefaultSnapshotScan = 1 << 16
+	DefaultSnapshotScan = 1 << 14
 )
 
 // EnsureDefaults fills zero fields with defaults.

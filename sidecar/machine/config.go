@@ -73,7 +73,7 @@ type Config struct {
 const (
 	DefaultLeaseTTL       = 30 * time.Second
 	DefaultMaxLeaseTTL    = 5 * time.Minute
-	DefaultSnapshotScan   = 1 << 16
+	DefaultSnapshotScan   = 1 << 14
 	DefaultChunkBytes     = 4 << 20
 	DefaultMaxBatches     = 1 << 16
 	DefaultMaxBatchHashes = 1 << 20
