@@ -161,6 +161,21 @@ func parseRights(oob []byte) ([]int, error) {
 	return fds, nil
 }
 
+// SocketFD returns the descriptor of the session's attach socket (valid
+// until Close; -1 after): tests use it to misbehave on it.
+func (c *Client) SocketFD() int {
+	if c.unmapped {
+		return -1
+	}
+	raw, err := c.conn.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	fd := -1
+	raw.Control(func(s uintptr) { fd = int(s) })
+	return fd
+}
+
 // RingFDs returns the descriptors of the session's submission and
 // completion rings (valid until Close): tests use them to attack their own
 // rings, since the files have no name.

@@ -34,6 +34,10 @@ type WaitConfig struct {
 	IdlePark time.Duration
 }
 
+// maxSpuriousWakes is how many early wake-ups with nothing to read one wait
+// takes from the futex before it sleeps without it (see wait).
+var maxSpuriousWakes = 32 // a var: a tuning value, not a wire constant (internal/wiregen exports the package's constants)
+
 // DefaultWait spins for 50 µs, yields for 50 µs, then parks.
 var DefaultWait = WaitConfig{Spin: 50 * time.Microsecond, Yield: 50 * time.Microsecond, Park: 10 * time.Millisecond}
 
@@ -87,6 +91,7 @@ func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *ato
 		}
 	}
 	park := w.Park
+	spurious := 0
 	for {
 		if err := peer(); err != nil {
 			return err
@@ -110,6 +115,18 @@ func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *ato
 			}
 			sleep = min(sleep, left)
 		}
+		if spurious >= maxSpuriousWakes {
+			// The futex word keeps changing and nothing is published: the
+			// peer (or anyone who maps the ring) is hammering it. Sleep
+			// without it, so that a hostile peer costs this side one check
+			// a park, not a busy loop; a real record waits at most a park.
+			st.Parks++
+			time.Sleep(sleep)
+			if cond() {
+				return nil
+			}
+			continue
+		}
 		seq := futex.Load()
 		parked.Store(1) // sequentially consistent: ordered before the re-check
 		if cond() {
@@ -117,6 +134,7 @@ func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *ato
 			return nil
 		}
 		st.Parks++
+		t0 := time.Now()
 		if err := shm.FutexWait(futex, seq, sleep); err != nil {
 			parked.Store(0)
 			return err
@@ -124,6 +142,11 @@ func (w WaitConfig) wait(cond func() bool, peer func() error, parked, futex *ato
 		parked.Store(0)
 		if cond() {
 			return nil
+		}
+		if time.Since(t0) < sleep/2 {
+			spurious++ // woken early, and nothing to read
+		} else {
+			spurious = 0
 		}
 		if err := peer(); err != nil {
 			return err

@@ -106,14 +106,15 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 		ss.shutdown("attach reply not delivered")
 	}
 	conn.SetReadDeadline(time.Time{})
-	// The socket now only tells when the peer is gone.
+	// The socket now only tells when the peer is gone. A client that writes
+	// on it breaks the protocol (and could keep a sidecar thread busy
+	// reading): its session ends.
 	go func() {
 		b := make([]byte, 64)
-		for {
-			if _, err := conn.Read(b); err != nil {
-				ss.shutdown("socket closed")
-				return
-			}
+		if _, err := conn.Read(b); err != nil {
+			ss.shutdown("socket closed")
+		} else {
+			ss.shutdown("the client wrote on the attach socket after the handshake")
 		}
 	}()
 	ss.run()
