@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Any, Optional
 
 import pytest
@@ -33,7 +34,7 @@ try:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus  # noqa: F401 - RequestStatus: for the tests
     from vllm.v1.structured_output import StructuredOutputManager
@@ -107,10 +108,28 @@ def vllm_config(extra: dict, max_num_batched_tokens: int = 256, max_num_seqs: in
                       device_config=DeviceConfig("cpu"))  # fmt: skip
 
 
-def kv_cache_config(num_blocks: int) -> "KVCacheConfig":
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
-    names = ["model.layers.%d.self_attn.attn" % i for i in range(LAYERS)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+def kv_cache_config(num_blocks: int, groups: Optional[list] = None) -> "KVCacheConfig":
+    """One full-attention group of LAYERS layers, or (groups: a list of
+    "full" or a sliding window in tokens) one group of LAYERS layers each,
+    their layers interleaved as in a real hybrid model (group g has layers
+    g, g + len(groups), ...)."""
+    if groups is None:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+        names = ["model.layers.%d.self_attn.attn" % i for i in range(LAYERS)]
+        return KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+        )
+    out = []
+    for g, kind in enumerate(groups):
+        kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+        spec = FullAttentionSpec(**kw) if kind == "full" else SlidingWindowSpec(sliding_window=int(kind), **kw)
+        names = ["model.layers.%d.self_attn.attn" % (g + i * len(groups)) for i in range(LAYERS)]
+        out.append(KVCacheGroupSpec(names, spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=out)
+
+
+def layer_index(name: str) -> int:
+    return int(name.split(".")[2])
 
 
 def request(rid: str, tokens: list[int], max_tokens: int = 8) -> "Request":
@@ -149,12 +168,19 @@ def sampled(rid: str, length: int) -> int:
 class Engine:
     """vLLM's scheduler + the connector's two sides + a model stand-in (module doc)."""
 
-    def __init__(self, sock: str, num_blocks: int = 64, extra: Optional[dict] = None, **sched_kw: Any):
+    def __init__(
+        self,
+        sock: str,
+        num_blocks: int = 64,
+        extra: Optional[dict] = None,
+        groups: Optional[list] = None,
+        **sched_kw: Any,
+    ):
         cfg = {"socket": sock, "timeout": 2.0, "reattach_interval": 0.05, "max_wait_us": 200000}
         cfg.update(extra or {})
         self.vc = vllm_config(cfg, **sched_kw)
         self.vc.cache_config.num_gpu_blocks = num_blocks
-        kcc = kv_cache_config(num_blocks)
+        kcc = kv_cache_config(num_blocks, groups)
         self.sched = Scheduler(
             vllm_config=self.vc,
             kv_cache_config=kcc,
@@ -166,11 +192,14 @@ class Engine:
         assert isinstance(self.conn, RingsideConnector), type(self.conn)
         self.sside = self.conn.connector_scheduler
         self.worker = RingsideConnector(self.vc, KVConnectorRole.WORKER, kcc)
-        # CPU attention's layout: (2, blocks, block_size, heads, head) a layer.
-        self.kv = {
-            name: torch.zeros(2, num_blocks, BLOCK, HEADS, HEAD, dtype=torch.float32)
-            for name in kcc.kv_cache_groups[0].layer_names
-        }
+        # CPU attention's layout: (2, blocks, block_size, heads, head) a
+        # layer. With several KV cache groups the i-th layer of every group
+        # shares one tensor, as in vLLM: a block belongs to one group at a
+        # time and holds that group's layers.
+        self.groups = kcc.kv_cache_groups
+        self.tensors = [torch.zeros(2, num_blocks, BLOCK, HEADS, HEAD, dtype=torch.float32) for _ in range(LAYERS)]
+        self.kv = {name: self.tensors[i] for g in self.groups for i, name in enumerate(g.layer_names)}
+        self.null_id = self.sched.kv_cache_manager.block_pool.null_block.block_id
         self.worker.register_kv_caches(self.kv)
         self.steps = 0
         self.metas: list = []  # every step's RingsideConnectorMetadata
@@ -180,40 +209,56 @@ class Engine:
 
     # -- the model stand-in ------------------------------------------------------
 
-    def _block_ids(self, rid: str) -> list[int]:
-        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+    def _block_ids(self, rid: str, group: int = 0) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[group])
 
     def _check_prefix(self, req: "Request", start: int) -> None:
         """Every full block before the request's first scheduled token
         (start) holds the bytes of its tokens (computed, prefix-cached or
-        loaded)."""
-        ids = self._block_ids(req.request_id)
+        loaded), in every group's layers; a sliding window's blocks that
+        vLLM dropped (null) are skipped, and those inside the window of the
+        first scheduled token must be there."""
         toks = req.all_token_ids
-        for b in range(start // BLOCK):
-            want = torch.tensor([kv_value(toks[b * BLOCK + o], b * BLOCK + o, 0, 0) for o in range(BLOCK)])
-            got = self.kv[sorted(self.kv)[0]][0, ids[b], :, 0, 0]
-            assert torch.equal(got, want), "request %s block %d (engine block %d) holds other bytes" % (
-                req.request_id,
-                b,
-                ids[b],
-            )
-            self.checked_blocks += 1
+        for gi, g in enumerate(self.groups):
+            ids = self._block_ids(req.request_id, gi)
+            window = getattr(g.kv_cache_spec, "sliding_window", None)
+            need = max(0, start - window + 1) // BLOCK if window else 0
+            name = g.layer_names[0]
+            li = layer_index(name) if len(self.groups) > 1 else 0
+            for b in range(start // BLOCK):
+                if ids[b] == self.null_id:
+                    assert b < need, "request %s group %d block %d is needed but null" % (req.request_id, gi, b)
+                    continue
+                want = torch.tensor([kv_value(toks[b * BLOCK + o], b * BLOCK + o, li, 0) for o in range(BLOCK)])
+                got = self.kv[name][0, ids[b], :, 0, 0]
+                assert torch.equal(got, want), "request %s group %d block %d (engine block %d) holds other bytes" % (
+                    req.request_id,
+                    gi,
+                    b,
+                    ids[b],
+                )
+                self.checked_blocks += 1
 
     def _forward(self, so: Any) -> dict:
         sampled_ids = {}
         reqs = self.sched.requests
+        multi = len(self.groups) > 1
         for rid, n in so.num_scheduled_tokens.items():
             req = reqs[rid]
             # schedule() has counted the scheduled tokens as computed already.
             start = req.num_computed_tokens - n
             self._check_prefix(req, start)
-            ids = self._block_ids(rid)
             toks = req.all_token_ids
-            for pos in range(start, start + n):
-                blk, off = ids[pos // BLOCK], pos % BLOCK
-                for li, name in enumerate(sorted(self.kv)):
-                    for kv in range(2):
-                        self.kv[name][kv, blk, off] = kv_value(toks[pos], pos, li, kv)
+            for gi, g in enumerate(self.groups):
+                ids = self._block_ids(rid, gi)
+                names = g.layer_names if multi else sorted(g.layer_names)
+                for pos in range(start, start + n):
+                    blk, off = ids[pos // BLOCK], pos % BLOCK
+                    assert blk != self.null_id, "a scheduled token's block is the null block"
+                    for i, name in enumerate(names):
+                        li = layer_index(name) if multi else i
+                        for kv in range(2):
+                            self.kv[name][kv, blk, off] = kv_value(toks[pos], pos, li, kv)
             end = start + n
             sampled_ids[rid] = [sampled(rid, end)] if end >= req.num_tokens else []
         return sampled_ids
@@ -237,11 +282,18 @@ class Engine:
         w.start_load_kv(None)
         toks = self._forward(so)
         w.wait_for_save()
-        _, recving = w.get_finished(so.finished_req_ids)
+        res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         w.clear_connector_metadata()
+        # Nothing ever writes vLLM's null block: no load lands in it.
+        for t in self.tensors:
+            assert not t[:, self.null_id].any(), "the null block was written"
         rids = list(so.num_scheduled_tokens)
-        kvo = KVConnectorOutput(finished_recving=recving, invalid_block_ids=invalid)
+        kvo = KVConnectorOutput(
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=invalid,
+        )
         mro = ModelRunnerOutput(
             req_ids=rids,
             req_id_to_index={r: i for i, r in enumerate(rids)},
@@ -267,7 +319,12 @@ class Engine:
         want = {r.request_id for r in reqs}
         while not want <= self.finished:
             assert self.steps < max_steps, "requests did not finish: %s" % (want - self.finished)
-            self.step(on_meta)
+            so = self.step(on_meta)
+            if not so.total_num_scheduled_tokens:
+                # Only requests waiting for their loads: a real engine's step
+                # takes milliseconds, this one microseconds (a parked sidecar
+                # may take its park slice, 10 ms, to see the loads).
+                time.sleep(0.001)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -44,7 +44,14 @@ class Admission:
     """Lookups of arriving requests, and the request table (module doc)."""
 
     def __init__(
-        self, link: Any, faults: Any, budget: StepBudget, index: Optional[LocalIndex], block_size: int, timeout: float
+        self,
+        link: Any,
+        faults: Any,
+        budget: StepBudget,
+        index: Optional[LocalIndex],
+        block_size: int,
+        timeout: float,
+        groups: int = 1,
     ):
         self.link = link
         self.faults = faults
@@ -58,6 +65,7 @@ class Admission:
         self._free_batches: list[int] = []  # ids of finished requests' batches (see batch_id)
         self._free_gen = -1  # the link generation they belong to
         self.woke = False  # an arrival woke the sidecar in this step
+        self.groups = groups  # KV cache groups: each uses a batch of its own (hybrid.py)
 
     # A request may load at most min(len(block_hashes), (num_tokens - 1) //
     # block_size) blocks: at least one token is left to compute (vLLM needs
@@ -71,8 +79,9 @@ class Admission:
         if r is None or r.generation != gen:
             old = r
             r = ReqState(request, self.batch_id(gen), gen)
-            if old is not None:  # a new sidecar session: keep the cursor
+            if old is not None:  # a new sidecar session: keep the cursors
                 r.stored = old.stored
+                r.gstored = old.gstored
             self.reqs[rid] = r
         return r
 
@@ -96,7 +105,9 @@ class Admission:
         if len(free) < MAX_FREE_BATCHES:
             free.append(r.batch)
         else:
-            s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch), wake=False)
+            n = self.groups
+            for j in range(n):
+                s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch * n + j), wake=False)
 
     def put_hashes(self, r: ReqState, s: Any, upto: int, first_flags: int = _s.FLAG_REPLACE) -> None:
         """Register the request's hashes [registered, upto) in its batch,

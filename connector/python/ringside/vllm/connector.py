@@ -1,6 +1,12 @@
 """The vLLM connector class: a thin KVConnectorBase_V1 that dispatches, by
 role, to the scheduler side (scheduler.py) or the worker side (worker.py),
-as vLLM's own NixlConnector does."""
+as vLLM's own NixlConnector does.
+
+It implements SupportsHMA, so vLLM keeps its hybrid memory allocator on:
+models with several KV cache groups (sliding windows beside full attention)
+are served group by group (groups.py). A model with a group kind the
+connector cannot serve (mamba, ...) is refused: the connector logs why and
+stays out of the way (:class:`Unserved`), the engine serves it uncached."""
 
 from __future__ import annotations
 
@@ -14,9 +20,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # vLLM before the hybrid memory allocator's connector API
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # vLLM without failed_recving
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
 from ..plugin.config import VLLM, Config
+from ..plugin.stats import counters
 from .engine import hash_seed_warning, namespace, tp_rank
-from .scheduler import SchedulerSide
+from .groups import layout_of
+from .metadata import RingsideConnectorMetadata
+from .scheduler import COUNTERS, SchedulerSide
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("ringside.vllm")
 
 
-class RingsideConnector(KVConnectorBase_V1):
+class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector whose cache lives in a ringside sidecar."""
 
     @property
@@ -46,7 +68,9 @@ class RingsideConnector(KVConnectorBase_V1):
         # A misspelled or mistyped key fails the engine's start here.
         cfg = Config.parse(kvt.kv_connector_extra_config, VLLM)
         self.config = cfg
-        model, layout, world = namespace(vllm_config)
+        # The model's KV cache groups as the connector serves them.
+        self.layout = groups = layout_of(vllm_config, kv_cache_config)
+        model, layout, world = namespace(vllm_config, groups)
         self.instance = str(getattr(kvt, "engine_id", None) or cfg.instance or "vllm-%d" % os.getppid())
         attach = dict(
             instance=self.instance, model=model, layout=layout, salt=cfg.tenant, world_size=world, digest_width=32
@@ -64,16 +88,35 @@ class RingsideConnector(KVConnectorBase_V1):
         self.connector_scheduler: Optional[SchedulerSide] = None
         self.connector_worker: Optional[WorkerSide] = None
         self._group_ids: Optional[tuple] = None
+        self.refused = groups.refusal
+        if self.refused:
+            # Never a wrong hit: a group that cannot be served makes every
+            # hit of the model wrong, so the connector serves none.
+            side = Unserved(role)
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(
+                    "ringside: this model is served without the cache: %s. "
+                    "Served kinds: full attention and sliding windows (see README.md)",
+                    self.refused,
+                )
+                self.connector_scheduler = side  # type: ignore[assignment]
+            else:
+                self.connector_worker = side  # type: ignore[assignment]
+            return
         if role == KVConnectorRole.SCHEDULER:
             warn = hash_seed_warning(vllm_config)
             if warn:
                 logger.warning("ringside: %s", warn)
             speculative = getattr(vllm_config, "speculative_config", None) is not None
-            self.connector_scheduler = SchedulerSide(cfg, attach, int(vllm_config.cache_config.block_size), speculative)
+            self.connector_scheduler = SchedulerSide(
+                cfg, attach, int(vllm_config.cache_config.block_size), speculative, groups
+            )
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)
         logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
+        if not groups.plain and role == KVConnectorRole.SCHEDULER:
+            logger.info("ringside: KV cache groups served: %s", ", ".join(map(repr, groups.groups)))
 
     # The running side's state, for tests, benchmarks and operators.
 
@@ -137,6 +180,15 @@ class RingsideConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict]]:
+        # vLLM with the hybrid allocator calls this instead of request_finished.
+        # Stores never outlive the request's blocks (wait_saves), so nothing
+        # is held: the blocks are freed now.
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
     # -- worker side -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -169,7 +221,77 @@ class RingsideConnector(KVConnectorBase_V1):
         assert self.connector_worker is not None
         return self.connector_worker.get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # Block ids are unique only within a KV cache group: a load of several
+        # groups that failed is reported as the request's (failed_recving),
+        # never as block ids (which vLLM refuses for such models).
+        sending, recving = self.get_finished(finished_req_ids)
+        recving = set(recving or ())
+        w = self.connector_worker
+        failed = w.take_failed(recving) if w is not None else set()
+        if KVConnectorTransferResults is None:  # pragma: no cover - older vLLM calls get_finished
+            return sending, recving
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=recving, failed_recving=failed
+        )
+
     # -- both --------------------------------------------------------------------
 
     def shutdown(self):
         self.side.shutdown()
+
+
+class Unserved:
+    """Both sides of the connector for a model it refuses (groups.py): no
+    sidecar, no lookups, no stores; vLLM serves the model on its own."""
+
+    def __init__(self, role: KVConnectorRole):
+        self.stats = counters(COUNTERS, role=role.name)
+        self.link = None
+        self.mirror = None
+        self.kv_cache_manager: Any = None
+
+    def on_new_request(self, request: Any) -> None:
+        return
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: Any) -> RingsideConnectorMetadata:
+        return RingsideConnectorMetadata()
+
+    def take_events(self):
+        return ()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict]]:
+        return False, None
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        return
+
+    def start_load_kv(self, meta: Any) -> None:
+        return
+
+    def wait_for_save(self, meta: Any) -> None:
+        return
+
+    def handle_preemptions(self, meta: Any) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set) -> tuple[None, None]:
+        return None, None
+
+    def take_failed(self, recving: set) -> set:
+        return set()
+
+    def get_block_ids_with_load_errors(self) -> set:
+        return set()
+
+    def shutdown(self) -> None:
+        return

@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..plugin.namespace import fingerprint, safe
+from .groups import Layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -14,10 +15,11 @@ if TYPE_CHECKING:  # pragma: no cover
 NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
 
-def namespace(vllm_config: "VllmConfig") -> tuple[str, str, int]:
+def namespace(vllm_config: "VllmConfig", layout: Optional[Layout] = None) -> tuple[str, str, int]:
     """(model, layout fingerprint, world size): everything that changes the
     bytes of a block, so that two engines share blocks only when the bytes
-    mean the same thing."""
+    mean the same thing. A layout of several KV cache groups (groups.py)
+    adds their structure; the plain one leaves the fingerprint as it was."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     algo = str(getattr(cc, "prefix_caching_hash_algo", "sha256"))
     model = str(getattr(mc, "model", "")) + "@" + str(getattr(mc, "revision", None) or "")
@@ -33,6 +35,9 @@ def namespace(vllm_config: "VllmConfig") -> tuple[str, str, int]:
         "pp": int(pc.pipeline_parallel_size),
         "device": str(getattr(vllm_config.device_config, "device_type", "")),
     }
+    part = layout.fingerprint_part() if layout is not None else None
+    if part is not None:
+        parts["groups"] = part
     # Every tensor- and pipeline-parallel worker holds its own shard of a
     # block: a block is present only when all of them stored theirs.
     return model, fingerprint(parts), int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
@@ -93,3 +98,25 @@ def full_attention_only(kvm: Any) -> bool:
         return len(managers) > 0 and all(type(m).__name__ == "FullAttentionManager" for m in managers)
     except AttributeError:
         return False
+
+
+def group_tables(kvm: Any, gids: list) -> Optional[list]:
+    """The KV cache manager's request -> blocks tables of the KV cache
+    groups gids (in that order), for the store planner of a model with
+    several groups; None (use SchedulerOutput.kv_connector_block_state)
+    where the manager does not have them."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        tables = [managers[g].req_to_blocks for g in gids]
+    except (AttributeError, IndexError):
+        return None
+    return tables if all(isinstance(t, dict) for t in tables) else None
+
+
+def null_block_id(kvm: Any) -> int:
+    """The id of vLLM's null block (block tables hold it for blocks a
+    sliding window does not need)."""
+    try:
+        return int(kvm.block_pool.null_block.block_id)
+    except AttributeError:
+        return 0

@@ -31,6 +31,7 @@ from typing import Any, Optional
 from .. import schema as _s
 from ..client import RingsideError, RingsideTimeout
 from ..plugin.faults import SIDECAR_ERRORS
+from .hybrid import register
 from .metadata import LoadSpec, RingsideConnectorMetadata
 from .state import ReqState, StepBudget
 
@@ -93,6 +94,18 @@ class Load:
         return LoadSpec(req_id, self.lease if n else 0, ids[:n], ids[n:])
 
 
+def whole_spec(rid: str, parts: tuple) -> LoadSpec:
+    """The LoadSpec of a load of several KV cache groups' blocks (one lease
+    a group): all of them, or, if any lease does not cover its blocks, none
+    (every block a load error: the workers report the request's load
+    failed and vLLM recomputes it; a hit must cover every group)."""
+    if all(p.state == LoadState.READY and p.blocks >= len(p.block_ids) for p in parts):
+        first = parts[0]
+        more = [(p.lease, p.block_ids) for p in parts[1:]]
+        return LoadSpec(rid, first.lease, first.block_ids, [], more, True)
+    return LoadSpec(rid, 0, [], [b for p in parts for b in p.block_ids], [], True)
+
+
 class Loads:
     """The scheduler side's loads: acquire, collect, release (module doc)."""
 
@@ -124,8 +137,37 @@ class Loads:
                 self.faults.fail(e)
         self.waiting[rid] = r
 
+    def acquire_parts(self, r: ReqState, rid: str, parts: Optional[list], flags: int) -> None:
+        """A hit of a model with several KV cache groups was allocated
+        (hybrid.py): for each (batch, digests, block ids) of parts, register
+        the digests as the batch (flags: FlagReplace, with FlagLookup when
+        the local index looked them up) and acquire a lease on it. parts
+        None: the hit cannot be loaded (every block is a load error)."""
+        link = self.link
+        s = link.session
+        lds = []
+        for batch, digests, ids in parts or ():
+            ld = Load(ids)
+            lds.append(ld)
+            if s is not None and r.generation == link.generation:
+                try:
+                    register(s, batch, digests, flags)
+                    seq = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(batch, 0, len(ids), self.ttl_ms), wake=False)
+                    ld.acquiring(seq, link.generation, _monotonic())
+                except RingsideError as e:
+                    self.faults.fail(e)
+                    s = link.session
+        if not lds:
+            ld = Load([])
+            ld.fail()
+            lds.append(ld)
+        r.registered = r.registered or 1  # its batches are registered: recycled when it finishes
+        r.load, r.more = lds[0], tuple(lds[1:])
+        r.whole = True
+        self.waiting[rid] = r
+
     def collect(self, meta: RingsideConnectorMetadata, s: Optional[Any]) -> None:
-        """Put every waiting load whose lease is ready, or failed, into the
+        """Put every waiting load whose leases are ready, or failed, into the
         step's metadata; poll those that wait for the load budget."""
         if self.abandoned:
             for rid in self.abandoned:
@@ -134,44 +176,59 @@ class Loads:
         gen = self.link.generation
         waiting = self.waiting
         for rid in list(waiting):
-            ld = waiting[rid].load
+            r = waiting[rid]
+            ld = r.load
             if ld is None:
                 del waiting[rid]
                 continue
-            live = s is not None and ld.gen == gen
-            try:
-                if ld.seq:
-                    # The acquire's reply, or the poll's sent last step.
-                    if not live:
-                        p = b""
-                    elif ld.state == LoadState.ACQUIRING:
-                        p = self.budget.reply(s, ld.seq)
-                    else:
-                        p = s.try_reply(ld.seq)
-                    if p is None:
-                        if _monotonic() - ld.t < self.timeout:
-                            if ld.state == LoadState.WAITING:
-                                s.kick()
-                            continue  # collected next step; the request keeps waiting for its load
-                        s.forget(ld.seq)
-                        p = b""
-                        what = "acquire" if ld.state == LoadState.ACQUIRING else "poll"
-                        self.faults.fail(RingsideTimeout("%s for %s got no reply in %.1fs" % (what, rid, self.timeout)))
-                        s = self.link.session
-                    ld.on_reply(_s.decode_lease_reply(p) if p else None)
-                elif ld.state != LoadState.WAITING:
-                    ld.fail()  # never sent
-                if ld.state == LoadState.WAITING:
-                    if live and s is not None:
-                        ld.polling(s.submit(_s.TYPE_POLL, _s.encode_poll(ld.lease), wake=False), _monotonic())
-                        continue
-                    ld.fail()
-            except SIDECAR_ERRORS as e:
-                self.faults.fail(e)
-                s = None
-                ld.fail()
-            meta.loads.append(ld.spec(rid))
+            settled, s = self._advance(ld, rid, s, gen)
+            for part in r.more:
+                done, s = self._advance(part, rid, s, gen)
+                settled = settled and done
+            if not settled:
+                continue  # collected next step; the request keeps waiting for its load
+            meta.loads.append(whole_spec(rid, (ld,) + r.more) if r.whole else ld.spec(rid))
             del waiting[rid]
+
+    def _advance(self, ld: Load, rid: str, s: Optional[Any], gen: int) -> tuple[bool, Optional[Any]]:
+        """Collect a lease's acquire or poll reply, poll it again while it
+        waits for the budget: (whether it is READY or FAILED, the session
+        to go on with)."""
+        if ld.state >= LoadState.READY:
+            return True, s
+        live = s is not None and ld.gen == gen
+        try:
+            if ld.seq:
+                # The acquire's reply, or the poll's sent last step.
+                if not live:
+                    p = b""
+                elif ld.state == LoadState.ACQUIRING:
+                    p = self.budget.reply(s, ld.seq)
+                else:
+                    p = s.try_reply(ld.seq)
+                if p is None:
+                    if _monotonic() - ld.t < self.timeout:
+                        if ld.state == LoadState.WAITING:
+                            s.kick()
+                        return False, s
+                    s.forget(ld.seq)
+                    p = b""
+                    what = "acquire" if ld.state == LoadState.ACQUIRING else "poll"
+                    self.faults.fail(RingsideTimeout("%s for %s got no reply in %.1fs" % (what, rid, self.timeout)))
+                    s = self.link.session
+                ld.on_reply(_s.decode_lease_reply(p) if p else None)
+            elif ld.state != LoadState.WAITING:
+                ld.fail()  # never sent
+            if ld.state == LoadState.WAITING:
+                if live and s is not None:
+                    ld.polling(s.submit(_s.TYPE_POLL, _s.encode_poll(ld.lease), wake=False), _monotonic())
+                    return False, s
+                ld.fail()
+        except SIDECAR_ERRORS as e:
+            self.faults.fail(e)
+            s = None
+            ld.fail()
+        return True, s
 
     def release_orphans(self, s: Optional[Any]) -> None:
         """Release the leases of acquires whose requests finished before the
@@ -197,20 +254,25 @@ class Loads:
         self.orphans = keep
 
     def loaded(self, r: ReqState, s: Optional[Any]) -> None:
-        """The workers finished the request's load: release its lease."""
+        """The workers finished the request's load: release its leases."""
         ld, r.load = r.load, None
-        if ld is not None and ld.lease and s is not None and r.generation == self.link.generation:
-            try:
-                s.send(_s.TYPE_RELEASE, _s.encode_release(ld.lease), wake=False)
-            except RingsideError as e:
-                self.faults.fail(e)
+        parts, r.more = ((ld,) + r.more) if ld is not None else r.more, ()
+        if s is None or r.generation != self.link.generation:
+            return
+        for part in parts:
+            if part.lease:
+                try:
+                    s.send(_s.TYPE_RELEASE, _s.encode_release(part.lease), wake=False)
+                except RingsideError as e:
+                    self.faults.fail(e)
+                    return
 
     def finished(self, rid: str, r: ReqState, s: Any) -> None:
         """The request finished (s: its live session) with a load pending:
         release what it holds, or will hold once the acquire is answered.
         Raises like a session call."""
-        ld = r.load
-        if ld.seq and ld.state == LoadState.ACQUIRING:  # acquired, never collected: release it once answered
-            self.orphans.append((ld.seq, _monotonic()))
-        if ld.lease:
-            s.send(_s.TYPE_RELEASE, _s.encode_release(ld.lease), wake=False)
+        for ld in (r.load,) + r.more:
+            if ld.seq and ld.state == LoadState.ACQUIRING:  # acquired, never collected: release it once answered
+                self.orphans.append((ld.seq, _monotonic()))
+            if ld.lease:
+                s.send(_s.TYPE_RELEASE, _s.encode_release(ld.lease), wake=False)

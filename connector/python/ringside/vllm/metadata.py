@@ -16,6 +16,11 @@ class LoadSpec:
     lease: int
     block_ids: list[int]  # engine blocks to fill from the lease's blocks 0..n-1
     error_block_ids: list[int]  # promised blocks the lease could not cover
+    # Several KV cache groups: the other groups' (lease, engine blocks), and
+    # the load is one for the whole request: any error fails all of it (the
+    # workers report it in failed_recving; vLLM recomputes the request).
+    more: list = field(default_factory=list)
+    whole: bool = False
 
 
 @dataclass

@@ -29,7 +29,9 @@ from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
 from .admission import Admission
-from .engine import full_attention_only, single_group_blocks
+from .engine import full_attention_only, group_tables, null_block_id, single_group_blocks
+from .groups import Layout
+from .hybrid import HybridAdmission
 from .index import LocalIndex
 from .loads import Loads
 from .metadata import RingsideConnectorMetadata
@@ -69,27 +71,34 @@ COUNTERS = (
     "mirror_lookups",
     "mirror_hit_blocks",
     "mirror_catchups",
+    "window_probes",
+    "group_cut_hits",
 )
 
 
 class SchedulerSide:
     """Implementation of the scheduler-side connector methods."""
 
-    def __init__(self, cfg: Config, attach: dict, block_size: int, speculative: bool):
+    def __init__(self, cfg: Config, attach: dict, block_size: int, speculative: bool, layout: Optional[Layout] = None):
         self.cfg = cfg
         self.block_size = block_size
+        self.layout = layout = layout or Layout.single(block_size)
         self.stats = counters(COUNTERS, role="SCHEDULER")
         self.link = make_link(cfg, dict(attach, role=_s.ROLE_SCHEDULER, rank=0))
         self.faults = Faults(self.link, self.stats, logger)
         self.budget = StepBudget(int(cfg.max_wait_us * 1000))
         self.index = LocalIndex(cfg, self.faults, self.budget) if cfg.mirror else None
         self.mirror = self.index.mirror if self.index is not None else None
-        self.admission = Admission(self.link, self.faults, self.budget, self.index, block_size, cfg.timeout)
+        self.admission = Admission(
+            self.link, self.faults, self.budget, self.index, block_size, cfg.timeout, len(layout.groups)
+        )
         self.reqs = self.admission.reqs
+        # Several KV cache groups: their lookups and acquires (hybrid.py).
+        self.hybrid = HybridAdmission(self.admission, layout) if not layout.plain else None
         self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
         # Speculative decoding schedules several tokens a step: check every
         # scheduled request every step instead.
-        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats)
+        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats, layout)
         self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "scheduler", self._add_stats)
         self.kv_cache_manager: Any = None  # bound by vLLM after construction
         # Only full attention keeps every block of a live request until it
@@ -102,9 +111,14 @@ class SchedulerSide:
     # -- admission -------------------------------------------------------------
 
     def on_new_request(self, request: "Request") -> None:
-        self.admission.on_new_request(request)
+        if self.hybrid is not None:
+            self.hybrid.on_new_request(request)
+        else:
+            self.admission.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        if self.hybrid is not None:
+            return self.hybrid.get_num_new_matched_tokens(request, num_computed_tokens)
         return self.admission.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
@@ -114,6 +128,10 @@ class SchedulerSide:
             r = adm.req(request)  # tracked for its stores even without a sidecar
         r.allocated = True
         if num_external_tokens <= 0:
+            return
+        if self.hybrid is not None:
+            parts, flags = self.hybrid.alloc(r, request, blocks, num_external_tokens)
+            self.loads.acquire_parts(r, request.request_id, parts, flags)
             return
         start = (r.hit_tokens - num_external_tokens) // self.block_size
         count = num_external_tokens // self.block_size
@@ -157,7 +175,11 @@ class SchedulerSide:
         self._saves_exposed = False
         planner.step += 1
         if planner.req_to_blocks is False:
-            planner.req_to_blocks = single_group_blocks(self.kv_cache_manager)
+            kvm = self.kv_cache_manager
+            planner.req_to_blocks = single_group_blocks(kvm)
+            if planner.groups is not None:
+                planner.group_tables = group_tables(kvm, [g.gid for g in planner.groups])
+                planner.null_id = null_block_id(kvm)
         # The planned stores' digests are noted as the engine's own (read your writes).
         planner.mine = self.index.noting() if self.index is not None else None
         planner.plan(meta, scheduler_output)

@@ -28,6 +28,11 @@ class ReqState:
         "allocated",
         "lookup_t",
         "store_step",
+        "gstored",
+        "gwin",
+        "gseq",
+        "more",
+        "whole",
     )
 
     def __init__(self, request: Any, batch: int, generation: int):
@@ -46,6 +51,12 @@ class ReqState:
         self.allocated = False  # vLLM allocated blocks for it (update_state_after_alloc)
         self.lookup_t = 0.0  # when the lookup was sent (time.monotonic)
         self.store_step = 0  # the last step that planned a store of its blocks
+        # Several KV cache groups (hybrid.py; unused with one group):
+        self.gstored: Optional[list] = None  # a `stored` cursor per group
+        self.gwin: Optional[list] = None  # per group, what its batch holds: [lo, hi, leading hits] (-1: not answered)
+        self.gseq: list = []  # lookups submitted ahead: (group, seq)
+        self.more: tuple = ()  # the loads of the other groups' blocks (loads.Load), with `load`
+        self.whole = False  # its load covers several groups: all of them or none
 
 
 class StepBudget:

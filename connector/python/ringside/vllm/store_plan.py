@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .groups import Layout
 from .metadata import RingsideConnectorMetadata
 from .state import ReqState
 
@@ -33,9 +34,22 @@ if TYPE_CHECKING:  # pragma: no cover
 class StorePlanner:
     """Plans the stores of each step (see the module doc)."""
 
-    def __init__(self, reqs: dict[str, ReqState], block_size: int, every_step: bool, stats: dict):
+    def __init__(
+        self,
+        reqs: dict[str, ReqState],
+        block_size: int,
+        every_step: bool,
+        stats: dict,
+        layout: Optional[Layout] = None,
+    ):
         self.reqs = reqs  # the scheduler side's request table (shared)
         self.block_size = block_size
+        # Several KV cache groups (groups.py): every group's blocks are
+        # planned, each with its own cursor and digests; null blocks (vLLM's
+        # padding outside a sliding window) are never stored.
+        self.groups = layout.groups if layout is not None and not layout.plain else None
+        self.group_tables: Any = False  # per group, the manager's request -> blocks table (like req_to_blocks)
+        self.null_id = 0  # vLLM's null block
         self.every_step = every_step  # speculative decoding: check every scheduled request
         self.stats = stats
         self.step = 0  # the scheduler step being planned (1, 2, ...)
@@ -53,7 +67,7 @@ class StorePlanner:
         state = getattr(so, "kv_connector_block_state", None)
         resolve = getattr(state, "resolve_block_ids", None)
         nst = so.num_scheduled_tokens
-        check = self._check
+        check = self._check if self.groups is None else self._check_groups
         if resolve is None or self.every_step:
             # vLLM without per-request block resolution, or speculative
             # decoding: check every scheduled request.
@@ -159,20 +173,91 @@ class StorePlanner:
         else:
             d.append(rid)
 
+    def _check_groups(self, rid: str, nst: dict, resolve: Callable, meta: RingsideConnectorMetadata) -> None:
+        """_check for several KV cache groups: each group's blocks that fill
+        in this step, but vLLM's null blocks, under the group's digests."""
+        r = self.reqs.get(rid)
+        if r is None:
+            self._watch.discard(rid)
+            return
+        req = r.request
+        n = nst.get(rid, 0)
+        done = req.num_computed_tokens + n  # tokens whose KV exists after this step
+        hashes = req.block_hashes
+        nh = len(hashes)
+        cur = r.gstored
+        if cur is None:
+            cur = r.gstored = [0] * len(self.groups)
+        tables = self.group_tables
+        got: Any = None
+        mine = self.mine
+        caught = True  # every group planned up to the last full block
+        nxt = 0  # tokens until the next block of some group fills
+        for j, g in enumerate(self.groups):
+            bs = g.block_size
+            full = min(done // bs, nh // g.ratio)
+            a = cur[j]
+            if full > a:
+                if tables is not None:
+                    blks = tables[j].get(rid) or ()
+                    full = min(full, len(blks))
+                    ids = [(i, blks[i].block_id) for i in range(a, full) if not blks[i].is_null]
+                else:
+                    if got is None:
+                        try:
+                            got = resolve(rid) or ()
+                        except (KeyError, IndexError, AttributeError):  # no blocks (freed): nothing to store
+                            got = ()
+                    blocks = got[g.gid] if g.gid < len(got) else ()
+                    full = min(full, len(blocks))
+                    null = self.null_id
+                    ids = [(i, blocks[i]) for i in range(a, full) if blocks[i] != null]
+                if ids:
+                    digs = [g.digest(hashes, i) for i, _ in ids]
+                    meta.store_block_ids.extend(b for _, b in ids)
+                    meta.store_digests.append(b"".join(digs))
+                    if mine is not None:
+                        mine.update(digs)
+                    r.store_step = self.step
+                if full > a:
+                    cur[j] = a = full
+            if a < done // bs:
+                caught = False
+            left = (a + 1) * bs - done
+            nxt = left if not j or left < nxt else nxt
+        if self.every_step:
+            return
+        if n == 0 or done < req.num_tokens:
+            if n == 0 and done < req.num_tokens:
+                self._watch.discard(rid)
+                r.due = 0
+            else:
+                self._watch.add(rid)
+            return
+        self._watch.discard(rid)
+        step = self.step + max(1, nxt) if caught else self.step + 1
+        r.due = step
+        d = self._due.get(step)
+        if d is None:
+            self._due[step] = [rid]
+        else:
+            d.append(rid)
+
     def _legacy_blocks(self, so: "SchedulerOutput") -> Callable:
         """Block ids from the scheduler output's block lists, for vLLM
         versions without SchedulerOutput.kv_connector_block_state."""
         blocks = self._legacy
         for nr in so.scheduled_new_reqs:
             if nr.block_ids:
-                blocks[nr.req_id] = list(nr.block_ids[0])
+                blocks[nr.req_id] = [list(g) for g in nr.block_ids]
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             if nb:
                 if rid in resumed or rid not in blocks:
-                    blocks[rid] = list(nb[0])
+                    blocks[rid] = [list(g) for g in nb]
                 else:
-                    blocks[rid].extend(nb[0])
-        return lambda rid: (blocks.get(rid, []),)
+                    for have, new in zip(blocks[rid], nb):
+                        have.extend(new)
+        return lambda rid: tuple(blocks.get(rid, ([],)))

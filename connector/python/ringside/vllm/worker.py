@@ -55,9 +55,10 @@ class WorkerSide:
         self._saving: list = []  # (session, seqs, deadline)
         self._deferred_saves = deferred_saves and not cfg.sync_saves
         self._overlap = cfg.overlap_saves  # "auto" (GPU memory only), True or False: see overlap_saves()
-        self._inflight: dict[str, list] = {}  # req_id -> [(seq, spec, deadline)]
+        self._inflight: dict[str, list] = {}  # req_id -> [(seq, engine block ids, whole, deadline)]
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed: set[str] = set()  # requests whose load of several KV cache groups failed
 
     # -- registration ------------------------------------------------------------
 
@@ -102,33 +103,51 @@ class WorkerSide:
         s = self._register() if self.region is not None else None
         st = self.stats
         for spec in meta.loads:
+            rid = spec.req_id
+            if spec.whole and (spec.error_block_ids or s is None):
+                # A load of several KV cache groups that cannot cover all of
+                # them: none of it (vLLM recomputes the request).
+                self._failed.add(rid)
+                st["load_error_blocks"] += len(spec.error_block_ids) or len(spec.block_ids)
+                self._finished_recving.add(rid)
+                continue
             self._load_errors.update(spec.error_block_ids)
             st["load_error_blocks"] += len(spec.error_block_ids)
-            if not spec.block_ids:
-                self._finished_recving.add(spec.req_id)
-                continue
-            if s is None:
-                self._load_error(spec)
-                continue
-            try:
-                seq = s.submit(_s.TYPE_LOAD, _s.encode_load(spec.lease, REGION_ID, 0, spec.block_ids), wake=False)
-                deadline = _monotonic() + self.load_timeout
-                self._inflight.setdefault(spec.req_id, []).append((seq, spec, deadline))
-                st["loads"] += 1
-            except (RingsideError, ValueError) as e:
-                self._load_error(spec)
-                if isinstance(e, RingsideError):
-                    self.faults.fail(e)
+            parts = [(spec.lease, spec.block_ids)] + list(spec.more)
+            sent = 0
+            for lease, ids in parts:
+                if not ids:
+                    continue
+                if s is None:
+                    self._load_error(rid, ids, spec.whole)
+                    continue
+                try:
+                    seq = s.submit(_s.TYPE_LOAD, _s.encode_load(lease, REGION_ID, 0, ids), wake=False)
+                    deadline = _monotonic() + self.load_timeout
+                    self._inflight.setdefault(rid, []).append((seq, ids, spec.whole, deadline))
+                    st["loads"] += 1
+                    sent += 1
+                except (RingsideError, ValueError) as e:
+                    self._load_error(rid, ids, spec.whole)
+                    if isinstance(e, RingsideError):
+                        self.faults.fail(e)
+                        s = self.link.session
+            if not sent and rid not in self._inflight:
+                self._finished_recving.add(rid)
         if s is not None and s is self.link.session:
             try:
                 s.kick()  # one wake for the step's loads
             except RingsideError as e:
                 self.faults.fail(e)
 
-    def _load_error(self, spec: Any) -> None:
-        self._load_errors.update(spec.block_ids)
-        self.stats["load_error_blocks"] += len(spec.block_ids)
-        self._finished_recving.add(spec.req_id)
+    def _load_error(self, rid: str, ids: list, whole: bool) -> None:
+        """Blocks that could not be loaded: load errors (one group), or the
+        whole request's load failed (several groups)."""
+        if whole:
+            self._failed.add(rid)
+        else:
+            self._load_errors.update(ids)
+        self.stats["load_error_blocks"] += len(ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._inflight:
@@ -139,12 +158,21 @@ class WorkerSide:
         done, self._finished_recving = self._finished_recving, set()
         return None, done
 
+    def take_failed(self, recving: set) -> set:
+        """The requests among recving (finished loading) whose load of several
+        KV cache groups failed (vLLM's failed_recving: it recomputes them)."""
+        if not self._failed:
+            return set()
+        failed = self._failed & recving
+        self._failed -= failed
+        return failed
+
     def _collect_loads(self) -> None:
         s = self.link.session
         st = self.stats
         for rid in list(self._inflight):
             still = []
-            for seq, spec, deadline in self._inflight[rid]:
+            for seq, ids, whole, deadline in self._inflight[rid]:
                 payload = None
                 failed = s is None
                 if s is not None:
@@ -158,23 +186,21 @@ class WorkerSide:
                     # recomputes; the session is dropped so that a late copy
                     # cannot land in reused blocks.
                     failed = True
-                    err = RingsideTimeout("load of %s got no reply in %.1fs" % (spec.req_id, self.load_timeout))
+                    err = RingsideTimeout("load of %s got no reply in %.1fs" % (rid, self.load_timeout))
                     st["sidecar_errors"] += 1
                     self.link.drop(err)
                     s = None
                 if failed:
-                    self._load_errors.update(spec.block_ids)
-                    st["load_error_blocks"] += len(spec.block_ids)
+                    self._load_error(rid, ids, whole)
                     continue
                 if payload is None:
-                    still.append((seq, spec, deadline))
+                    still.append((seq, ids, whole, deadline))
                     continue
                 rep = _s.decode_reply(payload)
-                if rep.status == _s.Status.OK and rep.value == len(spec.block_ids):
-                    st["loaded_blocks"] += len(spec.block_ids)
+                if rep.status == _s.Status.OK and rep.value == len(ids):
+                    st["loaded_blocks"] += len(ids)
                 else:
-                    self._load_errors.update(spec.block_ids)
-                    st["load_error_blocks"] += len(spec.block_ids)
+                    self._load_error(rid, ids, whole)
             if still:
                 self._inflight[rid] = still
             else:
