@@ -258,6 +258,7 @@ def test_hybrid_hits_load_only_the_window(sc, mirror):
     assert st["hit_blocks"] == sum(hits), st
     want = sum(h + window_blocks(h * H.BLOCK) for h in hits)
     assert ws["loaded_blocks"] == want and ws["load_error_blocks"] == 0, (ws, want)
+    assert st["load_blocks_window"] == sum(window_blocks(h * H.BLOCK) for h in hits) == 2 * len(reqs), st
     assert st["mirror_lookups"] == (len(reqs) if mirror else 0), st
     assert st["sidecar_errors"] == ws["sidecar_errors"] == 0
     assert b.checked_blocks > 0
@@ -361,3 +362,21 @@ def test_a_failed_group_load_recomputes_the_request(sc):
     assert set(b.outputs) == {r.request_id for r in reqs}
     assert all(len(b.outputs[r.request_id]) == 12 for r in reqs)
     assert sc.state()["pool"]["Leases"] == 0
+
+
+def test_every_layer_a_sliding_window(sc):
+    """A model whose only group is a sliding window (Mistral 7B v0.1 style):
+    not the plain layout (vLLM pads its block table with null blocks); a
+    hit loads the window's blocks only, none is stored from a null block."""
+    a = H.Engine(sc.sock, extra={"mirror": False}, groups=[WINDOW])
+    assert not a.conn.layout.plain and a.conn.layout.fingerprint_part().startswith("sliding16w32x2.")
+    first = prompts("k")
+    a.run(first, on_meta=GroupPlanLog(a, first))
+    a.shutdown()
+    b = H.Engine(sc.sock, extra={"mirror": False}, groups=[WINDOW])
+    reqs = prompts("l")
+    b.run(reqs)
+    b.shutdown()
+    hits = [limit(r) for r in reqs]
+    assert b.stats["hit_blocks"] == sum(hits), b.stats
+    assert b.wstats["loaded_blocks"] == sum(window_blocks(h * H.BLOCK) for h in hits), b.wstats

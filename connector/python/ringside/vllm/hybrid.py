@@ -234,6 +234,10 @@ class HybridAdmission:
         except (ValueError, IndexError) as e:
             self.adm.faults.warn_once("load-range", "ringside: cannot load %s: %s" % (request.request_id, e))
             parts = None
+        st = self.stats
+        for batch, _, ids in parts or ():
+            kind = self.groups[batch - r.batch * self.n].kind
+            st["load_blocks_full" if kind == FULL else "load_blocks_window"] += len(ids)
         # Looked up in the local index (no batch registered): the sidecar's
         # lookup and hit counters see the hit through FlagLookup.
         return parts, (_LOOKUP_REPLACE if r.gwin is None else _REPLACE)

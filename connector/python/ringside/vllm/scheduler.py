@@ -73,6 +73,8 @@ COUNTERS = (
     "mirror_catchups",
     "window_probes",
     "group_cut_hits",
+    "load_blocks_full",
+    "load_blocks_window",
 )
 
 
@@ -238,6 +240,8 @@ class SchedulerSide:
             try:
                 if r.lookup_seq:  # looked up ahead, never asked for
                     s.forget(r.lookup_seq)
+                for _, seq in r.gseq:  # the same, of several KV cache groups
+                    s.forget(seq)
                 if r.load is not None:
                     self.loads.finished(rid, r, s)
                 if r.registered:
