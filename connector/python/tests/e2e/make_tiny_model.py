@@ -1,14 +1,23 @@
 #!/usr/bin/env python3
-"""Write a tiny, deterministic LlamaForCausalLM + tokenizer that vLLM loads offline.
+"""Write a tiny, deterministic model + tokenizer that vLLM loads offline.
 
 Usage:  python make_tiny_model.py OUT_DIR [--dtype float32|bfloat16]
-            [--hidden N] [--intermediate N] [--layers N] [--heads N]
-            [--kv-heads N] [--head-dim N] [--max-pos N]
+            [--arch llama|gemma3|nemotron_h] [--layer-types s,f,...]
+            [--sliding-window N] [--hidden N] [--intermediate N]
+            [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--max-pos N]
 
-The shape options default to the tiny model (hidden 128, 2 layers); with none
-of them given the output is byte-identical to earlier versions. Benchmarks
-use them for a model large enough to make prefill cost measurable
-(bench/vllm) or for smaller KV pages (--kv-heads 1).
+--arch llama (the default) writes a LlamaForCausalLM; the shape options
+default to the tiny model (hidden 128, 2 layers), and with none of them
+given the output is byte-identical to earlier versions. Benchmarks use them
+for a model large enough to make prefill cost measurable (bench/vllm) or
+for smaller KV pages (--kv-heads 1).
+
+--arch gemma3 writes a Gemma3ForCausalLM (text only) whose layers follow
+--layer-types (s: sliding-window attention of --sliding-window tokens, f:
+full attention; default Gemma 3's 5:1 pattern, s,s,s,s,s,f, window 64):
+with vLLM's hybrid memory allocator each kind gets KV cache groups of its
+own. --arch nemotron_h writes a NemotronHForCausalLM, a hybrid of Mamba-2
+and attention layers (--layer-types m,a,-,m,a,-: mamba, attention, MLP).
 
 Needs: torch, transformers, tokenizers, safetensors (all present in the
 .venv-vllm made by connector/python/scripts/install-vllm.sh). No network.
@@ -92,26 +101,81 @@ def build_tokenizer(out_dir: str, config: dict | None = None) -> None:
     fast.save_pretrained(out_dir)
 
 
-def build_model(out_dir: str, dtype: str, config: dict | None = None) -> None:
+def build_model(out_dir: str, dtype: str, config: dict | None = None, arch: str = "llama") -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(**(config or CONFIG))
-    cfg.architectures = ["LlamaForCausalLM"]
+    config_cls, model_cls = ARCHS[arch]
+    cfg = getattr(transformers, config_cls)(**(config or CONFIG))
+    cfg.architectures = [model_cls]
     with torch.no_grad():
-        model = LlamaForCausalLM(cfg)
+        model = getattr(transformers, model_cls)(cfg)
         # Re-draw every tensor from one generator in sorted-name order, so the
         # weights do not depend on transformers' init code or module order.
         gen = torch.Generator().manual_seed(SEED)
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
+                # Gemma's norms scale by (1 + weight).
+                p.fill_(0.0 if arch == "gemma3" else 1.0)
+            elif name.endswith("A_log"):  # Mamba: decays exp(-A) in (0, 1)
+                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)).reshape(p.shape))
+            elif name.endswith((".D", "dt_bias")):
                 p.fill_(1.0)
             else:
                 # std 2/sqrt(fan_in): large enough that greedy output varies.
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / p.shape[-1] ** 0.5))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+# --arch -> (transformers config class, model class).
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
+}
+LAYER_TYPES = {
+    "gemma3": {"s": "sliding_attention", "f": "full_attention"},
+    "nemotron_h": {"m": "mamba", "a": "attention", "-": "mlp"},
+}
+DEFAULT_LAYER_TYPES = {"gemma3": "s,s,s,s,s,f", "nemotron_h": "m,a,-,m,a,-"}
+
+
+def arch_config(arch: str, config: dict, layer_types: str | None, window: int) -> dict:
+    """The transformers config of a tiny model of another architecture
+    (same vocabulary and shapes as config where they apply)."""
+    if arch == "llama":
+        return config
+    kinds = [LAYER_TYPES[arch][k] for k in (layer_types or DEFAULT_LAYER_TYPES[arch]).split(",")]
+    out = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings")}
+    out.update(
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "gemma3":
+        out.update(
+            num_hidden_layers=len(kinds),
+            layer_types=kinds,
+            sliding_window=window,
+            query_pre_attn_scalar=config["head_dim"],
+        )
+    else:
+        out.update(
+            layers_block_type=kinds,
+            mamba_num_heads=4,
+            mamba_head_dim=64,
+            n_groups=1,
+            ssm_state_size=16,
+            conv_kernel=4,
+            chunk_size=64,
+        )
+    return out
 
 
 def normalize(out_dir: str) -> None:
@@ -140,10 +204,10 @@ SHAPE_OPTIONS = {
 }
 
 
-def make(out_dir: str, dtype: str = "float32", config: dict | None = None) -> None:
+def make(out_dir: str, dtype: str = "float32", config: dict | None = None, arch: str = "llama") -> None:
     os.makedirs(out_dir, exist_ok=True)
     build_tokenizer(out_dir, config)
-    build_model(out_dir, dtype, config)
+    build_model(out_dir, dtype, config, arch)
     normalize(out_dir)
 
 
@@ -160,6 +224,9 @@ def main() -> int:
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--check", action="store_true", help="build twice, compare hashes")
+    ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    ap.add_argument("--layer-types", help="gemma3: s,f,... ; nemotron_h: m,a,-,... (see the module doc)")
+    ap.add_argument("--sliding-window", type=int, default=64, help="gemma3: tokens (default 64)")
     for opt, key in SHAPE_OPTIONS.items():
         ap.add_argument(
             "--" + opt.replace("_", "-"), type=int, default=CONFIG[key], help="%s (default %d)" % (key, CONFIG[key])
@@ -170,12 +237,16 @@ def main() -> int:
         config[key] = getattr(args, opt)
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         ap.error("--heads must be a multiple of --kv-heads")
+    try:
+        model_config = arch_config(args.arch, config, args.layer_types, args.sliding_window)
+    except KeyError as e:
+        ap.error("--layer-types: unknown kind %s for --arch %s" % (e, args.arch))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    make(args.out_dir, args.dtype, config)
+    make(args.out_dir, args.dtype, model_config, args.arch)
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            make(tmp, args.dtype, config)
+            make(tmp, args.dtype, model_config, args.arch)
             a, b = digest(args.out_dir), digest(tmp)
             if a != b:
                 print(f"NOT deterministic:\n{a}\n{b}", file=sys.stderr)

@@ -17,7 +17,12 @@ preempted; --continue makes each round after the first a conversation turn
 (its prompts are the previous round's prompt and output tokens); --stagger
 makes each round after the first arrive while the engine is busy: a long
 request runs first (30 steps: the connector's local index of the cache is
-live by then) and the round's prompts are added one a step, as in serving.
+live by then) and the round's prompts are added one a step, as in serving;
+--disable-hma turns vLLM's hybrid memory allocator off (every layer in one
+KV cache group); --no-prefix-caching turns vLLM's prefix cache off. The
+output records the engine's KV cache groups (their spec kinds), whether
+the hybrid allocator was on, and why the connector refused the model, if
+it did.
 """
 
 import argparse
@@ -47,6 +52,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (worker processes)")
     ap.add_argument("--connector-config", default="{}", help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--stagger", action="store_true", help="rounds after the first arrive while the engine is busy")
+    ap.add_argument("--disable-hma", action="store_true", help="vLLM's hybrid memory allocator off")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="vLLM's prefix cache off")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -59,8 +66,10 @@ def main() -> int:
         enforce_eager=True,
         seed=0,
         distributed_executor_backend="uni",
-        enable_prefix_caching=True,
+        enable_prefix_caching=not a.no_prefix_caching,
     )
+    if a.disable_hma:
+        kw["disable_hybrid_kv_cache_manager"] = True
     if a.max_num_batched_tokens:
         kw.update(max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=True)
     if a.num_blocks:
@@ -83,6 +92,12 @@ def main() -> int:
     t0 = time.time()
     llm = LLM(**kw)
     start_s = time.time() - t0
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    engine_info = {
+        "kv_cache_groups": [type(g.kv_cache_spec).__name__ for g in sched.kv_cache_config.kv_cache_groups],
+        "hybrid_kv_cache_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "refused": getattr(sched.connector, "refused", None),
+    }
     prompts = json.load(open(a.prompts))
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     rounds = []
@@ -107,7 +122,7 @@ def main() -> int:
         )
         if a.cont:
             inputs = [{"prompt_token_ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids)} for o in outs]
-    json.dump({"start_seconds": start_s, "rounds": rounds}, open(a.out, "w"))
+    json.dump(dict(engine_info, start_seconds=start_s, rounds=rounds), open(a.out, "w"))
     # Shut the engine down so the connector writes its final counters.
     del llm
     return 0
