@@ -18,6 +18,15 @@ Prints JSON Lines on stdout (progress on stderr):
              and past saturation (Poisson arrivals paced by our own
              LLMEngine.add_request/step loop).
 
+--models full,sliding (the default) runs the step and ttft parts for each
+kind of model: "full" the tiny Llama (every layer full attention, one KV
+cache group), "sliding" the same model as a MistralForCausalLM whose layers
+are mostly sliding-window attention as in Ministral 8B (SLIDING_LAYERS, a
+window of SLIDING_WINDOW tokens; the Llama's compute but for the windows),
+served with vLLM's hybrid memory allocator: several KV cache groups, a hit
+loads only the window's blocks of the sliding ones. Every row names its
+"model". The tax part runs the full model only.
+
 Each engine runs in its own process (bench/vllm/engine_worker.py under the
 vLLM venv's interpreter); each part starts its own sidecar. Run parts with
 --parts step,ttft,tax; --quick makes every part smaller (a smoke run).
@@ -55,6 +64,19 @@ TTFT_MODEL = {
     "max-pos": 4096,
 }  # 256 KiB pages; >= 0.8 s to prefill 2048 tokens on this 2-vCPU VM
 DEFAULTS = {"hidden": 128, "layers": 2, "kv-heads": 2, "head-dim": 32}
+# The sliding-window variant of a model (--models sliding): make_tiny_model.py
+# --arch mistral, the same shape, these layer kinds (s: a window of
+# SLIDING_WINDOW tokens, f: full attention), by number of layers.
+SLIDING_LAYERS = {2: "s,f", 8: "s,s,s,f,s,s,s,f"}
+SLIDING_WINDOW = 128
+
+
+def model_shape(shape: dict, kind: str) -> dict:
+    """A model's make_tiny_model.py options for kind "full" or "sliding"."""
+    if kind == "full":
+        return shape
+    layers = dict(DEFAULTS, **shape)["layers"]
+    return dict(shape, arch="mistral", **{"layer-types": SLIDING_LAYERS[layers], "sliding-window": SLIDING_WINDOW})
 
 
 SIDECAR_ARGS: list[str] = []  # --sidecar-args: extra `ringside serve` flags for every part
@@ -173,13 +195,18 @@ def step_args(a) -> list[str]:
 
 
 def part_step(a, workdir):
-    model = build_model(a.python, workdir, "step", STEP_MODEL)
-    slot = page_bytes(STEP_MODEL)
+    for kind in a.models:
+        step_model(a, workdir, kind)
+
+
+def step_model(a, workdir, kind):
+    model = build_model(a.python, workdir, "step-" + kind, model_shape(STEP_MODEL, kind))
+    slot = page_bytes(STEP_MODEL)  # the sliding model's pages are smaller (its groups share a page)
     for blocks in a.cached_blocks:
         # The same pool (a sparse file) for every size: only the index differs.
         pool = (max(a.cached_blocks) + 65536) * slot
         log("vllm_step: sidecar with %d cached blocks (pool %d MiB sparse, slot %d)" % (blocks, pool >> 20, slot))
-        sc = Sidecar(a.bin, workdir, "step%d" % blocks, str(pool), slot, prefill=blocks)
+        sc = Sidecar(a.bin, workdir, "step%d-%s" % (blocks, kind), str(pool), slot, prefill=blocks)
         try:
             st = sc.state()["pool"]
             assert st["Blocks"] >= blocks, st
@@ -187,29 +214,37 @@ def part_step(a, workdir):
             t = time.time()
             for r in run_worker(
                 worker_cmd(a.python, "step", model, sc.sock, extra),
-                os.path.join(workdir, "engine-step%d.log" % blocks),
+                os.path.join(workdir, "engine-step%d-%s.log" % (blocks, kind)),
                 1,
                 900,
             ):
-                out(r)
-            log("vllm_step: %d blocks done in %.0fs" % (blocks, time.time() - t))
+                out(dict(r, model=kind))
+            log("vllm_step: %s model, %d blocks done in %.0fs" % (kind, blocks, time.time() - t))
         finally:
             sc.stop(check=False)
     if a.step_baseline:
         # The floor in the same run: the same workload with a connector whose
         # hooks do nothing (bench/vllm/null_connector.py), so no sidecar.
-        log("vllm_step: baseline (null connector)")
+        log("vllm_step: %s model, baseline (null connector)" % kind)
         extra = ["--connector", "null"] + step_args(a)
         for r in run_worker(
-            worker_cmd(a.python, "step", model, None, extra), os.path.join(workdir, "engine-step-null.log"), 1, 900
+            worker_cmd(a.python, "step", model, None, extra),
+            os.path.join(workdir, "engine-step-null-%s.log" % kind),
+            1,
+            900,
         ):
-            out(r)
+            out(dict(r, model=kind))
 
 
 def part_ttft(a, workdir):
-    model = build_model(a.python, workdir, "ttft", TTFT_MODEL)
+    for kind in a.models:
+        ttft_model(a, workdir, kind)
+
+
+def ttft_model(a, workdir, kind):
+    model = build_model(a.python, workdir, "ttft-" + kind, model_shape(TTFT_MODEL, kind))
     slot = page_bytes(TTFT_MODEL)
-    sc = Sidecar(a.bin, workdir, "ttft", "2GiB", slot)
+    sc = Sidecar(a.bin, workdir, "ttft-" + kind, "2GiB", slot)
     try:
         extra = [
             "--max-model-len",
@@ -221,11 +256,15 @@ def part_ttft(a, workdir):
             "--samples",
             str(a.ttft_samples),
         ]
-        log("vllm_ttft: %d samples, prefix %d tokens, model %s" % (a.ttft_samples, a.prefix_tokens, TTFT_MODEL))
+        shape = model_shape(TTFT_MODEL, kind)
+        log("vllm_ttft: %d samples, prefix %d tokens, %s model %s" % (a.ttft_samples, a.prefix_tokens, kind, shape))
         for r in run_worker(
-            worker_cmd(a.python, "ttft", model, sc.sock, extra), os.path.join(workdir, "engine-ttft.log"), 2, 900
+            worker_cmd(a.python, "ttft", model, sc.sock, extra),
+            os.path.join(workdir, "engine-ttft-%s.log" % kind),
+            2,
+            900,
         ):
-            out(r)
+            out(dict(r, model=kind))
     finally:
         sc.stop(check=False)
 
@@ -394,6 +433,12 @@ def floats(s):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="step,ttft,tax", help="comma-separated: step, ttft, tax")
+    ap.add_argument(
+        "--models",
+        type=lambda x: [m for m in x.split(",") if m],
+        default=["full", "sliding"],
+        help="step and ttft parts: full (the Llama), sliding (its sliding-window variant), or both",
+    )
     ap.add_argument("--bin", default=os.path.join(REPO, "bin", "ringside"))
     ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM (the .venv-vllm one)")
     ap.add_argument("--workdir", help="models and logs (default: a temporary directory, removed unless --keep)")
@@ -426,6 +471,8 @@ def main() -> int:
         a.tax_fractions, a.tax_seconds, a.tax_reps, a.tax_min_requests, a.tax_burst = [0.5], 2.0, 1, 8, 16
     if not os.path.exists(a.bin):
         raise SystemExit("no sidecar binary at %s (make build)" % a.bin)
+    if set(a.models) - {"full", "sliding"}:
+        raise SystemExit("--models: full and/or sliding, not %s" % ",".join(a.models))
     workdir = a.workdir or tempfile.mkdtemp(prefix="ringside-bench-vllm-")
     os.makedirs(workdir, exist_ok=True)
     parts = [p for p in a.parts.split(",") if p]

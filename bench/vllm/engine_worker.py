@@ -360,6 +360,11 @@ def run_sustained(llm, timer, conn, a, n):
 # ttft
 
 
+# Scheduler counters of a hit's loaded blocks with several KV cache groups:
+# full-attention groups' and sliding windows' (the window's blocks only).
+LOADED = ("load_blocks_full", "load_blocks_window")
+
+
 def run_ttft(a):
     from vllm import SamplingParams
 
@@ -400,6 +405,7 @@ def run_ttft(a):
         return dt * 1000.0, len(out[0].prompt_token_ids), out[0].outputs[0].token_ids[0], list(steps)
 
     res = {"recompute": [], "hit": []}
+    loaded = []  # per hit: the blocks it loaded, by kind of KV cache group (several groups only)
     ntok = None
     same = True
     for i in range(a.samples + 1):  # sample 0 warms the engine up (both paths)
@@ -418,6 +424,7 @@ def run_ttft(a):
             raise SystemExit("ttft: reset_prefix_cache failed")
         time.sleep(0.2)
         h0 = conn.stats["hit_blocks"]
+        l0 = {k: conn.stats.get(k, 0) for k in LOADED}
         hit, _, tok_hit, hit_steps = timed(p)
         hit_blocks = conn.stats["hit_blocks"] - h0
         same = same and tok_hit == tok_rec
@@ -425,6 +432,7 @@ def run_ttft(a):
             continue
         res["recompute"].append((rec, miss_hits, rec_steps))
         res["hit"].append((hit, hit_blocks, hit_steps))
+        loaded.append({k: conn.stats.get(k, 0) - l0[k] for k in LOADED})
     for mode in ("recompute", "hit"):
         xs = sorted(v for v, _, _ in res[mode])
         med = sorted(res[mode])[len(xs) // 2]
@@ -443,6 +451,10 @@ def run_ttft(a):
                 "median_sample_step_ms": med[2],
             }
         )
+        if mode == "hit" and loaded and any(loaded[0].values()):
+            row = {"bench": "vllm_ttft_loaded", "prefix_tokens": a.prefix_tokens}
+            row.update({k: [d[k] for d in loaded] for k in LOADED})
+            emit(row)
     del llm
 
 

@@ -2,7 +2,7 @@
 """Write a tiny, deterministic model + tokenizer that vLLM loads offline.
 
 Usage:  python make_tiny_model.py OUT_DIR [--dtype float32|bfloat16]
-            [--arch llama|gemma3|nemotron_h] [--layer-types s,f,...]
+            [--arch llama|mistral|gemma3|nemotron_h] [--layer-types s,f,...]
             [--sliding-window N] [--hidden N] [--intermediate N]
             [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--max-pos N]
 
@@ -16,7 +16,10 @@ for smaller KV pages (--kv-heads 1).
 --layer-types (s: sliding-window attention of --sliding-window tokens, f:
 full attention; default Gemma 3's 5:1 pattern, s,s,s,s,s,f, window 64):
 with vLLM's hybrid memory allocator each kind gets KV cache groups of its
-own. --arch nemotron_h writes a NemotronHForCausalLM, a hybrid of Mamba-2
+own. --arch mistral writes a MistralForCausalLM with the Llama's shape
+(--layers and the other shape options) and per-layer windows as Ministral
+8B has them (--layer-types, default s,f alternating): the Llama's compute
+but for the windows, for benchmarks against it. --arch nemotron_h writes a NemotronHForCausalLM, a hybrid of Mamba-2
 and attention layers (--layer-types m,a,-,m,a,-: mamba, attention, MLP).
 
 Needs: torch, transformers, tokenizers, safetensors (all present in the
@@ -132,10 +135,12 @@ def build_model(out_dir: str, dtype: str, config: dict | None = None, arch: str 
 # --arch -> (transformers config class, model class).
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
 }
 LAYER_TYPES = {
+    "mistral": {"s": "sliding_attention", "f": "full_attention"},
     "gemma3": {"s": "sliding_attention", "f": "full_attention"},
     "nemotron_h": {"m": "mamba", "a": "attention", "-": "mlp"},
 }
@@ -147,6 +152,12 @@ def arch_config(arch: str, config: dict, layer_types: str | None, window: int) -
     (same vocabulary and shapes as config where they apply)."""
     if arch == "llama":
         return config
+    if arch == "mistral":
+        n = config["num_hidden_layers"]
+        kinds = [LAYER_TYPES[arch][k] for k in (layer_types or ",".join("sf"[i % 2] for i in range(n))).split(",")]
+        if len(kinds) != n:
+            raise ValueError("--layer-types: %d kinds for %d layers" % (len(kinds), n))
+        return dict(config, layer_types=kinds, sliding_window=window)
     kinds = [LAYER_TYPES[arch][k] for k in (layer_types or DEFAULT_LAYER_TYPES[arch]).split(",")]
     out = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings")}
     out.update(
@@ -226,7 +237,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="build twice, compare hashes")
     ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     ap.add_argument("--layer-types", help="gemma3: s,f,... ; nemotron_h: m,a,-,... (see the module doc)")
-    ap.add_argument("--sliding-window", type=int, default=64, help="gemma3: tokens (default 64)")
+    ap.add_argument("--sliding-window", type=int, default=64, help="gemma3, mistral: tokens (default 64)")
     for opt, key in SHAPE_OPTIONS.items():
         ap.add_argument(
             "--" + opt.replace("_", "-"), type=int, default=CONFIG[key], help="%s (default %d)" % (key, CONFIG[key])
@@ -241,6 +252,8 @@ def main() -> int:
         model_config = arch_config(args.arch, config, args.layer_types, args.sliding_window)
     except KeyError as e:
         ap.error("--layer-types: unknown kind %s for --arch %s" % (e, args.arch))
+    except ValueError as e:
+        ap.error(str(e))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     make(args.out_dir, args.dtype, model_config, args.arch)
