@@ -146,6 +146,7 @@ type namespace struct {
 	pending int // incomplete logical blocks
 	doomed  int // dropped blocks whose slots wait for a copy in flight (not indexed)
 	log     deltaLog
+	ev      *nsEvents // the event log (meta.go), from the first description on
 }
 
 // Cache is the in-memory state machine of the KV block pool. It is NOT
@@ -222,6 +223,7 @@ type Cache struct {
 	scratch []uint32
 	st      counters
 	onFree  func(slot uint32)
+	ev      eventsState // block descriptions for KV events (meta.go)
 }
 
 // OnFree sets a function called with every slot the cache frees, as it
@@ -348,6 +350,7 @@ func (c *Cache) RemoveNamespace(id NamespaceID) error {
 		return fmt.Errorf("%w: namespace %d: %d present, %d incomplete, %d doomed", ErrNamespaceInUse, id, n.blocks, n.pending, n.doomed)
 	}
 	c.logBytes -= n.log.bytes()
+	c.dropNamespaceDescs(id, n)
 	delete(c.nsByKey, n.key)
 	c.nsList[id-1] = nil
 	c.nsFree = append(c.nsFree, id)

@@ -101,7 +101,12 @@ func (l *deltaLog) append(op Op, slot uint32, d []byte) {
 // oldest entry: a namespace's log costs memory in proportion to how much
 // it changes, not DeltaLogSize from the start.
 func (c *Cache) logAppend(n *namespace, op Op, slot uint32, d []byte) {
-	l := &n.log
+	c.logGrowAppend(&n.log, op, slot, d)
+}
+
+// logGrowAppend appends to l (a change log or an event log), growing it as
+// logAppend says.
+func (c *Cache) logGrowAppend(l *deltaLog, op Op, slot uint32, d []byte) {
 	if size := len(l.ents); l.head-l.base >= uint64(size) && size < c.cfg.DeltaLogSize {
 		grow := int64(size) * logEntrySize
 		if c.cfg.MaxLogBytes == 0 || c.logBytes+grow <= c.cfg.MaxLogBytes {

@@ -153,7 +153,7 @@ func (c *Cache) CheckInvariants() error {
 	if cnt[stFree] != c.nFree || cnt[stReserved] != c.nReserved || cnt[stWriting] != c.nWriting || cnt[stStored] != c.nStored {
 		bad("state counts %v != free %d reserved %d writing %d stored %d", cnt, c.nFree, c.nReserved, c.nWriting, c.nStored)
 	}
-	live, logBytes := 0, int64(0)
+	live, logBytes, logs := 0, int64(0), 0
 	for i, ns := range c.nsList {
 		if ns == nil {
 			if nsBlocks[i]+nsPending[i]+nsDoomed[i] != 0 {
@@ -162,7 +162,12 @@ func (c *Cache) CheckInvariants() error {
 			continue
 		}
 		live++
+		logs++
 		logBytes += ns.log.bytes()
+		if ns.ev != nil { // its event log (meta.go)
+			logs++
+			logBytes += ns.ev.log.bytes()
+		}
 		if id, ok := c.nsByKey[ns.key]; !ok || int(id) != i+1 {
 			bad("namespace %d: key maps to %d (%v)", i+1, id, ok)
 		}
@@ -184,7 +189,7 @@ func (c *Cache) CheckInvariants() error {
 	if live != c.nsLive || len(c.nsByKey) != live || live+len(c.nsFree) != len(c.nsList) {
 		bad("namespaces: %d live, counter %d, keys %d, free ids %d, list %d", live, c.nsLive, len(c.nsByKey), len(c.nsFree), len(c.nsList))
 	}
-	if logBytes != c.logBytes || (c.cfg.MaxLogBytes > 0 && logBytes > c.cfg.MaxLogBytes && live > 0 && logBytes > int64(live)*int64(c.cfg.InitialLogSize)*logEntrySize) {
+	if logBytes != c.logBytes || (c.cfg.MaxLogBytes > 0 && logBytes > c.cfg.MaxLogBytes && live > 0 && logBytes > int64(logs)*int64(c.cfg.InitialLogSize)*logEntrySize) {
 		bad("log bytes %d, counter %d, bound %d", logBytes, c.logBytes, c.cfg.MaxLogBytes)
 	}
 	// Charges of incomplete blocks.
@@ -405,5 +410,6 @@ func (c *Cache) CheckInvariants() error {
 	if ol != len(c.leaseByID) || ow != live {
 		bad("owner lists hold %d leases/%d writers, live %d/%d", ol, ow, len(c.leaseByID), live)
 	}
+	c.checkDescs(bad)
 	return errors.Join(errs...)
 }

@@ -133,6 +133,7 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 		c.pendingByKey[ch.Key] += w
 	}
 	c.indexInsert(head, h)
+	c.adoptDesc(uint16(ns), digest, head)
 	c.next[head] = uint32(c.timerPush(deadline, timerGroup, head))
 	return c.startWrite(c.member(head, rank), owner), Allocated, nil
 }
@@ -172,6 +173,7 @@ func (c *Cache) CommitStore(t Ticket) error {
 	n.blocks++
 	c.st.stores++
 	c.logAppend(n, OpStored, head, c.digest[head][:n.width])
+	c.describedPresent(n, head)
 	return nil
 }
 
@@ -249,6 +251,7 @@ func (c *Cache) dropPending(head uint32) {
 	}
 	n.pending--
 	c.unchargePending(head)
+	c.dropDesc(head)
 	c.indexRemove(head)
 	if writing == 0 {
 		c.freeGroup(head)
@@ -332,6 +335,7 @@ func (c *Cache) popFree() uint32 {
 
 // freeGroup returns every slot of the block to the free list.
 func (c *Cache) freeGroup(head uint32) {
+	c.dropDesc(head)
 	s := head
 	for {
 		nx := c.ring[s]
