@@ -111,6 +111,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzChangesReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzSnapshot$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzSnapshotReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzDescribe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzEventsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/
 	$(GO) test -run '^$$' -fuzz '^FuzzMachine$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/
 

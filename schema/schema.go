@@ -42,6 +42,9 @@ const (
 	TypeDetach         uint16 = 0x0B // end the session cleanly
 	TypePing           uint16 = 0x0C // liveness and round-trip check
 	TypeSnapshot       uint16 = 0x0D // read a page of the namespace's present blocks
+	TypeDescribe       uint16 = 0x0E // describe blocks for KV events: parent digests, token ids
+	TypeEvents         uint16 = 0x0F // read the namespace's event log since a cursor
+	TypeEventSnapshot  uint16 = 0x10 // read a page of the namespace's described present blocks
 
 	// ReservedType is never a request: its reply type would be the ring's
 	// padding type 0xFFFF. Like any unknown type it is answered with
@@ -83,6 +86,7 @@ var typeNames = map[uint16]string{
 	TypeAcquire: "Acquire", TypePoll: "Poll", TypeRelease: "Release",
 	TypeRegisterRegion: "RegisterRegion", TypeLoad: "Load", TypeStore: "Store",
 	TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping", TypeSnapshot: "Snapshot",
+	TypeDescribe: "Describe", TypeEvents: "Events", TypeEventSnapshot: "EventSnapshot",
 }
 
 // Status is the result code at the start of every reply.

@@ -187,6 +187,13 @@ func samples() []sample {
 		{"Snapshot", schema.TypeSnapshot, sSnapshot, func() []byte { return sSnapshot.Append(nil) }, decSnapshot, 16, false},
 		{"SnapshotReply/w16", schema.TypeSnapshot | r, sSnapshotReply16, func() []byte { return sSnapshotReply16.Append(nil) }, decSnapshotReply, 40 + 3*16, false},
 		{"SnapshotReply/w32", schema.TypeSnapshot | r, sSnapshotReply32, func() []byte { return sSnapshotReply32.Append(nil) }, decSnapshotReply, 40 + 2*32, false},
+		// KV events (events_test.go)
+		{"Describe/w16", schema.TypeDescribe, sDescribe, func() []byte { return sDescribe.Append(nil, 16) }, decDescribe(16), 8 + 16 + 2*16 + 32 + 16 + 16 + 16 + 8 + 6, false},
+		{"Events", schema.TypeEvents, sEvents, func() []byte { return sEvents.Append(nil) }, decChanges, 24, false},
+		{"EventSnapshot", schema.TypeEventSnapshot, sEventSnapshot, func() []byte { return sEventSnapshot.Append(nil) }, decSnapshot, 16, false},
+		{"EventsReply/w8", schema.TypeEvents | r, sEventsReply8, func() []byte { return sEventsReply8.Append(nil) }, decEventsReply, 40 + (16 + 8) + (24 + 8 + 1) + 16, false},
+		{"EventsReply/w32", schema.TypeEventSnapshot | r, sEventsReply32, func() []byte { return sEventsReply32.Append(nil) }, decEventsReply, 40 + 8 + 64 + 16, false},
+		{"EventsReply/resync", schema.TypeEvents | r, sEventsResync, func() []byte { return sEventsResync.Append(nil) }, decEventsReply, 40, false},
 	}
 }
 
@@ -264,6 +271,8 @@ func TestAppendKeepsPrefix(t *testing.T) {
 		"ChangesReply":   {sChangesReply.Append(bytes.Clone(pre)), sChangesReply.Append(nil)},
 		"Snapshot":       {sSnapshot.Append(bytes.Clone(pre)), sSnapshot.Append(nil)},
 		"SnapshotReply":  {sSnapshotReply16.Append(bytes.Clone(pre)), sSnapshotReply16.Append(nil)},
+		"Describe":       {sDescribe.Append(bytes.Clone(pre), 16), sDescribe.Append(nil, 16)},
+		"EventsReply":    {sEventsReply8.Append(bytes.Clone(pre)), sEventsReply8.Append(nil)},
 	}
 	for name, c := range cases {
 		if !bytes.Equal(c[0], append(bytes.Clone(pre), c[1]...)) {
@@ -770,8 +779,8 @@ func TestStateString(t *testing.T) {
 
 func TestTypeName(t *testing.T) {
 	names := []string{"", "PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release",
-		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping", "Snapshot"}
-	for ty := schema.TypePutHashes; ty <= schema.TypeSnapshot; ty++ {
+		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping", "Snapshot", "Describe", "Events", "EventSnapshot"}
+	for ty := schema.TypePutHashes; ty <= schema.TypeEventSnapshot; ty++ {
 		if got := schema.TypeName(ty); got != names[ty] {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, names[ty])
 		}
@@ -779,7 +788,7 @@ func TestTypeName(t *testing.T) {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty|schema.ReplyBit, got, names[ty]+"Reply")
 		}
 	}
-	for ty, want := range map[uint16]string{0: "type(0x0)", 0x0E: "type(0xe)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x800E: "type(0x800e)"} {
+	for ty, want := range map[uint16]string{0: "type(0x0)", 0x11: "type(0x11)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x8011: "type(0x8011)"} {
 		if got := schema.TypeName(ty); got != want {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, want)
 		}
@@ -808,5 +817,13 @@ func TestConstants(t *testing.T) {
 	}
 	if schema.ErrCodeMismatch != 17 || schema.ErrCodeMismatch.String() != "mismatch" {
 		t.Error("status codes changed")
+	}
+	// Added within version 2 (section 13): the records of KV events.
+	if schema.TypeDescribe != 0x0E || schema.TypeEvents != 0x0F || schema.TypeEventSnapshot != 0x10 ||
+		schema.EventsFlagResync != 1 || schema.EventsFlagDone != 2 || schema.EventStored != 1 || schema.EventRemoved != 2 ||
+		schema.MaxDescribeBlocks != 4096 || schema.MaxDescribeTokens != 4096 || schema.MaxDescribeExtra != 1024 ||
+		schema.MaxEventsPerReply != 4096 || schema.DescribeRunHeaderSize != 16 || schema.EventHeaderSize != 8 ||
+		schema.EventsReplyHeaderSize != 40 || schema.DescribeFlagParent != 1 {
+		t.Error("the event records' constants changed")
 	}
 }

@@ -130,7 +130,7 @@ func runProgram(t *testing.T, prog []byte) {
 	template := func(r *progReader, s *sess) (uint16, []byte) {
 		w := int(s.req.DigestWidth)
 		k := r.byte()
-		switch k % 13 {
+		switch k % 16 {
 		case 0:
 			var d []byte
 			for i := byte(0); i < r.byte()%6; i++ {
@@ -170,6 +170,25 @@ func runProgram(t *testing.T, prog []byte) {
 			return schema.TypeDropHashes, schema.IDRequest{ID: uint64(r.byte() % 4)}.Append(nil)
 		case 11:
 			return schema.TypePing, schema.IDRequest{ID: 7}.Append(nil)
+		case 12: // KV events (events.go)
+			var runs []schema.DescribeRun
+			for i := byte(0); i < r.byte()%3; i++ {
+				n, t := int(r.byte()%3)+1, int(r.byte()%4)+1
+				var d []byte
+				for j := 0; j < n; j++ {
+					d = append(d, dig(byte(j)+r.byte()%3, w)...)
+				}
+				run := schema.DescribeRun{Digests: d, TokensPerBlock: uint16(t), Tokens: make([]byte, 4*n*t), Extra: make([]byte, r.byte()%3)}
+				if r.byte()%2 == 0 {
+					run.Parent = dig(r.byte()%3, w)
+				}
+				runs = append(runs, run)
+			}
+			return schema.TypeDescribe, (&schema.Describe{Runs: runs}).Append(nil, w)
+		case 13:
+			return schema.TypeEvents, (&schema.Changes{Epoch: uint64(r.byte() % 2 * 5), Seq: uint64(r.byte()), Max: uint32(r.byte() % 4)}).Append(nil)
+		case 14:
+			return schema.TypeEventSnapshot, (&schema.Snapshot{From: uint64(r.byte() % 40), Max: uint32(r.byte() % 4)}).Append(nil)
 		}
 		b := make([]byte, r.byte()%40)
 		for i := range b {

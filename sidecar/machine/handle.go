@@ -44,6 +44,12 @@ func (m *Machine) Handle(now int64, id SessionID, typ uint16, seq uint64, payloa
 		err = h.changes(payload)
 	case schema.TypeSnapshot:
 		err = h.snapshot(payload)
+	case schema.TypeDescribe: // events.go
+		err = h.describe(payload)
+	case schema.TypeEvents:
+		err = h.events(payload)
+	case schema.TypeEventSnapshot:
+		err = h.eventSnapshot(payload)
 	case schema.TypePing:
 		var r schema.IDRequest
 		if err = r.Decode(payload); err == nil {
@@ -103,6 +109,9 @@ func failReply(out *Output, s *session, typ uint16, seq uint64, se *schema.Error
 		out.reply(s.id, typ, seq, r.Append)
 	case schema.TypeSnapshot:
 		r := schema.SnapshotReply{Status: se.Status, Width: uint8(s.inst.width)}
+		out.reply(s.id, typ, seq, r.Append)
+	case schema.TypeEvents, schema.TypeEventSnapshot:
+		r := schema.EventsReply{Status: se.Status, Width: uint8(s.inst.width)}
 		out.reply(s.id, typ, seq, r.Append)
 	case schema.TypeStore:
 		r := schema.StoreReply{Status: se.Status, Message: se.Message}

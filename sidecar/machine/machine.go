@@ -50,6 +50,8 @@ type Counters struct {
 	DiscardedExitedStores   uint64 // stores discarded because their process exited during the copy
 	CopiesStarted, CopiesOK uint64
 	CopiesFailed            uint64
+	Described               uint64 // block descriptions added (events.go)
+	EventsTooLarge          uint64 // events left out of replies they could never fit
 }
 
 // usage is what one holder (a session, a uid, everyone) holds.
@@ -267,16 +269,8 @@ func (m *Machine) chargeMeta(s *session, uid uint32, n int64) *schema.Error {
 	if n <= 0 {
 		return nil
 	}
-	u := m.uidUse(uid)
-	switch {
-	case m.total.meta+n > m.cfg.MetaBytes:
-		m.dropUIDIfIdle(uid)
-		return m.refuse("metadata", "the sidecar's metadata would exceed %d bytes (--limits.metadata-bytes): release leases, drop hash batches, or retry later", m.cfg.MetaBytes)
-	case u.meta+n > share(m.cfg.MetaBytes, m.cfg.UIDShare):
-		m.dropUIDIfIdle(uid)
-		return m.refuse("metadata-uid", "uid %d's metadata would exceed %d bytes, its share of --limits.metadata-bytes", uid, share(m.cfg.MetaBytes, m.cfg.UIDShare))
-	case s != nil && s.use.meta+n > share(m.cfg.MetaBytes, m.cfg.SessionShare):
-		return m.refuse("metadata-session", "this session's metadata would exceed %d bytes, its share of --limits.metadata-bytes", share(m.cfg.MetaBytes, m.cfg.SessionShare))
+	if err := m.metaRoom(s, uid, n); err != nil { // events.go: block descriptions count too
+		return err
 	}
 	m.charge(s, uid, usage{meta: n})
 	return nil
@@ -496,6 +490,7 @@ func (m *Machine) Detach(now int64, id SessionID, out *Output) {
 		}
 	}
 	m.cache.ReleaseLeases(s.owner)
+	m.cache.ForgetDescOwner(s.owner) // its descriptions stay, charged to its uid
 	for _, r := range s.regions {
 		if !r.pending {
 			out.Unregister = append(out.Unregister, r.handle)
@@ -551,6 +546,7 @@ func (m *Machine) Tick(now int64, out *Output) cache.ReapResult {
 	defer func() { m.out = nil }()
 	var r cache.ReapResult
 	r, m.reaped = m.cache.ReapLeases(now, m.reaped[:0])
+	m.cache.ReapDescs(now)
 	for _, id := range m.reaped {
 		if q := m.queries[id]; q != nil {
 			m.unbudget(q)
@@ -627,7 +623,7 @@ func (m *Machine) Sessions() []SessionInfo {
 			}
 		}
 		out = append(out, SessionInfo{ID: s.id, Instance: name, Role: s.role, Rank: s.rank, PID: s.pid, UID: s.uid,
-			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta, Pins: m.cache.PinnedCharged(s.uid + 1)})
+			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta + m.cache.DescOwned(s.owner), Pins: m.cache.PinnedCharged(s.uid + 1)})
 	}
 	return out
 }
@@ -650,7 +646,7 @@ func (m *Machine) Usage() Usage {
 	for _, in := range m.instances {
 		w += len(in.waiting)
 	}
-	return Usage{MetaBytes: m.total.meta + m.cache.LogBytes(), MetaLimit: m.cfg.MetaBytes, RingBytes: m.total.rings,
+	return Usage{MetaBytes: m.total.meta + m.cache.LogBytes() + m.cache.DescBytes(), MetaLimit: m.cfg.MetaBytes, RingBytes: m.total.rings,
 		RingLimit: m.cfg.RingBytes, Sessions: m.total.sessions, Namespaces: len(m.namespaces),
 		Queries: len(m.queries), Waiting: w, Copies: len(m.copies), UIDs: len(m.uids)}
 }

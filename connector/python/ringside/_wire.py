@@ -8,6 +8,37 @@ golden vectors, and internal/wiregen's test fails when this file is stale.
 """
 
 
+# schema/events.go
+
+# Limits of the event records.
+SCHEMA_MAX_DESCRIBE_BLOCKS = 4096  # MaxDescribeBlocks untyped int
+SCHEMA_MAX_DESCRIBE_TOKENS = 4096  # MaxDescribeTokens untyped int
+SCHEMA_MAX_DESCRIBE_EXTRA = 1024  # MaxDescribeExtra untyped int
+SCHEMA_MAX_EVENTS_PER_REPLY = 4096  # MaxEventsPerReply untyped int
+
+# DescribeRunHeaderSize is the size of a Describe run's header: u32 blocks, u16 tokens per block,
+# u16 extra length, u8 flags, u8[7] zero.
+SCHEMA_DESCRIBE_RUN_HEADER_SIZE = 16  # DescribeRunHeaderSize untyped int
+
+# DescribeFlagParent is a Describe run's (and an event entry's) flags bit 0: a parent digest follows
+# the header.
+SCHEMA_DESCRIBE_FLAG_PARENT = 1  # DescribeFlagParent uint8
+
+# EventsReply flags.
+SCHEMA_EVENTS_FLAG_RESYNC = 1  # EventsFlagResync uint32: Events: the cursor cannot be continued, rebuild from EventSnapshot
+SCHEMA_EVENTS_FLAG_DONE = 2  # EventsFlagDone uint32: EventSnapshot: the scan reached the end of the pool, no more pages
+
+# EventHeaderSize is the size of an event entry before its digest: u8 op, u8 flags, u16 tokens, u16
+# extra length, u16 zero.
+SCHEMA_EVENT_HEADER_SIZE = 8  # EventHeaderSize untyped int
+
+# Event operations.
+SCHEMA_EVENT_STORED = 1  # EventStored uint8: the block is present and described
+SCHEMA_EVENT_REMOVED = 2  # EventRemoved uint8: a block that was announced left the pool
+
+# EventsReplyHeaderSize is the size of an EventsReply before its entries.
+SCHEMA_EVENTS_REPLY_HEADER_SIZE = 40  # EventsReplyHeaderSize untyped int
+
 # schema/messages.go
 
 # Roles a session attaches with.
@@ -74,6 +105,9 @@ SCHEMA_TYPE_CHANGES = 0xa  # TypeChanges uint16: read the namespace's change log
 SCHEMA_TYPE_DETACH = 0xb  # TypeDetach uint16: end the session cleanly
 SCHEMA_TYPE_PING = 0xc  # TypePing uint16: liveness and round-trip check
 SCHEMA_TYPE_SNAPSHOT = 0xd  # TypeSnapshot uint16: read a page of the namespace's present blocks
+SCHEMA_TYPE_DESCRIBE = 0xe  # TypeDescribe uint16: describe blocks for KV events: parent digests, token ids
+SCHEMA_TYPE_EVENTS = 0xf  # TypeEvents uint16: read the namespace's event log since a cursor
+SCHEMA_TYPE_EVENT_SNAPSHOT = 0x10  # TypeEventSnapshot uint16: read a page of the namespace's described present blocks
 SCHEMA_RESERVED_TYPE = 0x7fff  # ReservedType uint16
 SCHEMA_REPLY_BIT = 0x8000  # ReplyBit uint16
 SCHEMA_RESERVED_REPLY_TYPE = 32768  # ReservedReplyType uint16
