@@ -214,6 +214,23 @@ def _dec_snapshot(mv) -> SnapshotReply:
         raise _malformed(e) from None
 
 
+def _dec_events(mv):
+    # As _dec_snapshot: a sidecar without the event records answers status 2
+    # in a bare Reply.
+    try:
+        status = _schema.reply_status(mv)
+        if status:
+            msg = ""
+            try:
+                _schema.decode_events_reply(mv)
+            except _schema.SchemaError:
+                msg = _msg(mv, 16) if len(mv) >= 16 else ""
+            raise RingsideError(status, msg)
+        return _schema.decode_events_reply(mv)
+    except _schema.SchemaError as e:
+        raise _malformed(e) from None
+
+
 def _dec_bytes(mv) -> bytes:
     return mv.tobytes()
 
@@ -681,6 +698,28 @@ class Session:
         (status NOT_PERMITTED); a sidecar without Snapshot answers
         UNKNOWN_TYPE."""
         return self._call(_T_SNAPSHOT, _schema.encode_snapshot(from_pos, max), _dec_snapshot)
+
+    def describe(self, runs) -> int:
+        """Describe blocks for KV events (docs/protocol.md section 5.11): runs
+        of schema.DescribeRun (a chain's parent digest, the run's digests, its
+        token ids as u32 bytes). Returns the descriptions added (blocks
+        described before keep theirs). A sidecar without the event records
+        answers UNKNOWN_TYPE; one over the metadata bounds TOO_LARGE."""
+        return self._call(_schema.TYPE_DESCRIBE, _schema.encode_describe(runs, self._width), _dec_value)
+
+    def events(self, epoch: int = 0, seq: int = 0, max: int = 0):  # noqa: A002
+        """Read the namespace's event log from a cursor, as changes() reads
+        the change log: an EventsReply whose events() are self-describing
+        (op, digest, parent, token ids, extra); the next cursor is
+        (reply.epoch, reply.seq); resync: rebuild with event_snapshot()."""
+        return self._call(_schema.TYPE_EVENTS, _schema.encode_changes(epoch, seq, max), _dec_events)
+
+    def event_snapshot(self, from_pos: int = 0, max: int = 0):  # noqa: A002
+        """One page of the namespace's present, described blocks (as
+        snapshot() pages the present ones): an EventsReply of stored events,
+        reply.next the next page's from_pos, reply.done the last page,
+        (reply.epoch, reply.seq) the event log's head when the page was read."""
+        return self._call(_schema.TYPE_EVENT_SNAPSHOT, _schema.encode_snapshot(from_pos, max), _dec_events)
 
     def ping(self, v: int = 0) -> int:
         """Round trip; returns the echoed value."""

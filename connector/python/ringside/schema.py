@@ -48,6 +48,9 @@ TYPE_CHANGES = _w.SCHEMA_TYPE_CHANGES
 TYPE_DETACH = _w.SCHEMA_TYPE_DETACH
 TYPE_PING = _w.SCHEMA_TYPE_PING
 TYPE_SNAPSHOT = _w.SCHEMA_TYPE_SNAPSHOT
+TYPE_DESCRIBE = _w.SCHEMA_TYPE_DESCRIBE  # KV events: describe stored blocks (parent, token ids)
+TYPE_EVENTS = _w.SCHEMA_TYPE_EVENTS  # KV events: read the event log (a Changes payload)
+TYPE_EVENT_SNAPSHOT = _w.SCHEMA_TYPE_EVENT_SNAPSHOT  # KV events: a page of described blocks (a Snapshot payload)
 
 REPLY_BIT = _w.SCHEMA_REPLY_BIT
 # Never a request type: its reply type would be the ring's pad type. The
@@ -69,6 +72,9 @@ TYPE_NAMES = {
     TYPE_DETACH: "Detach",
     TYPE_PING: "Ping",
     TYPE_SNAPSHOT: "Snapshot",
+    TYPE_DESCRIBE: "Describe",
+    TYPE_EVENTS: "Events",
+    TYPE_EVENT_SNAPSHOT: "EventSnapshot",
 }
 
 
@@ -190,6 +196,19 @@ MAX_STRING_LEN = _w.SCHEMA_MAX_STRING_LEN
 MAX_CHANGES_PER_REPLY = _w.SCHEMA_MAX_CHANGES_PER_REPLY
 MAX_SNAPSHOT_PER_REPLY = _w.SCHEMA_MAX_SNAPSHOT_PER_REPLY
 MAX_WORLD_SIZE = _w.SCHEMA_MAX_WORLD_SIZE
+MAX_DESCRIBE_BLOCKS = _w.SCHEMA_MAX_DESCRIBE_BLOCKS  # blocks of all runs of one Describe
+MAX_DESCRIBE_TOKENS = _w.SCHEMA_MAX_DESCRIBE_TOKENS  # token ids of one block
+MAX_DESCRIBE_EXTRA = _w.SCHEMA_MAX_DESCRIBE_EXTRA  # engine-defined bytes of one run
+MAX_EVENTS_PER_REPLY = _w.SCHEMA_MAX_EVENTS_PER_REPLY
+
+DESCRIBE_RUN_HEADER_SIZE = _w.SCHEMA_DESCRIBE_RUN_HEADER_SIZE  # u32 blocks, u16 tokens, u16 extra, u8 flags, u8[7]
+DESCRIBE_FLAG_PARENT = _w.SCHEMA_DESCRIBE_FLAG_PARENT  # a Describe run's or an event's parent digest follows
+EVENTS_FLAG_RESYNC = _w.SCHEMA_EVENTS_FLAG_RESYNC  # EventsReply: rebuild from EventSnapshot
+EVENTS_FLAG_DONE = _w.SCHEMA_EVENTS_FLAG_DONE  # EventsReply (EventSnapshot): no more pages
+EVENT_HEADER_SIZE = _w.SCHEMA_EVENT_HEADER_SIZE  # u8 op, u8 flags, u16 tokens, u16 extra, u16 zero
+EVENT_STORED = _w.SCHEMA_EVENT_STORED  # the block is present and described
+EVENT_REMOVED = _w.SCHEMA_EVENT_REMOVED  # an announced block left the pool
+EVENTS_REPLY_HEADER_SIZE = _w.SCHEMA_EVENTS_REPLY_HEADER_SIZE
 
 VIEW_SIZE = _w.SCHEMA_VIEW_SIZE
 SEGMENT_SIZE = _w.SCHEMA_SEGMENT_SIZE
@@ -243,6 +262,10 @@ _CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # 32
 _CHANGE_HEAD = struct.Struct("<B7x")  # 8
 _SNAPSHOT_REPLY = struct.Struct("<IIQQQIB3x")  # 40
 _CUDA_IPC_EXTRA = struct.Struct("<64s16sQ")  # 88
+_DESCRIBE = struct.Struct("<II")  # 8: runs, flags
+_DESCRIBE_RUN = struct.Struct("<IHHB7x")  # 16: blocks, tokens per block, extra length, flags
+_EVENTS_REPLY = struct.Struct("<IIQQQIB3x")  # 40
+_EVENT_HEAD = struct.Struct("<BBHH2x")  # 8: op, flags, tokens, extra length
 
 _NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
@@ -959,6 +982,243 @@ def decode_snapshot_reply(b) -> SnapshotReply:
     return SnapshotReply(status, bool(flags & SNAPSHOT_FLAG_DONE), epoch, seq, nxt, width, bytes(_view(b)[40:]))
 
 
+# --------------------------------------------------------------------------
+# KV events (protocol.md sections 5.11-5.13, 6.6): Describe, and the
+# EventsReply that answers Events (a Changes payload, encode_changes) and
+# EventSnapshot (a Snapshot payload, encode_snapshot).
+
+
+class DescribeRun(NamedTuple):
+    """A run of consecutive blocks of one prefix chain: block i's parent is
+    block i-1, the first block's is parent (None: the chain's first block).
+    tokens: blocks x tokens_per_block u32 token ids, little-endian bytes."""
+
+    parent: Optional[bytes]
+    digests: bytes
+    tokens_per_block: int
+    tokens: bytes
+    extra: bytes = b""
+
+
+def describe_run_header(blocks: int, tokens_per_block: int, extra_len: int, parent: bool) -> bytes:
+    """The 16-byte header of one Describe run (the hot path builds runs from
+    it and the run's bytes, without DescribeRun objects)."""
+    try:
+        return _DESCRIBE_RUN.pack(blocks, tokens_per_block, extra_len, DESCRIBE_FLAG_PARENT if parent else 0)
+    except struct.error as e:
+        raise SchemaError("Describe: %s" % e) from None
+
+
+def describe_header(runs: int) -> bytes:
+    """The 8-byte header of a Describe of that many runs."""
+    return _DESCRIBE.pack(runs, 0)
+
+
+def encode_describe(runs: Sequence[DescribeRun], width: int) -> bytes:
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("Describe: digest width %d" % width)
+    parts = [describe_header(len(runs))]
+    total = 0
+    for r in runs:
+        n = len(r.digests) // width if width else 0
+        t = r.tokens_per_block
+        total += n
+        if n == 0 or len(r.digests) != n * width:
+            raise SchemaError("Describe: a run of %d digest bytes (width %d)" % (len(r.digests), width))
+        if total > MAX_DESCRIBE_BLOCKS:
+            raise SchemaError("Describe: more than %d blocks" % MAX_DESCRIBE_BLOCKS)
+        if not 1 <= t <= MAX_DESCRIBE_TOKENS or len(r.tokens) != 4 * n * t:
+            raise SchemaError("Describe: %d token bytes for %d blocks of %d tokens" % (len(r.tokens), n, t))
+        if len(r.extra) > MAX_DESCRIBE_EXTRA:
+            raise SchemaError("Describe: %d extra bytes, at most %d" % (len(r.extra), MAX_DESCRIBE_EXTRA))
+        if r.parent is not None and len(r.parent) != width:
+            raise SchemaError("Describe: parent of %d bytes" % len(r.parent))
+        parts.append(describe_run_header(n, t, len(r.extra), r.parent is not None))
+        if r.parent is not None:
+            parts.append(bytes(r.parent))
+        parts += [bytes(r.digests), bytes(r.tokens), bytes(r.extra)]
+    return b"".join(parts)
+
+
+def decode_describe(b, width: int) -> Tuple[DescribeRun, ...]:
+    what = "Describe"
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("%s: digest width %d" % (what, width))
+    _need(what, b, 0, 8)
+    n, flags = _DESCRIBE.unpack_from(b, 0)
+    if flags:
+        raise SchemaError("%s: flags %#x" % (what, flags))
+    if n > MAX_DESCRIBE_BLOCKS:
+        raise SchemaError("%s: %d runs, at most %d blocks per record" % (what, n, MAX_DESCRIBE_BLOCKS))
+    mv = _view(b)
+    off, total, runs = 8, 0, []
+    for i in range(n):
+        _need(what, b, off, 16)
+        blocks, t, e, f = _DESCRIBE_RUN.unpack_from(b, off)
+        off += 16
+        if blocks == 0:
+            raise SchemaError("%s: run %d has no blocks" % (what, i))
+        total += blocks
+        if total > MAX_DESCRIBE_BLOCKS:
+            raise SchemaError("%s: more than %d blocks" % (what, MAX_DESCRIBE_BLOCKS))
+        if not 1 <= t <= MAX_DESCRIBE_TOKENS:
+            raise SchemaError("%s: run %d: %d tokens per block" % (what, i, t))
+        if e > MAX_DESCRIBE_EXTRA:
+            raise SchemaError("%s: run %d: %d extra bytes" % (what, i, e))
+        if f & ~DESCRIBE_FLAG_PARENT:
+            raise SchemaError("%s: run %d: flags %#x" % (what, i, f))
+        parent = None
+        if f & DESCRIBE_FLAG_PARENT:
+            _need(what, b, off, width)
+            parent = bytes(mv[off : off + width])
+            off += width
+        size = blocks * width + 4 * blocks * t + e
+        _need(what, b, off, size)
+        d = bytes(mv[off : off + blocks * width])
+        off += blocks * width
+        tk = bytes(mv[off : off + 4 * blocks * t])
+        off += 4 * blocks * t
+        x = bytes(mv[off : off + e])
+        off += e
+        runs.append(DescribeRun(parent, d, t, tk, x))
+    _done(what, b, off)
+    return tuple(runs)
+
+
+class Event(NamedTuple):
+    """One entry of an EventsReply. tokens: u32 token ids, little-endian
+    bytes (token_ids() lists them); removed events carry the digest alone."""
+
+    op: int
+    digest: bytes
+    parent: Optional[bytes]
+    tokens: bytes
+    extra: bytes
+
+    def token_ids(self) -> list[int]:
+        return _tokens_list(self.tokens)
+
+
+def _tokens_list(b) -> list[int]:
+    if _NATIVE_U32:
+        return memoryview(b).cast("I").tolist() if len(b) else []
+    return list(struct.unpack("<%dI" % (len(b) // 4), b))
+
+
+def encode_event(op: int, digest, parent=None, tokens=b"", extra=b"") -> bytes:
+    """One EventsReply entry."""
+    return (
+        _EVENT_HEAD.pack(op, DESCRIBE_FLAG_PARENT if parent is not None else 0, len(tokens) // 4, len(extra))
+        + bytes(digest)
+        + (bytes(parent) if parent is not None else b"")
+        + bytes(tokens)
+        + bytes(extra)
+    )
+
+
+class EventsReply(NamedTuple):
+    """Answers Events ((epoch, seq): the cursor to send next; resync: rebuild
+    from EventSnapshot) and EventSnapshot ((epoch, seq): the event log's
+    head when the page was read; next: the from_pos of the next page; done:
+    no more pages). entries: count self-describing events; see events()."""
+
+    status: int
+    resync: bool
+    done: bool
+    epoch: int
+    seq: int
+    next: int
+    width: int
+    count: int
+    entries: bytes
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, "")
+
+    def events(self) -> Iterator[Event]:
+        yield from _iter_events(self.entries, 0, self.count, self.width)
+
+
+def _iter_events(b, off: int, n: int, width: int) -> Iterator[Event]:
+    mv = _view(b)
+    for _ in range(n):
+        op, f, t, x = _EVENT_HEAD.unpack_from(b, off)
+        off += 8
+        d = bytes(mv[off : off + width])
+        off += width
+        p = None
+        if f & DESCRIBE_FLAG_PARENT:
+            p = bytes(mv[off : off + width])
+            off += width
+        tk = bytes(mv[off : off + 4 * t])
+        off += 4 * t
+        ex = bytes(mv[off : off + x])
+        off += x
+        yield Event(op, d, p, tk, ex)
+
+
+def encode_events_reply(
+    status: int,
+    resync: bool,
+    done: bool,
+    epoch: int,
+    seq: int,
+    next: int,  # noqa: A002
+    width: int,
+    count: int = 0,
+    entries=b"",
+) -> bytes:
+    flags = (EVENTS_FLAG_RESYNC if resync else 0) | (EVENTS_FLAG_DONE if done else 0)
+    try:
+        return _EVENTS_REPLY.pack(status, flags, epoch, seq, next, count, width) + bytes(entries)
+    except struct.error as e:
+        raise SchemaError("events reply: %s" % e) from None
+
+
+def check_events(b, off: int, n: int, width: int) -> int:
+    """Check n entries of width-byte digests from offset off; returns the
+    offset past them (raises SchemaError as the Go decoder fails)."""
+    what = "events reply"
+    for _ in range(n):
+        _need(what, b, off, 8)
+        op, f, t, x = _EVENT_HEAD.unpack_from(b, off)
+        if op not in (EVENT_STORED, EVENT_REMOVED):
+            raise SchemaError("%s: event op %d" % (what, op))
+        if f & ~DESCRIBE_FLAG_PARENT:
+            raise SchemaError("%s: event flags %#x" % (what, f))
+        if t > MAX_DESCRIBE_TOKENS or x > MAX_DESCRIBE_EXTRA:
+            raise SchemaError("%s: event with %d tokens and %d extra bytes" % (what, t, x))
+        if op == EVENT_REMOVED and (f or t or x):
+            raise SchemaError("%s: a removed event carries its digest alone" % what)
+        size = 8 + width + (width if f else 0) + 4 * t + x
+        _need(what, b, off, size)
+        off += size
+    return off
+
+
+def decode_events_reply(b) -> EventsReply:
+    what = "events reply"
+    _need(what, b, 0, 40)
+    status, flags, epoch, seq, nxt, n, width = _EVENTS_REPLY.unpack_from(b, 0)
+    if width not in DIGEST_WIDTHS:
+        raise SchemaError("%s: digest width %d" % (what, width))
+    if n > MAX_EVENTS_PER_REPLY:
+        raise SchemaError("%s: %d entries, at most %d" % (what, n, MAX_EVENTS_PER_REPLY))
+    end = check_events(b, 40, n, width)
+    _done(what, b, end)
+    return EventsReply(
+        status,
+        bool(flags & EVENTS_FLAG_RESYNC),
+        bool(flags & EVENTS_FLAG_DONE),
+        epoch,
+        seq,
+        nxt,
+        width,
+        n,
+        bytes(_view(b)[40:end]),
+    )
+
+
 # Which decoder reads the reply to each request type.
 REPLY_DECODERS = {
     TYPE_PUT_HASHES: decode_reply,
@@ -974,6 +1234,9 @@ REPLY_DECODERS = {
     TYPE_DETACH: decode_reply,
     TYPE_PING: decode_reply,
     TYPE_SNAPSHOT: decode_snapshot_reply,
+    TYPE_DESCRIBE: decode_reply,
+    TYPE_EVENTS: decode_events_reply,
+    TYPE_EVENT_SNAPSHOT: decode_events_reply,
 }
 
 

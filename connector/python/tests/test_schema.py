@@ -166,6 +166,60 @@ CODECS = {
     ),
 }
 
+
+def _runs(f):
+    return tuple(
+        S.DescribeRun(
+            _hex(r["parent"]) if "parent" in r else None,
+            _hex(r["digests"]),
+            r["tokens_per_block"],
+            _hex(r["tokens"]),
+            _hex(r["extra"]),
+        )
+        for r in f["runs"]
+    )
+
+
+def _events(f):
+    return b"".join(
+        S.encode_event(
+            e["op"],
+            _hex(e["digest"]),
+            _hex(e["parent"]) if "parent" in e else None,
+            _hex(e["tokens"]),
+            _hex(e["extra"]),
+        )
+        for e in f["entries"]
+    )
+
+
+def _events_reply(f):
+    return (
+        f["status"],
+        f["resync"],
+        f["done"],
+        f["epoch"],
+        f["seq"],
+        f["next"],
+        f["width"],
+        len(f["entries"]),
+        _events(f),
+    )
+
+
+CODECS["Describe"] = (
+    lambda f, v: S.encode_describe(_runs(f), v["digest_width"]),
+    lambda b, v: S.decode_describe(b, v["digest_width"]),
+    lambda f, v: _runs(f),
+    None,
+)
+CODECS["EventsReply"] = (
+    lambda f, v: S.encode_events_reply(*_events_reply(f)),
+    lambda b, v: S.decode_events_reply(b),
+    lambda f, v: S.EventsReply(*_events_reply(f)),
+    None,
+)
+
 IDS = [v["name"] for v in VECTORS]
 
 
@@ -217,6 +271,7 @@ def test_record_type(v):
                 "StoreReply": "store_reply",
                 "ChangesReply": "changes_reply",
                 "SnapshotReply": "snapshot_reply",
+                "EventsReply": "events_reply",
             }[v["message"]]
         )
 
@@ -613,15 +668,18 @@ def test_names():
         "Detach",
         "Ping",
         "Snapshot",
+        "Describe",
+        "Events",
+        "EventSnapshot",
     ]
     for t, n in enumerate(names, 1):
         assert S.type_name(t) == n
         assert S.type_name(t | S.REPLY_BIT) == n + "Reply"
     assert S.type_name(0) == "type(0x0)"
-    assert S.type_name(0x0E) == "type(0xe)"
-    assert S.type_name(0x800E) == "type(0x800e)"
+    assert S.type_name(0x11) == "type(0x11)"
+    assert S.type_name(0x8011) == "type(0x8011)"
     assert S.type_name(0xFFFF) == "type(0xffff)"
-    assert set(S.REPLY_DECODERS) == set(range(1, 14))
+    assert set(S.REPLY_DECODERS) == set(range(1, 17))
     assert S.TYPE_SNAPSHOT == 0x0D and S.SNAPSHOT_FLAG_DONE == 1 and S.MAX_SNAPSHOT_PER_REPLY == 4096
 
 
@@ -651,6 +709,8 @@ def test_garbage_never_crashes():
         S.decode_changes_reply,
         S.decode_snapshot,
         S.decode_snapshot_reply,
+        S.decode_events_reply,
+        lambda b: S.decode_describe(b, 16),
         lambda b: S.decode_put_hashes(b, 8),
         lambda b: S.decode_put_hashes(b, 32),
     ]
@@ -670,3 +730,29 @@ def test_garbage_never_crashes():
                 d(bytes(b))
             except S.SchemaError:
                 pass
+
+
+def test_events_reply_events():
+    v = next(v for v in VECTORS if v["name"] == "EventsReply/w8")
+    m = S.decode_events_reply(_hex(v["hex"]))
+    es = list(m.events())
+    assert [e.op for e in es] == [S.EVENT_STORED, S.EVENT_STORED, S.EVENT_REMOVED]
+    assert es[0].parent is None and len(es[0].token_ids()) == 2 and es[0].token_ids()[0] == 0x23222120
+    assert es[1].parent == es[0].digest and es[1].extra == b"x"
+    assert es[2].tokens == b"" and es[2].token_ids() == []
+    assert m.err() is None and S.EventsReply(12, False, False, 0, 0, 0, 16, 0, b"").err().status == 12
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [S.DescribeRun(None, b"", 1, b"")],  # no blocks
+        [S.DescribeRun(None, bytes(16), 0, b"")],  # no tokens
+        [S.DescribeRun(None, bytes(16), 1, bytes(8))],  # token bytes
+        [S.DescribeRun(bytes(8), bytes(16), 1, bytes(4))],  # parent width
+        [S.DescribeRun(None, bytes(16), 1, bytes(4), bytes(S.MAX_DESCRIBE_EXTRA + 1))],
+    ],
+)
+def test_describe_encoder_refuses(runs):
+    with pytest.raises(S.SchemaError):
+        S.encode_describe(runs, 16)

@@ -213,6 +213,12 @@ def test_digest_widths_are_the_go_ones():
         for w in range(256)
         if _accepts(lambda w=w: S.decode_snapshot_reply(struct.pack("<IIQQQIB3x", 0, 0, 0, 0, 0, 0, w)))
     ] == want
+    assert [
+        w
+        for w in range(256)
+        if _accepts(lambda w=w: S.decode_events_reply(struct.pack("<IIQQQIB3x", 0, 0, 0, 0, 0, 0, w)))
+    ] == want
+    assert [w for w in range(256) if _accepts(lambda w=w: S.decode_describe(bytes(8), w))] == want
 
 
 def test_region_kinds_are_the_go_ones():
@@ -292,6 +298,37 @@ def _probe_world(n):
     ]
 
 
+def _probe_describe_blocks(n):
+    raw = struct.pack("<IIIHHB7x", 1, 0, n, 1, 0, 0) + bytes(n * 8 + 4 * n)
+    run = [S.DescribeRun(None, bytes(8 * n), 1, bytes(4 * n))]
+    return [lambda: S.decode_describe(raw, 8), lambda: S.encode_describe(run, 8)]
+
+
+def _probe_describe_tokens(n):
+    raw = struct.pack("<IIIHHB7x", 1, 0, 1, n, 0, 0) + bytes(8 + 4 * n)
+    ev = struct.pack("<IIQQQIB3x", 0, 0, 1, 2, 0, 1, 8) + S.encode_event(S.EVENT_STORED, bytes(8), None, bytes(4 * n))
+    run = [S.DescribeRun(None, bytes(8), n, bytes(4 * n))]
+    return [lambda: S.decode_describe(raw, 8), lambda: S.encode_describe(run, 8), lambda: S.decode_events_reply(ev)]
+
+
+def _probe_describe_extra(n):
+    raw = struct.pack("<IIIHHB7x", 1, 0, 1, 1, n, 0) + bytes(8 + 4 + n)
+    ev = struct.pack("<IIQQQIB3x", 0, 0, 1, 2, 0, 1, 8) + S.encode_event(
+        S.EVENT_STORED, bytes(8), None, bytes(4), bytes(n)
+    )
+    run = [S.DescribeRun(None, bytes(8), 1, bytes(4), bytes(n))]
+    return [lambda: S.decode_describe(raw, 8), lambda: S.encode_describe(run, 8), lambda: S.decode_events_reply(ev)]
+
+
+def _probe_events(n):
+    return [
+        lambda w=w: S.decode_events_reply(
+            struct.pack("<IIQQQIB3x", 0, 0, 1, 2, 3, n, w) + S.encode_event(S.EVENT_REMOVED, bytes(w)) * n
+        )
+        for w in S.DIGEST_WIDTHS
+    ]
+
+
 # One probe per Go limit: a new Max* constant in Go needs one here.
 LIMIT_PROBES = {
     "MaxHashesPerRecord": _probe_hashes,
@@ -301,6 +338,10 @@ LIMIT_PROBES = {
     "MaxChangesPerReply": _probe_changes,
     "MaxSnapshotPerReply": _probe_snapshot,
     "MaxWorldSize": _probe_world,
+    "MaxDescribeBlocks": _probe_describe_blocks,
+    "MaxDescribeTokens": _probe_describe_tokens,
+    "MaxDescribeExtra": _probe_describe_extra,
+    "MaxEventsPerReply": _probe_events,
 }
 
 
@@ -331,10 +372,19 @@ def test_schema_sizes_are_what_python_encodes():
     assert len(one) - len(none) == go("schema", "SegmentSize")
     assert len(S.encode_change(S.OP_STORED, bytes(16))) - 16 == go("schema", "ChangeHeaderSize")
     assert len(S.encode_cuda_ipc_extra(bytes(64), bytes(16), 7)) == go("schema", "CUDAIPCExtraSize")
+    assert len(S.describe_run_header(1, 1, 0, False)) == go("schema", "DescribeRunHeaderSize")
+    assert len(S.encode_event(S.EVENT_REMOVED, bytes(8))) - 8 == go("schema", "EventHeaderSize")
+    assert len(S.encode_events_reply(0, False, False, 1, 2, 3, 8)) == go("schema", "EventsReplyHeaderSize")
     sizes = {c["name"] for c in SCHEMA_CONSTS if c["name"].endswith("Size") and not c["name"].startswith("Max")}
-    assert sizes == {"ViewSize", "SegmentSize", "ChangeHeaderSize", "CUDAIPCExtraSize"}, (
-        "a Go size without a check here"
-    )
+    assert sizes == {
+        "ViewSize",
+        "SegmentSize",
+        "ChangeHeaderSize",
+        "CUDAIPCExtraSize",
+        "DescribeRunHeaderSize",
+        "EventHeaderSize",
+        "EventsReplyHeaderSize",
+    }, "a Go size without a check here"
 
 
 def test_schema_flags_and_magics_are_what_python_encodes():
@@ -346,6 +396,12 @@ def test_schema_flags_and_magics_are_what_python_encodes():
     cr = S.encode_changes_reply(0, True, 1, 2, 8)
     assert struct.unpack_from("<4xI", cr)[0] == go("schema", "ChangesFlagResync")
     assert S.decode_changes_reply(cr).resync
+    er = S.encode_events_reply(0, True, False, 1, 2, 0, 8)
+    assert struct.unpack_from("<4xI", er)[0] == go("schema", "EventsFlagResync") and S.decode_events_reply(er).resync
+    er = S.encode_events_reply(0, False, True, 1, 2, 3, 8)
+    assert struct.unpack_from("<4xI", er)[0] == go("schema", "EventsFlagDone") and S.decode_events_reply(er).done
+    run = S.encode_describe([S.DescribeRun(bytes(8), bytes(8), 1, bytes(4))], 8)
+    assert run[16] == go("schema", "DescribeFlagParent")
     sr = S.encode_snapshot_reply(0, True, 1, 2, 3, 8)
     assert struct.unpack_from("<4xI", sr)[0] == go("schema", "SnapshotFlagDone")
     flags = go("schema", "FlagAppend") | go("schema", "FlagLookup")

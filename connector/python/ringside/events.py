@@ -1,0 +1,248 @@
+"""The sidecar's tier as KV events: what an engine's event stream must say.
+
+A :class:`EventFeed` follows one namespace's event log in the sidecar
+(docs/protocol.md, sections 5.12, 5.13 and 11.1): it copies the present,
+described blocks once (EventSnapshot pages), then reads the log (Events)
+from the first page's cursor, one request a call of :meth:`EventFeed.pump`,
+published without waking the sidecar and collected the next call, as
+:class:`ringside.mirror.Mirror` follows the change log.
+
+It keeps the set of blocks it has announced, so that the stream it feeds
+says each block once: a block is announced (``stored``) when the sidecar
+holds it, described, and the feed has not announced it; it is withdrawn
+(``removed``) when the sidecar drops it, or when a new session (a sidecar
+restart, a re-attach) finds the sidecar without it. An engine that starts
+(or starts again) with an empty set announces every described block the
+sidecar holds. What the engine makes of these (vLLM's BlockStored and
+BlockRemoved with medium CPU) is the engine plugin's (ringside.vllm.events).
+
+Costs: one request in flight at most; per call, work proportional to the
+events read. Memory: the announced digests (one bytes object each).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from . import schema as _s
+
+logger = logging.getLogger("ringside.events")
+
+_monotonic = time.monotonic
+_clock_ns = time.perf_counter_ns
+_HEAD = _s._EVENTS_REPLY
+_EV = _s._EVENT_HEAD
+
+# Entries asked for per Events poll; a reply with fewer has caught up.
+EVENTS_PER_POLL = 1024
+
+
+class EventFeed:
+    """The announced blocks of one namespace (see the module doc).
+
+    ``emit_stored(digest, parent, tokens, extra)`` is called for each block
+    to announce (tokens: u32 token ids as little-endian bytes; parent None
+    for a chain's first block), ``emit_removed(digest)`` for each to
+    withdraw; both from inside :meth:`pump`.
+
+    States: OFF (not started, or turned off: the sidecar does not know the
+    event records, or the namespace holds more than max_blocks), SYNC
+    (snapshot pages in flight), LIVE (following the log).
+    """
+
+    OFF, SYNC, LIVE = range(3)
+    STATE_NAMES = ("off", "sync", "live")
+
+    def __init__(
+        self,
+        emit_stored: Callable[[bytes, Optional[bytes], bytes, bytes], None],
+        emit_removed: Callable[[bytes], None],
+        width: int = 32,
+        max_blocks: int = 4_000_000,
+        timeout: float = 2.0,
+        page_max: int = 0,
+    ):
+        self.emit_stored = emit_stored
+        self.emit_removed = emit_removed
+        self.width = width
+        self.max_blocks = max_blocks
+        self.timeout = timeout
+        self.page_max = page_max
+        self.announced: set = set()
+        self.state = EventFeed.OFF
+        self.disabled = ""
+        self._session = None
+        self._pending = 0
+        self._pending_t = 0.0
+        self._from = 0
+        self._c0: Optional[tuple[int, int]] = None
+        self._seen: set = set()  # digests the snapshot found (SYNC)
+        self._epoch = 0
+        self._seq = 0
+        self.sent_t = -1e9
+        self.caught_up = False  # the last poll read the log's head
+        self.stats = {
+            "syncs": 0,
+            "resyncs": 0,
+            "pages": 0,
+            "polls": 0,
+            "stored": 0,
+            "removed": 0,
+            "lost_replies": 0,
+        }
+
+    # ------------------------------------------------------------------
+
+    def _restart(self) -> None:
+        self.state = EventFeed.SYNC
+        self._from = 0
+        self._c0 = None
+        self._seen = set()
+        self._pending = 0
+        self.caught_up = False
+        self.stats["syncs"] += 1
+
+    def _off(self, why: str) -> None:
+        if not self.disabled:
+            logger.warning("ringside: KV events of the sidecar's tier off for this session (%s)", why)
+        self.disabled = why
+        self.state = EventFeed.OFF
+
+    def pump(self, s, budget_ns: int = 0, wake: bool = False) -> None:
+        """Advance on session s: collect the reply in flight if it has
+        arrived (waiting at most budget_ns for replies in all), apply it
+        (emitting what it announces or withdraws), and send the next
+        request. A new session starts a new snapshot. Raises RingsideError /
+        SchemaError like any session call."""
+        if s is not self._session:
+            self._session = s
+            self.disabled = ""
+            self._restart()
+        if self.disabled:
+            return
+        end = _clock_ns() + budget_ns
+        while True:
+            if self._pending:
+                p = s.try_reply(self._pending)
+                if p is None:
+                    left = end - _clock_ns()
+                    if left > 0:
+                        p = s.await_reply(self._pending, timeout=left / 1e9, keep=True)
+                    if p is None:
+                        if _monotonic() - self._pending_t < self.timeout:
+                            return
+                        s.forget(self._pending)  # no answer: ask again (cursor-based)
+                        self._pending = 0
+                        self.stats["lost_replies"] += 1
+                if p is not None:
+                    self._pending = 0
+                    polled = self._apply(p)
+                    if self.disabled or (polled and self.state == EventFeed.LIVE):
+                        return  # one poll a call once live
+            if self.state == EventFeed.SYNC:
+                typ, payload = _s.TYPE_EVENT_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
+            else:
+                typ, payload = _s.TYPE_EVENTS, _s.encode_changes(self._epoch, self._seq, EVENTS_PER_POLL)
+                self.stats["polls"] += 1
+            waiting = _clock_ns() < end
+            self._pending = s.submit(typ, payload, wake=wake or waiting)
+            self._pending_t = self.sent_t = _monotonic()
+            if not waiting:
+                return
+
+    def withdraw_all(self) -> None:
+        """Withdraw every announced block (the engine shuts its tier off)."""
+        for d in self.announced:
+            self.emit_removed(d)
+        self.stats["removed"] += len(self.announced)
+        self.announced = set()
+
+    # ------------------------------------------------------------------
+
+    def _apply(self, p) -> bool:
+        """Apply one reply; True if it was a poll (live)."""
+        status = _s.reply_status(p)
+        if status:
+            if status == _s.Status.UNKNOWN_TYPE:
+                self._off("the sidecar does not know the event records")
+                return False
+            if self.state == EventFeed.SYNC:
+                self._off("event snapshot refused, status %d" % status)
+                return False
+            raise _s.SchemaError("Events refused: status %d" % status)
+        if len(p) < 40:
+            raise _s.SchemaError("events reply of %d bytes" % len(p))
+        _, flags, epoch, seq, nxt, n, w = _HEAD.unpack_from(p, 0)
+        if w != self.width or n > _s.MAX_EVENTS_PER_REPLY:
+            raise _s.SchemaError("events reply: %d entries of %d-byte digests (want %d)" % (n, w, self.width))
+        end = _s.check_events(p, 40, n, w)
+        if end != len(p):
+            raise _s.SchemaError("events reply: %d trailing bytes" % (len(p) - end))
+        if self.state == EventFeed.SYNC:
+            self.stats["pages"] += 1
+            if self._c0 is None:
+                self._c0 = (epoch, seq)
+            self._read(p, n, w, sync=True)
+            if flags & _s.EVENTS_FLAG_DONE:
+                self._finish_sync()
+            else:
+                self._from = nxt
+            return False
+        if flags & _s.EVENTS_FLAG_RESYNC:
+            self.stats["resyncs"] += 1
+            self._restart()
+            return False
+        self._read(p, n, w, sync=False)
+        self._epoch, self._seq = epoch, seq
+        self.caught_up = n < EVENTS_PER_POLL
+        return True
+
+    def _read(self, p, n: int, w: int, sync: bool) -> None:
+        mv = memoryview(p)
+        ann = self.announced
+        off = 40
+        stored = removed = 0
+        for _ in range(n):
+            op, f, t, x = _EV.unpack_from(p, off)
+            off += 8
+            d = bytes(mv[off : off + w])
+            off += w
+            parent = None
+            if f:
+                parent = bytes(mv[off : off + w])
+                off += w
+            if op == _s.EVENT_STORED:
+                tk = mv[off : off + 4 * t]
+                off += 4 * t
+                extra = bytes(mv[off : off + x])
+                off += x
+                if sync:
+                    self._seen.add(d)
+                if d not in ann:
+                    if len(ann) >= self.max_blocks:
+                        self._off("the namespace holds more than %d described blocks" % self.max_blocks)
+                        return
+                    ann.add(d)
+                    self.emit_stored(d, parent, tk, extra)
+                    stored += 1
+            elif d in ann:
+                ann.discard(d)
+                self.emit_removed(d)
+                removed += 1
+        self.stats["stored"] += stored
+        self.stats["removed"] += removed
+
+    def _finish_sync(self) -> None:
+        # Blocks announced before (an earlier session's) that the sidecar no
+        # longer holds are withdrawn; the log from the first page's cursor
+        # then corrects whatever changed while the pages were read.
+        gone = self.announced - self._seen
+        for d in gone:
+            self.emit_removed(d)
+        self.stats["removed"] += len(gone)
+        self.announced -= gone
+        self._seen = set()
+        self._epoch, self._seq = self._c0 if self._c0 is not None else (0, 0)
+        self.state = EventFeed.LIVE
