@@ -234,6 +234,21 @@ class Config:
     stats_every: int = _key(
         50, INTEGER, "Steps between two writes of stats_path.", unit="steps", plugins=(VLLM,), minimum=1
     )
+    kv_events: Union[str, bool] = _key(
+        "auto",
+        AUTO_BOOLEAN,
+        "Announce the sidecar's blocks in vLLM's own KV event stream (medium CPU, docs/architecture.md); "
+        '"auto": when --kv-events-config enables KV cache events.',
+        plugins=(VLLM,),
+    )
+    kv_events_poll_ms: float = _key(
+        20.0,
+        NUMBER,
+        "The sidecar's event log is polled at the end of a step at most this often.",
+        unit="milliseconds",
+        plugins=(VLLM,),
+        minimum=0,
+    )
     # -- SGLang --------------------------------------------------------------
     model: str = _key("", STRING, "Model name of the namespace; empty: SGLang's model_name.", plugins=(SGLANG,))
     max_batches: int = _key(

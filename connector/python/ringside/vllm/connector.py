@@ -35,6 +35,7 @@ except ImportError:  # vLLM without failed_recving
 
 from ..plugin.config import VLLM, Config
 from ..plugin.stats import counters
+from . import events as kv_events
 from .engine import hash_seed_warning, namespace, tp_rank
 from .groups import layout_of
 from .metadata import RingsideConnectorMetadata
@@ -108,9 +109,11 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
             if warn:
                 logger.warning("ringside: %s", warn)
             speculative = getattr(vllm_config, "speculative_config", None) is not None
-            self.connector_scheduler = SchedulerSide(
-                cfg, attach, int(vllm_config.cache_config.block_size), speculative, groups
-            )
+            bs = int(vllm_config.cache_config.block_size)
+            events = None
+            if kv_events.enabled(cfg, vllm_config):  # the sidecar's tier in vLLM's KV event stream
+                events = kv_events.KVEvents(cfg, bs, kv_cache_config, groups)
+            self.connector_scheduler = SchedulerSide(cfg, attach, bs, speculative, groups, events)
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)

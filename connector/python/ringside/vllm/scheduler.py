@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .. import schema as _s
 from ..client import RingsideError
+from ..events import EventFeed
 from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
@@ -75,13 +76,22 @@ COUNTERS = (
     "group_cut_hits",
     "load_blocks_full",
     "load_blocks_window",
+    "described_blocks",
 )
 
 
 class SchedulerSide:
     """Implementation of the scheduler-side connector methods."""
 
-    def __init__(self, cfg: Config, attach: dict, block_size: int, speculative: bool, layout: Optional[Layout] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        attach: dict,
+        block_size: int,
+        speculative: bool,
+        layout: Optional[Layout] = None,
+        events: Any = None,
+    ):
         self.cfg = cfg
         self.block_size = block_size
         self.layout = layout = layout or Layout.single(block_size)
@@ -109,6 +119,12 @@ class SchedulerSide:
         self._saves_exposed = False  # a request with stores in flight finished (see wait_saves)
         if self.index is not None:
             self.index.start(self.link.get(), cfg.timeout)
+        # The sidecar's tier in vLLM's KV event stream (events.py), or None.
+        self.events = events
+        if events is not None:
+            events.stats = self.stats
+            self.planner.runs = []
+            events.start(self.link.get(), self.faults)
 
     # -- admission -------------------------------------------------------------
 
@@ -187,6 +203,14 @@ class SchedulerSide:
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
+        if planner.runs:
+            if s is not None:
+                try:
+                    self.events.describe(s, planner.runs, s.max_payload)
+                except SIDECAR_ERRORS as e:
+                    self.faults.fail(e, "describe")
+                    s = None
+            planner.runs.clear()
         if loads.waiting or loads.abandoned:
             loads.collect(meta, s)
         if loads.orphans:
@@ -208,6 +232,8 @@ class SchedulerSide:
         # vLLM calls this once a step, after the step's output.
         if self.index is not None:
             self.index.after_step(self.link.session)
+        if self.events is not None:
+            return self.events.take_events(self.link.session, self.faults)
         return ()
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -257,3 +283,7 @@ class SchedulerSide:
     def _add_stats(self, stats: dict) -> None:
         if self.index is not None:
             self.index.add_stats(stats)
+        if self.events is not None:
+            for k, v in self.events.feed.stats.items():
+                stats["events_" + k] = v
+            stats["events_state"] = EventFeed.STATE_NAMES[self.events.feed.state]

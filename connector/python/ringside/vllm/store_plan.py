@@ -48,6 +48,12 @@ class StorePlanner:
         # planned, each with its own cursor and digests; null blocks (vLLM's
         # padding outside a sliding window) are never stored.
         self.groups = layout.groups if layout is not None and not layout.plain else None
+        # KV events' group (events.lead_group): full attention, vLLM's hashes,
+        # no null blocks, so its stored blocks are one contiguous run.
+        self.lead = next(
+            (g for g in self.groups or () if g.kind == "full" and not g.mask and g.ratio == 1),
+            None,
+        )
         self.group_tables: Any = False  # per group, the manager's request -> blocks table (like req_to_blocks)
         self.null_id = 0  # vLLM's null block
         self.every_step = every_step  # speculative decoding: check every scheduled request
@@ -58,6 +64,9 @@ class StorePlanner:
         # False while not known yet (the scheduler side sets it).
         self.req_to_blocks: Any = False
         self.mine: Optional[set] = None  # where the step's digests are noted (the local index's own stores)
+        # The step's runs (request, first block, end block) for KV events'
+        # descriptions (events.py), None when events are off.
+        self.runs: Optional[list] = None
         self._watch: set[str] = set()
         self._due: dict[int, list[str]] = {}
         self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
@@ -149,6 +158,8 @@ class StorePlanner:
                     meta.store_digests.append(b"".join(hashes[a:full]))
                     if mine is not None:
                         mine.update(hashes[a:full])
+                if self.runs is not None:
+                    self.runs.append((req, a, full))
                 r.stored = full
                 r.store_step = self.step
         if self.every_step:
@@ -219,6 +230,8 @@ class StorePlanner:
                     if mine is not None:
                         mine.update(digs)
                     r.store_step = self.step
+                    if self.runs is not None and g is self.lead:  # KV events describe the lead group
+                        self.runs.append((req, ids[0][0], ids[-1][0] + 1))
                 if full > a:
                     cur[j] = a = full
             if a < done // bs:

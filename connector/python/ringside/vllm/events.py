@@ -1,0 +1,231 @@
+"""The sidecar's tier in vLLM's own KV event stream (docs/architecture.md,
+"KV events for routers").
+
+Two halves, both on the scheduler side:
+
+- :meth:`KVEvents.describe` sends, with the step's planned stores, a
+  Describe record of their blocks: each run's parent digest (the block
+  before it in the request's chain), the token ids, and the LoRA adapter.
+  The sidecar keeps them as long as the blocks (protocol.md, section 5.11).
+- :meth:`KVEvents.take_events` (the connector's take_events hook, called by
+  vLLM once a step after its output) follows the sidecar's event log with a
+  :class:`ringside.events.EventFeed` and returns vLLM's own
+  ``BlockStored`` / ``BlockRemoved`` objects for the CPU tier, which vLLM
+  publishes in the same batch, ZMQ stream and replay buffer as its GPU
+  events. Never ``AllBlocksCleared``: that clears every tier of the pod.
+
+The events are filled the way vLLM's own offloading connector fills
+self-describing CPU-tier events (vllm/distributed/kv_transfer/kv_connector/
+v1/offloading/events.py): hashes converted with ``maybe_convert_block_hash``
+(so a router sees the block of the GPU event move between tiers, not a
+second block), the parent hash, the block's token ids, ``block_size``,
+``lora_id`` / ``lora_name``, ``extra_keys=None``, the group's index and
+cache-spec kind and sliding window, ``medium="CPU"``, ``locality`` and
+``ownership`` None. They cover every block the sidecar holds in this
+namespace, whichever engine stored it; an engine that starts (again)
+announces them all.
+
+The extra bytes of a description are vLLM's: empty without a LoRA adapter,
+else the adapter id (i64, little-endian) and its name (UTF-8).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from array import array
+from typing import Any, Optional
+
+from .. import schema as _s
+from ..events import EventFeed
+from ..plugin.faults import SIDECAR_ERRORS
+
+logger = logging.getLogger("ringside.vllm")
+
+_monotonic = time.monotonic
+_I64 = struct.Struct("<q")
+_RUN = _s._DESCRIBE_RUN
+_DESC = _s._DESCRIBE
+_PARENT = _s.DESCRIBE_FLAG_PARENT
+_TYPE_DESCRIBE = _s.TYPE_DESCRIBE
+_NATIVE = _s._NATIVE_U32
+
+
+def enabled(cfg: Any, vllm_config: Any) -> bool:
+    """Whether the connector announces the sidecar's tier: kv_events true,
+    or "auto" and vLLM publishes KV cache events."""
+    if cfg.kv_events is True or cfg.kv_events is False:
+        return bool(cfg.kv_events)
+    kec = getattr(vllm_config, "kv_events_config", None)
+    return bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
+
+
+def group_spec(kv_cache_config: Any, gid: int = 0) -> tuple[Optional[str], Optional[int]]:
+    """(kv_cache_spec_kind, kv_cache_spec_sliding_window) of KV cache group
+    gid, as vLLM annotates its GPU events of that group."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+        spec = kv_cache_config.kv_cache_groups[gid].kv_cache_spec
+        return get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
+    except Exception:  # noqa: BLE001 - an older vLLM, or no config: vLLM leaves them None too
+        return None, None
+
+
+def lead_group(layout: Any) -> Any:
+    """The KV cache group whose blocks the events announce: the lead group
+    (full attention, vLLM's hashes as they are, one hash a block), or None
+    when the layout has none (nothing is announced). With several groups
+    only the lead group's blocks are described and announced, under its
+    group_idx: they carry the prefix a router matches (docs/architecture.md,
+    "KV events")."""
+    if layout is None:
+        return None
+    for g in layout.groups:
+        if g.kind == "full" and not g.mask and g.ratio == 1:
+            return g
+    return None
+
+
+def lora_extra(request: Any) -> bytes:
+    """The extra bytes of a request's descriptions (its LoRA adapter)."""
+    lr = getattr(request, "lora_request", None)
+    if lr is None:
+        return b""
+    return (_I64.pack(int(lr.adapter_id)) + str(lr.name).encode("utf-8"))[: _s.MAX_DESCRIBE_EXTRA]
+
+
+class KVEvents:
+    """Describes the step's stores and turns the sidecar's event log into
+    vLLM events (see the module doc)."""
+
+    def __init__(self, cfg: Any, block_size: int, kv_cache_config: Any, layout: Any = None):
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        self._stored_cls, self._removed_cls, self._medium = BlockStored, BlockRemoved, MEDIUM_CPU
+        self._convert = maybe_convert_block_hash
+        lead = lead_group(layout) if layout is not None and not layout.plain else None
+        self.gid = lead.gid if lead is not None else 0
+        self.block_size = lead.block_size if lead is not None else block_size
+        self.kind, self.window = group_spec(kv_cache_config, self.gid)
+        self.stats: dict = {"described_blocks": 0}  # the scheduler side's counters, once bound
+        self.poll_s = cfg.kv_events_poll_ms / 1000.0
+        self.sync_ns = int(cfg.mirror_sync_us * 1000)
+        self.timeout = cfg.timeout
+        self.out: list = []  # events for the next take_events
+        self.feed = EventFeed(self._stored, self._removed, 32, cfg.mirror_max_blocks, cfg.timeout)
+        self._lora: dict = {}  # extra bytes -> (lora_id, lora_name)
+
+    # -- the step's stores ------------------------------------------------------
+
+    def describe(self, s: Any, runs: list, max_payload: int) -> None:
+        """Send the descriptions of runs, (request, first, end) block ranges
+        the planner sent for storing this step, without waking the sidecar
+        (fire and forget: a refusal, e.g. over the metadata bound, only
+        leaves those blocks unannounced). Raises like Session.send."""
+        bs = self.block_size
+        parts: list = []
+        nruns = blocks = 0
+        size = 8
+        send = s.send
+        for req, a, b in runs:
+            hashes = req.block_hashes
+            toks = getattr(req, "_all_token_ids", None)
+            if toks is None:
+                toks = req.all_token_ids
+            n = b - a
+            extra = lora_extra(req) if req.lora_request is not None else b""
+            rsize = 16 + 32 * (n + (a > 0)) + 4 * bs * n + len(extra)
+            if nruns and (size + rsize > max_payload or blocks + n > _s.MAX_DESCRIBE_BLOCKS):
+                parts[0] = _DESC.pack(nruns, 0)
+                send(_TYPE_DESCRIBE, b"".join(parts), wake=False)
+                parts, nruns, blocks, size = [], 0, 0, 8
+            if not parts:
+                parts.append(b"")
+            tk = toks[a * bs : b * bs]
+            tb = array("I", tk).tobytes() if _NATIVE else struct.pack("<%dI" % len(tk), *tk)
+            if a > 0:
+                parts.append(_RUN.pack(n, bs, len(extra), _PARENT))
+                parts.append(hashes[a - 1])
+            else:
+                parts.append(_RUN.pack(n, bs, len(extra), 0))
+            parts.append(hashes[a] if n == 1 else b"".join(hashes[a:b]))
+            parts.append(tb)
+            if extra:
+                parts.append(extra)
+            nruns += 1
+            blocks += n
+            size += rsize
+        if nruns:
+            parts[0] = _DESC.pack(nruns, 0)
+            send(_TYPE_DESCRIBE, b"".join(parts), wake=False)
+            self.stats["described_blocks"] += blocks
+
+    # -- the stream -------------------------------------------------------------
+
+    def start(self, s: Any, faults: Any) -> None:
+        """Read the sidecar's described blocks now, while the engine starts
+        (bounded by the session timeout, 2 s at most): the first step then
+        publishes them."""
+        if s is not None:
+            try:
+                self.feed.pump(s, int(min(self.timeout, 2.0) * 1e9))
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "KV events")
+
+    def take_events(self, s: Any, faults: Any) -> list:
+        """The events of the sidecar's tier since the last call: collect the
+        last poll of its event log and send the next one (no wait, no wake),
+        at most every kv_events_poll_ms; while a snapshot is read (a new
+        session), wait for its pages at most mirror_sync_us a step."""
+        feed = self.feed
+        if s is not None and not (feed.disabled and feed._session is s):
+            try:
+                if feed.state != EventFeed.LIVE or feed._session is not s:
+                    feed.pump(s, self.sync_ns)
+                elif feed._pending or not feed.caught_up or _monotonic() - feed.sent_t >= self.poll_s:
+                    feed.pump(s)
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "KV events")
+        out = self.out
+        if out:
+            self.out = []
+        return out
+
+    def _lora_of(self, extra: bytes) -> tuple:
+        got = self._lora.get(extra)
+        if got is None:
+            if len(extra) >= 8:
+                got = (_I64.unpack_from(extra, 0)[0], extra[8:].decode("utf-8", "replace"))
+            else:
+                got = (None, None)
+            if len(self._lora) < 1024:
+                self._lora[extra] = got
+        return got
+
+    def _stored(self, digest: bytes, parent: Optional[bytes], tokens, extra: bytes) -> None:
+        conv = self._convert
+        ids = tokens.cast("I").tolist() if _NATIVE else list(struct.unpack("<%dI" % (len(tokens) // 4), tokens))
+        lora_id, lora_name = self._lora_of(extra) if extra else (None, None)
+        self.out.append(
+            self._stored_cls(
+                block_hashes=[conv(digest)],
+                parent_block_hash=conv(parent) if parent is not None else None,
+                token_ids=ids,
+                block_size=len(ids),
+                lora_id=lora_id,
+                medium=self._medium,
+                lora_name=lora_name,
+                extra_keys=None,
+                group_idx=self.gid,
+                kv_cache_spec_kind=self.kind,
+                kv_cache_spec_sliding_window=self.window,
+                locality=None,
+                ownership=None,
+            )
+        )
+
+    def _removed(self, digest: bytes) -> None:
+        self.out.append(self._removed_cls(block_hashes=[self._convert(digest)], medium=self._medium, group_idx=self.gid))
