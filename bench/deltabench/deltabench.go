@@ -55,6 +55,47 @@ type Row struct {
 	ModelBytesPerBlock float64 `json:"model_bytes_per_block,omitempty"` // MemoryBytes / cached blocks
 	HeapBytesPerBlock  float64 `json:"heap_bytes_per_block,omitempty"`  // heap growth while building / cached blocks
 	Capacity           int     `json:"capacity,omitempty"`              // slots of the cache
+	// memory_described: what a block's description for KV events adds
+	// (sidecar/cache/meta.go), DescTokens token ids and a parent digest each.
+	DescTokens    int     `json:"desc_tokens,omitempty"`
+	DescCostBytes float64 `json:"desc_cost_bytes,omitempty"` // what the metadata bounds count (cache.DescCost)
+}
+
+// describedBlocks bounds the cache the memory_described row describes
+// (its heap figure needs no more).
+const describedBlocks = 1_000_000
+
+// describedMemory fills a cache of n blocks, describes every one of them
+// as the vLLM connector does (16 token ids and the parent's digest), and
+// reports the heap that the descriptions add per block.
+func describedMemory(n int, cfg *Config) (Row, error) {
+	m, err := build(n, cfg)
+	if err != nil {
+		return Row{}, err
+	}
+	const tokens = 16
+	tk := make([]byte, 4*tokens)
+	var parent [32]byte
+	ds := make([][32]byte, 0, n)
+	m.c.Snapshot(m.ns, func(d []byte) bool { ds = append(ds, [32]byte(d)); return true })
+	before := heapAlloc()
+	for i := range ds {
+		if _, err := m.c.Describe(m.ns, parent[:], ds[i][:], tk, tokens, nil, 1, owner, m.now); err != nil {
+			return Row{}, err
+		}
+		parent = ds[i]
+	}
+	after := heapAlloc()
+	if a, _ := m.c.Descriptions(); a != n {
+		return Row{}, fmt.Errorf("described %d of %d blocks", a, n)
+	}
+	heap := 0.0
+	if after > before {
+		heap = float64(after-before) / float64(n)
+	}
+	runtime.KeepAlive(ds)
+	return Row{Bench: "memory_described", CachedBlocks: n, HeapBytesPerBlock: heap, DescTokens: tokens,
+		DescCostBytes: float64(m.c.DescBytes()) / float64(n), Capacity: m.c.Capacity()}, nil
 }
 
 func (c *Config) defaults() error {
@@ -298,6 +339,15 @@ func Run(cfg Config) ([]Row, error) {
 		runtime.KeepAlive(m)
 		m = nil
 	}
+	n := min(sizes[len(sizes)-1], describedBlocks)
+	if !cfg.Quiet {
+		fmt.Fprintf(cfg.Log, "delta: describing %d blocks (KV events)...\n", n)
+	}
+	d, err := describedMemory(n, &cfg)
+	if err != nil {
+		return rows, err
+	}
+	rows = append(rows, d)
 	return rows, print(cfg, rows)
 }
 
@@ -345,6 +395,10 @@ func print(cfg Config, rows []Row) error {
 		if r.Bench == "memory" {
 			fmt.Fprintf(cfg.Out, "\nmemory: %d cached blocks (capacity %d): %.2f bytes/block (model %.2f = MemoryBytes/blocks, heap growth %.2f)\n",
 				r.CachedBlocks, r.Capacity, r.BytesPerBlock, r.ModelBytesPerBlock, r.HeapBytesPerBlock)
+		}
+		if r.Bench == "memory_described" {
+			fmt.Fprintf(cfg.Out, "memory of a block's description (KV events: %d token ids, a parent digest): +%.2f bytes/block by heap growth at %d blocks (the metadata bounds count %.0f)\n",
+				r.DescTokens, r.HeapBytesPerBlock, r.CachedBlocks, r.DescCostBytes)
 		}
 	}
 	fmt.Fprintln(cfg.Out)

@@ -45,11 +45,18 @@ func TestShape(t *testing.T) {
 			if m["cached_blocks"].(float64) != float64(sizes[len(sizes)-1]) {
 				t.Errorf("memory row for %v blocks, want the largest size", m["cached_blocks"])
 			}
+		case "memory_described":
+			// What a description adds per block, within what the metadata
+			// bounds count for it.
+			h, c := m["heap_bytes_per_block"].(float64), m["desc_cost_bytes"].(float64)
+			if h <= 64 || h > c || m["desc_tokens"].(float64) != 16 {
+				t.Errorf("memory_described row: heap %.1f bytes per description, counted %.1f: %v", h, c, m)
+			}
 		default:
 			t.Errorf("unknown row %v", m)
 		}
 	}
-	if want := 2*len(sizes) + 1; n != want || len(rows) != want {
+	if want := 2*len(sizes) + 2; n != want || len(rows) != want {
 		t.Fatalf("%d JSON rows, %d rows, want %d", n, len(rows), want)
 	}
 	get := func(method string, size int) Row {
