@@ -16,7 +16,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm
+.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events
 
 all: build
 
@@ -52,12 +52,27 @@ SGLANG_VENV ?= $(CURDIR)/.venv-sglang
 sglang-venv:
 	connector/python/scripts/install-sglang.sh $(SGLANG_VENV)
 
+# Dynamo's standalone KV indexer (ai-dynamo from PyPI, CPU) in .venv-dynamo,
+# for the opt-in test of the sidecar's tier in vLLM's KV event stream against
+# a router-side consumer the project did not write.
+DYNAMO_VENV ?= $(CURDIR)/.venv-dynamo
+dynamo-venv:
+	connector/python/scripts/install-dynamo.sh $(DYNAMO_VENV)
+
+# The events end to end (real vLLM, ZMQ publisher and replay, a real sidecar,
+# `ringside events`; minutes on 2 cores); test-dynamo adds Dynamo's indexer.
+test-vllm-events: vllm-venv $(VLLM_VENV)/.ringside-test-deps
+	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/e2e/test_vllm_events_e2e.py
+
+test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
+	RINGSIDE_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/e2e/test_vllm_events_e2e.py
+
 # Python: lint and format check, then the tests: the client, ring and
 # end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
 pytest: ruff $(VLLM_VENV)/.ringside-test-deps
-	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py
-	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py
+	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py
+	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py
 	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
 
 # pytest in the vLLM venv (its lock pins the engine only), once per venv.

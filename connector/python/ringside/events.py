@@ -152,6 +152,16 @@ class EventFeed:
             if not waiting:
                 return
 
+    def forget_all(self) -> None:
+        """The stream's consumers forgot every block (the engine published
+        AllBlocksCleared, which routers apply to every tier of the pod):
+        announce the sidecar's blocks again, from a new snapshot."""
+        if self._pending and self._session is not None:
+            self._session.forget(self._pending)
+        self.announced = set()
+        if self.state != EventFeed.OFF or self.disabled:
+            self._restart()
+
     def withdraw_all(self) -> None:
         """Withdraw every announced block (the engine shuts its tier off)."""
         for d in self.announced:

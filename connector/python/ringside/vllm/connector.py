@@ -147,6 +147,8 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
             self.connector_scheduler.kv_cache_manager = kv_cache_manager
+            if self.connector_scheduler.events is not None:  # re-announce after the engine's AllBlocksCleared
+                self.connector_scheduler.events.watch(kv_cache_manager)
 
     def on_new_request(self, request: "Request") -> None:
         assert self.connector_scheduler is not None

@@ -165,6 +165,31 @@ class KVEvents:
 
     # -- the stream -------------------------------------------------------------
 
+    def watch(self, kv_cache_manager: Any) -> None:
+        """Watch the engine's own events: vLLM publishes AllBlocksCleared when
+        its prefix cache is reset, and routers apply it to every tier of the
+        pod (llm-d, Dynamo), so the sidecar's blocks are then announced again.
+        The manager's take_events is wrapped (vLLM takes them just before the
+        connector's, in the same batch)."""
+        from vllm.distributed.kv_events import AllBlocksCleared
+
+        orig = getattr(kv_cache_manager, "take_events", None)
+        if orig is None or getattr(orig, "_ringside", False):
+            return
+        feed = self.feed
+
+        def take_events():
+            evs = orig()
+            if evs:
+                for e in evs:
+                    if type(e) is AllBlocksCleared:
+                        feed.forget_all()
+                        break
+            return evs
+
+        take_events._ringside = True  # type: ignore[attr-defined]
+        kv_cache_manager.take_events = take_events
+
     def start(self, s: Any, faults: Any) -> None:
         """Read the sidecar's described blocks now, while the engine starts
         (bounded by the session timeout, 2 s at most): the first step then

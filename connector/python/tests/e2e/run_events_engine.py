@@ -15,7 +15,7 @@ unrelated request until the connector's events are published (vLLM takes a
 connector's events only in a step). Then it reads, through a client session
 of its own in the connector's namespace, the blocks the sidecar holds
 (EventSnapshot gives their descriptions, Snapshot their digests) and the
-sidecar's Lookup of the first prompt, asks the replay socket for the whole
+sidecar's Lookup of the last group's first prompt, asks the replay socket for the whole
 stream, writes it all to OUT.json and, with --hold, writes READY and waits
 for DONE (so that the test can run `ringside events` against the live
 publisher) before shutting down.
@@ -189,6 +189,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--capture")
     ap.add_argument("--hold", nargs=2, metavar=("READY", "DONE"))
+    ap.add_argument(
+        "--reset", action="store_true", help="reset vLLM's prefix cache at the end (it publishes AllBlocksCleared)"
+    )
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -230,15 +233,20 @@ def main() -> int:
     first_tokens = None
     for group in groups:
         outs = llm.generate(group, sp, use_tqdm=False)
-        if first_tokens is None and outs:
+        if outs:  # the probe prompt: the last group's first (the most recently stored)
             first_tokens = list(outs[0].prompt_token_ids)
         steps_until_quiet(llm, rec)
     steps_until_quiet(llm, rec)
+    if a.reset:
+        # The engine's GPU prefix cache goes (AllBlocksCleared, which routers
+        # apply to every tier): the connector announces the sidecar's again.
+        assert llm.reset_prefix_cache()
+        steps_until_quiet(llm, rec)
 
     frames = rec.snapshot()
     batches = decode(frames)
     s = probe(conn, a.socket)
-    # The first prompt's digests: vLLM's hashes of its full blocks, from the
+    # The probe prompt's digests: vLLM's hashes of its full blocks, from the
     # request the engine keeps none of: recompute them as vLLM does.
     prompt_digests = []
     if first_tokens is not None:
@@ -259,6 +267,7 @@ def main() -> int:
         "described": described,
         "prompt_external": [maybe_convert_block_hash(d) for d in prompt_digests],
         "prompt_digests": [d.hex() for d in prompt_digests],
+        "prompt_tokens": first_tokens,
         "sidecar_prefix_hits": hits,
         "replay": [[seq, p.hex()] for seq, p in got_replay],
         "live": [[int.from_bytes(f[1], "big"), f[2].hex()] for f in frames],
@@ -278,8 +287,21 @@ def main() -> int:
     if a.hold:
         open(a.hold[0], "w").write("ready\n")
         t0 = time.time()
-        while not os.path.exists(a.hold[1]) and time.time() - t0 < 300:
+        poke = a.hold[1] + ".poke"
+        while not os.path.exists(a.hold[1]) and time.time() - t0 < 600:
+            if os.path.exists(poke):
+                # More live batches, for a subscriber that joined late and
+                # replays only on a gap it sees (Dynamo's indexer): a short
+                # request fills one block; then the sidecar's view again.
+                os.unlink(poke)
+                llm.generate(["Poke: one more block of tokens, please. " * 2], sp, use_tqdm=False)
+                steps_until_quiet(llm, rec)
+                present, described, hits = sidecar_view(s, prompt_digests)
+                json.dump({"sidecar_prefix_hits": hits}, open(poke + ".json.tmp", "w"))
+                os.rename(poke + ".json.tmp", poke + ".json")
             time.sleep(0.05)
+        # The whole stream, the batches published while held too.
+        json.dump({"batches": decode(rec.snapshot())}, open(a.out + ".final", "w"))
     rec.stop = True
     s.close()
     del llm

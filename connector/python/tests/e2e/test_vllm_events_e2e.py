@@ -70,7 +70,7 @@ def ringside_bin(tmp):
     return out
 
 
-def engine(tmp, name, model, sock, groups, tp=1, hold=False, capture=None, ports=None):
+def engine(tmp, name, model, sock, groups, tp=1, hold=False, capture=None, ports=None, reset=False):
     prompts = os.path.join(tmp, name + ".prompts.json")
     json.dump(groups, open(prompts, "w"))
     out = os.path.join(tmp, name + ".json")
@@ -95,6 +95,8 @@ def engine(tmp, name, model, sock, groups, tp=1, hold=False, capture=None, ports
     ]
     if capture:
         cmd += ["--capture", capture]
+    if reset:
+        cmd += ["--reset"]
     ready, done = os.path.join(tmp, name + ".ready"), os.path.join(tmp, name + ".done")
     if hold:
         cmd += ["--hold", ready, done]
@@ -116,14 +118,20 @@ def wait_file(path, p, log, timeout=900):
         time.sleep(0.2)
 
 
-def per_block(events, medium):
+def per_block(events, medium, keep_removed=False):
     """{hash: (parent, token ids)} of the stored blocks of one tier, the
     stream's multi-block events split into blocks, removals applied; and
     the list of (op, hash) in stream order."""
     held, ops = {}, []
     for b in events:
         for e in b["events"]:
-            assert e["type"] != "AllBlocksCleared", "the stream cleared every tier"
+            if e["type"] == "AllBlocksCleared":
+                # Only vLLM's own (its prefix cache reset, run with --reset):
+                # routers forget every tier of the pod on it.
+                if not keep_removed:
+                    held.clear()
+                ops.append(("cleared", None))
+                continue
             if e.get("medium") != medium:
                 continue
             if e["type"] == "BlockStored":
@@ -136,7 +144,8 @@ def per_block(events, medium):
                     parent = h
             else:
                 for h in e["block_hashes"]:
-                    held.pop(h, None)
+                    if not keep_removed:
+                        held.pop(h, None)
                     ops.append(("removed", h))
     return held, ops
 
@@ -151,6 +160,9 @@ def check_stream(r, gpu_seen=None):
     assert set(cpu) == present, "announced CPU blocks differ from the sidecar's: %d vs %d" % (len(cpu), len(present))
     state = {}
     for op, h in ops:
+        if op == "cleared":
+            state = {}
+            continue
         assert (op == "stored") != state.get(h, False), "%s twice in a row for %#x" % (op, h)
         state[h] = op == "stored"
     by_ext = {ext: d for ext, d in zip(r["present_external"], r["present"])}
@@ -191,11 +203,13 @@ def run1(model_dir, tmp_path_factory):  # noqa: F811 - the fixture from test_vll
         prefix="rs-ev-",
     )
     capture = os.path.join(tmp, "capture.jsonl")
-    p, out, ready, done, log = engine(tmp, "first", model_dir, sc.sock, GROUPS, hold=True, capture=capture)
+    p, out, ready, done, log = engine(tmp, "first", model_dir, sc.sock, GROUPS, hold=True, capture=capture, reset=True)
     try:
         wait_file(ready, p, log)
         r = json.load(open(out))
-        yield dict(r=r, tmp=tmp, binary=binary, sc=sc, done=done, p=p, log=log, capture=capture, model=model_dir)
+        yield dict(
+            r=r, tmp=tmp, binary=binary, sc=sc, done=done, p=p, log=log, capture=capture, model=model_dir, out=out
+        )
     finally:
         open(done, "w").close()
         if p.poll() is None:
@@ -209,9 +223,13 @@ def test_stream_announces_the_sidecars_blocks(run1):
     # Blocks were evicted (the pool holds 24), and each eviction of an
     # announced block withdrawn (every stored block is described).
     evicted = metric(run1["sc"], "ringside_evictions_total")
-    removed = [h for op, h in ops if op == "removed"]
+    cleared = ops.index(("cleared", None))  # vLLM's prefix cache reset (--reset), near the end
+    removed = [h for op, h in ops[:cleared] if op == "removed"]
     assert evicted > 0, "the pool did not fill"
     assert len(removed) == evicted, (len(removed), evicted)
+    # After vLLM's AllBlocksCleared every block the sidecar holds is announced again.
+    after = {h for op, h in ops[cleared:] if op == "stored"}
+    assert after == set(r["present_external"])
     # Copy the capture for internal/kvevents' tests (kept with the run's files).
     assert os.path.getsize(run1["capture"]) > 0
 
@@ -250,19 +268,88 @@ def test_ringside_events_fills_the_gap_and_answers_the_prefix(run1):
     assert sorted({x["seq"] for x in events}) == sorted({b["seq"] for b in r["batches"] if b["events"]})
     answer = [x["prefix"] for x in lines if "prefix" in x][-1]
     assert answer["blocks"] == len(r["prompt_external"]) > 0
+    assert r["sidecar_prefix_hits"] > 0, "the probe prompt is not in the sidecar: nothing was compared"
     assert answer["tiers"].get("cpu", 0) == r["sidecar_prefix_hits"], (answer, r["sidecar_prefix_hits"])
     # Its decoding of each event equals vLLM's.
     want = [(b["seq"], e) for b in r["batches"] for e in b["events"]]
     assert len(events) == len(want)
     for x, (seq, e) in zip(events, want):
         assert x["seq"] == seq and x["event"]["type"] == e["type"]
-        assert x["event"].get("block_hashes") == e["block_hashes"]
+        assert x["event"].get("block_hashes") == e.get("block_hashes")  # AllBlocksCleared has none
         if e["type"] == "BlockStored":
             assert (
                 x["event"]["token_ids"] == e["token_ids"]
                 and x["event"].get("parent_block_hash") == e["parent_block_hash"]
             )
     assert "1 gaps" in res.stderr, res.stderr
+
+
+def test_dynamo_indexer_sees_the_cpu_tier(run1):
+    """A router-side consumer the project did not write: Dynamo's standalone
+    KV indexer (`python -m dynamo.indexer`, PyPI ai-dynamo; `make
+    test-dynamo`), registered on the held engine's stream, recomputes its
+    own keys from the events' token ids; its CPU-tier match of the probe
+    prompt equals the sidecar's Lookup (vLLM's GPU prefix cache was reset,
+    so the GPU tier holds none of it)."""
+    py = os.environ.get("RINGSIDE_DYNAMO_PYTHON")
+    if not py:
+        pytest.skip("RINGSIDE_DYNAMO_PYTHON unset: run `make test-dynamo`")
+    import urllib.request
+
+    r = run1["r"]
+    port = free_port()
+    log = open(os.path.join(run1["tmp"], "dynamo-indexer.log"), "w")
+    idx = subprocess.Popen([py, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"], stdout=log, stderr=log)
+
+    def call(path, body=None):
+        req = urllib.request.Request(
+            "http://127.0.0.1:%d%s" % (port, path),
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as f:
+            return f.read().decode()
+
+    try:
+        for _ in range(100):
+            try:
+                call("/health")
+                break
+            except OSError:
+                time.sleep(0.2)
+        call(
+            "/register",
+            {
+                "instance_id": 1,
+                "endpoint": r["pub"],
+                "replay_endpoint": r["replay_endpoint"],
+                "model_name": "tiny",
+                "block_size": BS,
+            },
+        )
+        # The engine is held idle: it publishes again (one more block), the
+        # indexer sees the gap from seq 0 and replays the stream.
+        poke = run1["done"] + ".poke"
+        open(poke, "w").close()
+        for _ in range(600):
+            if os.path.exists(poke + ".json"):
+                break
+            time.sleep(0.2)
+        want = json.load(open(poke + ".json"))["sidecar_prefix_hits"] * BS
+        got = None
+        for _ in range(100):  # it joins late: the whole stream comes from the replay socket
+            got = json.loads(call("/query", {"token_ids": r["prompt_tokens"], "model_name": "tiny"}))
+            inst = got.get("instances", {}).get("1")
+            if inst and inst.get("cpu") == want:
+                break
+            time.sleep(0.2)
+        inst = got["instances"]["1"]
+        assert want > 0 and inst["cpu"] == want, got
+        assert inst["gpu"] == 0, got
+    finally:
+        idx.terminate()
+        idx.wait(timeout=30)
+        log.close()
 
 
 def test_engine_restart_announces_the_blocks_again(run1):
@@ -309,7 +396,10 @@ def test_engine_restart_announces_the_blocks_again(run1):
     first = set(run1["r"]["present_external"])
     again = per_block(r2["batches"], "CPU")[0]
     assert first & set(again), "the first engine's blocks were not announced again"
-    _, _, gpu1 = check_stream(run1["r"])
+    # The GPU events of every block the first engine stored, the blocks of
+    # the requests it ran while held too (its whole stream).
+    final = json.load(open(run1["out"] + ".final"))
+    gpu1 = per_block(final["batches"], "GPU", keep_removed=True)[0]
     check_stream(r2, gpu_seen=gpu1)
 
 

@@ -1,0 +1,97 @@
+"""ringside.vllm.events with vLLM's own classes (runs in the vLLM venv): the
+Describe records of a step's stores, and the events built from the
+sidecar's log, field by field as vLLM's offloading connector fills its
+self-describing CPU events."""
+
+import hashlib
+import struct
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from ringside import schema as S  # noqa: E402
+from ringside.plugin.config import VLLM, Config  # noqa: E402
+from ringside.vllm import events as E  # noqa: E402
+
+BS = 4
+
+
+def request(n_blocks, lora=None, seed="r"):
+    hashes, prev = [], hashlib.sha256(seed.encode()).digest()
+    for i in range(n_blocks):
+        prev = hashlib.sha256(prev + bytes([i])).digest()
+        hashes.append(prev)
+    toks = list(range(1000, 1000 + n_blocks * BS + 2))
+    return SimpleNamespace(block_hashes=hashes, _all_token_ids=toks, all_token_ids=toks, lora_request=lora)
+
+
+class Sent:
+    def __init__(self):
+        self.records = []
+
+    def send(self, typ, payload, wake=True):
+        assert typ == S.TYPE_DESCRIBE and wake is False
+        self.records.append(payload)
+
+
+def kv_events():
+    return E.KVEvents(Config.parse({}, VLLM), BS, None)
+
+
+def test_describe_runs_of_a_step():
+    ev = kv_events()
+    a, b = request(5), request(3, lora=SimpleNamespace(adapter_id=7, name="sql"), seed="b")
+    s = Sent()
+    ev.describe(s, [(a, 0, 2), (a, 2, 5), (b, 1, 2)], 1 << 20)
+    assert len(s.records) == 1 and ev.stats["described_blocks"] == 6
+    runs = S.decode_describe(s.records[0], 32)
+    assert [len(r.digests) // 32 for r in runs] == [2, 3, 1]
+    assert runs[0].parent is None and runs[1].parent == a.block_hashes[1] and runs[2].parent == b.block_hashes[0]
+    assert runs[1].digests == b"".join(a.block_hashes[2:5])
+    assert list(struct.unpack("<%dI" % (3 * BS), runs[1].tokens)) == a._all_token_ids[2 * BS : 5 * BS]
+    assert runs[0].extra == b"" and runs[2].extra == struct.pack("<q", 7) + b"sql"
+    # A small ring: split into records that fit, none larger than the payload bound.
+    s = Sent()
+    ev.describe(s, [(a, 0, 5)] * 3, 16 + 8 + 32 * 5 + 4 * BS * 5)
+    assert len(s.records) == 3 and all(len(r) <= 16 + 8 + 32 * 5 + 4 * BS * 5 for r in s.records)
+
+
+def test_events_are_vllms_own():
+    ev = kv_events()
+    d, p = hashlib.sha256(b"d").digest(), hashlib.sha256(b"p").digest()
+    tk = memoryview(struct.pack("<4I", 1, 2, 3, 4))
+    ev._stored(d, p, tk, struct.pack("<q", 3) + b"lora-x")
+    ev._stored(d, None, tk, b"")
+    ev._removed(d)
+    a, b, c = ev.out
+    assert type(a) is BlockStored and type(c) is BlockRemoved
+    assert a.block_hashes == [maybe_convert_block_hash(d)] and a.parent_block_hash == maybe_convert_block_hash(p)
+    assert a.token_ids == [1, 2, 3, 4] and a.block_size == 4 and a.medium == "CPU"
+    assert (a.lora_id, a.lora_name) == (3, "lora-x") and (b.lora_id, b.lora_name, b.parent_block_hash) == (None,) * 3
+    assert a.extra_keys is None and a.group_idx == 0 and a.locality is None and a.ownership is None
+    assert c.block_hashes == [maybe_convert_block_hash(d)] and c.medium == "CPU" and c.group_idx == 0
+
+
+def test_all_blocks_cleared_announces_again():
+    ev = kv_events()
+    ev.feed.announced = {b"x" * 32}
+    ev.feed.state = ev.feed.LIVE
+    kvm = SimpleNamespace(take_events=lambda: [AllBlocksCleared()])
+    ev.watch(kvm)
+    ev.watch(kvm)  # once
+    assert [type(e) for e in kvm.take_events()] == [AllBlocksCleared]
+    assert ev.feed.announced == set() and ev.feed.state == ev.feed.SYNC
+
+
+def test_enabled():
+    on = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
+    off = SimpleNamespace(kv_events_config=None)
+    auto = Config.parse({}, VLLM)
+    assert E.enabled(auto, on) and not E.enabled(auto, off)
+    assert not E.enabled(Config.parse({"kv_events": False}, VLLM), on)
+    assert E.enabled(Config.parse({"kv_events": True}, VLLM), off)
