@@ -202,6 +202,7 @@ def part_step(a, workdir):
 def step_model(a, workdir, kind):
     model = build_model(a.python, workdir, "step-" + kind, model_shape(STEP_MODEL, kind))
     slot = page_bytes(STEP_MODEL)  # the sliding model's pages are smaller (its groups share a page)
+    plain_rows = []
     for blocks in a.cached_blocks:
         # The same pool (a sparse file) for every size: only the index differs.
         pool = (max(a.cached_blocks) + 65536) * slot
@@ -219,9 +220,64 @@ def step_model(a, workdir, kind):
                 900,
             ):
                 out(dict(r, model=kind))
+                plain_rows.append(r)
             log("vllm_step: %s model, %d blocks done in %.0fs" % (kind, blocks, time.time() - t))
         finally:
             sc.stop(check=False)
+    if a.step_events and kind == "full":
+        # The same workload against the same sidecar size with vLLM's KV
+        # events on: first vLLM's alone (the connector's events off), then
+        # the connector's too (it describes its stores and announces the
+        # sidecar's tier: vllm/events.py). Rows carry kv_events ("off",
+        # "vllm", "on"); vllm_step_events compares the connector's time:
+        # on against vllm (what the connector's events cost it) and against
+        # off (that and vLLM's publisher, a thread of the same process).
+        blocks = a.cached_blocks[0]
+        pool = (max(a.cached_blocks) + 65536) * slot
+        by_mode = {"off": [r for r in plain_rows if r.get("cached_blocks") == blocks]}
+        for mode, flag in (("vllm", "0"), ("on", "1")):
+            log("vllm_step: KV events %s, %d cached blocks" % (mode, blocks))
+            sc = Sidecar(a.bin, workdir, "step%d-events-%s" % (blocks, mode), str(pool), slot, prefill=blocks)
+            try:
+                extra = ["--cached-blocks", str(blocks), "--kv-events", "--connector-events", flag] + step_args(a)
+                rows = run_worker(
+                    worker_cmd(a.python, "step", model, sc.sock, extra),
+                    os.path.join(workdir, "engine-step%d-events-%s.log" % (blocks, mode)),
+                    1,
+                    900,
+                )
+            finally:
+                sc.stop(check=False)
+            for r in rows:
+                out(dict(r, model=kind))
+            by_mode[mode] = rows
+        key = "connector_step_us_mean"
+
+        def index(rows):
+            return {(r["bench"], r["requests_in_flight"]): r for r in rows}
+
+        off, vllm = index(by_mode["off"]), index(by_mode["vllm"])
+        for r in by_mode["on"]:
+            k = (r["bench"], r["requests_in_flight"])
+            o, v = off.get(k), vllm.get(k)
+            if not (o and v and o.get(key) and v.get(key) and r.get(key)):
+                continue
+            out(
+                {
+                    "bench": "vllm_step_events",
+                    "rows": r["bench"],
+                    "requests_in_flight": r["requests_in_flight"],
+                    "cached_blocks": blocks,
+                    "off_us_mean": o[key],
+                    "vllm_events_us_mean": v[key],
+                    "on_us_mean": r[key],
+                    # What the connector's own events add (the target: <= 10%).
+                    "connector_events_added_pct": round(100.0 * (r[key] / v[key] - 1), 1),
+                    "all_events_added_pct": round(100.0 * (r[key] / o[key] - 1), 1),
+                    "on_breakdown_us_per_step": r.get("breakdown_us_per_step"),
+                    "load_average": [round(x, 2) for x in os.getloadavg()],
+                }
+            )
     if a.step_baseline:
         # The floor in the same run: the same workload with a connector whose
         # hooks do nothing (bench/vllm/null_connector.py), so no sidecar.
@@ -449,6 +505,12 @@ def main() -> int:
     ap.add_argument("--step-max-tokens", type=int, default=32)
     ap.add_argument("--step-min-steps", type=int, default=300)
     ap.add_argument("--step-baseline", type=int, default=1, help="step: also run the null connector (1) or not (0)")
+    ap.add_argument(
+        "--step-events",
+        type=int,
+        default=1,
+        help="step: also run with vLLM's KV events on, at the first --cached-blocks size (1) or not (0)",
+    )
     ap.add_argument("--sustained-steps", type=int, default=200, help="step: sustained rows, steps measured (0: none)")
     ap.add_argument("--sustained-life", type=int, default=128, help="step: sustained rows, mean output tokens")
     ap.add_argument("--prefix-tokens", type=int, default=2048)

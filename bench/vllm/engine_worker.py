@@ -80,6 +80,18 @@ def make_llm(a):
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
     )
+    if getattr(a, "kv_events", False):
+        import tempfile
+
+        from vllm.config import KVEventsConfig
+
+        d = tempfile.mkdtemp(prefix="rs-bench-events-")
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint="ipc://%s/pub" % d,
+            replay_endpoint="ipc://%s/replay" % d,
+        )
     if getattr(a, "connector", "ringside") == "null":
         from vllm.config import KVTransferConfig
 
@@ -90,6 +102,8 @@ def make_llm(a):
         from vllm.config import KVTransferConfig
 
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
+        if getattr(a, "kv_events", False) and not getattr(a, "connector_events", True):
+            extra["kv_events"] = False  # vLLM publishes its GPU events, the connector none
         extra.update(json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}")))
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="RingsideConnector",
@@ -259,6 +273,7 @@ def run_step(a):
             {
                 "bench": "vllm_step",
                 "connector": a.connector,
+                "kv_events": ("on" if a.connector_events else "vllm") if a.kv_events else "off",
                 "requests_in_flight": n,
                 "cached_blocks": a.cached_blocks,
                 "connector_step_us_mean": round(sum(us) / len(us), 2) if us else None,
@@ -338,6 +353,7 @@ def run_sustained(llm, timer, conn, a, n):
         for m, v in s[4].items():
             by[m] = by.get(m, 0) + v
     return {
+        "kv_events": ("on" if a.connector_events else "vllm") if a.kv_events else "off",
         "bench": "vllm_step_sustained",
         "connector": a.connector,
         "requests_in_flight": n,
@@ -600,6 +616,18 @@ def main() -> int:
     ap.add_argument("--sustained-life", type=int, default=128, help="step: mean output tokens, sustained rows")
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="step: vLLM publishes KV cache events (ZMQ, an ipc endpoint nobody reads): "
+        "the connector then announces the sidecar's tier",
+    )
+    ap.add_argument(
+        "--connector-events",
+        type=int,
+        default=1,
+        help="with --kv-events: the connector announces the sidecar's tier (1) or not (0: vLLM's events alone)",
+    )
     a = ap.parse_args()
     {"step": run_step, "ttft": run_ttft, "serve": run_serve}[a.mode](a)
     return 0

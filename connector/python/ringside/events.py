@@ -43,9 +43,10 @@ class EventFeed:
     """The announced blocks of one namespace (see the module doc).
 
     ``emit_stored(digest, parent, tokens, extra)`` is called for each block
-    to announce (tokens: u32 token ids as little-endian bytes; parent None
-    for a chain's first block), ``emit_removed(digest)`` for each to
-    withdraw; both from inside :meth:`pump`.
+    to announce (digest and parent: bytes, parent None for a chain's first
+    block; tokens: a memoryview of the u32 token ids, little-endian, valid
+    only during the call; extra: bytes-like), ``emit_removed(digest)`` for each to withdraw; both from
+    inside :meth:`pump`.
 
     States: OFF (not started, or turned off: the sidecar does not know the
     event records, or the namespace holds more than max_blocks), SYNC
@@ -187,9 +188,6 @@ class EventFeed:
         _, flags, epoch, seq, nxt, n, w = _HEAD.unpack_from(p, 0)
         if w != self.width or n > _s.MAX_EVENTS_PER_REPLY:
             raise _s.SchemaError("events reply: %d entries of %d-byte digests (want %d)" % (n, w, self.width))
-        end = _s.check_events(p, 40, n, w)
-        if end != len(p):
-            raise _s.SchemaError("events reply: %d trailing bytes" % (len(p) - end))
         if self.state == EventFeed.SYNC:
             self.stats["pages"] += 1
             if self._c0 is None:
@@ -210,39 +208,59 @@ class EventFeed:
         return True
 
     def _read(self, p, n: int, w: int, sync: bool) -> None:
+        # One pass that checks each entry as schema.check_events does and
+        # applies it. An entry found malformed raises after the ones before
+        # it were applied: the cursor is not advanced, and the next poll
+        # reads them again, which changes nothing (announced once).
+        if not isinstance(p, bytes):
+            p = bytes(p)
         mv = memoryview(p)
+        size = len(p)
         ann = self.announced
+        seen = self._seen
+        emit_stored, emit_removed = self.emit_stored, self.emit_removed
+        unpack = _EV.unpack_from
+        stored_op, removed_op = _s.EVENT_STORED, _s.EVENT_REMOVED
+        max_t, max_x = _s.MAX_DESCRIBE_TOKENS, _s.MAX_DESCRIBE_EXTRA
         off = 40
         stored = removed = 0
-        for _ in range(n):
-            op, f, t, x = _EV.unpack_from(p, off)
-            off += 8
-            d = bytes(mv[off : off + w])
-            off += w
-            parent = None
-            if f:
-                parent = bytes(mv[off : off + w])
+        try:
+            for _ in range(n):
+                op, f, t, x = unpack(p, off)
+                end = off + 8 + w + (w if f else 0) + 4 * t + x
+                if end > size or f > 1 or t > max_t or x > max_x:
+                    raise _s.SchemaError("events reply: a malformed or truncated entry at %d" % off)
+                off += 8
+                d = p[off : off + w]
                 off += w
-            if op == _s.EVENT_STORED:
-                tk = mv[off : off + 4 * t]
-                off += 4 * t
-                extra = bytes(mv[off : off + x])
-                off += x
-                if sync:
-                    self._seen.add(d)
-                if d not in ann:
-                    if len(ann) >= self.max_blocks:
-                        self._off("the namespace holds more than %d described blocks" % self.max_blocks)
-                        return
-                    ann.add(d)
-                    self.emit_stored(d, parent, tk, extra)
-                    stored += 1
-            elif d in ann:
-                ann.discard(d)
-                self.emit_removed(d)
-                removed += 1
-        self.stats["stored"] += stored
-        self.stats["removed"] += removed
+                if op == stored_op:
+                    parent = None
+                    if f:
+                        parent = p[off : off + w]
+                        off += w
+                    e = off + 4 * t
+                    if sync:
+                        seen.add(d)
+                    if d not in ann:
+                        if len(ann) >= self.max_blocks:
+                            self._off("the namespace holds more than %d described blocks" % self.max_blocks)
+                            return
+                        ann.add(d)
+                        emit_stored(d, parent, mv[off:e], mv[e:end] if x else b"")
+                        stored += 1
+                elif op == removed_op and not (f or t or x):
+                    if d in ann:
+                        ann.discard(d)
+                        emit_removed(d)
+                        removed += 1
+                else:
+                    raise _s.SchemaError("events reply: event op %d, flags %d" % (op, f))
+                off = end
+            if off != size:
+                raise _s.SchemaError("events reply: %d trailing bytes" % (size - off))
+        finally:
+            self.stats["stored"] += stored
+            self.stats["removed"] += removed
 
     def _finish_sync(self) -> None:
         # Blocks announced before (an earlier session's) that the sidecar no

@@ -33,7 +33,7 @@ def test_defaults():
         2.0, 30.0, 100.0, True, "auto", None)  # fmt: skip
     assert Config.parse({}, SGLANG).max_batches == 4096
     assert len(keys_of(VLLM)) == 21 and len(keys_of(SGLANG)) == 11
-    assert (c.kv_events, c.kv_events_poll_ms) == ("auto", 20.0)
+    assert (c.kv_events, c.kv_events_poll_ms) == ("auto", 50.0)
 
 
 def test_values_are_converted():

@@ -77,6 +77,24 @@ def test_events_are_vllms_own():
     assert c.block_hashes == [maybe_convert_block_hash(d)] and c.medium == "CPU" and c.group_idx == 0
 
 
+def test_a_chain_is_one_event():
+    ev = kv_events()
+    ds = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+    tk = [memoryview(struct.pack("<4I", *range(4 * i, 4 * i + 4))) for i in range(4)]
+    ev._stored(ds[0], None, tk[0], b"")
+    ev._stored(ds[1], memoryview(ds[0]), tk[1], b"")
+    ev._stored(ds[2], memoryview(ds[1]), tk[2], b"")
+    ev._removed(ds[0])
+    ev._stored(ds[3], memoryview(ds[2]), tk[3], b"")  # after a removal: an event of its own
+    a, r, b = ev.take_events(None, None)
+    assert a.block_hashes == [maybe_convert_block_hash(d) for d in ds[:3]] and a.parent_block_hash is None
+    assert a.token_ids == list(range(12)) and a.block_size == 4 and type(r) is BlockRemoved
+    assert b.block_hashes == [maybe_convert_block_hash(ds[3])] and b.parent_block_hash == maybe_convert_block_hash(
+        ds[2]
+    )
+    assert ev.take_events(None, None) == []
+
+
 def test_all_blocks_cleared_announces_again():
     ev = kv_events()
     ev.feed.announced = {b"x" * 32}

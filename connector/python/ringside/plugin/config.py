@@ -242,9 +242,10 @@ class Config:
         plugins=(VLLM,),
     )
     kv_events_poll_ms: float = _key(
-        20.0,
+        50.0,
         NUMBER,
-        "The sidecar's event log is polled at the end of a step at most this often.",
+        "The sidecar's event log is polled, and the stores since the last poll described, at the end of a "
+        "step at most this often.",
         unit="milliseconds",
         plugins=(VLLM,),
         minimum=0,

@@ -50,6 +50,8 @@ _DESC = _s._DESCRIBE
 _PARENT = _s.DESCRIBE_FLAG_PARENT
 _TYPE_DESCRIBE = _s.TYPE_DESCRIBE
 _NATIVE = _s._NATIVE_U32
+# Store runs noted before a Describe is sent at once (else once a poll).
+MAX_NOTED = 2048
 
 
 def enabled(cfg: Any, vllm_config: Any) -> bool:
@@ -105,20 +107,34 @@ class KVEvents:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self._stored_cls, self._removed_cls, self._medium = BlockStored, BlockRemoved, MEDIUM_CPU
-        self._convert = maybe_convert_block_hash
+        self._conv = external_hash(maybe_convert_block_hash)
+        self._last: Any = None  # the last BlockStored of self.out (a chain to extend)
         lead = lead_group(layout) if layout is not None and not layout.plain else None
         self.gid = lead.gid if lead is not None else 0
         self.block_size = lead.block_size if lead is not None else block_size
         self.kind, self.window = group_spec(kv_cache_config, self.gid)
         self.stats: dict = {"described_blocks": 0}  # the scheduler side's counters, once bound
         self.poll_s = cfg.kv_events_poll_ms / 1000.0
-        self.sync_ns = int(cfg.mirror_sync_us * 1000)
         self.timeout = cfg.timeout
         self.out: list = []  # events for the next take_events
+        self.noted: list = []  # store runs (request, first, end) not described yet
+        self.noted_blocks = 0
+        self.due = False
+        self.flush_t = 0.0
         self.feed = EventFeed(self._stored, self._removed, 32, cfg.mirror_max_blocks, cfg.timeout)
         self._lora: dict = {}  # extra bytes -> (lora_id, lora_name)
 
     # -- the step's stores ------------------------------------------------------
+
+    def note(self, runs: list) -> None:
+        """Keep a step's planned store runs, described at the next poll
+        (take_events): one Describe record for the steps of a poll interval.
+        A run holds its request (block hashes and token ids only grow), for
+        at most one interval; past MAX_NOTED blocks they are sent at once."""
+        self.noted.extend(runs)
+        self.noted_blocks += len(runs)
+        if self.noted_blocks >= MAX_NOTED:
+            self.due = True
 
     def describe(self, s: Any, runs: list, max_payload: int) -> None:
         """Send the descriptions of runs, (request, first, end) block ranges
@@ -200,26 +216,41 @@ class KVEvents:
             except SIDECAR_ERRORS as e:
                 faults.fail(e, "KV events")
 
+    def flush(self, s: Any, faults: Any) -> None:
+        """Describe the runs noted since the last flush."""
+        runs, self.noted, self.noted_blocks, self.due = self.noted, [], 0, False
+        if runs and s is not None:
+            try:
+                self.describe(s, runs, s.max_payload)
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "describe")
+
     def take_events(self, s: Any, faults: Any) -> list:
         """The events of the sidecar's tier since the last call: collect the
-        last poll of its event log and send the next one (no wait, no wake),
-        at most every kv_events_poll_ms; while a snapshot is read (a new
-        session), wait for its pages at most mirror_sync_us a step."""
+        last request's reply and send the next one, never waiting: a poll of
+        its event log at most every kv_events_poll_ms, or, while a snapshot
+        is read (a new session, after AllBlocksCleared), its next page."""
         feed = self.feed
+        now = _monotonic()
+        if self.noted and (self.due or now - self.flush_t >= self.poll_s):
+            self.flush_t = now
+            self.flush(s, faults)
         if s is not None and not (feed.disabled and feed._session is s):
             try:
                 if feed.state != EventFeed.LIVE or feed._session is not s:
-                    feed.pump(s, self.sync_ns)
-                elif feed._pending or not feed.caught_up or _monotonic() - feed.sent_t >= self.poll_s:
+                    feed.pump(s)
+                elif feed._pending or not feed.caught_up or now - feed.sent_t >= self.poll_s:
                     feed.pump(s)
             except SIDECAR_ERRORS as e:
                 faults.fail(e, "KV events")
         out = self.out
         if out:
             self.out = []
+            self._last = None
         return out
 
-    def _lora_of(self, extra: bytes) -> tuple:
+    def _lora_of(self, extra) -> tuple:
+        extra = bytes(extra)
         got = self._lora.get(extra)
         if got is None:
             if len(extra) >= 8:
@@ -230,27 +261,56 @@ class KVEvents:
                 self._lora[extra] = got
         return got
 
-    def _stored(self, digest: bytes, parent: Optional[bytes], tokens, extra: bytes) -> None:
-        conv = self._convert
+    def _stored(self, digest: bytes, parent, tokens, extra) -> None:
+        conv = self._conv
+        h = conv(digest)
+        p = conv(parent) if parent is not None else None
         ids = tokens.cast("I").tolist() if _NATIVE else list(struct.unpack("<%dI" % (len(tokens) // 4), tokens))
         lora_id, lora_name = self._lora_of(extra) if extra else (None, None)
-        self.out.append(
-            self._stored_cls(
-                block_hashes=[conv(digest)],
-                parent_block_hash=conv(parent) if parent is not None else None,
-                token_ids=ids,
-                block_size=len(ids),
-                lora_id=lora_id,
-                medium=self._medium,
-                lora_name=lora_name,
-                extra_keys=None,
-                group_idx=self.gid,
-                kv_cache_spec_kind=self.kind,
-                kv_cache_spec_sliding_window=self.window,
-                locality=None,
-                ownership=None,
-            )
+        out = self.out
+        last = self._last
+        # The next block of the chain just announced (a prefill's run): one
+        # event of several blocks, as vLLM's GPU events of a request's blocks.
+        if (
+            last is not None
+            and p is not None
+            and last.block_hashes[-1] == p
+            and out
+            and out[-1] is last
+            and last.block_size == len(ids)
+            and last.lora_name == lora_name
+        ):
+            last.block_hashes.append(h)
+            last.token_ids.extend(ids)
+            return
+        # BlockStored's fields in order: block_hashes, parent_block_hash,
+        # token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+        # group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
+        # locality, ownership.
+        ev = self._stored_cls(
+            [h], p, ids, len(ids), lora_id, self._medium, lora_name, None, self.gid, self.kind, self.window, None, None
         )
+        out.append(ev)
+        self._last = ev
 
     def _removed(self, digest: bytes) -> None:
-        self.out.append(self._removed_cls(block_hashes=[self._convert(digest)], medium=self._medium, group_idx=self.gid))
+        self.out.append(self._removed_cls(block_hashes=[self._conv(digest)], medium=self._medium, group_idx=self.gid))
+        self._last = None
+
+
+def external_hash(maybe_convert: Any) -> Any:
+    """A fast equivalent of vLLM's maybe_convert_block_hash for digests (bytes
+    or memoryviews), checked against it: with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    (vLLM's default) the low 64 bits, big-endian, read from the last 8 bytes
+    (vLLM reads the environment on every call, ~5 us); else vLLM's own."""
+    sample = bytes(range(1, 33))
+    want = maybe_convert(sample)
+    if not isinstance(want, int):
+        return lambda d: maybe_convert(bytes(d))
+
+    def conv(d: Any) -> int:
+        return int.from_bytes(d[-8:], "big")
+
+    if conv(sample) != want or conv(memoryview(sample)) != want:  # pragma: no cover - a vLLM that converts otherwise
+        return lambda d: maybe_convert(bytes(d))
+    return conv

@@ -203,14 +203,9 @@ class SchedulerSide:
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
-        if planner.runs:
-            if s is not None:
-                try:
-                    self.events.describe(s, planner.runs, s.max_payload)
-                except SIDECAR_ERRORS as e:
-                    self.faults.fail(e, "describe")
-                    s = None
-            planner.runs.clear()
+        if planner.runs:  # described with the next poll of the event log (events.py)
+            self.events.note(planner.runs)
+            planner.runs = []
         if loads.waiting or loads.abandoned:
             loads.collect(meta, s)
         if loads.orphans:
