@@ -31,6 +31,8 @@ def request(n_blocks, lora=None, seed="r"):
 
 
 class Sent:
+    max_payload = 1 << 20
+
     def __init__(self):
         self.records = []
 
@@ -59,6 +61,23 @@ def test_describe_runs_of_a_step():
     s = Sent()
     ev.describe(s, [(a, 0, 5)] * 3, 16 + 8 + 32 * 5 + 4 * BS * 5)
     assert len(s.records) == 3 and all(len(r) <= 16 + 8 + 32 * 5 + 4 * BS * 5 for r in s.records)
+
+
+def test_shared_prefixes_are_described_once():
+    ev = kv_events()
+    a = request(5)
+    b = SimpleNamespace(
+        block_hashes=a.block_hashes[:3] + [b"y" * 32], _all_token_ids=a._all_token_ids, lora_request=None
+    )
+    ev.note([(a, 0, 3)])
+    ev.note([(b, 0, 3), (b, 3, 4)])  # b's first 3 blocks are a's: not again
+    assert [(r[1], r[2]) for r in ev.noted] == [(0, 3), (3, 4)] and ev.noted_blocks == 4
+    s = Sent()
+    ev.flush(s, None)
+    assert len(s.records) == 1 and ev.noted == [] and ev.stats["described_blocks"] == 4
+    ev._removed(a.block_hashes[2])  # evicted: described again when stored again
+    ev.note([(b, 0, 3)])
+    assert len(ev.noted) == 1
 
 
 def test_events_are_vllms_own():

@@ -52,6 +52,8 @@ _TYPE_DESCRIBE = _s.TYPE_DESCRIBE
 _NATIVE = _s._NATIVE_U32
 # Store runs noted before a Describe is sent at once (else once a poll).
 MAX_NOTED = 2048
+# How long a described block is not described again (note()).
+RECENT_S = 10.0
 
 
 def enabled(cfg: Any, vllm_config: Any) -> bool:
@@ -121,6 +123,9 @@ class KVEvents:
         self.noted_blocks = 0
         self.due = False
         self.flush_t = 0.0
+        self.recent: set = set()  # the last blocks of runs described lately (see note)
+        self.recent_old: set = set()
+        self.recent_t = _monotonic()
         self.feed = EventFeed(self._stored, self._removed, 32, cfg.mirror_max_blocks, cfg.timeout)
         self._lora: dict = {}  # extra bytes -> (lora_id, lora_name)
 
@@ -131,8 +136,22 @@ class KVEvents:
         (take_events): one Describe record for the steps of a poll interval.
         A run holds its request (block hashes and token ids only grow), for
         at most one interval; past MAX_NOTED blocks they are sent at once."""
-        self.noted.extend(runs)
-        self.noted_blocks += len(runs)
+        # A run whose last block this engine described lately is skipped:
+        # the sidecar keeps the first description of a block, and every
+        # request that shares a prefix stores (and would describe) its
+        # blocks again. "Lately" is one to two RECENT_S (the two sets below),
+        # well within the sidecar's wait for a description's block
+        # (--write-timeout), and a block withdrawn (evicted) is forgotten at
+        # once: stored again, it is described again.
+        recent, old = self.recent, self.recent_old
+        noted = self.noted
+        for run in runs:
+            last = run[0].block_hashes[run[2] - 1]
+            if last in recent or last in old:
+                continue
+            recent.add(last)
+            noted.append(run)
+            self.noted_blocks += run[2] - run[1]
         if self.noted_blocks >= MAX_NOTED:
             self.due = True
 
@@ -232,6 +251,8 @@ class KVEvents:
         is read (a new session, after AllBlocksCleared), its next page."""
         feed = self.feed
         now = _monotonic()
+        if now - self.recent_t >= RECENT_S:
+            self.recent_old, self.recent, self.recent_t = self.recent, set(), now
         if self.noted and (self.due or now - self.flush_t >= self.poll_s):
             self.flush_t = now
             self.flush(s, faults)
@@ -294,6 +315,8 @@ class KVEvents:
         self._last = ev
 
     def _removed(self, digest: bytes) -> None:
+        self.recent.discard(digest)
+        self.recent_old.discard(digest)
         self.out.append(self._removed_cls(block_hashes=[self._conv(digest)], medium=self._medium, group_idx=self.gid))
         self._last = None
 
