@@ -194,6 +194,12 @@ type Cache struct {
 	// frees a slot the copy still reads.
 	loads    map[uint64][]uint32
 	nextLoad uint64
+	// Pins of loads (PinBlock's) that put their block back at the LRU's
+	// tail when they end.
+	tailLoads map[uint64]struct{}
+	// marks has one bit per head slot: the shared tier holds the block
+	// (Mark); cleared when the slot is freed. Allocated on first use.
+	marks []uint64
 
 	// Charges of incomplete blocks (BeginStoreCharged): the key each
 	// pending head was charged to, and the slots charged per key.
@@ -237,6 +243,7 @@ type counters struct {
 	stores, aborts, noSpace, overQuota uint64
 	evictions, cleared                 uint64
 	reapedLeases, reapedWrites, expiry uint64
+	evictedUnmarked                    uint64
 }
 
 // New returns an empty Cache.
@@ -445,10 +452,13 @@ type Stats struct {
 	NoSpace        uint64 // BeginStore answered NoSpace
 	OverQuota      uint64 // BeginStoreCharged answered OverQuota
 	Evictions      uint64 // logical blocks evicted for space
-	Cleared        uint64 // logical blocks dropped by Clear
-	ExpiredLeases  uint64 // leases reclaimed by Reap
-	ExpiredWrites  uint64 // write tickets reclaimed by Reap
-	ExpiredBlocks  uint64 // incomplete logical blocks reclaimed by Reap
+	// EvictedUnmarked counts the evicted blocks that were not marked as
+	// held by the shared tier (Mark): with a tier, blocks it lost.
+	EvictedUnmarked uint64
+	Cleared         uint64 // logical blocks dropped by Clear
+	ExpiredLeases   uint64 // leases reclaimed by Reap
+	ExpiredWrites   uint64 // write tickets reclaimed by Reap
+	ExpiredBlocks   uint64 // incomplete logical blocks reclaimed by Reap
 }
 
 // Stats returns the current accounting.
@@ -470,7 +480,7 @@ func (c *Cache) Stats() Stats {
 		Lookups:    c.st.lookups, LookupBlocks: c.st.lookupBlocks, HitBlocks: c.st.hitBlocks,
 		Acquires: c.st.acquires, AcquiredBlocks: c.st.acquiredBlocks,
 		Stores: c.st.stores, Aborts: c.st.aborts, NoSpace: c.st.noSpace, OverQuota: c.st.overQuota,
-		Evictions: c.st.evictions, Cleared: c.st.cleared,
+		Evictions: c.st.evictions, EvictedUnmarked: c.st.evictedUnmarked, Cleared: c.st.cleared,
 		ExpiredLeases: c.st.reapedLeases, ExpiredWrites: c.st.reapedWrites, ExpiredBlocks: c.st.expiry,
 	}
 }

@@ -279,6 +279,22 @@ func (c *Cache) CheckInvariants() error {
 	// Leases and pins.
 	pins := make(map[uint32]uint32)
 	leaseTimers := 0
+	for id := range c.tailLoads {
+		if _, ok := c.loads[id]; !ok {
+			bad("tail pin %d: no such load", id)
+		}
+	}
+	for w, word := range c.marks {
+		for b := 0; word != 0 && b < 64; b++ {
+			if word&(1<<b) == 0 {
+				continue
+			}
+			word &^= 1 << b
+			if s := uint32(w*64 + b); s >= n || c.rank(s) != 0 || !c.present(s) {
+				bad("slot %d: marked, but not the head of a present block", s)
+			}
+		}
+	}
 	for id, heads := range c.loads {
 		if id == 0 || id > c.nextLoad {
 			bad("load %d: id beyond counter %d", id, c.nextLoad)
@@ -292,7 +308,7 @@ func (c *Cache) CheckInvariants() error {
 		if l.id != id {
 			bad("lease %d: record %d has id %d", id, li, l.id)
 		}
-		if len(l.heads) == 0 {
+		if len(l.heads) == 0 && !l.open {
 			bad("lease %d: no blocks", id)
 		}
 		for _, h := range l.heads {

@@ -18,6 +18,7 @@ type leaseRec struct {
 	id         uint64
 	owner      SessionID
 	key        uint32 // pin charge key (AcquireCharged); 0: none
+	open       bool   // made by AcquireOpen: may hold no block
 	heads      []uint32
 	heapIdx    int32
 	prev, next int32 // owner list (next doubles as free-list link)
@@ -311,6 +312,13 @@ func (c *Cache) EndLoad(id uint64) error {
 		return fmt.Errorf("%w: %d", ErrUnknownLoad, id)
 	}
 	delete(c.loads, id)
+	if _, tail := c.tailLoads[id]; tail {
+		delete(c.tailLoads, id)
+		for _, h := range heads {
+			c.unpinTail(h)
+		}
+		return nil
+	}
 	for i := len(heads) - 1; i >= 0; i-- {
 		c.unpin(heads[i])
 	}

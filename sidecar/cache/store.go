@@ -348,6 +348,7 @@ func (c *Cache) freeGroup(head uint32) {
 			c.nStored--
 		}
 		c.meta[s] = stFree
+		c.clearMark(s)
 		c.nsOf[s] = 0
 		c.aux[s] = 0
 		c.done[s] = 0
@@ -374,6 +375,9 @@ func (c *Cache) evictBlock(head uint32, evicted bool) {
 	n.blocks--
 	if evicted {
 		c.st.evictions++
+		if !c.marked(head) {
+			c.st.evictedUnmarked++
+		}
 		c.logAppend(n, OpEvicted, head, c.digest[head][:n.width])
 	}
 	c.indexRemove(head)
