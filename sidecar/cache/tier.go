@@ -289,3 +289,17 @@ func (c *Cache) LRUTail(n int, fn func(ns NamespaceID, digest []byte, marked boo
 		}
 	}
 }
+
+// SlotBlock returns the block whose slot s is (any rank's), if it is
+// present: its namespace and its digest (valid until the cache changes).
+func (c *Cache) SlotBlock(s uint32) (NamespaceID, []byte, bool) {
+	if s >= c.capacity || c.state(s) == stFree {
+		return 0, nil, false
+	}
+	h := c.headOf(s)
+	if !c.present(h) {
+		return 0, nil, false
+	}
+	ns := c.nsList[c.nsOf[h]-1]
+	return NamespaceID(c.nsOf[h]), c.digest[h][:ns.width], true
+}

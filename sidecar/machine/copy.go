@@ -253,6 +253,7 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 			switch err := m.cache.CommitStore(t); {
 			case err == nil:
 				req.reply.Stored++
+				m.l2Committed(t.Slot) // write-through, once every rank is in
 			case errors.Is(err, cache.ErrDoomed):
 				m.st.DoomedWrites++
 				req.reply.Skipped++
@@ -260,6 +261,9 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 				req.reply.Skipped++
 			}
 		}
+	}
+	if req.dir == gpu.EngineToPool {
+		m.l2EvictAhead() // write-on-evict: stores are what fill the pool
 	}
 	req.left--
 	if req.left > 0 {

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/schema"
@@ -23,17 +24,32 @@ func FuzzMachine(f *testing.F) {
 	f.Add([]byte{7, 0, 0, 9, 0, 1, 3, 4, 1, 8, 0, 2, 200, 201, 6, 250})
 	f.Add([]byte("store load release detach tick attach"))
 	f.Fuzz(func(t *testing.T, prog []byte) {
-		runProgram(t, prog)
+		runProgram(t, prog, false)
+	})
+}
+
+// FuzzMachineL2 is FuzzMachine with the shared tier on: lookups, fetches
+// and writes of the tier end in any order, found or not, valid or not,
+// sessions end while they run, and every invariant holds after each step
+// (a write's pin, a fetch's tickets and their metadata included).
+func FuzzMachineL2(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15})
+	f.Add([]byte{7, 0, 0, 9, 0, 1, 3, 4, 1, 8, 0, 2, 200, 201, 6, 250})
+	f.Add([]byte("store lookup fetch write evict tick detach attach"))
+	f.Fuzz(func(t *testing.T, prog []byte) {
+		runProgram(t, prog, true)
 	})
 }
 
 func TestMachineProgramsSmoke(t *testing.T) {
-	for i := 0; i < 200; i++ {
-		p := make([]byte, 64)
-		for k := range p {
-			p[k] = byte(i*131 + k*17 + k*k*i)
+	for _, l2 := range []bool{false, true} {
+		for i := 0; i < 200; i++ {
+			p := make([]byte, 64)
+			for k := range p {
+				p[k] = byte(i*131 + k*17 + k*k*i)
+			}
+			runProgram(t, p, l2)
 		}
-		runProgram(t, p)
 	}
 }
 
@@ -54,7 +70,7 @@ func (r *progReader) byte() byte {
 
 func (r *progReader) done() bool { return r.i >= len(r.b) }
 
-func runProgram(t *testing.T, prog []byte) {
+func runProgram(t *testing.T, prog []byte, l2 bool) {
 	c, err := cache.New(cache.Config{Capacity: 32, DeltaLogSize: 64, Epoch: 5})
 	if err != nil {
 		t.Fatal(err)
@@ -63,6 +79,15 @@ func runProgram(t *testing.T, prog []byte) {
 		MaxBatches: 8, MaxLeases: 8, ChunkBytes: 8192}, c)
 	if err != nil {
 		t.Fatal(err)
+	}
+	ops := 8
+	if l2 {
+		policy := WriteThrough
+		if len(prog) > 0 && prog[0]&1 == 1 {
+			policy = WriteOnEvict
+		}
+		m.EnableL2(L2Config{Policy: policy, Timeout: 200 * time.Millisecond, WriteSlots: 4, EvictAhead: 6, MaxLookupBlocks: 3, MaxFetchBlocks: 3})
+		ops = 11
 	}
 	out := new(Output)
 	var now int64
@@ -79,6 +104,9 @@ func runProgram(t *testing.T, prog []byte) {
 	}
 	var copies []Copy
 	var regs []Register
+	var lookups []L2Lookup
+	var fetches []L2Fetch
+	var writes []L2Write
 	handles := map[gpu.Handle]bool{}
 	nextHandle := gpu.Handle(0)
 	live := func(id SessionID) bool {
@@ -103,6 +131,16 @@ func runProgram(t *testing.T, prog []byte) {
 		}
 		copies = append(copies, out.Copies...)
 		regs = append(regs, out.Registers...)
+		lookups = append(lookups, out.L2Lookups...)
+		fetches = append(fetches, out.L2Fetches...)
+		writes = append(writes, out.L2Writes...)
+		for _, f := range out.L2Fetches {
+			for _, b := range f.Blocks {
+				if len(b.PoolOffsets) != f.NS.World {
+					t.Fatalf("fetch %d: a block with %d slots, world %d", f.ID, len(b.PoolOffsets), f.NS.World)
+				}
+			}
+		}
 		for _, h := range out.Unregister {
 			if !handles[h] {
 				t.Fatalf("unregister of handle %d, never registered or twice", h)
@@ -200,7 +238,7 @@ func runProgram(t *testing.T, prog []byte) {
 	for steps := 0; !r.done() && steps < 400; steps++ {
 		op := r.byte()
 		s := sessions[int(r.byte())%len(sessions)]
-		switch op % 8 {
+		switch int(op) % ops {
 		case 0, 1, 2: // a record
 			if !s.live {
 				attach(s)
@@ -270,6 +308,41 @@ func runProgram(t *testing.T, prog []byte) {
 				s.live = false
 				drain()
 			}
+		case 8: // a lookup of the tier ends
+			if len(lookups) == 0 {
+				continue
+			}
+			i := int(r.byte()) % len(lookups)
+			lk := lookups[i]
+			lookups = append(lookups[:i], lookups[i+1:]...)
+			m.L2LookupDone(now, lk.ID, int(r.byte())%(len(lk.Digests)/lk.NS.Width+2), out)
+			drain()
+		case 9: // a fetch ends
+			if len(fetches) == 0 {
+				continue
+			}
+			i := int(r.byte()) % len(fetches)
+			f := fetches[i]
+			fetches = append(fetches[:i], fetches[i+1:]...)
+			res := make([]L2FetchResult, len(f.Blocks))
+			for k := range res {
+				length := f.Length
+				if length == 0 {
+					length = []uint64{4096, 2048, 0, 1 << 20}[r.byte()%4]
+				}
+				res[k] = L2FetchResult{OK: r.byte()%3 != 0, Length: length}
+			}
+			m.L2FetchDone(now, f.ID, res[:int(r.byte())%(len(res)+1)], out)
+			drain()
+		case 10: // a write has read its slots, or was refused
+			if len(writes) == 0 {
+				continue
+			}
+			i := int(r.byte()) % len(writes)
+			w := writes[i]
+			writes = append(writes[:i], writes[i+1:]...)
+			m.L2WriteDone(now, w.ID, r.byte()%3 == 0, out)
+			drain()
 		}
 	}
 	// Everything ends: copies complete, sessions detach; then nothing is
@@ -278,9 +351,25 @@ func runProgram(t *testing.T, prog []byte) {
 		m.RegisterDone(now, rg.Session, rg.ID, 0, gpu.ErrUnsupported, out)
 		drain()
 	}
-	for _, cp := range copies {
-		m.CopyDone(now, cp.ID, CopyResult{}, out)
-		drain()
+	for len(copies)+len(lookups)+len(fetches)+len(writes) > 0 {
+		cs, ls, fs, ws := copies, lookups, fetches, writes
+		copies, lookups, fetches, writes = nil, nil, nil, nil
+		for _, cp := range cs {
+			m.CopyDone(now, cp.ID, CopyResult{}, out)
+			drain()
+		}
+		for _, lk := range ls {
+			m.L2LookupDone(now, lk.ID, 0, out)
+			drain()
+		}
+		for _, f := range fs {
+			m.L2FetchDone(now, f.ID, nil, out)
+			drain()
+		}
+		for _, w := range ws {
+			m.L2WriteDone(now, w.ID, false, out)
+			drain()
+		}
 	}
 	for _, s := range sessions {
 		if s.live {
@@ -291,6 +380,11 @@ func runProgram(t *testing.T, prog []byte) {
 	}
 	m.Tick(now+int64(1e12), out)
 	drain()
+	if l2 {
+		if c := m.L2Counters(); c.WritingSlots != 0 || c.PendingLookups != 0 || c.PendingFetches != 0 {
+			t.Fatalf("the tier holds work after the end: %+v", c)
+		}
+	}
 	u := m.Usage()
 	st := c.Stats()
 	if u.Sessions != 0 || u.Queries != 0 || u.Copies != 0 || u.Namespaces > 2 || st.Leases != 0 || st.Loads != 0 || st.Writers != 0 || st.PinnedBlocks != 0 {

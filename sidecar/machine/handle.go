@@ -198,6 +198,9 @@ func (h *handler) putHashes(p []byte) error {
 		if err != nil {
 			return internal(err)
 		}
+		if h.l2Lookup(d, hits) {
+			return nil // answered once the shared tier has been asked
+		}
 		v = uint64(hits)
 	}
 	h.ok(v)
@@ -234,6 +237,9 @@ func (h *handler) lookup(p []byte) error {
 	if err != nil {
 		return internal(err)
 	}
+	if h.l2Lookup(d, hits) {
+		return nil // answered once the shared tier has been asked
+	}
 	h.ok(uint64(hits))
 	return nil
 }
@@ -264,7 +270,7 @@ func (h *handler) acquire(p []byte) error {
 	// The distinct blocks a uid's leases pin stay within its pin quota
 	// (--limits.pin-share of the pool): past it the lease is shorter (fewer
 	// hits), so that other tenants can always store.
-	l, short, err := m.cache.AcquireCharged(in.ns.id, s.rank, d, s.owner, ttl, h.now, cache.Charge{Key: s.uid + 1, Limit: m.pinLimit()})
+	l, short, fetch, promised, err := h.l2Acquire(d, ttl)
 	if err != nil {
 		m.uncharge(s, s.uid, usage{meta: meta})
 		return internal(err)
@@ -282,7 +288,12 @@ func (h *handler) acquire(p []byte) error {
 	} else {
 		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta,
 			bytes: int64(l.Blocks) * int64(m.cfg.SlotBytes) * int64(in.world)}
-		if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
+		if fetch != nil {
+			// It waits for the shared tier's fetch (l2.go), then for the
+			// budget like any other.
+			fetch.q, q.state = q, schema.StateWaiting
+			rep.Blocks = uint32(promised)
+		} else if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
 			q.budgeted, q.state = true, schema.StateReady
 		} else {
 			q.state = schema.StateWaiting
@@ -316,7 +327,7 @@ func (h *handler) poll(p []byte) error {
 	if err != nil {
 		return err
 	}
-	rep := schema.LeaseReply{State: q.state, Lease: q.lease, Blocks: uint32(q.blocks)}
+	rep := schema.LeaseReply{State: q.state, Lease: q.lease, Blocks: uint32(h.m.l2Blocks(q))}
 	h.out.reply(h.s.id, h.typ, h.seq, rep.Append)
 	return nil
 }

@@ -135,6 +135,8 @@ func (m *Machine) CheckInvariants() error {
 	for _, op := range m.copies {
 		at(op.req.sess, op.req.uid, usage{meta: op.meta})
 	}
+	m.l2Charges(at)
+	m.l2Invariants(bad)
 	nsSessions := map[*nsRec]int{}
 	for _, in := range m.instances {
 		nsSessions[in.ns] += in.sessions
@@ -190,6 +192,7 @@ func (m *Machine) CheckInvariants() error {
 				cm += op.meta
 			}
 		}
+		cm += m.l2Meta(s)
 		if cm != s.copyMeta {
 			bad("session %d: copy meta %d, copies hold %d", s.id, s.copyMeta, cm)
 		}

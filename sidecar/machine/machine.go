@@ -32,6 +32,7 @@ type Machine struct {
 	total usage
 	uids  map[uint32]*usage
 
+	l2     *l2State // the shared tier (l2.go); nil: off
 	reaped []uint64
 	calls  uint64  // calls so far (invariants builds sample their checks by it)
 	out    *Output // the Output of the call in progress (for the cache's free hook)
@@ -99,7 +100,7 @@ type session struct {
 	regions    map[uint32]*region
 	leases     int
 	use        usage
-	copyMeta   int64 // part of use.meta held by copies in flight (CopyDone gives it back)
+	copyMeta   int64 // part of use.meta held by copies and the shared tier's lookups and fetches in flight (their ends give it back)
 	gone       bool
 }
 
@@ -554,6 +555,7 @@ func (m *Machine) Tick(now int64, out *Output) cache.ReapResult {
 			m.st.ExpiredLeases++
 		}
 	}
+	m.l2Tick(now)
 	m.check()
 	return r
 }
@@ -665,4 +667,3 @@ func (m *Machine) Counters() Counters {
 func internal(err error) *schema.Error {
 	return schema.Errorf(schema.ErrCodeInternal, "%v", err)
 }
-

@@ -28,6 +28,11 @@ type Output struct {
 	// Unregister lists copy-engine handles the caller must unregister
 	// (after the copies on them end; the engine's Unregister waits).
 	Unregister []gpu.Handle
+	// L2Lookups, L2Fetches and L2Writes are the shared tier's work (l2.go):
+	// each must end in L2LookupDone, L2FetchDone, L2WriteDone.
+	L2Lookups []L2Lookup
+	L2Fetches []L2Fetch
+	L2Writes  []L2Write
 	// End reports that the session whose request was handled asked to end
 	// (Detach): the caller stops reading its ring after sending Replies.
 	End bool
@@ -77,8 +82,12 @@ func (o *Output) reset() {
 	clear(o.Replies)
 	clear(o.Copies)
 	clear(o.Registers)
+	clear(o.L2Lookups)
+	clear(o.L2Fetches)
+	clear(o.L2Writes)
 	*o = Output{Replies: o.Replies[:0], Copies: o.Copies[:0], Registers: o.Registers[:0],
-		Unregister: o.Unregister[:0], arena: o.arena[:0]}
+		Unregister: o.Unregister[:0], L2Lookups: o.L2Lookups[:0], L2Fetches: o.L2Fetches[:0], L2Writes: o.L2Writes[:0],
+		arena: o.arena[:0]}
 }
 
 // reply appends an encoded reply; enc encodes into the arena. A payload

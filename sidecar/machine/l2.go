@@ -1,0 +1,689 @@
+package machine
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"time"
+
+	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar/cache"
+)
+
+// The shared tier (L2): a store every node of a fleet shares (a Redis
+// Cluster, sidecar/l2), under the pools. The Machine decides, the sidecar
+// does the I/O:
+//
+//   - after a commit makes a block present, the Machine pins it and asks
+//     for it to be written (out.L2Writes, write-through); or, with
+//     write-on-evict, it writes the blocks at the LRU's tail ahead of their
+//     eviction. A write is skipped (counted) when the writes in flight pin
+//     L2Config.WriteSlots slots already: a Store never waits for the tier.
+//     L2WriteDone ends the pin once the write has read its slots.
+//   - a Lookup (or PutHashes with FlagLookup) whose leading run stops at a
+//     local miss asks the tier for the rest (out.L2Lookups); its reply is
+//     held until L2LookupDone, or until the tier's timeout passes, and then
+//     counts the local run plus the leading blocks the tier holds.
+//   - an Acquire whose view runs past the local leading run reserves slots
+//     for the blocks after it (cache.BeginFetch, charged like a store's)
+//     and asks the tier to fill them (out.L2Fetches); the lease waits
+//     until L2FetchDone, or the timeout, and then holds the local run and
+//     the fetched blocks that lead on from it.
+//
+// Every deadline is the Machine's (Tick); every copy into or out of a slot
+// ends before the slot can be reused (tickets, pins).
+
+// L2Policy says when the Machine writes blocks to the tier.
+type L2Policy uint8
+
+const (
+	// WriteThrough writes a block when it becomes present.
+	WriteThrough L2Policy = iota
+	// WriteOnEvict writes the blocks at the LRU's tail, ahead of their
+	// eviction; an evicted block not yet written is lost to the tier
+	// (counted).
+	WriteOnEvict
+)
+
+func (p L2Policy) String() string {
+	if p == WriteOnEvict {
+		return "write-on-evict"
+	}
+	return "write-through"
+}
+
+// L2Config configures the Machine's side of the shared tier. The zero
+// value is off.
+type L2Config struct {
+	Enabled bool
+	Policy  L2Policy
+	// Timeout bounds a lookup and a fetch: one not answered by then is a
+	// miss of the tier.
+	Timeout time.Duration
+	// WriteSlots bounds the pool slots that writes queued or in flight pin
+	// (each write pins its block's every rank); past it, writes are
+	// skipped. Default: a sixteenth of the pool.
+	WriteSlots int
+	// EvictAhead is, with WriteOnEvict, how many blocks at the LRU's tail
+	// are kept written. Default: WriteSlots.
+	EvictAhead int
+	// MaxLookupBlocks bounds the blocks one lookup asks the tier about, and
+	// MaxFetchBlocks those one acquire fetches (default 4096 each).
+	MaxLookupBlocks int
+	MaxFetchBlocks  int
+}
+
+// Defaults of L2Config.
+const (
+	DefaultL2Timeout   = 500 * time.Millisecond
+	DefaultL2MaxBlocks = 4096
+)
+
+func (c *L2Config) ensureDefaults(slots int) {
+	if c.Timeout == 0 {
+		c.Timeout = DefaultL2Timeout
+	}
+	if c.WriteSlots == 0 {
+		c.WriteSlots = max(slots/16, 1)
+	}
+	if c.EvictAhead == 0 {
+		c.EvictAhead = c.WriteSlots
+	}
+	if c.MaxLookupBlocks == 0 {
+		c.MaxLookupBlocks = DefaultL2MaxBlocks
+	}
+	if c.MaxFetchBlocks == 0 {
+		c.MaxFetchBlocks = DefaultL2MaxBlocks
+	}
+}
+
+// L2Namespace names a namespace in the tier: what its keys and its values'
+// headers carry. FP is a fingerprint of the whole namespace key (model,
+// layout, tenant salt, digest width, world size), so two tenants never
+// share a key.
+type L2Namespace struct {
+	FP     [16]byte
+	Layout uint64 // the layout string's fingerprint
+	Width  int
+	World  int
+}
+
+// L2Lookup asks which leading blocks of Digests (flat, Width bytes each)
+// the tier holds, every rank of each; it must end in L2LookupDone.
+type L2Lookup struct {
+	ID      uint64
+	NS      L2Namespace
+	Digests []byte
+}
+
+// L2Fetch asks for blocks to be read from the tier into pool slots; it
+// must end in L2FetchDone, after the last byte is in the pool (or never
+// will be).
+type L2Fetch struct {
+	ID uint64
+	NS L2Namespace
+	// Length is every value's payload size (the namespace's block size);
+	// 0: not known yet, any size up to MaxLength.
+	Length, MaxLength uint64
+	Blocks            []L2FetchBlock
+}
+
+// L2FetchBlock is one block of a fetch: rank r's value goes to the pool at
+// PoolOffsets[r].
+type L2FetchBlock struct {
+	Digest      []byte
+	PoolOffsets []uint64
+}
+
+// L2FetchResult is how one block of a fetch ended: OK when every rank's
+// value was found, valid and copied, with Length payload bytes each.
+type L2FetchResult struct {
+	OK     bool
+	Length uint64
+}
+
+// L2Write asks for a present block's every rank to be written to the
+// tier, Length bytes from the pool at each of PoolOffsets (rank order); it
+// must end in L2WriteDone once the write has read the pool (or was
+// skipped): the slots are pinned until then.
+type L2Write struct {
+	ID          uint64
+	NS          L2Namespace
+	Digest      []byte
+	Length      uint64
+	PoolOffsets []uint64
+}
+
+// L2Counters are the Machine's counts of the tier's traffic.
+type L2Counters struct {
+	Lookups         uint64 // lookups that asked the tier
+	LookupBlocks    uint64 // blocks they asked about
+	LookupHitBlocks uint64 // leading blocks the tier held
+	LookupTimeouts  uint64 // lookups answered without the tier (its timeout passed)
+	Fetches         uint64 // acquires that fetched
+	FetchBlocks     uint64 // blocks they reserved slots for
+	FetchedBlocks   uint64 // blocks fetched and committed
+	FetchMisses     uint64 // blocks the tier did not give (absent, invalid, failed)
+	FetchTimeouts   uint64 // acquires resolved before their fetch ended
+	FetchNoSpace    uint64 // blocks no slot could be reserved for (pool or quota)
+	Writes          uint64 // blocks handed to the tier for writing
+	WritesSkipped   uint64 // blocks not written: the write queue was full
+	WritesNotTaken  uint64 // writes the tier refused at once (its queue full, or down)
+	WritingSlots    int    // slots writes pin now
+	PendingLookups  int
+	PendingFetches  int
+}
+
+type l2State struct {
+	cfg      L2Config
+	nextID   uint64
+	lookups  map[uint64]*l2Lookup
+	fetches  map[uint64]*l2Fetch
+	byLease  map[uint64]*l2Fetch // unresolved fetches by lease id
+	writes   map[uint64]*l2Write
+	pinned   int // slots writes pin
+	st       L2Counters
+	scratch  []uint32
+	evictBuf []l2Candidate
+}
+
+type l2Lookup struct {
+	sess     *session
+	typ      uint16
+	seq      uint64
+	local    int
+	meta     int64
+	deadline int64
+}
+
+type l2Fetch struct {
+	sess     *session
+	uid      uint32
+	q        *query
+	ns       *nsRec
+	view     []byte // the view's digests after the lease's local blocks
+	blocks   [][]cache.Ticket
+	promised int
+	meta     int64
+	deadline int64
+	resolved bool
+}
+
+type l2Write struct {
+	pin   uint64
+	slots int
+}
+
+type l2Candidate struct {
+	ns     cache.NamespaceID
+	digest [cache.MaxDigestLen]byte
+	width  int
+}
+
+const (
+	l2LookupMeta = 192
+	l2FetchMeta  = 256
+)
+
+// EnableL2 turns the shared tier on (before any session attaches).
+func (m *Machine) EnableL2(c L2Config) {
+	c.Enabled = true
+	c.ensureDefaults(m.slots)
+	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, writes: map[uint64]*l2Write{}}
+}
+
+// L2Config returns the tier's configuration (Enabled false: off).
+func (m *Machine) L2Config() L2Config {
+	if m.l2 == nil {
+		return L2Config{}
+	}
+	return m.l2.cfg
+}
+
+// L2Counters returns the tier's counts.
+func (m *Machine) L2Counters() L2Counters {
+	if m.l2 == nil {
+		return L2Counters{}
+	}
+	c := m.l2.st
+	c.WritingSlots, c.PendingLookups, c.PendingFetches = m.l2.pinned, len(m.l2.lookups), len(m.l2.fetches)
+	return c
+}
+
+func (m *Machine) l2NS(n *nsRec) L2Namespace {
+	k := n.key
+	h := sha256.New()
+	var b [8]byte
+	h.Write([]byte("ringside-l2\x00"))
+	h.Write([]byte(k.Model))
+	for _, v := range []uint64{k.Layout, k.TenantSalt, uint64(k.DigestWidth), uint64(k.WorldSize)} {
+		binary.LittleEndian.PutUint64(b[:], v)
+		h.Write(b[:])
+	}
+	var ns L2Namespace
+	copy(ns.FP[:], h.Sum(nil))
+	ns.Layout, ns.Width, ns.World = k.Layout, k.DigestWidth, k.WorldSize
+	return ns
+}
+
+// l2Reply reports whether a lookup reply (hits leading blocks of digests)
+// is held for the tier, which is then asked about the rest.
+func (h *handler) l2Lookup(digests []byte, hits int) bool {
+	m, s := h.m, h.s
+	t := m.l2
+	w := s.inst.width
+	n := len(digests) / w
+	if t == nil || h.seq == 0 || hits >= n {
+		return false
+	}
+	rest := digests[hits*w : min(n, hits+t.cfg.MaxLookupBlocks)*w]
+	meta := int64(l2LookupMeta + len(rest))
+	if m.chargeMeta(s, s.uid, meta) != nil {
+		return false // no room for the record: the local answer it is
+	}
+	s.copyMeta += meta
+	t.nextID++
+	t.lookups[t.nextID] = &l2Lookup{sess: s, typ: h.typ, seq: h.seq, local: hits, meta: meta,
+		deadline: h.now + int64(t.cfg.Timeout)}
+	t.st.Lookups++
+	t.st.LookupBlocks += uint64(len(rest) / w)
+	h.out.L2Lookups = append(h.out.L2Lookups, L2Lookup{ID: t.nextID, NS: m.l2NS(s.inst.ns), Digests: append([]byte(nil), rest...)})
+	return true
+}
+
+// L2LookupDone answers a lookup held for the tier: found is the number of
+// leading blocks of its L2Lookup.Digests the tier holds (every rank).
+func (m *Machine) L2LookupDone(now int64, id uint64, found int, out *Output) {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	if m.l2 == nil {
+		return
+	}
+	if lk := m.l2.lookups[id]; lk != nil {
+		m.l2.st.LookupHitBlocks += uint64(max(found, 0))
+		m.endLookup(id, lk, max(found, 0))
+	}
+	m.check()
+}
+
+func (m *Machine) endLookup(id uint64, lk *l2Lookup, found int) {
+	delete(m.l2.lookups, id)
+	s := lk.sess
+	m.uncharge(s, s.uid, usage{meta: lk.meta})
+	if !s.gone {
+		s.copyMeta -= lk.meta
+		r := schema.Reply{Value: uint64(lk.local + found)}
+		m.out.reply(s.id, lk.typ, lk.seq, r.Append)
+	}
+}
+
+// l2Acquire pins the local leading blocks of digests under a lease, as
+// AcquireCharged does, and, with the tier on, reserves slots for the
+// blocks after them and asks the tier for those. A non-nil fetch means
+// the lease waits for it (the caller sets fetch.q); promised is how many
+// blocks the lease may then hold.
+func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, short bool, fetch *l2Fetch, promised int, err error) {
+	m, s, in := h.m, h.s, h.s.inst
+	ch := cache.Charge{Key: s.uid + 1, Limit: m.pinLimit()}
+	t := m.l2
+	if t == nil {
+		l, short, err = m.cache.AcquireCharged(in.ns.id, s.rank, digests, s.owner, ttl, h.now, ch)
+		return l, short, nil, l.Blocks, err
+	}
+	l, short, err = m.cache.AcquireOpen(in.ns.id, s.rank, digests, s.owner, ttl, h.now, ch)
+	if err != nil {
+		return l, short, nil, 0, err
+	}
+	w := in.width
+	n := len(digests) / w
+	if short || l.Blocks >= n {
+		return m.closeEmpty(l), short, nil, l.Blocks, nil
+	}
+	// What the tier may add: no more than the uid may still pin.
+	room := (m.pinLimit() - m.cache.PinnedCharged(s.uid+1)) / in.world
+	limit := min(n-l.Blocks, t.cfg.MaxFetchBlocks, max(room, 0))
+	f := &l2Fetch{sess: s, uid: s.uid, ns: in.ns}
+	var pend cache.Charge
+	if in.world > 1 {
+		pend = cache.Charge{Key: s.uid + 1, Limit: m.pendingLimit()}
+	}
+	view := digests[l.Blocks*w:]
+	var req L2Fetch
+	var offsets []uint64
+	covered := 0 // blocks of view up to the last one fetched or present
+	for i := 0; i < limit; i++ {
+		d := view[i*w : (i+1)*w]
+		ts, st, err := m.cache.BeginFetch(in.ns.id, d, s.owner, h.now, pend)
+		if err != nil {
+			break
+		}
+		if st == cache.AlreadyPresent {
+			covered = i + 1
+			continue
+		}
+		if st != cache.Allocated {
+			if st == cache.NoSpace || st == cache.OverQuota {
+				t.st.FetchNoSpace++
+			}
+			break
+		}
+		f.blocks = append(f.blocks, ts)
+		for _, tk := range ts {
+			offsets = append(offsets, uint64(tk.Slot)*m.cfg.SlotBytes)
+		}
+		req.Blocks = append(req.Blocks, L2FetchBlock{Digest: append([]byte(nil), d...), PoolOffsets: offsets[len(offsets)-len(ts):]})
+		covered = i + 1
+	}
+	if len(f.blocks) == 0 {
+		// Nothing to fetch: whatever is present after the local run joins
+		// the lease now.
+		if covered > 0 {
+			extra, _, _ := m.cache.ExtendLease(l.ID, in.ns.id, view[:covered*w], m.pinLimit())
+			l.Blocks += extra
+		}
+		return m.closeEmpty(l), false, nil, l.Blocks, nil
+	}
+	f.meta = int64(l2FetchMeta + len(f.blocks)*(w+16*in.world) + covered*w)
+	if err := m.chargeMeta(s, s.uid, f.meta); err != nil {
+		for _, ts := range f.blocks {
+			for _, tk := range ts {
+				m.cache.AbortStore(tk)
+			}
+		}
+		return m.closeEmpty(l), false, nil, l.Blocks, nil
+	}
+	s.copyMeta += f.meta
+	f.view = append([]byte(nil), view[:covered*w]...)
+	f.deadline = h.now + int64(t.cfg.Timeout)
+	t.nextID++
+	req.ID, req.NS = t.nextID, m.l2NS(in.ns)
+	req.Length, req.MaxLength = in.ns.pageBytes, m.cfg.SlotBytes
+	f.promised = l.Blocks + covered
+	t.fetches[req.ID] = f
+	t.byLease[l.ID] = f
+	t.st.Fetches++
+	t.st.FetchBlocks += uint64(len(f.blocks))
+	h.out.L2Fetches = append(h.out.L2Fetches, req)
+	return l, false, f, f.promised, nil
+}
+
+// l2Blocks is what a LeaseReply says of q's blocks: while it waits for a
+// fetch, the blocks it will hold if the fetch brings them all.
+func (m *Machine) l2Blocks(q *query) int {
+	if m.l2 != nil {
+		if f := m.l2.byLease[q.lease]; f != nil && f.q == q && !f.resolved {
+			return f.promised
+		}
+	}
+	return q.blocks
+}
+
+// closeEmpty turns an open lease that holds nothing into no lease (ID 0),
+// as AcquireCharged answers when nothing is present.
+func (m *Machine) closeEmpty(l cache.Lease) cache.Lease {
+	if l.ID != 0 && l.Blocks == 0 {
+		m.cache.Release(l.ID)
+		return cache.Lease{}
+	}
+	return l
+}
+
+// L2FetchDone ends a fetch: res[i] says how block i of its L2Fetch ended.
+// Every block fetched is committed (and present: it serves every later
+// lookup); the lease, unless it was resolved already, then holds the
+// leading blocks and is admitted against the budget.
+func (m *Machine) L2FetchDone(now int64, id uint64, res []L2FetchResult, out *Output) {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	if m.l2 == nil {
+		return
+	}
+	f := m.l2.fetches[id]
+	if f == nil {
+		return
+	}
+	delete(m.l2.fetches, id)
+	ns := f.ns
+	for i, ts := range f.blocks {
+		ok := i < len(res) && res[i].OK && res[i].Length > 0 && res[i].Length <= m.cfg.SlotBytes &&
+			(ns.pageBytes == 0 || res[i].Length == ns.pageBytes) && m.namespaces[ns.id] == ns
+		if ok && ns.pageBytes == 0 {
+			ns.pageBytes = res[i].Length // the block size, as a first Store would fix it
+		}
+		for _, tk := range ts {
+			if !ok {
+				m.cache.AbortStore(tk)
+				continue
+			}
+			if m.cache.CommitStore(tk) != nil {
+				ok = false
+			}
+		}
+		if ok {
+			var d []byte
+			if _, d, ok = m.cache.SlotBlock(ts[0].Slot); ok {
+				m.cache.Mark(ns.id, d) // the tier holds it: never written back
+				m.l2.st.FetchedBlocks++
+			}
+		}
+		if !ok {
+			m.l2.st.FetchMisses++
+		}
+	}
+	m.uncharge(f.sess, f.uid, usage{meta: f.meta})
+	if !f.sess.gone {
+		f.sess.copyMeta -= f.meta
+	}
+	if !f.resolved {
+		m.resolveFetch(f)
+	}
+	m.check()
+}
+
+// resolveFetch ends the wait of a fetch's lease: it takes the present
+// blocks that lead on from its local run, and is admitted (or a miss).
+func (m *Machine) resolveFetch(f *l2Fetch) {
+	f.resolved = true
+	q := f.q
+	if q != nil && m.l2.byLease[q.lease] == f {
+		delete(m.l2.byLease, q.lease)
+	}
+	if q == nil || m.queries[q.lease] != q || q.state != schema.StateWaiting {
+		return // released, expired, or its session ended
+	}
+	in := q.inst
+	added, short, _ := m.cache.ExtendLease(q.lease, in.ns.id, f.view, m.pinLimit())
+	if short {
+		m.st.QuotaRefusals["pins"]++
+	}
+	q.blocks += added
+	if q.blocks == 0 {
+		m.cache.Release(q.lease)
+		q.state = schema.StateMiss
+		return
+	}
+	q.bytes = int64(q.blocks) * int64(m.cfg.SlotBytes) * int64(in.world)
+	if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
+		q.budgeted, q.state = true, schema.StateReady
+	} else {
+		in.waiting = append(in.waiting, q)
+	}
+}
+
+// l2Committed writes a block that a store's commit made present
+// (write-through).
+func (m *Machine) l2Committed(slot uint32) {
+	if m.l2 == nil || m.l2.cfg.Policy != WriteThrough {
+		return
+	}
+	ns, d, ok := m.cache.SlotBlock(slot)
+	if !ok {
+		return // not present yet: other ranks still to come
+	}
+	m.l2Write(ns, d, false)
+}
+
+// l2Write pins a present block and asks for it to be written; toTail: its
+// pin's end leaves it at the LRU's tail (a write ahead of eviction).
+func (m *Machine) l2Write(id cache.NamespaceID, d []byte, toTail bool) bool {
+	t := m.l2
+	n := m.namespaces[id]
+	if n == nil || n.pageBytes == 0 {
+		return false
+	}
+	w := n.key.WorldSize
+	if t.pinned+w > t.cfg.WriteSlots {
+		t.st.WritesSkipped++
+		return false
+	}
+	pin, slots, ok := m.cache.PinBlock(id, d, toTail, t.scratch[:0])
+	t.scratch = slots[:0]
+	if !ok {
+		return false
+	}
+	m.cache.Mark(id, d)
+	offsets := make([]uint64, len(slots))
+	for i, sl := range slots {
+		offsets[i] = uint64(sl) * m.cfg.SlotBytes
+	}
+	t.nextID++
+	t.writes[t.nextID] = &l2Write{pin: pin, slots: len(slots)}
+	t.pinned += len(slots)
+	t.st.Writes++
+	m.out.L2Writes = append(m.out.L2Writes, L2Write{ID: t.nextID, NS: m.l2NS(n), Digest: append([]byte(nil), d...),
+		Length: n.pageBytes, PoolOffsets: offsets})
+	return true
+}
+
+// L2WriteDone ends a write's pin: it has read the pool, or was not taken
+// (refused: the tier's queue was full or the tier is down).
+func (m *Machine) L2WriteDone(now int64, id uint64, refused bool, out *Output) {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	if m.l2 == nil {
+		return
+	}
+	wr := m.l2.writes[id]
+	if wr == nil {
+		return
+	}
+	delete(m.l2.writes, id)
+	m.l2.pinned -= wr.slots
+	if refused {
+		m.l2.st.WritesNotTaken++
+	}
+	m.cache.EndLoad(wr.pin)
+	m.check()
+}
+
+// l2Tick resolves lookups and fetches past their deadline and, with
+// write-on-evict, writes the LRU's tail ahead.
+func (m *Machine) l2Tick(now int64) {
+	t := m.l2
+	if t == nil {
+		return
+	}
+	for id, lk := range t.lookups {
+		if now >= lk.deadline {
+			t.st.LookupTimeouts++
+			m.endLookup(id, lk, 0)
+		}
+	}
+	for _, f := range t.fetches {
+		if !f.resolved && now >= f.deadline {
+			t.st.FetchTimeouts++
+			m.resolveFetch(f)
+		}
+	}
+	m.l2EvictAhead()
+}
+
+// l2EvictAhead writes the unwritten blocks among the EvictAhead least
+// recently used, while the write bound lets it.
+func (m *Machine) l2EvictAhead() {
+	t := m.l2
+	if t == nil || t.cfg.Policy != WriteOnEvict || t.pinned >= t.cfg.WriteSlots {
+		return
+	}
+	c := t.evictBuf[:0]
+	m.cache.LRUTail(t.cfg.EvictAhead, func(ns cache.NamespaceID, d []byte, marked bool) bool {
+		if !marked {
+			e := l2Candidate{ns: ns, width: len(d)}
+			copy(e.digest[:], d)
+			c = append(c, e)
+		}
+		return true
+	})
+	t.evictBuf = c[:0]
+	for i := range c {
+		if t.pinned >= t.cfg.WriteSlots {
+			break
+		}
+		m.l2Write(c[i].ns, c[i].digest[:c[i].width], true)
+	}
+}
+
+// l2Meta is the part of s.copyMeta that the tier's lookups and fetches
+// hold (for the invariants).
+func (m *Machine) l2Meta(s *session) int64 {
+	if m.l2 == nil {
+		return 0
+	}
+	var n int64
+	for _, lk := range m.l2.lookups {
+		if lk.sess == s {
+			n += lk.meta
+		}
+	}
+	for _, f := range m.l2.fetches {
+		if f.sess == s {
+			n += f.meta
+		}
+	}
+	return n
+}
+
+// l2Charges reports the tier's charged records to the invariants' tally.
+func (m *Machine) l2Charges(at func(s *session, uid uint32, c usage)) {
+	if m.l2 == nil {
+		return
+	}
+	for _, lk := range m.l2.lookups {
+		at(lk.sess, lk.sess.uid, usage{meta: lk.meta})
+	}
+	for _, f := range m.l2.fetches {
+		at(f.sess, f.uid, usage{meta: f.meta})
+	}
+}
+
+// l2Invariants checks the tier's own records.
+func (m *Machine) l2Invariants(bad func(format string, args ...any)) {
+	if m.l2 == nil {
+		return
+	}
+	slots := 0
+	for id, wr := range m.l2.writes {
+		slots += wr.slots
+		if wr.pin == 0 {
+			bad("l2 write %d: no pin", id)
+		}
+	}
+	if slots != m.l2.pinned {
+		bad("l2: writes pin %d slots, counted %d", slots, m.l2.pinned)
+	}
+	for id, f := range m.l2.fetches {
+		if f.q == nil {
+			bad("l2 fetch %d: no query", id)
+		}
+		if !f.resolved && m.l2.byLease[f.q.lease] != f {
+			bad("l2 fetch %d: unresolved, not found by its lease %d", id, f.q.lease)
+		}
+	}
+	for lease, f := range m.l2.byLease {
+		if f.resolved || f.q == nil || f.q.lease != lease {
+			bad("l2: lease %d names a resolved or foreign fetch", lease)
+		}
+	}
+}
