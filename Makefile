@@ -132,6 +132,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzMachine$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeBatch$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./internal/kvevents/
 	$(GO) test -run '^$$' -fuzz '^FuzzMachineL2$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/
+	$(GO) test -run '^$$' -fuzz '^FuzzCheckValue$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/l2/
 
 # The reliability soak (not part of make test): three engine processes replay
 # the conversation trace, one request at a time in trace order, with random

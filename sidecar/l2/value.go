@@ -1,0 +1,132 @@
+package l2
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"hash/crc32"
+	"strconv"
+
+	"github.com/ringside-kv/ringside/sidecar/machine"
+)
+
+// One value per (namespace, block digest, rank): a header, then the
+// rank's shard of the block (its payload). Never two keys per block: a
+// store that evicts one key of a pair would leave the other meaning
+// nothing. The header says whose bytes these are, so that a value written
+// under the wrong key, truncated, or changed in place is rejected, never
+// served:
+//
+//	off size field
+//	  0    4 magic "RSL2"
+//	  4    2 version (1)
+//	  6    2 header size (96)
+//	  8    2 rank
+//	 10    2 world size
+//	 12    1 digest width (8, 16 or 32)
+//	 13    3 zero
+//	 16    8 payload length
+//	 24    8 layout fingerprint
+//	 32   16 namespace fingerprint (model, layout, tenant salt, width, world)
+//	 48   32 digest (zero padded)
+//	 80    4 CRC32C of the payload
+//	 84    4 CRC32C of bytes 0-83
+//	 88    8 zero
+//
+// Reserved bytes must be zero (a reader rejects the value otherwise).
+//
+// All integers are little-endian.
+const (
+	HeaderSize   = 96
+	valueMagic   = 0x324c5352 // "RSL2"
+	valueVersion = 1
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Key is the tier's key of rank's value of block digest in ns: the prefix,
+// then a hash tag of the namespace fingerprint and the digest (so that
+// every rank of a block lives on one cluster node), then the rank. Tenants
+// never share a key: the tenant salt is in the fingerprint.
+func Key(prefix string, ns machine.L2Namespace, digest []byte, rank int) string {
+	b := make([]byte, 0, len(prefix)+2+2*len(ns.FP)+2*len(digest)+4)
+	b = append(b, prefix...)
+	b = append(b, '{')
+	b = hex.AppendEncode(b, ns.FP[:])
+	b = hex.AppendEncode(b, digest)
+	b = append(b, '}', ':')
+	b = strconv.AppendInt(b, int64(rank), 10)
+	return string(b)
+}
+
+// HashTag is the part of a key that picks its cluster slot.
+func HashTag(ns machine.L2Namespace, digest []byte) string {
+	return hex.EncodeToString(ns.FP[:]) + hex.EncodeToString(digest)
+}
+
+// AppendValue appends the value of rank's shard payload of block digest.
+func AppendValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, payload []byte) []byte {
+	start := len(dst)
+	dst = append(dst, make([]byte, HeaderSize)...)
+	h := dst[start : start+HeaderSize]
+	binary.LittleEndian.PutUint32(h[0:], valueMagic)
+	binary.LittleEndian.PutUint16(h[4:], valueVersion)
+	binary.LittleEndian.PutUint16(h[6:], HeaderSize)
+	binary.LittleEndian.PutUint16(h[8:], uint16(rank))
+	binary.LittleEndian.PutUint16(h[10:], uint16(ns.World))
+	h[12] = byte(len(digest))
+	binary.LittleEndian.PutUint64(h[16:], uint64(len(payload)))
+	binary.LittleEndian.PutUint64(h[24:], ns.Layout)
+	copy(h[32:48], ns.FP[:])
+	copy(h[48:80], digest)
+	binary.LittleEndian.PutUint32(h[80:], crc32.Update(0, castagnoli, payload))
+	binary.LittleEndian.PutUint32(h[84:], crc32.Update(0, castagnoli, h[:84]))
+	return append(dst, payload...)
+}
+
+// Reasons a value is rejected (the rejected-values metric's label).
+const (
+	RejectShort    = "short"
+	RejectHeader   = "header"   // magic, version, size or the header's own checksum
+	RejectIdentity = "identity" // namespace, layout, digest, rank or world size of another block
+	RejectLength   = "length"   // not the namespace's block size, or larger than a slot
+	RejectChecksum = "checksum" // the payload's CRC32C
+	RejectTrailing = "trailing" // bytes after the payload
+)
+
+// CheckValue checks that v is rank's value of block digest in ns, with a
+// payload of want bytes (0: any up to max), and returns its payload (a
+// slice of v) or the reason it is rejected.
+func CheckValue(v []byte, ns machine.L2Namespace, digest []byte, rank int, want, maxLen uint64) ([]byte, string) {
+	if len(v) < HeaderSize {
+		return nil, RejectShort
+	}
+	h := v[:HeaderSize]
+	if binary.LittleEndian.Uint32(h[0:]) != valueMagic || binary.LittleEndian.Uint16(h[4:]) != valueVersion ||
+		binary.LittleEndian.Uint16(h[6:]) != HeaderSize || binary.LittleEndian.Uint32(h[84:]) != crc32.Update(0, castagnoli, h[:84]) ||
+		h[13]|h[14]|h[15] != 0 || binary.LittleEndian.Uint64(h[88:]) != 0 {
+		return nil, RejectHeader
+	}
+	var d [32]byte
+	copy(d[:], digest)
+	var fp [16]byte
+	copy(fp[:], h[32:48])
+	if binary.LittleEndian.Uint16(h[8:]) != uint16(rank) || binary.LittleEndian.Uint16(h[10:]) != uint16(ns.World) ||
+		int(h[12]) != len(digest) || binary.LittleEndian.Uint64(h[24:]) != ns.Layout || fp != ns.FP || [32]byte(h[48:80]) != d {
+		return nil, RejectIdentity
+	}
+	n := binary.LittleEndian.Uint64(h[16:])
+	if n == 0 || n > maxLen || (want != 0 && n != want) {
+		return nil, RejectLength
+	}
+	if uint64(len(v)-HeaderSize) < n {
+		return nil, RejectShort
+	}
+	if uint64(len(v)-HeaderSize) > n {
+		return nil, RejectTrailing
+	}
+	p := v[HeaderSize:]
+	if crc32.Update(0, castagnoli, p) != binary.LittleEndian.Uint32(h[80:]) {
+		return nil, RejectChecksum
+	}
+	return p, ""
+}
