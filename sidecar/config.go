@@ -120,6 +120,8 @@ type Config struct {
 	// cancelled until it returns.
 	CopyChunkBytes uint64
 	CopyStall      time.Duration
+	// L2 is the shared tier (tier.go); nil: off.
+	L2 *L2Config
 }
 
 // Defaults.
@@ -286,6 +288,11 @@ func (c *Config) Validate() error {
 	}
 	if c.CopyStall <= 0 {
 		bad("copy.stall", "%v must be positive", c.CopyStall)
+	}
+	if c.L2 != nil {
+		if err := c.L2.validate(); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
 }

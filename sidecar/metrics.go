@@ -127,6 +127,7 @@ func newMetrics(s *Server) *metrics {
 		_, st, _ := s.sched.stats()
 		return float64(st)
 	})
+	s.l2Metrics(f)
 	gauge("ringside_copy_chunks_queued", "Copy chunks waiting for a worker.", func(*view) float64 {
 		_, _, q := s.sched.stats()
 		return float64(q)
@@ -175,6 +176,7 @@ type State struct {
 	Pool      cache.Stats    `json:"pool"`
 	Usage     machine.Usage  `json:"usage"`
 	Sessions  []SessionState `json:"sessions"`
+	L2        *L2State       `json:"l2,omitempty"` // the shared tier, when on
 }
 
 // SessionState describes one session.
@@ -202,7 +204,9 @@ func (s *Server) State() State {
 	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.SlotBytes,
 		Pool: s.m.Cache().Stats(), Usage: s.m.Usage()}
 	infos := s.m.Sessions()
+	l2c := s.m.L2Counters()
 	s.mu.Unlock()
+	st.L2 = s.l2State(l2c, st.Pool.EvictedUnmarked)
 	sort.Slice(infos, func(i, j int) bool { return infos[i].ID < infos[j].ID })
 	for _, in := range infos {
 		ss := s.session(in.ID)

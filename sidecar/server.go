@@ -19,6 +19,7 @@ import (
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/ring"
 	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
@@ -39,6 +40,7 @@ type Server struct {
 	exits  *sys.ExitWatcher
 	ln     *net.UnixListener
 	met    *metrics
+	tier   *l2.Tier // the shared tier (tier.go); nil: off
 	// dirLock keeps a second sidecar off Dir (dirlock.go).
 	dirLock *sys.FileLock
 
@@ -160,6 +162,13 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	if err != nil {
 		s.closeResources()
 		return nil, err
+	}
+	if cfg.L2 != nil {
+		s.m.EnableL2(cfg.L2.machineL2())
+		if s.tier, err = l2.New(cfg.L2.Redis, s.pool.Bytes(), log); err != nil {
+			s.closeResources()
+			return nil, err
+		}
 	}
 	if cfg.PrefillBlocks > 0 {
 		t0 := time.Now()
@@ -363,6 +372,9 @@ func (s *Server) closeResources() {
 		s.sched.close()
 	}
 	s.bg.Wait()
+	if s.tier != nil {
+		s.tier.Close() // nothing of it touches the pool once it returns
+	}
 	if s.copier != nil {
 		s.copier.Close()
 	}
@@ -422,6 +434,7 @@ func (s *Server) apply(out *machine.Output) {
 	for i := range out.Copies {
 		s.submitCopy(out.Copies[i])
 	}
+	s.applyL2(out)
 	for _, h := range out.Unregister {
 		s.bg.Add(1)
 		go func() {

@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	mrand "math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -120,10 +121,17 @@ func start(base string, o Options, cluster bool, tlsFiles *TLSFiles) (*Server, e
 		}
 		s.TLS = *tlsFiles
 	}
-	port, err := freePort(cluster)
+	port, err := freePort()
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, err
+	}
+	bus := 0
+	if cluster {
+		if bus, err = freePort(); err != nil || bus == port {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("redistest: no bus port: %v", err)
+		}
 	}
 	s.Port, s.Addr = port, fmt.Sprintf("127.0.0.1:%d", port)
 	args := []string{"--bind", "127.0.0.1", "--dir", dir, "--save", "", "--appendonly", "no", "--daemonize", "no",
@@ -154,7 +162,7 @@ func start(base string, o Options, cluster bool, tlsFiles *TLSFiles) (*Server, e
 		if nt == 0 {
 			nt = time.Second
 		}
-		args = append(args, "--cluster-enabled", "yes", "--cluster-config-file", filepath.Join(dir, "nodes.conf"),
+		args = append(args, "--cluster-enabled", "yes", "--cluster-port", strconv.Itoa(bus), "--cluster-config-file", filepath.Join(dir, "nodes.conf"),
 			"--cluster-node-timeout", strconv.FormatInt(nt.Milliseconds(), 10))
 	}
 	s.args = append(args, o.Args...)
@@ -297,28 +305,34 @@ func Single(t testing.TB, o Options) *Server {
 	return s
 }
 
-// freePort finds a loopback port that is free, and for a cluster node
-// its bus port (+10000) too.
-func freePort(cluster bool) (int, error) {
-	for i := 0; i < 100; i++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
+// freePort finds a free loopback port below the kernel's ephemeral range
+// (ip_local_port_range), so that no outgoing connection's local port can
+// take it between the pick and the server's bind (the cluster bus port,
+// chosen alike, is named with --cluster-port). Ports are drawn at random,
+// so that tests of several packages running at once rarely try the same.
+func freePort() (int, error) {
+	lo := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil {
+				lo = v
+			}
 		}
-		p := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if !cluster {
-			return p, nil
-		}
-		if p+10000 > 65535 {
-			continue
-		}
-		if b, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p+10000)); err == nil {
-			b.Close()
+	}
+	const from = 12000
+	for i := 0; i < 200 && lo > from+1000; i++ {
+		p := from + mrand.IntN(lo-from)
+		if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p)); err == nil {
+			l.Close()
 			return p, nil
 		}
 	}
-	return 0, errors.New("redistest: no free port")
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 // Cluster is a Redis Cluster of masters with replicas.
@@ -331,6 +345,14 @@ type Cluster struct {
 // redis-cli --cluster create, then waits until every node says the
 // cluster is ok and every replica is in sync.
 func StartCluster(base string, masters, replicas int, o Options) (*Cluster, error) {
+	c, err := startCluster(base, masters, replicas, o)
+	if err != nil { // a port taken meanwhile, or a join that stalled: once more
+		c, err = startCluster(base, masters, replicas, o)
+	}
+	return c, err
+}
+
+func startCluster(base string, masters, replicas int, o Options) (*Cluster, error) {
 	c := &Cluster{base: base}
 	var tlsFiles *TLSFiles
 	if o.TLS {
@@ -357,7 +379,7 @@ func StartCluster(base string, masters, replicas int, o Options) (*Cluster, erro
 		args = append(args, s.Addr)
 	}
 	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	cli := append(c.Nodes[0].CLIArgs()[4:], args...) // no -h/-p: the addresses are in the command
 	if out, err := exec.CommandContext(ctx, CLIBin, cli...).CombinedOutput(); err != nil {

@@ -157,7 +157,9 @@ type Tier struct {
 	inflight chan struct{}
 	batches  chan struct{} // fetch batches running (bounds their buffers)
 	stop     chan struct{}
-	wg       sync.WaitGroup
+	wg       sync.WaitGroup // the connector and the writers
+	ops      sync.WaitGroup // lookups and fetches running
+	opsMu    sync.RWMutex   // orders ops.Add against Close
 	closed   atomic.Bool
 	bufs     sync.Pool
 }
@@ -186,11 +188,14 @@ func New(cfg Config, pool []byte, log zerolog.Logger) (*Tier, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	t := &Tier{cfg: cfg, pool: pool, log: log.With().Str("component", "l2").Logger(), met: newMetrics(),
-		writes: make(chan *writeJob, cfg.Queue), inflight: make(chan struct{}, cfg.Inflight),
+	writes := make(chan *writeJob, cfg.Queue)
+	t := &Tier{cfg: cfg, pool: pool, log: log.With().Str("component", "l2").Logger(), met: newMetrics(func() int { return len(writes) }),
+		writes: writes, inflight: make(chan struct{}, cfg.Inflight),
 		batches: make(chan struct{}, max(cfg.Inflight/8, 2)), stop: make(chan struct{})}
 	t.met.queueCap.Set(float64(cfg.Queue))
-	redis.SetLogger(quietLogger{t.log})
+	// go-redis logs through one global logger: set once (a second set would
+	// race with the clients already running).
+	setLogger.Do(func() { redis.SetLogger(quietLogger{t.log}) })
 	t.wg.Add(1)
 	go t.connect()
 	for i := 0; i < cfg.Writers; i++ {
@@ -221,14 +226,19 @@ func (t *Tier) Mode() string {
 // Connected reports whether the tier has a client (it may still fail).
 func (t *Tier) Connected() bool { return t.client.Load() != nil }
 
-// Close stops the writers (queued writes are refused) and closes the
-// connections.
+// Close stops the writers (queued writes are refused), waits for the
+// lookups and fetches running (nothing touches the pool once it returns)
+// and closes the connections.
 func (t *Tier) Close() {
-	if !t.closed.CompareAndSwap(false, true) {
+	t.opsMu.Lock()
+	first := t.closed.CompareAndSwap(false, true)
+	t.opsMu.Unlock()
+	if !first {
 		return
 	}
 	close(t.stop)
 	t.wg.Wait()
+	t.ops.Wait()
 	for {
 		select {
 		case j := <-t.writes:
@@ -242,6 +252,8 @@ func (t *Tier) Close() {
 		c.Close()
 	}
 }
+
+var setLogger sync.Once
 
 type quietLogger struct{ log zerolog.Logger }
 
@@ -322,17 +334,27 @@ func (t *Tier) detect() (string, error) {
 	return "", errors.Join(errs...)
 }
 
-// take reserves a slot for a lookup or a fetch; false: too many run.
+// take reserves a slot for a lookup or a fetch (and counts it in ops);
+// false: closed, or too many run.
 func (t *Tier) take() bool {
+	t.opsMu.RLock()
+	defer t.opsMu.RUnlock()
+	if t.closed.Load() {
+		return false
+	}
 	select {
 	case t.inflight <- struct{}{}:
+		t.ops.Add(1)
 		return true
 	default:
 		return false
 	}
 }
 
-func (t *Tier) give() { <-t.inflight }
+func (t *Tier) give() {
+	<-t.inflight
+	t.ops.Done()
+}
 
 // Lookup answers, through done (on another goroutine, or at once), how
 // many leading blocks of l.Digests the tier holds, every rank of each.
@@ -495,7 +517,6 @@ func (t *Tier) Write(w machine.L2Write, copied func(refused bool)) {
 	}
 	select {
 	case t.writes <- &writeJob{w: w, copied: copied}:
-		t.met.queue.Inc()
 	default:
 		t.met.writes.WithLabelValues("queue_full").Inc()
 		copied(true)
@@ -509,7 +530,6 @@ func (t *Tier) writer() {
 		case <-t.stop:
 			return
 		case j := <-t.writes:
-			t.met.queue.Dec()
 			t.write(j)
 		}
 	}

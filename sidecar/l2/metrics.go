@@ -17,11 +17,12 @@ type Metrics struct {
 	errors       *prometheus.CounterVec // by op: lookup, fetch, write, connect
 	bytes        *prometheus.CounterVec // by direction: read, written
 	seconds      *prometheus.HistogramVec
-	queue        prometheus.Gauge
+	queue        prometheus.GaugeFunc
 	queueCap     prometheus.Gauge
+	queueLen     func() int
 }
 
-func newMetrics() *Metrics {
+func newMetrics(queueLen func() int) *Metrics {
 	m := &Metrics{
 		lookups:      prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_l2_lookups_total", Help: "Lookups of the shared tier, by result (unavailable: not connected, or too many in flight)."}, []string{"result"}),
 		lookupBlocks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_l2_lookup_blocks_total", Help: "Blocks the shared tier was asked about, by result (hit: every rank held, in the leading run)."}, []string{"result"}),
@@ -32,9 +33,10 @@ func newMetrics() *Metrics {
 		bytes:        prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ringside_l2_bytes_total", Help: "Value bytes moved to and from the shared tier."}, []string{"direction"}),
 		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "ringside_l2_seconds", Help: "Latency of the shared tier's round trips, by operation (a fetch or a write: all of its values).",
 			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 18)}, []string{"op"}),
-		queue:    prometheus.NewGauge(prometheus.GaugeOpts{Name: "ringside_l2_write_queue", Help: "Writes waiting for a writer."}),
+		queueLen: queueLen,
 		queueCap: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ringside_l2_write_queue_capacity", Help: "The most writes that may wait (--l2.write-queue)."}),
 	}
+	m.queue = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ringside_l2_write_queue", Help: "Writes waiting for a writer."}, func() float64 { return float64(queueLen()) })
 	for _, r := range []string{"ok", "error", "unavailable"} {
 		m.lookups.WithLabelValues(r)
 	}
@@ -79,7 +81,7 @@ type Snapshot struct {
 // Snapshot reads the counters.
 func (m *Metrics) Snapshot() Snapshot {
 	return Snapshot{Lookups: vec(m.lookups), LookupBlocks: vec(m.lookupBlocks), FetchBlocks: vec(m.fetchBlocks),
-		Writes: vec(m.writes), Rejected: vec(m.rejected), Errors: vec(m.errors), Bytes: vec(m.bytes), Queue: gauge(m.queue)}
+		Writes: vec(m.writes), Rejected: vec(m.rejected), Errors: vec(m.errors), Bytes: vec(m.bytes), Queue: float64(m.queueLen())}
 }
 
 func vec(v *prometheus.CounterVec) map[string]float64 {
@@ -93,12 +95,4 @@ func vec(v *prometheus.CounterVec) map[string]float64 {
 		}
 	}
 	return out
-}
-
-func gauge(g prometheus.Gauge) float64 {
-	var d dto.Metric
-	if g.Write(&d) == nil && d.Gauge != nil {
-		return d.Gauge.GetValue()
-	}
-	return 0
 }

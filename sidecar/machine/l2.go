@@ -56,9 +56,9 @@ func (p L2Policy) String() string {
 type L2Config struct {
 	Enabled bool
 	Policy  L2Policy
-	// Timeout bounds a lookup and a fetch: one not answered by then is a
-	// miss of the tier.
-	Timeout time.Duration
+	// Timeout bounds a lookup, FetchTimeout a fetch: one not answered by
+	// then is a miss of the tier (its slots stay reserved until it ends).
+	Timeout, FetchTimeout time.Duration
 	// WriteSlots bounds the pool slots that writes queued or in flight pin
 	// (each write pins its block's every rank); past it, writes are
 	// skipped. Default: a sixteenth of the pool.
@@ -74,13 +74,17 @@ type L2Config struct {
 
 // Defaults of L2Config.
 const (
-	DefaultL2Timeout   = 500 * time.Millisecond
-	DefaultL2MaxBlocks = 4096
+	DefaultL2Timeout      = 150 * time.Millisecond
+	DefaultL2FetchTimeout = 2 * time.Second
+	DefaultL2MaxBlocks    = 4096
 )
 
 func (c *L2Config) ensureDefaults(slots int) {
 	if c.Timeout == 0 {
 		c.Timeout = DefaultL2Timeout
+	}
+	if c.FetchTimeout == 0 {
+		c.FetchTimeout = DefaultL2FetchTimeout
 	}
 	if c.WriteSlots == 0 {
 		c.WriteSlots = max(slots/16, 1)
@@ -249,8 +253,15 @@ func (m *Machine) L2Counters() L2Counters {
 	return c
 }
 
-func (m *Machine) l2NS(n *nsRec) L2Namespace {
-	k := n.key
+func (m *Machine) l2NS(n *nsRec) L2Namespace { return l2Namespace(n.key) }
+
+// L2NamespaceFor is the tier's name of the namespace an attach with these
+// strings joins (for tools and tests that look at the tier directly).
+func L2NamespaceFor(model, layout, salt string, width, world int) L2Namespace {
+	return l2Namespace(cache.NamespaceKey{Model: model, Layout: fingerprint(layout), TenantSalt: fingerprint(salt), DigestWidth: width, WorldSize: world})
+}
+
+func l2Namespace(k cache.NamespaceKey) L2Namespace {
 	h := sha256.New()
 	var b [8]byte
 	h.Write([]byte("ringside-l2\x00"))
@@ -394,7 +405,7 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 	}
 	s.copyMeta += f.meta
 	f.view = append([]byte(nil), view[:covered*w]...)
-	f.deadline = h.now + int64(t.cfg.Timeout)
+	f.deadline = h.now + int64(t.cfg.FetchTimeout)
 	t.nextID++
 	req.ID, req.NS = t.nextID, m.l2NS(in.ns)
 	req.Length, req.MaxLength = in.ns.pageBytes, m.cfg.SlotBytes

@@ -374,7 +374,7 @@ func TestL2WriteThroughLookupFetchLoad(t *testing.T) {
 func TestL2FetchStopsAtABadBlockAndTimesOut(t *testing.T) {
 	tr := &tier{vals: map[string][]byte{}}
 	a := newNode(t, tr, 64, machine.L2Config{})
-	b := newNode(t, tr, 64, machine.L2Config{Timeout: 50 * time.Millisecond})
+	b := newNode(t, tr, 64, machine.L2Config{Timeout: 50 * time.Millisecond, FetchTimeout: 100 * time.Millisecond})
 	d := digs("p", 5)
 	sa := a.attach("a", "", 1, 0)
 	sa.region(8)
