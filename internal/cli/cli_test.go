@@ -8,7 +8,7 @@ import (
 
 func TestEveryFlagHasAnEnvVar(t *testing.T) {
 	app := App()
-	for _, f := range append(serveFlags(), logFlags()...) {
+	for _, f := range append(append(serveFlags(), l2Flags()...), logFlags()...) {
 		names := f.Names()
 		var buf bytes.Buffer
 		buf.WriteString(f.String())

@@ -51,6 +51,20 @@ func init() {
 				p.Capacity, st.SlotBytes, p.Free, p.Used, p.Stored, p.Writing, p.Blocks, p.PinnedBlocks, p.Leases)
 			fmt.Fprintf(w, "lookups %d  hit blocks %d of %d  stores %d  evictions %d  expired leases %d\n",
 				p.Lookups, p.HitBlocks, p.LookupBlocks, p.Stores, p.Evictions, p.ExpiredLeases)
+			if l := st.L2; l != nil {
+				m, cl := l.Machine, l.Client
+				fmt.Fprintf(w, "l2: %s %v connected %v tls %v prefix %q ttl %s policy %s\n", l.Mode, l.Addrs, l.Connected, l.TLS, l.Prefix, l.TTL, l.Policy)
+				fmt.Fprintf(w, "  lookups %d (%d blocks asked, %d found, %d timed out)  fetches %d: %d blocks fetched, %d missed, %d timed out\n",
+					m.Lookups, m.LookupBlocks, m.LookupHitBlocks, m.LookupTimeouts, m.Fetches, m.FetchedBlocks, m.FetchMisses, m.FetchTimeouts)
+				fmt.Fprintf(w, "  writes %d (ok %.0f, errors %.0f, skipped %d, refused %d)  queue %.0f  pinned slots %d  evicted unwritten %d\n",
+					m.Writes, cl.Writes["ok"], cl.Writes["error"], m.WritesSkipped, m.WritesNotTaken, cl.Queue, m.WritingSlots, l.EvictedUnwritten)
+				var rej float64
+				for _, v := range cl.Rejected {
+					rej += v
+				}
+				fmt.Fprintf(w, "  bytes read %.0f written %.0f  rejected values %.0f  errors lookup %.0f fetch %.0f write %.0f connect %.0f\n",
+					cl.Bytes["read"], cl.Bytes["written"], rej, cl.Errors["lookup"], cl.Errors["fetch"], cl.Errors["write"], cl.Errors["connect"])
+			}
 			fmt.Fprintf(w, "sessions: %d\n", len(st.Sessions))
 			for _, s := range st.Sessions {
 				fmt.Fprintf(w, "  #%d %s role %d rank %d pid %d regions %d  rings %s (%d B queued), %s (%d B queued)\n",

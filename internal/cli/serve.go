@@ -61,7 +61,7 @@ func serveCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "run the sidecar: a KV block pool in shared memory served through rings",
-		Flags: append(serveFlags(), logFlags()...),
+		Flags: append(append(serveFlags(), l2Flags()...), logFlags()...),
 		Action: func(c *cli.Context) error {
 			log, err := logger(c)
 			if err != nil {
@@ -153,6 +153,7 @@ func ServeConfig(c *cli.Context) (sidecar.Config, error) {
 			MaxConns:     c.Int("metrics.max-conns"),
 		},
 	}
+	cfg.L2 = l2Config(c, &errs)
 	if s := c.String("allow-uid"); s != "" {
 		for _, f := range strings.Split(s, ",") {
 			u, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)

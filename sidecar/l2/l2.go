@@ -21,6 +21,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -40,9 +41,13 @@ type Config struct {
 	// Mode is "auto" (default: ask the first node that answers whether it
 	// is in cluster mode), "single" or "cluster".
 	Mode string
-	// Username and Password authenticate (ACL user, or the default user's
-	// password when Username is empty).
-	Username, Password string
+	// Username and the password authenticate (an ACL user, or the default
+	// user's password when Username is empty). The password is Password,
+	// or read from PasswordFile (at start, and again for every new
+	// connection: a rotated file takes effect), or from the environment
+	// variable PasswordEnv (at start); at most one of them.
+	Username, Password        string
+	PasswordFile, PasswordEnv string
 	// TLS, when not nil, is used for every connection.
 	TLS *tls.Config
 	// Prefix starts every key (default "ringside:").
@@ -137,10 +142,61 @@ func (c *Config) Validate() error {
 	if c.Writers < 1 || c.Writers > 256 || c.Queue < 1 || c.Inflight < 1 || c.PoolSize < 1 || c.FetchBatchBytes < 1<<16 {
 		bad("writers", "writers 1..256, and the queue, in-flight bound, pool size and fetch batch must be positive")
 	}
+	n := 0
+	for _, v := range []string{c.Password, c.PasswordFile, c.PasswordEnv} {
+		if v != "" {
+			n++
+		}
+	}
+	if n > 1 {
+		bad("password-file", "give one of a password file and a password environment variable")
+	}
 	if len(c.Prefix) > 256 || strings.ContainsAny(c.Prefix, "{}") {
 		bad("prefix", "%q: at most 256 bytes, without braces (they would change the hash tag)", c.Prefix)
 	}
 	return errors.Join(errs...)
+}
+
+// resolvePassword reads the password from its file or variable.
+func (c *Config) resolvePassword() error {
+	switch {
+	case c.PasswordFile != "":
+		p, err := readPassword(c.PasswordFile)
+		if err != nil {
+			return fmt.Errorf("--l2.redis.password-file: %w", err)
+		}
+		c.Password = p
+	case c.PasswordEnv != "":
+		v, ok := os.LookupEnv(c.PasswordEnv)
+		if !ok || v == "" {
+			return fmt.Errorf("--l2.redis.password-env: the environment variable %s is not set or empty", c.PasswordEnv)
+		}
+		c.Password = v
+	}
+	return nil
+}
+
+func readPassword(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	p := strings.TrimRight(string(b), "\r\n")
+	if p == "" {
+		return "", fmt.Errorf("%s is empty", path)
+	}
+	return p, nil
+}
+
+// credentials is what every new connection authenticates with: the
+// password file is read again (the last good password if it cannot be).
+func (t *Tier) credentials() (string, string) {
+	if f := t.cfg.PasswordFile; f != "" {
+		if p, err := readPassword(f); err == nil {
+			return t.cfg.Username, p
+		}
+	}
+	return t.cfg.Username, t.cfg.Password
 }
 
 // Tier is a connection to the shared tier.
@@ -188,6 +244,9 @@ func New(cfg Config, pool []byte, log zerolog.Logger) (*Tier, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if err := cfg.resolvePassword(); err != nil {
+		return nil, err
+	}
 	writes := make(chan *writeJob, cfg.Queue)
 	t := &Tier{cfg: cfg, pool: pool, log: log.With().Str("component", "l2").Logger(), met: newMetrics(func() int { return len(writes) }),
 		writes: writes, inflight: make(chan struct{}, cfg.Inflight),
@@ -211,6 +270,7 @@ func (t *Tier) Config() Config {
 	if c.Password != "" {
 		c.Password = "(set)"
 	}
+	c.TLS = nil
 	return c
 }
 
@@ -262,7 +322,7 @@ func (q quietLogger) Printf(_ context.Context, format string, v ...any) {
 }
 
 func (t *Tier) opts(addr string) *redis.Options {
-	return &redis.Options{Addr: addr, Username: t.cfg.Username, Password: t.cfg.Password, TLSConfig: t.cfg.TLS,
+	return &redis.Options{Addr: addr, CredentialsProvider: t.credentials, TLSConfig: t.cfg.TLS,
 		DialTimeout: t.cfg.IOTimeout, ReadTimeout: t.cfg.IOTimeout, WriteTimeout: t.cfg.IOTimeout, ContextTimeoutEnabled: true,
 		PoolSize: t.cfg.PoolSize, MaxRetries: 1, PoolTimeout: t.cfg.IOTimeout, Protocol: 2, DisableIdentity: true,
 		ReadBufferSize: 256 << 10, WriteBufferSize: 256 << 10,
@@ -280,7 +340,7 @@ func (t *Tier) connect() {
 			var c redis.UniversalClient
 			if mode == "cluster" {
 				o := t.opts("")
-				c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: t.cfg.Addrs, Username: o.Username, Password: o.Password,
+				c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: t.cfg.Addrs, CredentialsProvider: t.credentials,
 					TLSConfig: o.TLSConfig, DialTimeout: o.DialTimeout, ReadTimeout: o.ReadTimeout, WriteTimeout: o.WriteTimeout,
 					ContextTimeoutEnabled: true, PoolSize: o.PoolSize, PoolTimeout: o.PoolTimeout, MaxRetries: 1, MaxRedirects: 3,
 					Protocol: 2, DisableIdentity: true, ReadBufferSize: o.ReadBufferSize, WriteBufferSize: o.WriteBufferSize,

@@ -55,6 +55,9 @@ func newMetrics(queueLen func() int) *Metrics {
 	for _, r := range []string{"lookup", "fetch", "write", "connect"} {
 		m.errors.WithLabelValues(r)
 	}
+	for _, op := range []string{"lookup", "fetch", "write"} {
+		m.seconds.WithLabelValues(op)
+	}
 	for _, r := range []string{"read", "written"} {
 		m.bytes.WithLabelValues(r)
 	}

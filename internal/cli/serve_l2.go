@@ -1,0 +1,107 @@
+package cli
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/l2"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+)
+
+// l2Flags are the shared tier's flags (off unless --l2.redis.addrs is
+// given). The password is never a flag: it comes from a file or from an
+// environment variable the flags name.
+func l2Flags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "l2.redis.addrs", Usage: "shared tier: comma-separated host:port of a Redis node, or seed nodes of a Redis Cluster (empty: no tier)", EnvVars: env("l2.redis.addrs")},
+		&cli.StringFlag{Name: "l2.redis.mode", Value: "auto", Usage: "auto (ask the server whether it is a cluster), single or cluster", EnvVars: env("l2.redis.mode")},
+		&cli.StringFlag{Name: "l2.redis.username", Usage: "Redis ACL user (empty: the default user)", EnvVars: env("l2.redis.username")},
+		&cli.StringFlag{Name: "l2.redis.password-file", Usage: "file holding the Redis password (one line; a trailing newline is dropped)", EnvVars: env("l2.redis.password-file")},
+		&cli.StringFlag{Name: "l2.redis.password-env", Usage: "name of an environment variable holding the Redis password", EnvVars: env("l2.redis.password-env")},
+		&cli.BoolFlag{Name: "l2.redis.tls", Usage: "connect with TLS (implied by the tls-* files)", EnvVars: env("l2.redis.tls")},
+		&cli.StringFlag{Name: "l2.redis.tls-ca-file", Usage: "PEM file of the CA that signed the servers' certificates (default: the system's roots)", EnvVars: env("l2.redis.tls-ca-file")},
+		&cli.StringFlag{Name: "l2.redis.tls-cert-file", Usage: "PEM client certificate, for servers that authenticate clients (with --l2.redis.tls-key-file)", EnvVars: env("l2.redis.tls-cert-file")},
+		&cli.StringFlag{Name: "l2.redis.tls-key-file", Usage: "PEM key of the client certificate", EnvVars: env("l2.redis.tls-key-file")},
+		&cli.StringFlag{Name: "l2.redis.tls-server-name", Usage: "name to verify the servers' certificates against (default: the host of each address)", EnvVars: env("l2.redis.tls-server-name")},
+		&cli.StringFlag{Name: "l2.redis.prefix", Value: l2.DefaultPrefix, Usage: "prefix of every key the sidecar writes", EnvVars: env("l2.redis.prefix")},
+		&cli.DurationFlag{Name: "l2.redis.ttl", Value: 0, Usage: "time to live of every value (0: none; the server's maxmemory policy bounds the tier)", EnvVars: env("l2.redis.ttl")},
+		&cli.DurationFlag{Name: "l2.redis.lookup-timeout", Value: l2.DefaultLookupTimeout, Usage: "a lookup of the tier not answered by then is a miss (the engine's reply waits no longer)", EnvVars: env("l2.redis.lookup-timeout")},
+		&cli.DurationFlag{Name: "l2.redis.io-timeout", Value: l2.DefaultIOTimeout, Usage: "bound on a fetch and a write (a fetch not done by then is a miss: the engine recomputes)", EnvVars: env("l2.redis.io-timeout")},
+		&cli.IntFlag{Name: "l2.redis.writers", Value: l2.DefaultWriters, Usage: "goroutines writing to the tier", EnvVars: env("l2.redis.writers")},
+		&cli.IntFlag{Name: "l2.redis.write-queue", Value: l2.DefaultQueue, Usage: "writes that may wait for a writer; past it a write is skipped (counted), never slowing a store", EnvVars: env("l2.redis.write-queue")},
+		&cli.IntFlag{Name: "l2.redis.pool-size", Value: l2.DefaultPoolSize, Usage: "connections per Redis node", EnvVars: env("l2.redis.pool-size")},
+		&cli.StringFlag{Name: "l2.policy", Value: "write-through", Usage: "when blocks go to the tier: write-through (when stored) or write-on-evict (the LRU's tail, written ahead of eviction)", EnvVars: env("l2.policy")},
+		&cli.IntFlag{Name: "l2.write-slots", Usage: "most pool slots writes to the tier may pin at once (0: a sixteenth of the pool); past it writes are skipped", EnvVars: env("l2.write-slots")},
+		&cli.IntFlag{Name: "l2.evict-ahead", Usage: "write-on-evict: blocks at the LRU's tail kept written (0: --l2.write-slots)", EnvVars: env("l2.evict-ahead")},
+		&cli.IntFlag{Name: "l2.max-lookup-blocks", Usage: "most blocks one lookup asks the tier about (0: 4096)", EnvVars: env("l2.max-lookup-blocks")},
+		&cli.IntFlag{Name: "l2.max-fetch-blocks", Usage: "most blocks one acquire fetches from the tier (0: 4096)", EnvVars: env("l2.max-fetch-blocks")},
+	}
+}
+
+// l2Config collects the tier's flags; nil when the tier is off. Every
+// problem is appended to errs.
+func l2Config(c *cli.Context, errs *[]string) *sidecar.L2Config {
+	addrs := c.String("l2.redis.addrs")
+	if strings.TrimSpace(addrs) == "" {
+		for _, f := range l2Flags() {
+			if n := f.Names()[0]; c.IsSet(n) && n != "l2.redis.addrs" {
+				*errs = append(*errs, fmt.Sprintf("--%s: set, but the tier is off (no --l2.redis.addrs)", n))
+			}
+		}
+		return nil
+	}
+	bad := func(format string, args ...any) { *errs = append(*errs, fmt.Sprintf(format, args...)) }
+	cfg := &sidecar.L2Config{Redis: l2.Config{
+		Mode: c.String("l2.redis.mode"), Username: c.String("l2.redis.username"), Prefix: c.String("l2.redis.prefix"),
+		TTL: c.Duration("l2.redis.ttl"), LookupTimeout: c.Duration("l2.redis.lookup-timeout"), IOTimeout: c.Duration("l2.redis.io-timeout"),
+		Writers: c.Int("l2.redis.writers"), Queue: c.Int("l2.redis.write-queue"), PoolSize: c.Int("l2.redis.pool-size"),
+	}, WriteSlots: c.Int("l2.write-slots"), EvictAhead: c.Int("l2.evict-ahead"),
+		MaxLookupBlocks: c.Int("l2.max-lookup-blocks"), MaxFetchBlocks: c.Int("l2.max-fetch-blocks")}
+	for _, a := range strings.Split(addrs, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			cfg.Redis.Addrs = append(cfg.Redis.Addrs, a)
+		}
+	}
+	switch p := c.String("l2.policy"); p {
+	case "write-through":
+		cfg.Policy = machine.WriteThrough
+	case "write-on-evict":
+		cfg.Policy = machine.WriteOnEvict
+	default:
+		bad("--l2.policy: %q: want write-through or write-on-evict", p)
+	}
+	// Read by the tier at start (and the file again at each new
+	// connection, so that a rotated Secret takes effect).
+	cfg.Redis.PasswordFile, cfg.Redis.PasswordEnv = c.String("l2.redis.password-file"), c.String("l2.redis.password-env")
+	ca, cert, key := c.String("l2.redis.tls-ca-file"), c.String("l2.redis.tls-cert-file"), c.String("l2.redis.tls-key-file")
+	if c.Bool("l2.redis.tls") || ca != "" || cert != "" || key != "" {
+		tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.String("l2.redis.tls-server-name")}
+		if ca != "" {
+			pem, err := os.ReadFile(ca)
+			roots := x509.NewCertPool()
+			if err != nil {
+				bad("--l2.redis.tls-ca-file: %v", err)
+			} else if !roots.AppendCertsFromPEM(pem) {
+				bad("--l2.redis.tls-ca-file: %s holds no PEM certificate", ca)
+			}
+			tc.RootCAs = roots
+		}
+		if (cert == "") != (key == "") {
+			bad("--l2.redis.tls-cert-file and --l2.redis.tls-key-file go together")
+		} else if cert != "" {
+			pair, err := tls.LoadX509KeyPair(cert, key)
+			if err != nil {
+				bad("--l2.redis.tls-cert-file: %v", err)
+			}
+			tc.Certificates = []tls.Certificate{pair}
+		}
+		cfg.Redis.TLS = tc
+	}
+	return cfg
+}
