@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -44,6 +45,9 @@ func benchReplayCommand() *cli.Command {
 			&cli.StringFlag{Name: "page-bytes", Value: "auto", Usage: "bytes each page really copies (and pool slot bytes); auto: 4KiB, the model's page scaled down to fit a small machine", EnvVars: e("page-bytes")},
 			&cli.StringFlag{Name: "kv-bytes-per-token", Value: "128KiB", Usage: "model KV bytes per token (Llama-3-8B: 128KiB), for the GiB equivalents of capacities", EnvVars: e("kv-bytes-per-token")},
 			&cli.IntFlag{Name: "limit", Usage: "replay only the first N requests (0: all)", EnvVars: e("limit")},
+			&cli.IntFlag{Name: "nodes", Value: 1, Usage: "sidecars (nodes, each a pool of the capacity) the engines are spread over: engine e on node e mod nodes", EnvVars: e("nodes")},
+			&cli.StringFlag{Name: "l2.redis.addrs", Usage: "a Redis node or cluster (comma-separated seeds) the nodes share as their tier: each capacity runs without it (ring) and with it (ring+l2)", EnvVars: e("l2.redis.addrs")},
+			&cli.StringFlag{Name: "l2.start", Usage: "start the shared tier for the run: single (one redis-server) or cluster (3 masters, 3 replicas); needs redis-server and redis-cli", EnvVars: e("l2.start")},
 			&cli.BoolFlag{Name: "no-uds", Usage: "skip the Unix-socket baseline run", EnvVars: e("no-uds")},
 			&cli.IntFlag{Name: "uds-capacity-pages", Usage: "capacity of the Unix-socket run (default: the smallest of the sweep, the quickest run)", EnvVars: e("uds-capacity-pages")},
 			&cli.BoolFlag{Name: "no-walk", Usage: "skip the walk-the-cache baseline of the per-step metadata", EnvVars: e("no-walk")},
@@ -87,6 +91,9 @@ func benchReplayCommand() *cli.Command {
 				PageBytes:       int(pb),
 				KVBytesPerToken: int(kv),
 				Limit:           c.Int("limit"),
+				Nodes:           c.Int("nodes"),
+				L2Addrs:         splitAddrs(c.String("l2.redis.addrs")),
+				L2Start:         c.String("l2.start"),
 				NoUDS:           c.Bool("no-uds"),
 				UDSCapacity:     c.Int("uds-capacity-pages"),
 				NoWalk:          c.Bool("no-walk"),
@@ -142,4 +149,14 @@ func benchReplayRelayCommand() *cli.Command {
 			})
 		},
 	}
+}
+
+func splitAddrs(s string) []string {
+	var out []string
+	for _, a := range strings.Split(s, ",") {
+		if a = strings.TrimSpace(a); a != "" {
+			out = append(out, a)
+		}
+	}
+	return out
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ringside-kv/ringside/bench/benchcli"
 	"github.com/ringside-kv/ringside/bench/internal/benchtest"
+	"github.com/ringside-kv/ringside/internal/redistest"
 )
 
 func TestMain(m *testing.M) { benchtest.Main(m, "RINGSIDE_REPLAY_TEST_CHILD") }
@@ -176,5 +177,62 @@ func TestBenchReplayText(t *testing.T) {
 		if !strings.Contains(s, want) {
 			t.Errorf("output lacks %q:\n%s", want, s)
 		}
+	}
+}
+
+// TestBenchReplayNodesSharingATier replays the trace on two nodes (two
+// sidecar processes, a pool each) with and without a shared tier on a
+// real redis-server, one request at a time: every hit rate, every page
+// fetched from the tier and every page loaded equals the exact offline
+// model of per-node LRU pools plus the tier, and the tier adds hits.
+func TestBenchReplayNodesSharingATier(t *testing.T) {
+	redistest.Require(t)
+	srv := redistest.Single(t, redistest.Options{})
+	var stdout, stderr bytes.Buffer
+	app := benchcli.App()
+	app.Writer, app.ErrWriter = &stdout, &stderr
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	dir := fmt.Sprintf("/dev/shm/ringside-replay-fleet-test-%d", os.Getpid())
+	if _, err := os.Stat("/dev/shm"); err != nil {
+		dir = filepath.Join(t.TempDir(), "sidecars")
+	}
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
+		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", "120",
+		"--capacity-pages", "200", "--capacity-pages", "2000", "--engines", "2", "--nodes", "2",
+		"--l2.redis.addrs", srv.Addr, "--dir", dir, "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
+	if err != nil {
+		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
+	}
+	hit := map[string]float64{}
+	for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
+		var row map[string]any
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatalf("not JSON: %q", line)
+		}
+		if row["bench"] != "replay" {
+			continue
+		}
+		num := func(k string) float64 { v, _ := row[k].(float64); return v }
+		key := fmt.Sprint(row["transport"], "/", num("capacity_pages"))
+		hit[key] = num("hit_ratio")
+		if num("nodes") != 2 || row["oracle_match"] != true || num("stored_pages") != num("oracle_stored_pages") ||
+			num("skipped_pages") != num("oracle_skipped_pages") || num("view_blocks") != num("oracle_resident_pages") {
+			t.Errorf("differs from the model: %s", line)
+		}
+		if num("loaded_pages") != num("oracle_loaded_pages") || num("fetched_pages") != num("oracle_fetched_pages") {
+			t.Errorf("loaded or fetched pages differ from the model: %s", line)
+		}
+		if row["tier"] == true && num("capacity_pages") == 2000 && num("fetched_pages") == 0 {
+			t.Errorf("nothing came from the tier: %s", line)
+		}
+	}
+	for _, c := range []string{"200", "2000"} {
+		if _, ok := hit["ring+l2/"+c]; !ok {
+			t.Fatalf("no tier row at %s pages: %v", c, hit)
+		}
+	}
+	if hit["ring+l2/2000"] <= hit["ring/2000"] {
+		t.Errorf("the tier added no hits: %v", hit)
 	}
 }

@@ -37,6 +37,10 @@ type engine struct {
 	walkBuf                []byte
 	walkTotal              time.Duration
 
+	// beforeRelease, when set, runs after the store and before the
+	// release (a sequential run with the tier waits for its writes).
+	beforeRelease func() error
+
 	h     hists
 	st    runCounts
 	steps []stepSample
@@ -293,18 +297,25 @@ func (e *engine) step(idx int, runStart time.Time) error {
 		}
 	}
 
-	if e.prefill > 0 && n > h {
-		time.Sleep(time.Duration(float64((n-h)*e.w.PageTokens) / e.prefill * 1e9))
+	if e.prefill > 0 && n > loaded {
+		time.Sleep(time.Duration(float64((n-loaded)*e.w.PageTokens) / e.prefill * 1e9))
 	}
 
-	if n > h {
+	// The engine recomputes what it did not load and stores it: from the
+	// lookup's answer on, or from what the lease held if that is less (a
+	// fetch from the tier may bring fewer blocks than the lookup found).
+	from := h
+	if h > 0 {
+		from = loaded
+	}
+	if n > from {
 		e.pages = e.pages[:0]
-		for i := h; i < n; i++ {
+		for i := from; i < n; i++ {
 			e.stamp(i, req.Pages[i])
 			e.pages = append(e.pages, uint32(i))
 		}
 		t0 = time.Now()
-		r, err := e.rpc.store(schema.View{Batch: batch, Start: uint32(h), Count: uint32(n - h)}, regionID, e.pages)
+		r, err := e.rpc.store(schema.View{Batch: batch, Start: uint32(from), Count: uint32(n - from)}, regionID, e.pages)
 		if err != nil {
 			return fmt.Errorf("store %d pages: %w", n-h, err)
 		}
@@ -314,6 +325,11 @@ func (e *engine) step(idx int, runStart time.Time) error {
 		e.st.SkippedPages += int64(r.Skipped)
 	}
 
+	if e.beforeRelease != nil {
+		if err := e.beforeRelease(); err != nil {
+			return err
+		}
+	}
 	if lease != 0 {
 		t0 = time.Now()
 		if err := e.rpc.release(lease); err != nil {

@@ -17,7 +17,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -65,8 +64,17 @@ type Config struct {
 	Exe             string        // the bench executable, re-run as the relays (`replay-relay`; default os.Executable())
 	Ringside        string        // the ringside executable run as the sidecars (`serve`; default: see harness.FindRingside)
 	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
-	JSON            bool
-	Quiet           bool
+	// Nodes is the number of sidecars (separate pools) the engines are
+	// spread over: engine e attaches to node e mod Nodes (default 1).
+	Nodes int
+	// L2Addrs is a Redis node or cluster the nodes share as their tier;
+	// L2Start starts one instead ("single" or "cluster": real redis-server
+	// processes, internal/redistest). With a tier, every capacity runs
+	// twice: without it ("ring") and with it ("ring+l2").
+	L2Addrs []string
+	L2Start string
+	JSON    bool
+	Quiet   bool
 	Progress        bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
 	Out, Log        io.Writer
 }
@@ -122,6 +130,20 @@ func (c *Config) defaults() error {
 	if c.Engines > 64 {
 		return fmt.Errorf("--engines %d: at most 64", c.Engines)
 	}
+	if c.Nodes <= 0 {
+		c.Nodes = 1
+	}
+	if c.Nodes > c.Engines {
+		return fmt.Errorf("--nodes %d: more nodes than --engines %d (each node serves at least one engine)", c.Nodes, c.Engines)
+	}
+	switch c.L2Start {
+	case "", "single", "cluster":
+	default:
+		return fmt.Errorf("--l2.start %q: want single or cluster", c.L2Start)
+	}
+	if c.L2Start != "" && len(c.L2Addrs) > 0 {
+		return errors.New("--l2.start and --l2.redis.addrs: give one")
+	}
 	if c.Pace < 0 || c.PrefillTPS < 0 {
 		return errors.New("--pace and --prefill-tps must not be negative")
 	}
@@ -174,7 +196,15 @@ type RunResult struct {
 	Sidecar       harness.Usage
 	ViewBlocks    int // engine 0's view of the cache after the run
 	Resyncs       int
+	// Fleet is the model of several nodes and the tier (nil: one node, no
+	// tier: Oracle alone); FetchedPages what the nodes fetched from the
+	// tier (their /debug/state).
+	Fleet        *FleetResult
+	FetchedPages int64
 }
+
+// tiered reports whether a transport runs with the shared tier.
+func tiered(transport string) bool { return strings.HasSuffix(transport, "+l2") }
 
 // CopyBytes are the bytes the sidecar copied (loads and stores).
 func (r *RunResult) CopyBytes(pageBytes int) int64 {
@@ -220,8 +250,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		transport string
 	}
 	var plans []plan
+	if cfg.L2Start != "" {
+		stop, err := cfg.startTier()
+		if err != nil {
+			return nil, err
+		}
+		defer stop()
+		rep.Config.L2Addrs = cfg.L2Addrs
+	}
 	for _, c := range cfg.CapacityPages {
 		plans = append(plans, plan{c, "ring"})
+		if len(cfg.L2Addrs) > 0 {
+			plans = append(plans, plan{c, "ring+l2"})
+		}
 	}
 	if !cfg.NoUDS {
 		plans = append(plans, plan{cfg.UDSCapacity, "uds"})
@@ -230,6 +271,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	for _, p := range plans {
 		if _, ok := oracles[p.capacity]; !ok {
 			oracles[p.capacity] = Oracle(w, p.capacity)
+		}
+	}
+	fleets := map[plan]*FleetResult{}
+	if cfg.Nodes > 1 || len(cfg.L2Addrs) > 0 {
+		reqs := make([][]uint32, len(w.Requests))
+		nodeOf := make([]int, len(w.Requests))
+		for i := range w.Requests {
+			reqs[i] = w.Requests[i].Pages
+			nodeOf[i] = (i % cfg.Engines) % cfg.Nodes // the sequential replay's routing
+		}
+		for _, p := range plans {
+			f := OracleFleet(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), p.capacity, tiered(p.transport))
+			fleets[p] = &f
 		}
 	}
 	curve := slices.Clone(cfg.CapacityPages)
@@ -256,6 +310,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
 		r.Oracle = oracles[p.capacity]
+		if f := fleets[p]; f != nil {
+			r.Fleet, r.Oracle = f, f.OracleResult
+		}
 		rep.Runs = append(rep.Runs, r)
 		logf("  hit ratio %.4f (oracle %.4f), %v, sidecar CPU %v", ratio(r.Counts.HitPages, r.Counts.TotalPages), r.Oracle.HitRatio(), r.Wall.Round(time.Millisecond), r.Sidecar.CPU.Round(time.Millisecond))
 	}
@@ -308,28 +365,16 @@ func (c *Config) layout() string {
 	return fmt.Sprintf("replay/%dtok/%dB", c.PageTokens, c.PageBytes)
 }
 
-// runOne starts a sidecar with capacity slots, replays the workload
-// through it and stops it.
+// runOne starts a sidecar with capacity slots on each node, replays the
+// workload through them and stops them.
 func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transport string, k int, prog *progress) (res *RunResult, err error) {
 	dir := filepath.Join(c.Dir, fmt.Sprintf("run%d", k))
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
 	defer os.RemoveAll(dir)
-	sock := filepath.Join(dir, "ringside.sock")
-	budget := max(int64(64<<20), int64(w.MaxPages)*int64(c.PageBytes))
-	args := []string{"serve",
-		"--dir", dir, "--socket", sock, "--metrics.addr", "",
-		"--pool.slot-bytes", strconv.Itoa(c.PageBytes), "--pool.bytes", strconv.FormatInt(int64(capacity)*int64(c.PageBytes), 10),
-		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn",
-		// The engines of one trace are one tenant: a pin quota would shorten
-		// leases and take the hit rate off the exact LRU model.
-		"--limits.pin-share", "1"}
-	sc, err := harness.Start("sidecar", c.Ringside, args, harness.Options{Timeout: c.Timeout})
-	if err != nil {
-		return nil, err
-	}
 	res = &RunResult{CapacityPages: capacity, Transport: transport, Hists: newHists()}
+	var nodes []*sidecarNode
 	var engines []*engine
 	var relays []*harness.Child
 	defer func() {
@@ -347,17 +392,32 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 				err = rerr
 			}
 		}
-		peak := sc.PeakRSS()
-		if serr := sc.Stop(c.Timeout); serr != nil && err == nil {
-			err = fmt.Errorf("sidecar did not stop cleanly: %w", serr)
+		for i, n := range nodes {
+			if st, serr := n.state(); serr == nil && st.L2 != nil {
+				res.FetchedPages += int64(st.L2.Machine.FetchedBlocks)
+			}
+			peak := n.sc.PeakRSS()
+			if serr := n.sc.Stop(c.Timeout); serr != nil && err == nil {
+				err = fmt.Errorf("sidecar %d did not stop cleanly: %w", i, serr)
+			}
+			u := n.sc.Usage(peak)
+			res.Sidecar.CPU += u.CPU
+			res.Sidecar.MaxRSS = max(res.Sidecar.MaxRSS, u.MaxRSS)
+			res.Sidecar.Elapsed = max(res.Sidecar.Elapsed, u.Elapsed)
 		}
-		res.Sidecar = sc.Usage(peak)
 	}()
-	if err := waitAttachable(ctx, sc, sock, c.Timeout); err != nil {
-		return res, err
+	for i := 0; i < c.Nodes; i++ {
+		n, err := c.startNode(ctx, w, filepath.Join(dir, fmt.Sprintf("node%d", i)), capacity, transport, k, i)
+		if n != nil {
+			nodes = append(nodes, n)
+		}
+		if err != nil {
+			return res, fmt.Errorf("node %d: %w", i, err)
+		}
 	}
 	for i := 0; i < c.Engines; i++ {
-		e, relay, err := c.newEngine(w, i, dir, sock, transport)
+		n := nodes[i%len(nodes)]
+		e, relay, err := c.newEngine(w, i, n.dir, n.sock, transport)
 		if relay != nil {
 			relays = append(relays, relay)
 		}
@@ -366,6 +426,12 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 		}
 		if err != nil {
 			return res, fmt.Errorf("engine %d: %w", i, err)
+		}
+		if tiered(transport) && c.Sequential {
+			// The next request may run on another node: this one's writes
+			// must be in the tier first (and, for the exact model, before
+			// the release).
+			e.beforeRelease = n.waitWrites(c.Timeout)
 		}
 	}
 	start := time.Now()
@@ -388,7 +454,13 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 		res.Resyncs += e.resyncs
 	}
 	slices.SortStableFunc(res.Steps, func(a, b stepSample) int { return a.Request - b.Request })
-	res.ViewBlocks = len(engines[0].view.keys)
+	// Engine 0's view is of its node's pool; the others' pools add theirs.
+	res.ViewBlocks = 0
+	for i, e := range engines {
+		if i < len(nodes) {
+			res.ViewBlocks += len(e.view.keys)
+		}
+	}
 	return res, nil
 }
 
@@ -417,7 +489,7 @@ func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*en
 	e.region = m.Bytes()[:pages*c.PageBytes]
 	instance := fmt.Sprintf("replay-engine-%d", i)
 	switch transport {
-	case "ring":
+	case "ring", "ring+l2":
 		cl, err := connector.Dial(connector.Options{Socket: sock, Instance: instance, Model: model, Layout: c.layout(), Timeout: c.Timeout})
 		if err != nil {
 			return e, nil, err

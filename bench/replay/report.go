@@ -48,6 +48,13 @@ type CapacityRow struct {
 	Resyncs            int     `json:"resyncs"`
 	WallSec            float64 `json:"wall_s"`
 	RequestsPerSec     float64 `json:"requests_per_sec"`
+	// Several nodes and the shared tier (transport ring+l2).
+	Nodes              int   `json:"nodes"`
+	Tier               bool  `json:"tier"`
+	FetchedPages       int64 `json:"fetched_pages"`        // pages the nodes fetched from the tier
+	OracleFetchedPages int64 `json:"oracle_fetched_pages"` // and the model's
+	OracleTierHitPages int64 `json:"oracle_tier_hit_pages"`
+	OracleLoadedPages  int64 `json:"oracle_loaded_pages"`
 }
 
 // OpRow is one operation's latency in one run (bench "replay_op").
@@ -124,6 +131,12 @@ func (rep *Report) build() {
 			OracleEvictions: r.Oracle.Evictions, LoadedPages: r.Counts.LoadedPages,
 			ViewBlocks: r.ViewBlocks, OracleResident: r.Oracle.Resident, Resyncs: r.Resyncs,
 			WallSec: r.Wall.Seconds(), RequestsPerSec: float64(r.Counts.Requests) / max(r.Wall.Seconds(), 1e-9),
+			Nodes: c.Nodes, Tier: tiered(r.Transport), FetchedPages: r.FetchedPages,
+		}
+		if f := r.Fleet; f != nil {
+			cr.OracleFetchedPages, cr.OracleTierHitPages, cr.OracleLoadedPages = f.FetchedPages, f.TierHitPages, f.LoadedPages
+		} else {
+			cr.OracleLoadedPages = r.Oracle.HitPages
 		}
 		rep.Rows = append(rep.Rows, cr)
 	}
@@ -279,6 +292,27 @@ func (rep *Report) verdicts() []string {
 				maxDiff*100, map[bool]string{true: " (equal anyway)", false: ""}[all]))
 		}
 	}
+	if tr := rep.runsOf("ring+l2"); len(tr) > 0 {
+		var parts []string
+		for _, r := range tr {
+			for _, b := range runs {
+				if b.CapacityPages == r.CapacityPages {
+					parts = append(parts, fmt.Sprintf("%s: %.2f%% without, %.2f%% with (%d pages fetched from the tier)", c.gibLabel(r.CapacityPages),
+						100*ratio(b.Counts.HitPages, b.Counts.TotalPages), 100*ratio(r.Counts.HitPages, r.Counts.TotalPages), r.FetchedPages))
+				}
+			}
+		}
+		out = append(out, fmt.Sprintf("hit rate of %d nodes without and with the shared tier: %s", c.Nodes, strings.Join(parts, "; ")))
+		if c.Sequential {
+			ok := true
+			for _, r := range tr {
+				if r.Fleet == nil || r.FetchedPages != r.Fleet.FetchedPages || r.Counts.LoadedPages != r.Fleet.LoadedPages {
+					ok = false
+				}
+			}
+			out = append(out, fmt.Sprintf("target pages fetched from the tier and loaded equal to the model's (sequential): %s", met(ok)))
+		}
+	}
 	if u := rep.runsOf("uds"); len(u) > 0 {
 		uh := u[0].Hists
 		for _, r := range runs {
@@ -350,11 +384,18 @@ func (rep *Report) print() error {
 	if c.Pace > 0 {
 		pace = fmt.Sprintf("at the trace's timestamps / %g", c.Pace)
 	}
-	fmt.Fprintf(out, "%d engine instances, %s, %s; one sidecar process per run; %d CPUs, load average %s after the runs\n\n",
-		c.Engines, map[bool]string{true: "sequential (one request at a time, trace order)", false: "concurrent"}[c.Sequential], pace, runtime.NumCPU(), harness.LoadAvg())
+	nodes := "one sidecar process per run"
+	if c.Nodes > 1 || len(c.L2Addrs) > 0 {
+		nodes = fmt.Sprintf("%d nodes (sidecar processes, pools of the capacity each) per run", c.Nodes)
+		if len(c.L2Addrs) > 0 {
+			nodes += fmt.Sprintf(", ring+l2: sharing the tier at %s", strings.Join(c.L2Addrs, ","))
+		}
+	}
+	fmt.Fprintf(out, "%d engine instances, %s, %s; %s; %d CPUs, load average %s after the runs\n\n",
+		c.Engines, map[bool]string{true: "sequential (one request at a time, trace order)", false: "concurrent"}[c.Sequential], pace, nodes, runtime.NumCPU(), harness.LoadAvg())
 
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "capacity\tGiB equiv\ttransport\thit ratio\toracle\tequal\tstored\toracle stored\tno space\tloaded\treq/s\tsidecar CPU\tpeak RSS\tcopied/s\t")
+	fmt.Fprintln(tw, "capacity\tGiB equiv\ttransport\thit ratio\toracle\tequal\tstored\toracle stored\tno space\tloaded\tfrom tier\toracle\treq/s\tsidecar CPU\tpeak RSS\tcopied/s\t")
 	for _, r := range rep.Runs {
 		var sr SidecarRow
 		for _, x := range rep.Rows {
@@ -366,16 +407,20 @@ func (rep *Report) print() error {
 		if r.Counts.HitPages != r.Oracle.HitPages {
 			eq = fmt.Sprintf("%+d", r.Counts.HitPages-r.Oracle.HitPages)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%.4f\t%.4f\t%s\t%d\t%d\t%d\t%d\t%.0f\t%.1f%%\t%s\t%s/s\t\n",
+		var ofetched int64
+		if r.Fleet != nil {
+			ofetched = r.Fleet.FetchedPages
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%.4f\t%.4f\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.0f\t%.1f%%\t%s\t%s/s\t\n",
 			r.CapacityPages, c.gibLabel(r.CapacityPages), r.Transport,
 			ratio(r.Counts.HitPages, r.Counts.TotalPages), r.Oracle.HitRatio(), eq,
-			r.Counts.StoredPages, r.Oracle.StoredPages, r.Counts.SkippedPages, r.Counts.LoadedPages,
+			r.Counts.StoredPages, r.Oracle.StoredPages, r.Counts.SkippedPages, r.Counts.LoadedPages, r.FetchedPages, ofetched,
 			float64(r.Counts.Requests)/max(r.Wall.Seconds(), 1e-9), sr.CPUFraction*100, bytesStr(float64(sr.PeakRSSBytes)), bytesStr(sr.CopyBytesPerSec))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(out, "sidecar CPU: CPU time / process lifetime (cores busy during the run); peak RSS counts the pool pages it touched")
+	fmt.Fprintln(out, "sidecar CPU: CPU time / process lifetime (cores busy during the run; all nodes' together); peak RSS counts the pool pages it touched (the largest node)")
 	var beyond []string
 	for _, o := range rep.OracleCurve {
 		if o.CapacityPages > slices.Max(c.CapacityPages) {
