@@ -193,12 +193,16 @@ func TestBenchReplayNodesSharingATier(t *testing.T) {
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
+	requests := "120"
+	if raceEnabled || testing.Short() {
+		requests = "60"
+	}
 	dir := fmt.Sprintf("/dev/shm/ringside-replay-fleet-test-%d", os.Getpid())
 	if _, err := os.Stat("/dev/shm"); err != nil {
 		dir = filepath.Join(t.TempDir(), "sidecars")
 	}
 	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
-		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", "120",
+		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
 		"--capacity-pages", "200", "--capacity-pages", "2000", "--engines", "2", "--nodes", "2",
 		"--l2.redis.addrs", srv.Addr, "--dir", dir, "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {

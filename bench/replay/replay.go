@@ -71,12 +71,12 @@ type Config struct {
 	// L2Start starts one instead ("single" or "cluster": real redis-server
 	// processes, internal/redistest). With a tier, every capacity runs
 	// twice: without it ("ring") and with it ("ring+l2").
-	L2Addrs []string
-	L2Start string
-	JSON    bool
-	Quiet   bool
-	Progress        bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
-	Out, Log        io.Writer
+	L2Addrs  []string
+	L2Start  string
+	JSON     bool
+	Quiet    bool
+	Progress bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
+	Out, Log io.Writer
 }
 
 func (c *Config) modelPageBytes() int64 { return int64(c.KVBytesPerToken) * int64(c.PageTokens) }
