@@ -147,7 +147,7 @@ soak:
 reliability-report:
 	RINGSIDE_SOAK=$(SOAK) RINGSIDE_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md $(GO) test -count=1 -timeout 0 ./reliability/
 
-# One benchmark; the others: ./bin/ringside-bench poll|delta|replay|copy
+# One benchmark; the others: ./bin/ringside-bench poll|delta|replay|copy|l2
 # (docs/benchmarks.md). ARGS adds flags, e.g. ARGS="--json".
 bench: build
 	./$(BENCH_BIN) ring $(ARGS)

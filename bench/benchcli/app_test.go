@@ -20,7 +20,7 @@ func TestCommands(t *testing.T) {
 			visible = append(visible, c.Name)
 		}
 	}
-	if want := []string{"ring", "poll", "delta", "replay", "copy"}; !slices.Equal(visible, want) {
+	if want := []string{"ring", "poll", "delta", "replay", "copy", "l2"}; !slices.Equal(visible, want) {
 		t.Errorf("benchmarks %v, want %v", visible, want)
 	}
 	if want := []string{"ring-server", "poll-relay", "replay-relay", "copy-peer"}; !slices.Equal(hidden, want) {
@@ -41,13 +41,14 @@ func TestEveryFlagHasAnEnvVar(t *testing.T) {
 	}
 }
 
-// TestNoRingside: poll and replay say which executable is missing and how
+// TestNoRingside: poll, replay and l2 say which executable is missing and how
 // to point at one, before they start anything.
 func TestNoRingside(t *testing.T) {
 	dir := t.TempDir() + "/never-made"
 	for _, args := range [][]string{
 		{"poll", "--dir", dir},
 		{"replay", "--dir", dir, "--out", "-", "--trace", "../replay/testdata/conversation_trace_300.jsonl"},
+		{"l2", "--dir", dir},
 	} {
 		app := App()
 		var out bytes.Buffer

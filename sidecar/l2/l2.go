@@ -321,12 +321,47 @@ func (q quietLogger) Printf(_ context.Context, format string, v ...any) {
 	q.log.Debug().Msgf(format, v...)
 }
 
-func (t *Tier) opts(addr string) *redis.Options {
-	return &redis.Options{Addr: addr, CredentialsProvider: t.credentials, TLSConfig: t.cfg.TLS,
-		DialTimeout: t.cfg.IOTimeout, ReadTimeout: t.cfg.IOTimeout, WriteTimeout: t.cfg.IOTimeout, ContextTimeoutEnabled: true,
-		PoolSize: t.cfg.PoolSize, MaxRetries: 1, PoolTimeout: t.cfg.IOTimeout, Protocol: 2, DisableIdentity: true,
+func (t *Tier) opts(addr string) *redis.Options { return t.cfg.options(addr, t.credentials) }
+
+// options are the client's settings for one node.
+func (c *Config) options(addr string, creds func() (string, string)) *redis.Options {
+	return &redis.Options{Addr: addr, CredentialsProvider: creds, TLSConfig: c.TLS,
+		DialTimeout: c.IOTimeout, ReadTimeout: c.IOTimeout, WriteTimeout: c.IOTimeout, ContextTimeoutEnabled: true,
+		PoolSize: c.PoolSize, MaxRetries: 1, PoolTimeout: c.IOTimeout, Protocol: 2, DisableIdentity: true,
 		ReadBufferSize: 256 << 10, WriteBufferSize: 256 << 10,
 		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}}
+}
+
+// Dial makes the client the tier uses for cfg (a cluster client when the
+// server says it is a cluster node): for tools, and the benchmark that
+// measures the tier against a plain loop of the same client. It returns
+// "single" or "cluster".
+func Dial(cfg Config) (redis.UniversalClient, string, error) {
+	cfg.EnsureDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, "", err
+	}
+	if err := cfg.resolvePassword(); err != nil {
+		return nil, "", err
+	}
+	creds := func() (string, string) { return cfg.Username, cfg.Password }
+	mode, err := cfg.detect(creds)
+	if err != nil {
+		return nil, "", err
+	}
+	return cfg.client(mode, creds), mode, nil
+}
+
+func (c *Config) client(mode string, creds func() (string, string)) redis.UniversalClient {
+	if mode != "cluster" {
+		return redis.NewClient(c.options(c.Addrs[0], creds))
+	}
+	o := c.options("", creds)
+	return redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs, CredentialsProvider: creds,
+		TLSConfig: o.TLSConfig, DialTimeout: o.DialTimeout, ReadTimeout: o.ReadTimeout, WriteTimeout: o.WriteTimeout,
+		ContextTimeoutEnabled: true, PoolSize: o.PoolSize, PoolTimeout: o.PoolTimeout, MaxRetries: 1, MaxRedirects: 3,
+		Protocol: 2, DisableIdentity: true, ReadBufferSize: o.ReadBufferSize, WriteBufferSize: o.WriteBufferSize,
+		MaintNotificationsConfig: o.MaintNotificationsConfig, ClusterStateReloadInterval: 5 * time.Second})
 }
 
 // connect finds out whether the tier is a cluster (unless told) and makes
@@ -335,21 +370,10 @@ func (t *Tier) connect() {
 	defer t.wg.Done()
 	delay := 100 * time.Millisecond
 	for first := true; ; first = false {
-		mode, err := t.detect()
+		mode, err := t.cfg.detect(t.credentials)
 		if err == nil {
-			var c redis.UniversalClient
-			if mode == "cluster" {
-				o := t.opts("")
-				c = redis.NewClusterClient(&redis.ClusterOptions{Addrs: t.cfg.Addrs, CredentialsProvider: t.credentials,
-					TLSConfig: o.TLSConfig, DialTimeout: o.DialTimeout, ReadTimeout: o.ReadTimeout, WriteTimeout: o.WriteTimeout,
-					ContextTimeoutEnabled: true, PoolSize: o.PoolSize, PoolTimeout: o.PoolTimeout, MaxRetries: 1, MaxRedirects: 3,
-					Protocol: 2, DisableIdentity: true, ReadBufferSize: o.ReadBufferSize, WriteBufferSize: o.WriteBufferSize,
-					MaintNotificationsConfig: o.MaintNotificationsConfig, ClusterStateReloadInterval: 5 * time.Second})
-			} else {
-				c = redis.NewClient(t.opts(t.cfg.Addrs[0]))
-			}
 			t.mode.Store(mode)
-			t.client.Store(&redisClient{c})
+			t.client.Store(&redisClient{t.cfg.client(mode, t.credentials)})
 			t.log.Info().Str("mode", mode).Strs("addrs", t.cfg.Addrs).Bool("tls", t.cfg.TLS != nil).Msg("shared tier connected")
 			return
 		}
@@ -366,28 +390,28 @@ func (t *Tier) connect() {
 	}
 }
 
-func (t *Tier) detect() (string, error) {
+func (c *Config) detect(creds func() (string, string)) (string, error) {
 	var errs []error
-	for _, a := range t.cfg.Addrs {
-		c := redis.NewClient(t.opts(a))
-		ctx, cancel := context.WithTimeout(context.Background(), t.cfg.IOTimeout)
-		info, err := c.Info(ctx, "cluster").Result()
+	for _, a := range c.Addrs {
+		cl := redis.NewClient(c.options(a, creds))
+		ctx, cancel := context.WithTimeout(context.Background(), c.IOTimeout)
+		info, err := cl.Info(ctx, "cluster").Result()
 		cancel()
-		c.Close()
+		cl.Close()
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", a, err))
 			continue
 		}
 		cluster := strings.Contains(info, "cluster_enabled:1")
 		switch {
-		case t.cfg.Mode == "cluster" && !cluster:
+		case c.Mode == "cluster" && !cluster:
 			return "", fmt.Errorf("%s is not in cluster mode (--l2.redis.mode cluster)", a)
-		case t.cfg.Mode == "single" && cluster:
+		case c.Mode == "single" && cluster:
 			return "", fmt.Errorf("%s is a cluster node (--l2.redis.mode single)", a)
 		case cluster:
 			return "cluster", nil
-		case len(t.cfg.Addrs) > 1:
-			return "", fmt.Errorf("%s is a single node, but %d addresses were given", a, len(t.cfg.Addrs))
+		case len(c.Addrs) > 1:
+			return "", fmt.Errorf("%s is a single node, but %d addresses were given", a, len(c.Addrs))
 		}
 		return "single", nil
 	}
