@@ -3,6 +3,7 @@ package machine
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"slices"
 	"time"
 
 	"github.com/ringside-kv/ringside/schema"
@@ -183,6 +184,7 @@ type l2State struct {
 	lookups  map[uint64]*l2Lookup
 	fetches  map[uint64]*l2Fetch
 	byLease  map[uint64]*l2Fetch // unresolved fetches by lease id
+	filling  map[string]*l2Fetch // blocks being fetched, by fillKey, and whose fetch fills them
 	writes   map[uint64]*l2Write
 	pinned   int // slots writes pin
 	st       L2Counters
@@ -199,13 +201,22 @@ type l2Lookup struct {
 	deadline int64
 }
 
+// l2Fetch is an acquire's wait for the tier: its own fetch (the blocks it
+// reserved slots for), and the fetches of other acquires that fill blocks
+// it leads on to (deps). It resolves when both are done, or at its
+// deadline, and is forgotten once resolved with its own fetch ended.
 type l2Fetch struct {
+	id       uint64
 	sess     *session
 	uid      uint32
 	q        *query
 	ns       *nsRec
 	view     []byte // the view's digests after the lease's local blocks
 	blocks   [][]cache.Ticket
+	keys     []string // the blocks this fetch fills, in filling
+	own      bool     // its own fetch is in flight (an L2Fetch asked for)
+	deps     int      // fetches of others it waits for
+	waiters  []*l2Fetch
 	promised int
 	meta     int64
 	deadline int64
@@ -232,7 +243,7 @@ const (
 func (m *Machine) EnableL2(c L2Config) {
 	c.Enabled = true
 	c.ensureDefaults(m.slots)
-	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, writes: map[uint64]*l2Write{}}
+	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, filling: map[string]*l2Fetch{}, writes: map[uint64]*l2Write{}}
 }
 
 // L2Config returns the tier's configuration (Enabled false: off).
@@ -328,11 +339,17 @@ func (m *Machine) endLookup(id uint64, lk *l2Lookup, found int) {
 	}
 }
 
+// fillKey names a block of a namespace in l2State.filling.
+func fillKey(ns cache.NamespaceID, d []byte) string {
+	return string([]byte{byte(ns), byte(ns >> 8)}) + string(d)
+}
+
 // l2Acquire pins the local leading blocks of digests under a lease, as
 // AcquireCharged does, and, with the tier on, reserves slots for the
-// blocks after them and asks the tier for those. A non-nil fetch means
-// the lease waits for it (the caller sets fetch.q); promised is how many
-// blocks the lease may then hold.
+// blocks after them and asks the tier for those; blocks another acquire's
+// fetch is filling are waited for instead. A non-nil fetch means the
+// lease waits (the caller sets fetch.q); promised is how many blocks the
+// lease may then hold.
 func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, short bool, fetch *l2Fetch, promised int, err error) {
 	m, s, in := h.m, h.s, h.s.inst
 	ch := cache.Charge{Key: s.uid + 1, Limit: m.pinLimit()}
@@ -361,22 +378,35 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 	view := digests[l.Blocks*w:]
 	var req L2Fetch
 	var offsets []uint64
-	covered := 0 // blocks of view up to the last one fetched or present
+	var deps []*l2Fetch
+	covered := 0 // blocks of view up to the last one fetched, waited for or present
+scan:
 	for i := 0; i < limit; i++ {
 		d := view[i*w : (i+1)*w]
 		ts, st, err := m.cache.BeginFetch(in.ns.id, d, s.owner, h.now, pend)
-		if err != nil {
-			break
-		}
-		if st == cache.AlreadyPresent {
+		switch {
+		case err != nil:
+			break scan
+		case st == cache.AlreadyPresent:
 			covered = i + 1
 			continue
-		}
-		if st != cache.Allocated {
+		case st == cache.InFlight:
+			// Another acquire's fetch fills it: wait for that one. A block
+			// an engine is storing is not waited for (it may never come).
+			dep := t.filling[fillKey(in.ns.id, d)]
+			if dep == nil {
+				break scan
+			}
+			if !slices.Contains(deps, dep) {
+				deps = append(deps, dep)
+			}
+			covered = i + 1
+			continue
+		case st != cache.Allocated:
 			if st == cache.NoSpace || st == cache.OverQuota {
 				t.st.FetchNoSpace++
 			}
-			break
+			break scan
 		}
 		f.blocks = append(f.blocks, ts)
 		for _, tk := range ts {
@@ -385,16 +415,16 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 		req.Blocks = append(req.Blocks, L2FetchBlock{Digest: append([]byte(nil), d...), PoolOffsets: offsets[len(offsets)-len(ts):]})
 		covered = i + 1
 	}
-	if len(f.blocks) == 0 {
-		// Nothing to fetch: whatever is present after the local run joins
-		// the lease now.
+	if len(f.blocks) == 0 && len(deps) == 0 {
+		// Nothing to wait for: whatever is present after the local run
+		// joins the lease now.
 		if covered > 0 {
 			extra, _, _ := m.cache.ExtendLease(l.ID, in.ns.id, view[:covered*w], m.pinLimit())
 			l.Blocks += extra
 		}
 		return m.closeEmpty(l), false, nil, l.Blocks, nil
 	}
-	f.meta = int64(l2FetchMeta + len(f.blocks)*(w+16*in.world) + covered*w)
+	f.meta = int64(l2FetchMeta + len(f.blocks)*(w+16*in.world+32) + covered*w)
 	if err := m.chargeMeta(s, s.uid, f.meta); err != nil {
 		for _, ts := range f.blocks {
 			for _, tk := range ts {
@@ -406,15 +436,28 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 	s.copyMeta += f.meta
 	f.view = append([]byte(nil), view[:covered*w]...)
 	f.deadline = h.now + int64(t.cfg.FetchTimeout)
-	t.nextID++
-	req.ID, req.NS = t.nextID, m.l2NS(in.ns)
-	req.Length, req.MaxLength = in.ns.pageBytes, m.cfg.SlotBytes
 	f.promised = l.Blocks + covered
-	t.fetches[req.ID] = f
+	for _, dep := range deps {
+		dep.waiters = append(dep.waiters, f)
+		f.deps++
+	}
+	t.nextID++
+	f.id = t.nextID
+	t.fetches[f.id] = f
 	t.byLease[l.ID] = f
-	t.st.Fetches++
-	t.st.FetchBlocks += uint64(len(f.blocks))
-	h.out.L2Fetches = append(h.out.L2Fetches, req)
+	if len(f.blocks) > 0 {
+		f.own = true
+		for _, b := range req.Blocks {
+			k := fillKey(in.ns.id, b.Digest)
+			t.filling[k] = f
+			f.keys = append(f.keys, k)
+		}
+		req.ID, req.NS = f.id, m.l2NS(in.ns)
+		req.Length, req.MaxLength = in.ns.pageBytes, m.cfg.SlotBytes
+		t.st.Fetches++
+		t.st.FetchBlocks += uint64(len(f.blocks))
+		h.out.L2Fetches = append(h.out.L2Fetches, req)
+	}
 	return l, false, f, f.promised, nil
 }
 
@@ -441,8 +484,9 @@ func (m *Machine) closeEmpty(l cache.Lease) cache.Lease {
 
 // L2FetchDone ends a fetch: res[i] says how block i of its L2Fetch ended.
 // Every block fetched is committed (and present: it serves every later
-// lookup); the lease, unless it was resolved already, then holds the
-// leading blocks and is admitted against the budget.
+// lookup); the lease, unless it was resolved already or still waits for
+// others' fetches, then holds the leading blocks and is admitted against
+// the budget. So are the leases that waited for this fetch.
 func (m *Machine) L2FetchDone(now int64, id uint64, res []L2FetchResult, out *Output) {
 	out.reset()
 	m.out = out
@@ -451,10 +495,16 @@ func (m *Machine) L2FetchDone(now int64, id uint64, res []L2FetchResult, out *Ou
 		return
 	}
 	f := m.l2.fetches[id]
-	if f == nil {
+	if f == nil || !f.own {
 		return
 	}
-	delete(m.l2.fetches, id)
+	f.own = false
+	for _, k := range f.keys {
+		if m.l2.filling[k] == f {
+			delete(m.l2.filling, k)
+		}
+	}
+	f.keys = nil
 	ns := f.ns
 	for i, ts := range f.blocks {
 		ok := i < len(res) && res[i].OK && res[i].Length > 0 && res[i].Length <= m.cfg.SlotBytes &&
@@ -482,20 +532,38 @@ func (m *Machine) L2FetchDone(now int64, id uint64, res []L2FetchResult, out *Ou
 			m.l2.st.FetchMisses++
 		}
 	}
+	f.blocks = nil
+	for _, w := range f.waiters {
+		if w.deps--; w.deps == 0 && !w.resolved {
+			m.resolveFetch(w)
+		}
+	}
+	f.waiters = nil
+	if f.deps == 0 && !f.resolved {
+		m.resolveFetch(f)
+	}
+	m.forgetFetch(f)
+	m.check()
+}
+
+// forgetFetch drops a fetch record that is resolved and whose own fetch
+// has ended, with its charge.
+func (m *Machine) forgetFetch(f *l2Fetch) {
+	if f.own || !f.resolved || m.l2.fetches[f.id] != f {
+		return
+	}
+	delete(m.l2.fetches, f.id)
 	m.uncharge(f.sess, f.uid, usage{meta: f.meta})
 	if !f.sess.gone {
 		f.sess.copyMeta -= f.meta
 	}
-	if !f.resolved {
-		m.resolveFetch(f)
-	}
-	m.check()
 }
 
 // resolveFetch ends the wait of a fetch's lease: it takes the present
 // blocks that lead on from its local run, and is admitted (or a miss).
 func (m *Machine) resolveFetch(f *l2Fetch) {
 	f.resolved = true
+	defer m.forgetFetch(f)
 	q := f.q
 	if q != nil && m.l2.byLease[q.lease] == f {
 		delete(m.l2.byLease, q.lease)
@@ -602,7 +670,7 @@ func (m *Machine) l2Tick(now int64) {
 			m.endLookup(id, lk, 0)
 		}
 	}
-	for _, f := range t.fetches {
+	for _, f := range t.fetches { // resolveFetch may delete f: allowed in a range
 		if !f.resolved && now >= f.deadline {
 			t.st.FetchTimeouts++
 			m.resolveFetch(f)
@@ -685,11 +753,33 @@ func (m *Machine) l2Invariants(bad func(format string, args ...any)) {
 		bad("l2: writes pin %d slots, counted %d", slots, m.l2.pinned)
 	}
 	for id, f := range m.l2.fetches {
-		if f.q == nil {
-			bad("l2 fetch %d: no query", id)
+		if f.q == nil || f.id != id {
+			bad("l2 fetch %d: no query, or record of %d", id, f.id)
+		}
+		if f.resolved && !f.own {
+			bad("l2 fetch %d: resolved with its own fetch ended, yet kept", id)
 		}
 		if !f.resolved && m.l2.byLease[f.q.lease] != f {
 			bad("l2 fetch %d: unresolved, not found by its lease %d", id, f.q.lease)
+		}
+		if !f.own && (len(f.keys) > 0 || len(f.blocks) > 0) {
+			bad("l2 fetch %d: no fetch of its own, yet fills blocks", id)
+		}
+		deps := 0
+		for _, g := range m.l2.fetches {
+			for _, w := range g.waiters {
+				if w == f {
+					deps++
+				}
+			}
+		}
+		if !f.resolved && deps != f.deps {
+			bad("l2 fetch %d: waits for %d fetches, %d name it", id, f.deps, deps)
+		}
+	}
+	for k, f := range m.l2.filling {
+		if m.l2.fetches[f.id] != f || !f.own || !slices.Contains(f.keys, k) {
+			bad("l2: a block filled by fetch %d, which does not fill it", f.id)
 		}
 	}
 	for lease, f := range m.l2.byLease {

@@ -585,3 +585,45 @@ func TestL2TenantsNeverShareKeys(t *testing.T) {
 		}
 	}
 }
+
+func TestL2SecondAcquireWaitsForTheFirstsFetch(t *testing.T) {
+	tr := &tier{vals: map[string][]byte{}}
+	a := newNode(t, tr, 64, machine.L2Config{})
+	b := newNode(t, tr, 64, machine.L2Config{})
+	d := digs("shared system prompt", 4)
+	sa := a.attach("a", "", 1, 0)
+	sa.region(8)
+	sa.put(1, d)
+	sa.store(1, 0, 4)
+	a.endWrites(false)
+
+	// Two requests on B with the same prefix: the first fetches it, the
+	// second waits for that fetch instead of missing.
+	s1, s2 := b.attach("b", "", 1, 0), b.attach("b", "", 1, 0)
+	s1.region(8)
+	s1.put(1, d)
+	s2.put(2, d)
+	l1 := s1.acquire(1, 4)
+	l2 := s2.acquire(2, 4)
+	if l1.State != schema.StateWaiting || l2.State != schema.StateWaiting || l2.Blocks != 4 || len(b.fetches) != 1 {
+		t.Fatalf("acquires %+v %+v, %d fetches (want one)", l1, l2, len(b.fetches))
+	}
+	b.endFetches(nil)
+	for _, x := range []struct {
+		s *l2sess
+		l schema.LeaseReply
+	}{{s1, l1}, {s2, l2}} {
+		if p := x.s.poll(x.l.Lease); p.State != schema.StateReady || p.Blocks != 4 {
+			t.Fatalf("after the fetch: %+v", p)
+		}
+	}
+	// The second may be released first, or end with its session: nothing
+	// is left either way.
+	b.do(func(now int64, o *machine.Output) { b.m.Detach(now, s2.id, o) })
+	if st := sa.n.m.L2Counters(); st.PendingFetches != 0 {
+		t.Fatalf("A: %+v", st)
+	}
+	if c := b.m.L2Counters(); c.PendingFetches != 0 || c.FetchedBlocks != 4 {
+		t.Fatalf("B: %+v", c)
+	}
+}
