@@ -104,7 +104,7 @@ func (s *Server) l2State(c machine.L2Counters, evictedUnmarked uint64) *L2State 
 		return nil
 	}
 	rc := s.tier.Config()
-	return &L2State{Mode: s.tier.Mode(), Connected: s.tier.Connected(), Addrs: rc.Addrs, TLS: s.cfg.L2.Redis.TLS != nil, Prefix: rc.Prefix, TTL: rc.TTL.String(),
+	return &L2State{Mode: s.tier.Mode(), Connected: s.tier.Connected(), Addrs: rc.Addrs, TLS: s.cfg.L2.Redis.TLS != nil || s.cfg.L2.Redis.TLSFiles != nil, Prefix: rc.Prefix, TTL: rc.TTL.String(),
 		Policy: s.cfg.L2.Policy.String(), Machine: c, EvictedUnwritten: evictedUnmarked, Client: s.tier.Metrics().Snapshot()}
 }
 

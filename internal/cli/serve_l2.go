@@ -1,10 +1,7 @@
 package cli
 
 import (
-	"crypto/tls"
-	"crypto/x509"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/urfave/cli/v2"
@@ -79,29 +76,13 @@ func l2Config(c *cli.Context, errs *[]string) *sidecar.L2Config {
 	// Read by the tier at start (and the file again at each new
 	// connection, so that a rotated Secret takes effect).
 	cfg.Redis.PasswordFile, cfg.Redis.PasswordEnv = c.String("l2.redis.password-file"), c.String("l2.redis.password-env")
+	// The TLS files are read by the tier at start, like the password file.
 	ca, cert, key := c.String("l2.redis.tls-ca-file"), c.String("l2.redis.tls-cert-file"), c.String("l2.redis.tls-key-file")
 	if c.Bool("l2.redis.tls") || ca != "" || cert != "" || key != "" {
-		tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: c.String("l2.redis.tls-server-name")}
-		if ca != "" {
-			pem, err := os.ReadFile(ca)
-			roots := x509.NewCertPool()
-			if err != nil {
-				bad("--l2.redis.tls-ca-file: %v", err)
-			} else if !roots.AppendCertsFromPEM(pem) {
-				bad("--l2.redis.tls-ca-file: %s holds no PEM certificate", ca)
-			}
-			tc.RootCAs = roots
-		}
 		if (cert == "") != (key == "") {
 			bad("--l2.redis.tls-cert-file and --l2.redis.tls-key-file go together")
-		} else if cert != "" {
-			pair, err := tls.LoadX509KeyPair(cert, key)
-			if err != nil {
-				bad("--l2.redis.tls-cert-file: %v", err)
-			}
-			tc.Certificates = []tls.Certificate{pair}
 		}
-		cfg.Redis.TLS = tc
+		cfg.Redis.TLSFiles = &l2.TLSFiles{CA: ca, Cert: cert, Key: key, ServerName: c.String("l2.redis.tls-server-name")}
 	}
 	return cfg
 }

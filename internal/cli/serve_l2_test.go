@@ -89,7 +89,7 @@ func TestServeL2ACLPasswordFileEnvAndTLS(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if cfg.L2 == nil || cfg.L2.Redis.TLS == nil || cfg.L2.Redis.Username != "ringside" {
+			if cfg.L2 == nil || cfg.L2.Redis.TLSFiles == nil || cfg.L2.Redis.TLSFiles.CA != redis.TLS.CA || cfg.L2.Redis.Username != "ringside" {
 				t.Fatalf("tier config %+v", cfg.L2)
 			}
 			if _, ok := startServe(t, cfg); ok != tc.connect {
@@ -144,11 +144,20 @@ func TestInspectSidecarShowsTheTier(t *testing.T) {
 	if _, ok := startServe(t, cfg); !ok {
 		t.Fatal("not connected")
 	}
-	app := App()
 	var out strings.Builder
-	app.Writer, app.ErrWriter = &out, &out
-	if err := app.Run([]string{"ringside", "inspect", "sidecar", "--metrics.addr", addr}); err != nil {
-		t.Fatal(err)
+	deadline := time.Now().Add(10 * time.Second)
+	for { // the metrics server starts with Serve, beside the tier
+		out.Reset()
+		app := App()
+		app.Writer, app.ErrWriter = &out, &out
+		err := app.Run([]string{"ringside", "inspect", "sidecar", "--metrics.addr", addr})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	for _, want := range []string{"l2: single [" + redis.Addr + "] connected true", `prefix "inspect:" ttl 10m0s policy write-on-evict`, "lookups 0", "writes 0"} {
 		if !strings.Contains(out.String(), want) {

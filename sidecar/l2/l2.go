@@ -19,6 +19,7 @@ package l2
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"os"
@@ -48,8 +49,11 @@ type Config struct {
 	// variable PasswordEnv (at start); at most one of them.
 	Username, Password        string
 	PasswordFile, PasswordEnv string
-	// TLS, when not nil, is used for every connection.
-	TLS *tls.Config
+	// TLS, when not nil, is used for every connection. TLSFiles make one
+	// (read by New and Dial, so that a file that is not there yet when the
+	// flags are parsed, a Secret's, is no error until the sidecar starts).
+	TLS      *tls.Config
+	TLSFiles *TLSFiles
 	// Prefix starts every key (default "ringside:").
 	Prefix string
 	// TTL is every value's time to live (0: none; the server's eviction
@@ -151,10 +155,55 @@ func (c *Config) Validate() error {
 	if n > 1 {
 		bad("password-file", "give one of a password file and a password environment variable")
 	}
+	if c.TLS != nil && c.TLSFiles != nil {
+		bad("tls", "a TLS configuration and TLS files: give one")
+	}
 	if len(c.Prefix) > 256 || strings.ContainsAny(c.Prefix, "{}") {
 		bad("prefix", "%q: at most 256 bytes, without braces (they would change the hash tag)", c.Prefix)
 	}
 	return errors.Join(errs...)
+}
+
+// TLSFiles are the PEM files of a TLS connection.
+type TLSFiles struct {
+	CA         string // the CA that signed the servers' certificates (empty: the system's roots)
+	Cert, Key  string // a client certificate, for servers that authenticate clients
+	ServerName string // the name to verify (empty: each address's host)
+}
+
+// resolve reads the password and the TLS files.
+func (c *Config) resolve() error {
+	if err := c.resolvePassword(); err != nil {
+		return err
+	}
+	f := c.TLSFiles
+	if f == nil {
+		return nil
+	}
+	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: f.ServerName}
+	if f.CA != "" {
+		pem, err := os.ReadFile(f.CA)
+		if err != nil {
+			return fmt.Errorf("--l2.redis.tls-ca-file: %w", err)
+		}
+		roots := x509.NewCertPool()
+		if !roots.AppendCertsFromPEM(pem) {
+			return fmt.Errorf("--l2.redis.tls-ca-file: %s holds no PEM certificate", f.CA)
+		}
+		tc.RootCAs = roots
+	}
+	if (f.Cert == "") != (f.Key == "") {
+		return errors.New("--l2.redis.tls-cert-file and --l2.redis.tls-key-file go together")
+	}
+	if f.Cert != "" {
+		pair, err := tls.LoadX509KeyPair(f.Cert, f.Key)
+		if err != nil {
+			return fmt.Errorf("--l2.redis.tls-cert-file: %w", err)
+		}
+		tc.Certificates = []tls.Certificate{pair}
+	}
+	c.TLS = tc
+	return nil
 }
 
 // resolvePassword reads the password from its file or variable.
@@ -244,7 +293,7 @@ func New(cfg Config, pool []byte, log zerolog.Logger) (*Tier, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if err := cfg.resolvePassword(); err != nil {
+	if err := cfg.resolve(); err != nil {
 		return nil, err
 	}
 	writes := make(chan *writeJob, cfg.Queue)
@@ -341,7 +390,7 @@ func Dial(cfg Config) (redis.UniversalClient, string, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, "", err
 	}
-	if err := cfg.resolvePassword(); err != nil {
+	if err := cfg.resolve(); err != nil {
 		return nil, "", err
 	}
 	creds := func() (string, string) { return cfg.Username, cfg.Password }
