@@ -24,6 +24,7 @@ var overlays = []struct {
 	{"cpu", []string{"overlays/cpu"}},
 	{"gpu", []string{"overlays/gpu"}},
 	{"monitoring", []string{"overlays/monitoring", "base"}},
+	{"l2", []string{"overlays/l2"}},
 }
 
 func TestOverlays(t *testing.T) {
@@ -46,7 +47,7 @@ func TestOverlays(t *testing.T) {
 			}
 			d := deployment(t, objs)
 			for _, ct := range allContainers(&d.Spec.Template.Spec) {
-				if (o.name == "cpu" || o.name == "gpu") && !strings.Contains(ct.Image, "/") {
+				if (o.name == "cpu" || o.name == "gpu" || o.name == "l2") && !strings.Contains(ct.Image, "/") {
 					t.Errorf("container %q keeps the placeholder image %q: the overlay must map it", ct.Name, ct.Image)
 				}
 			}
@@ -61,6 +62,12 @@ func TestOverlays(t *testing.T) {
 			case "monitoring":
 				if kinds["ServiceMonitor"] != 1 {
 					t.Errorf("the monitoring overlay renders no ServiceMonitor: %v", kinds)
+				}
+			case "l2":
+				cfg, err := parseServe(&d.Spec.Template.Spec.InitContainers[0])
+				if err != nil || cfg.L2 == nil || len(cfg.L2.Redis.Addrs) != 3 || cfg.L2.Redis.Mode != "cluster" ||
+					cfg.L2.Redis.PasswordFile == "" || cfg.L2.Redis.TLSFiles == nil || cfg.CopyBackend != "host" {
+					t.Errorf("the l2 overlay's sidecar should use a cluster over TLS with the password from a file (on the cpu overlay): %+v, %v", cfg.L2, err)
 				}
 			case "cpu":
 				cfg, err := parseServe(&d.Spec.Template.Spec.InitContainers[0])

@@ -46,12 +46,13 @@ const (
 	rulePrometheus     = "prometheus"              // scrape annotations and a Service on the metrics port
 	ruleServiceMonitor = "servicemonitor"          // the ServiceMonitor selects that Service and port
 	ruleGPUClaim       = "gpu-claim"               // a GPU is shared through one DRA claim named by both containers
+	ruleL2Tier         = "l2-tier"                 // a shared tier: TLS, and its password and CA from a Secret, never a literal
 )
 
 var allRules = []string{
 	ruleRender, ruleStrictDecode, ruleSidecarNative, ruleStartupProbe, ruleEngineOrder,
 	ruleSharedShm, rulePIDNamespace, ruleHostIsolation, ruleSecurity, ruleSameUser, ruleSeccomp, ruleProbes,
-	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim,
+	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim, ruleL2Tier,
 }
 
 const (
@@ -319,6 +320,71 @@ func (c *checker) checkPod(p *podSpec, services []*corev1.Service, templates, cl
 	}
 	if en != nil {
 		c.checkGPU(p, sc, en, templates, claims)
+	}
+	if cfgOK && cfg.L2 != nil {
+		c.checkL2(p, sc, cfg.L2)
+	}
+}
+
+// checkL2: the shared tier is protected by an ACL user's password and TLS
+// (docs/architecture.md, "The shared tier"), so the sidecar that uses one
+// must connect with TLS, read its password from a Secret (a file on a
+// read-only Secret volume, or a variable from a secretKeyRef: never a
+// value in the manifest) and its CA, if named, from a Secret or ConfigMap.
+func (c *checker) checkL2(p *podSpec, sc *corev1.Container, l2 *sidecar.L2Config) {
+	r := l2.Redis
+	if r.TLS == nil && r.TLSFiles == nil {
+		c.fail(ruleL2Tier, "%s: the sidecar reaches its tier without TLS (--l2.redis.tls or --l2.redis.tls-ca-file): KV bytes and the password would cross the network in the clear", p.name)
+	}
+	// fromVolume reports whether file lies on a read-only mount of a
+	// volume of one of the kinds allowed.
+	fromVolume := func(file string, configMapToo bool) bool {
+		for _, m := range sc.VolumeMounts {
+			if !under(file, m.MountPath) || !m.ReadOnly {
+				continue
+			}
+			for _, v := range p.tpl.Spec.Volumes {
+				if v.Name != m.Name {
+					continue
+				}
+				switch {
+				case v.Secret != nil, configMapToo && v.ConfigMap != nil:
+					return true
+				case v.Projected != nil:
+					ok := len(v.Projected.Sources) > 0
+					for _, src := range v.Projected.Sources {
+						ok = ok && (src.Secret != nil || configMapToo && src.ConfigMap != nil)
+					}
+					return ok
+				}
+			}
+		}
+		return false
+	}
+	switch {
+	case r.PasswordFile != "":
+		if !fromVolume(r.PasswordFile, false) {
+			c.fail(ruleL2Tier, "%s: --l2.redis.password-file %q is not on a read-only Secret volume of the sidecar", p.name, r.PasswordFile)
+		}
+	case r.PasswordEnv != "":
+		var ev *corev1.EnvVar
+		for i := range sc.Env {
+			if sc.Env[i].Name == r.PasswordEnv {
+				ev = &sc.Env[i]
+			}
+		}
+		if ev == nil || ev.ValueFrom == nil || ev.ValueFrom.SecretKeyRef == nil || ev.Value != "" {
+			c.fail(ruleL2Tier, "%s: --l2.redis.password-env names %q, which is not set from a secretKeyRef in the sidecar's env: a password in the manifest is readable by everyone who can read the pod", p.name, r.PasswordEnv)
+		}
+	default:
+		c.fail(ruleL2Tier, "%s: the sidecar's tier has no password (--l2.redis.password-file from a Secret): the cluster must admit only its ACL users", p.name)
+	}
+	if f := r.TLSFiles; f != nil {
+		for flag, file := range map[string]string{"tls-ca-file": f.CA, "tls-cert-file": f.Cert, "tls-key-file": f.Key} {
+			if file != "" && !fromVolume(file, flag == "tls-ca-file") {
+				c.fail(ruleL2Tier, "%s: --l2.redis.%s %q is not on a read-only Secret (or, for the CA, ConfigMap) volume of the sidecar", p.name, flag, file)
+			}
+		}
 	}
 }
 

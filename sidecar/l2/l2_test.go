@@ -435,3 +435,38 @@ func TestConfigValidate(t *testing.T) {
 		}
 	}
 }
+
+// TestLeastPrivilegeACLUser runs the tier as the ACL user deploy/README.md
+// tells operators to create: its keys only, and the commands the client
+// sends; in a cluster, so that CLUSTER SLOTS is needed too.
+func TestLeastPrivilegeACLUser(t *testing.T) {
+	cl := redistest.NewCluster(t, 3, 0, redistest.Options{Args: []string{
+		"--user", "ringside", "on", ">narrow", "~ringside:*", "+@read", "+@write", "+@connection", "+info", "+cluster|slots"}})
+	src := make([]byte, 16*slotBytes)
+	tr := newTier(t, l2.Config{Addrs: cl.Addrs(), Username: "ringside", Password: "narrow"}, src)
+	connected(t, tr)
+	write(t, tr, src, 3)
+	if got := lookup(tr, 3); got != 3 {
+		t.Fatalf("lookup as the narrow user found %d", got)
+	}
+	dst := make([]byte, 16*slotBytes)
+	other := newTier(t, l2.Config{Addrs: cl.Addrs(), Username: "ringside", Password: "narrow"}, dst)
+	connected(t, other)
+	checkFetched(t, src, dst, fetch(other, dst, 3, 0), 3)
+	if s := tr.Metrics().Snapshot(); s.Errors["write"]+s.Errors["lookup"]+s.Errors["fetch"] != 0 {
+		t.Fatalf("errors %+v", s.Errors)
+	}
+	// Keys outside its prefix are refused to it.
+	wrong := newTier(t, l2.Config{Addrs: cl.Addrs(), Username: "ringside", Password: "narrow", Prefix: "other:"}, src)
+	connected(t, wrong)
+	refused := make(chan bool, 1)
+	wrong.Write(machine.L2Write{NS: testNS, Digest: digest(1), Length: slotBytes, PoolOffsets: []uint64{0, slotBytes}}, func(r bool) { refused <- r })
+	<-refused
+	deadline := time.Now().Add(10 * time.Second)
+	for wrong.Metrics().Snapshot().Writes["error"] == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("a write outside the user's keys did not fail")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
