@@ -190,7 +190,7 @@ func (c *Config) tier(topo string) ([]string, func(), error) {
 		}
 		return cl.Addrs(), func() { cl.Close(); os.RemoveAll(base) }, nil
 	}
-	return nil, nil, fmt.Errorf("topology %q: want single, cluster or addrs:HOST:PORT,...", topo)
+	return nil, nil, fmt.Errorf("topology %q: want single, cluster or addrs:HOST:PORT[,HOST:PORT]", topo)
 }
 
 type node struct {
@@ -556,7 +556,7 @@ func (c *Config) print(rows []Row) error {
 	fmt.Fprintf(c.Out, "ringside bench l2: the shared tier through live sidecars against a plain go-redis loop (the ceiling), same server, same run\n")
 	fmt.Fprintf(c.Out, "%d CPUs, load average %s; median of %d repetitions; %d writers\n\n", runtime.NumCPU(), harness.LoadAvg(), c.Reps, c.Writers)
 	fmt.Fprintf(c.Out, "%-8s %-6s %10s %7s %12s %12s %7s\n", "topology", "op", "value", "blocks", "sidecar GB/s", "ceiling GB/s", "ratio")
-	var worst float64 = 1e9
+	worst := 1e9
 	for _, r := range rows {
 		fmt.Fprintf(c.Out, "%-8s %-6s %10s %7d %12.3f %12.3f %7.2f\n", r.Topology, r.Op, size(r.ValueBytes), r.Blocks, r.SidecarGBps, r.CeilingGBps, r.Ratio)
 		worst = min(worst, r.Ratio)

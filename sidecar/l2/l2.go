@@ -370,7 +370,6 @@ func (q quietLogger) Printf(_ context.Context, format string, v ...any) {
 	q.log.Debug().Msgf(format, v...)
 }
 
-func (t *Tier) opts(addr string) *redis.Options { return t.cfg.options(addr, t.credentials) }
 
 // options are the client's settings for one node.
 func (c *Config) options(addr string, creds func() (string, string)) *redis.Options {
