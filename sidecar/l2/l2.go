@@ -614,7 +614,18 @@ func (t *Tier) fetchBatch(ctx context.Context, c *redisClient, f machine.L2Fetch
 				}
 				break
 			}
-			p, why := CheckValue(v, f.NS, b.Digest, r, length, f.MaxLength)
+			p, crc, why := CheckHeader(v, f.NS, b.Digest, r, length, f.MaxLength)
+			if why == "" && off+uint64(len(p)) > uint64(len(t.pool)) {
+				ok = false
+				t.met.errors.WithLabelValues("fetch").Inc()
+				break
+			}
+			// Copied and checksummed in one pass; a payload whose checksum
+			// does not match leaves garbage in a slot reserved for this
+			// block alone, which the Machine then frees unseen.
+			if why == "" && CopyCRC(t.pool[off:off+uint64(len(p))], p) != crc {
+				why = RejectChecksum
+			}
 			if why != "" {
 				ok = false
 				t.met.rejected.WithLabelValues(why).Inc()
@@ -622,12 +633,6 @@ func (t *Tier) fetchBatch(ctx context.Context, c *redisClient, f machine.L2Fetch
 				break
 			}
 			length = uint64(len(p)) // every rank the same size
-			if off+length > uint64(len(t.pool)) {
-				ok = false
-				t.met.errors.WithLabelValues("fetch").Inc()
-				break
-			}
-			copy(t.pool[off:off+length], p)
 			t.met.bytes.WithLabelValues("read").Add(float64(len(v)))
 		}
 		if ok {

@@ -64,9 +64,13 @@ func HashTag(ns machine.L2Namespace, digest []byte) string {
 }
 
 // AppendValue appends the value of rank's shard payload of block digest.
+// The payload is copied and checksummed in one pass (in pieces that stay
+// in the CPU's cache).
 func AppendValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, payload []byte) []byte {
 	start := len(dst)
 	dst = append(dst, make([]byte, HeaderSize)...)
+	dst = append(dst, make([]byte, len(payload))...)
+	crc := CopyCRC(dst[start+HeaderSize:], payload)
 	h := dst[start : start+HeaderSize]
 	binary.LittleEndian.PutUint32(h[0:], valueMagic)
 	binary.LittleEndian.PutUint16(h[4:], valueVersion)
@@ -78,9 +82,57 @@ func AppendValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, pa
 	binary.LittleEndian.PutUint64(h[24:], ns.Layout)
 	copy(h[32:48], ns.FP[:])
 	copy(h[48:80], digest)
-	binary.LittleEndian.PutUint32(h[80:], crc32.Update(0, castagnoli, payload))
+	binary.LittleEndian.PutUint32(h[80:], crc)
 	binary.LittleEndian.PutUint32(h[84:], crc32.Update(0, castagnoli, h[:84]))
-	return append(dst, payload...)
+	return dst
+}
+
+// CopyCRC copies src into dst (len(dst) >= len(src)) and returns the
+// CRC32C of src, in one pass of 64 KiB pieces.
+func CopyCRC(dst, src []byte) uint32 {
+	const piece = 64 << 10
+	var crc uint32
+	for off := 0; off < len(src); off += piece {
+		e := min(off+piece, len(src))
+		copy(dst[off:e], src[off:e])
+		crc = crc32.Update(crc, castagnoli, dst[off:e])
+	}
+	return crc
+}
+
+// CheckHeader checks v's header against the block it should be (as
+// CheckValue does) and returns the payload, unchecked, and the CRC32C its
+// header promises: a caller that copies the payload with CopyCRC compares
+// the two and must not use the copy when they differ.
+func CheckHeader(v []byte, ns machine.L2Namespace, digest []byte, rank int, want, maxLen uint64) ([]byte, uint32, string) {
+	if len(v) < HeaderSize {
+		return nil, 0, RejectShort
+	}
+	h := v[:HeaderSize]
+	if binary.LittleEndian.Uint32(h[0:]) != valueMagic || binary.LittleEndian.Uint16(h[4:]) != valueVersion ||
+		binary.LittleEndian.Uint16(h[6:]) != HeaderSize || binary.LittleEndian.Uint32(h[84:]) != crc32.Update(0, castagnoli, h[:84]) ||
+		h[13]|h[14]|h[15] != 0 || binary.LittleEndian.Uint64(h[88:]) != 0 {
+		return nil, 0, RejectHeader
+	}
+	var d [32]byte
+	copy(d[:], digest)
+	var fp [16]byte
+	copy(fp[:], h[32:48])
+	if binary.LittleEndian.Uint16(h[8:]) != uint16(rank) || binary.LittleEndian.Uint16(h[10:]) != uint16(ns.World) ||
+		int(h[12]) != len(digest) || binary.LittleEndian.Uint64(h[24:]) != ns.Layout || fp != ns.FP || [32]byte(h[48:80]) != d {
+		return nil, 0, RejectIdentity
+	}
+	n := binary.LittleEndian.Uint64(h[16:])
+	if n == 0 || n > maxLen || (want != 0 && n != want) {
+		return nil, 0, RejectLength
+	}
+	if uint64(len(v)-HeaderSize) < n {
+		return nil, 0, RejectShort
+	}
+	if uint64(len(v)-HeaderSize) > n {
+		return nil, 0, RejectTrailing
+	}
+	return v[HeaderSize:], binary.LittleEndian.Uint32(h[80:]), ""
 }
 
 // Reasons a value is rejected (the rejected-values metric's label).
@@ -97,35 +149,11 @@ const (
 // payload of want bytes (0: any up to max), and returns its payload (a
 // slice of v) or the reason it is rejected.
 func CheckValue(v []byte, ns machine.L2Namespace, digest []byte, rank int, want, maxLen uint64) ([]byte, string) {
-	if len(v) < HeaderSize {
-		return nil, RejectShort
+	p, crc, why := CheckHeader(v, ns, digest, rank, want, maxLen)
+	if why != "" {
+		return nil, why
 	}
-	h := v[:HeaderSize]
-	if binary.LittleEndian.Uint32(h[0:]) != valueMagic || binary.LittleEndian.Uint16(h[4:]) != valueVersion ||
-		binary.LittleEndian.Uint16(h[6:]) != HeaderSize || binary.LittleEndian.Uint32(h[84:]) != crc32.Update(0, castagnoli, h[:84]) ||
-		h[13]|h[14]|h[15] != 0 || binary.LittleEndian.Uint64(h[88:]) != 0 {
-		return nil, RejectHeader
-	}
-	var d [32]byte
-	copy(d[:], digest)
-	var fp [16]byte
-	copy(fp[:], h[32:48])
-	if binary.LittleEndian.Uint16(h[8:]) != uint16(rank) || binary.LittleEndian.Uint16(h[10:]) != uint16(ns.World) ||
-		int(h[12]) != len(digest) || binary.LittleEndian.Uint64(h[24:]) != ns.Layout || fp != ns.FP || [32]byte(h[48:80]) != d {
-		return nil, RejectIdentity
-	}
-	n := binary.LittleEndian.Uint64(h[16:])
-	if n == 0 || n > maxLen || (want != 0 && n != want) {
-		return nil, RejectLength
-	}
-	if uint64(len(v)-HeaderSize) < n {
-		return nil, RejectShort
-	}
-	if uint64(len(v)-HeaderSize) > n {
-		return nil, RejectTrailing
-	}
-	p := v[HeaderSize:]
-	if crc32.Update(0, castagnoli, p) != binary.LittleEndian.Uint32(h[80:]) {
+	if crc32.Update(0, castagnoli, p) != crc {
 		return nil, RejectChecksum
 	}
 	return p, ""
