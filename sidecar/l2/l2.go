@@ -370,7 +370,6 @@ func (q quietLogger) Printf(_ context.Context, format string, v ...any) {
 	q.log.Debug().Msgf(format, v...)
 }
 
-
 // options are the client's settings for one node.
 func (c *Config) options(addr string, creds func() (string, string)) *redis.Options {
 	return &redis.Options{Addr: addr, CredentialsProvider: creds, TLSConfig: c.TLS,
