@@ -483,3 +483,75 @@ func TestL2MasterKilledMidReplay(t *testing.T) {
 		t.Fatalf("the kill cost nothing counted: %+v %+v", a.srv.State().L2, b.srv.State().L2)
 	}
 }
+
+// TestL2WriteOnEvict: with --l2.policy write-on-evict nothing is written
+// when stored; the blocks at the LRU's tail are written ahead of their
+// eviction, so that once evicted they still serve another node, and the
+// ones evicted before they could be written are counted.
+func TestL2WriteOnEvict(t *testing.T) {
+	srv := redistest.Single(t, redistest.Options{})
+	a := tierHarness(t, []string{srv.Addr}, func(c *sidecar.L2Config) {
+		c.Policy, c.WriteSlots, c.EvictAhead = machine.WriteOnEvict, 4, 4
+	})
+	prefix := a.cfg.L2.Redis.Prefix
+	b := tierHarness(t, []string{srv.Addr}, func(c *sidecar.L2Config) { c.Redis.Prefix = prefix })
+	slots := a.srv.State().Pool.Capacity
+	d := digests("evicted", slots+8)
+	ca := a.dial(nil)
+	src := newRegion(1, slots+8)
+	ca.RegisterRegion(src.reg)
+	for i := 0; i < slots+8; i++ {
+		src.stamp(i, 500+i)
+	}
+	ca.PutHashes(1, d, false)
+	// Fill the pool in steps of four: each step's end writes the four least
+	// recently used ahead (the reaper's tick writes them too).
+	for i := 0; i < slots; i += 4 {
+		if r, err := ca.Store(schema.View{Batch: 1, Start: uint32(i), Count: 4}, 1, pages(i, 4)); err != nil || r.Stored != 4 {
+			t.Fatalf("store %d: %+v %v", i, r, err)
+		}
+	}
+	waitWrites(t, a, 4)
+	if st := a.srv.State().L2; st.Machine.Writes > 8 {
+		t.Fatalf("write-on-evict wrote %d blocks of a pool not yet full", st.Machine.Writes)
+	}
+	// Four more evict the four written ones.
+	if r, err := ca.Store(schema.View{Batch: 1, Start: uint32(slots), Count: 4}, 1, pages(slots, 4)); err != nil || r.Stored != 4 {
+		t.Fatalf("store past the pool: %+v %v", r, err)
+	}
+	st := a.srv.State()
+	if st.Pool.Evictions != 4 || st.L2.EvictedUnwritten != 0 {
+		t.Fatalf("evictions %d, unwritten %d: %+v", st.Pool.Evictions, st.L2.EvictedUnwritten, st.L2)
+	}
+	// Node B fetches the evicted blocks 0-3 from the tier.
+	cb := b.dial(nil)
+	dst := newRegion(1, 4)
+	cb.RegisterRegion(dst.reg)
+	cb.PutHashes(1, d[:4*32], false)
+	l, err := cb.Acquire(schema.View{Batch: 1, Count: 4}, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l = waitReady(t, cb, l); l.Blocks != 4 {
+		t.Fatalf("B's lease of the evicted blocks: %+v", l)
+	}
+	if _, err := cb.Load(l.Lease, 1, 0, pages(0, 4)); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 4; i++ {
+		if !dst.holds(i, 500+i) {
+			t.Fatalf("block %d: wrong bytes", i)
+		}
+	}
+	// A burst larger than the blocks written ahead evicts unwritten ones:
+	// counted.
+	ca.PutHashes(2, digests("burst", slots), false)
+	burst := newRegion(2, slots)
+	ca.RegisterRegion(burst.reg)
+	if _, err := ca.Store(schema.View{Batch: 2, Count: uint32(slots)}, 2, pages(0, slots)); err != nil {
+		t.Fatal(err)
+	}
+	if st := a.srv.State().L2; st.EvictedUnwritten == 0 {
+		t.Fatalf("a burst evicted nothing unwritten: %+v", st)
+	}
+}
