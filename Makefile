@@ -16,7 +16,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events
+.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers
 
 all: build
 
@@ -158,6 +158,21 @@ bench: build
 # Parts or smaller runs: make bench-vllm ARGS="--parts step,ttft" (or --quick, --help).
 bench-vllm: vllm-venv build
 	$(VLLM_VENV)/bin/python bench/vllm/bench_vllm.py --bin $(BIN) $(ARGS)
+
+# The same-run comparison with the peers (opt-in, never part of `make test`):
+# LMCache's multiprocess server and vLLM's LMCacheMPConnector, vLLM's
+# OffloadingConnector (bench/vllm/hostcopy_spec.py), ExampleConnector, the
+# null connector and no connector. peers-venv layers LMCache over the vLLM
+# venv in .venv-peers (bench/vllm/install-peers.sh; the vLLM venv is not
+# touched). ~20-30 minutes on the 2-vCPU VM; ARGS adds flags (--quick, ...).
+PEERS_VENV ?= $(CURDIR)/.venv-peers
+PEERS_CONNECTORS ?= none,null,ringside,lmcache,offloading,example
+peers-venv: vllm-venv
+	bench/vllm/install-peers.sh $(VLLM_VENV) $(PEERS_VENV)
+
+bench-vllm-peers: peers-venv build
+	$(PEERS_VENV)/bin/python bench/vllm/bench_vllm.py --bin $(BIN) --python $(PEERS_VENV)/bin/python \
+		--connectors $(PEERS_CONNECTORS) $(ARGS)
 
 clean:
 	rm -rf bin

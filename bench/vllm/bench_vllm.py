@@ -17,6 +17,12 @@ Prints JSON Lines on stdout (progress on stderr):
              and no hits (unique prompts), at increasing request rates up to
              and past saturation (Poisson arrivals paced by our own
              LLMEngine.add_request/step loop).
+  compare    (--connectors none,null,ringside,lmcache,offloading,example)
+             every arm in one run, ABBA, gated on correctness: per-step
+             connector time, engine step time, output tokens/s, admission
+             time at 10/100/1000 in flight, TTFT of a hit against a
+             recompute, server CPU (bench/vllm/compare.py; the peers need
+             `make peers-venv` and its interpreter).
 
 --models full,sliding (the default) runs the step and ttft parts for each
 kind of model: "full" the tiny Llama (every layer full attention, one KV
@@ -51,6 +57,9 @@ MAKE_MODEL = os.path.join(PYDIR, "tests", "e2e", "make_tiny_model.py")
 WORKER = os.path.join(HERE, "engine_worker.py")
 sys.path.insert(0, PYDIR)
 from ringside.sidecar_process import SidecarProcess  # noqa: E402 - the package of this tree
+
+sys.path.insert(0, HERE)
+import compare  # noqa: E402 - bench/vllm/compare.py
 
 # Models (make_tiny_model.py options). KV page bytes = layers * 2 * 32 * kv_heads * head_dim * 4.
 STEP_MODEL = {"kv-heads": 1}  # the e2e tiny model with one KV head: 16 KiB pages (1M blocks fit 16 GiB)
@@ -478,6 +487,25 @@ def part_tax(a, workdir):
         sc.stop(check=False)
 
 
+class Ctx:
+    """What compare.py needs of this driver."""
+
+    def __init__(self, a, workdir):
+        self.a, self.workdir = a, workdir
+        self.log, self.out, self.env, self.Sidecar = log, out, env, Sidecar
+
+    def build_model(self, which):
+        shape = {"step": STEP_MODEL, "ttft": TTFT_MODEL}[which]
+        return build_model(self.a.python, self.workdir, which, shape)
+
+    def page_bytes(self, which):
+        return page_bytes({"step": STEP_MODEL, "ttft": TTFT_MODEL}[which])
+
+
+def part_compare(a, workdir):
+    compare.part_compare(Ctx(a, workdir))
+
+
 def ints(s):
     return [int(float(x)) for x in s.split(",") if x]
 
@@ -488,7 +516,11 @@ def floats(s):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="step,ttft,tax", help="comma-separated: step, ttft, tax")
+    ap.add_argument(
+        "--parts",
+        default=None,
+        help="comma-separated: step, ttft, tax, compare (default: step,ttft,tax; compare with --connectors)",
+    )
     ap.add_argument(
         "--models",
         type=lambda x: [m for m in x.split(",") if m],
@@ -523,14 +555,42 @@ def main() -> int:
     ap.add_argument("--tax-burst", type=int, default=96)
     ap.add_argument("--tax-prompt-bytes", type=int, default=256)
     ap.add_argument("--tax-max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--connectors",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=None,
+        help="compare: arms of none,null,ringside,lmcache,offloading,example (none always runs: the gate reference)",
+    )
+    ap.add_argument("--compare-phases", default="load,ttft", help="compare: load, ttft or both")
+    ap.add_argument(
+        "--compare-reps", type=int, default=4, help="compare: runs per arm and in-flight count (ABBA order)"
+    )
+    ap.add_argument(
+        "--compare-steps", type=ints, default=[600, 400, 150], help="compare: measured steps at each --inflight"
+    )
+    ap.add_argument("--compare-life", type=int, default=128, help="compare: mean output tokens (uniform in 1..2x-1)")
+    ap.add_argument("--compare-prefix-bytes", type=int, default=256, help="compare: the prefix every request shares")
+    ap.add_argument("--compare-tail", type=ints, default=[32, 95], help="compare: unique tail bytes, min,max")
+    ap.add_argument("--compare-raw", action="store_true", help="compare: also print every run's row")
+    ap.add_argument("--gate-prompts", type=int, default=4)
+    ap.add_argument("--gate-prompt-bytes", type=int, default=600)
+    ap.add_argument("--gate-max-tokens", type=int, default=16)
     ap.add_argument("--sidecar-args", default="", help='extra `ringside serve` flags, e.g. "--ring.spin=0"')
     a = ap.parse_args()
     SIDECAR_ARGS[:] = shlex.split(a.sidecar_args)
+    if a.parts is None:
+        a.parts = "compare" if a.connectors else "step,ttft,tax"
+    if a.connectors is None:
+        a.connectors = ["none", "null", "ringside"]
+    bad = set(a.connectors) - set(compare.ARMS)
+    if bad:
+        raise SystemExit("unknown connectors %s (of %s)" % (sorted(bad), ",".join(compare.ARMS)))
     if a.quick:
         a.cached_blocks, a.inflight, a.step_min_steps = [10000], [10], 40
         a.sustained_steps, a.sustained_life = 20, 16
         a.ttft_samples, a.prefix_tokens = 1, 512
         a.tax_fractions, a.tax_seconds, a.tax_reps, a.tax_min_requests, a.tax_burst = [0.5], 2.0, 1, 8, 16
+        a.compare_reps, a.compare_steps, a.compare_life, a.gate_prompts = 2, [40], 16, 2
     if not os.path.exists(a.bin):
         raise SystemExit("no sidecar binary at %s (make build)" % a.bin)
     if set(a.models) - {"full", "sliding"}:
@@ -545,7 +605,7 @@ def main() -> int:
         for p in parts:
             t = time.time()
             try:
-                {"step": part_step, "ttft": part_ttft, "tax": part_tax}[p](a, workdir)
+                {"step": part_step, "ttft": part_ttft, "tax": part_tax, "compare": part_compare}[p](a, workdir)
             except Exception as e:  # noqa: BLE001 - report, run the other parts
                 ok = False
                 log("%s FAILED: %s" % (p, e))
