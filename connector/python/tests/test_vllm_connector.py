@@ -125,6 +125,37 @@ def test_store_planner_chunked_prefill_and_decode():
     assert eng.stats["sidecar_errors"] == 0 and eng.stats["lookups"] == 0  # no sidecar: nothing asked
 
 
+@pytest.mark.parametrize("every", [0, 4])
+def test_store_planner_decode_every(every):
+    """store_decode_every: 0 plans every full prompt block and no block that
+    decoding fills; 4 plans decode blocks only in steps that are multiples
+    of 4 (each once, in order; at most the block filled in the last three
+    steps before a request finishes is left out)."""
+    eng = H.Engine(NOWHERE, max_num_batched_tokens=32, extra={"store_decode_every": every})
+    reqs = [H.request("d%d" % i, H.prompt(20 + i, n), max_tokens=60) for i, n in enumerate((50, 70, 90))]
+    log = PlanLog(eng, reqs)
+    steps = {}  # request id -> [(step, block index)]
+
+    def on_meta(so, meta):
+        before = {rid: len(v) for rid, v in log.planned.items()}
+        log(so, meta)
+        for rid, v in log.planned.items():
+            steps.setdefault(rid, []).extend((eng.sside.planner.step, i) for i in v[before.get(rid, 0) :])
+
+    eng.run(reqs, on_meta=on_meta)
+    for r in reqs:
+        got = log.planned.get(r.request_id, [])
+        prompt_blocks = r.num_prompt_tokens // H.BLOCK
+        assert got == list(range(len(got))), (r.request_id, got)  # each once, in order
+        if every == 0:
+            assert len(got) == prompt_blocks, (r.request_id, got)
+            continue
+        assert full_blocks(r.num_tokens) - 1 <= len(got) <= full_blocks(r.num_tokens), (r.request_id, got)
+        decode = [s for s, i in steps[r.request_id] if i >= prompt_blocks]
+        assert decode and all(s % every == 0 for s in decode), (r.request_id, steps[r.request_id])
+    assert not eng.sside.planner._watch and not eng.sside.reqs
+
+
 def test_store_planner_preemption_and_resumption():
     """Too few KV blocks for four growing requests: vLLM preempts and resumes
     them; the cursors survive, every block is still planned exactly once,

@@ -180,6 +180,15 @@ class Config:
         'can have been handed on; "auto": for GPU memory only.',
         plugins=(VLLM,),
     )
+    store_decode_every: int = _key(
+        1,
+        INTEGER,
+        "Steps between two stores of the blocks that decoding fills (1: in the step that fills them; "
+        "0: never, prompt blocks only; docs/architecture.md).",
+        unit="steps",
+        plugins=(VLLM,),
+        minimum=0,
+    )
     mirror: bool = _key(True, BOOLEAN, "Keep a local index of the cache (docs/architecture.md).", plugins=(VLLM,))
     mirror_max_blocks: int = _key(
         4_000_000,

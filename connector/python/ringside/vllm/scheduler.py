@@ -110,7 +110,7 @@ class SchedulerSide:
         self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
         # Speculative decoding schedules several tokens a step: check every
         # scheduled request every step instead.
-        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats, layout)
+        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats, layout, cfg.store_decode_every)
         self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "scheduler", self._add_stats)
         self.kv_cache_manager: Any = None  # bound by vLLM after construction
         # Only full attention keeps every block of a live request until it

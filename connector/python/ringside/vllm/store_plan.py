@@ -41,6 +41,7 @@ class StorePlanner:
         every_step: bool,
         stats: dict,
         layout: Optional[Layout] = None,
+        decode_every: int = 1,
     ):
         self.reqs = reqs  # the scheduler side's request table (shared)
         self.block_size = block_size
@@ -57,6 +58,9 @@ class StorePlanner:
         self.group_tables: Any = False  # per group, the manager's request -> blocks table (like req_to_blocks)
         self.null_id = 0  # vLLM's null block
         self.every_step = every_step  # speculative decoding: check every scheduled request
+        # Blocks filled by decoding: stored in the step that fills them (1),
+        # in steps that are multiples of decode_every (> 1), or never (0).
+        self.decode_every = decode_every
         self.stats = stats
         self.step = 0  # the scheduler step being planned (1, 2, ...)
         # The KV cache manager's request -> blocks table (single KV cache
@@ -127,6 +131,8 @@ class StorePlanner:
         full = done // bs
         if full > len(hashes):
             full = len(hashes)
+        if not self.decode_every:
+            full = self._prompt_only(req, full)
         a = r.stored
         if full > a:
             rtb = self.req_to_blocks
@@ -177,6 +183,11 @@ class StorePlanner:
         # step in which `done` reaches the block's end.
         self._watch.discard(rid)
         step = self.step + max(1, (r.stored + 1) * bs - done) if full >= done // bs else self.step + 1
+        if self.decode_every != 1:
+            step = self._decode_due(step)
+            if not step:
+                r.due = 0  # prompt blocks only: nothing more to store
+                return
         r.due = step
         d = self._due.get(step)
         if d is None:
@@ -255,6 +266,18 @@ class StorePlanner:
             self._due[step] = [rid]
         else:
             d.append(rid)
+
+    def _prompt_only(self, req: Any, full: int) -> int:
+        """decode_every 0: no block past the prompt's last full one."""
+        p = req.num_prompt_tokens // self.block_size
+        return full if full <= p else p
+
+    def _decode_due(self, step: int) -> int:
+        """The step in which a decoding request's next block is checked, for
+        decode_every != 1: the next multiple of decode_every (the blocks
+        filled since are stored together), or 0 (never: prompt blocks only)."""
+        k = self.decode_every
+        return -(-step // k) * k if k else 0
 
     def _legacy_blocks(self, so: "SchedulerOutput") -> Callable:
         """Block ids from the scheduler output's block lists, for vLLM
