@@ -582,7 +582,7 @@ def main() -> int:
         a.parts = "compare" if a.connectors else "step,ttft,tax"
     if a.connectors is None:
         a.connectors = ["none", "null", "ringside"]
-    bad = set(a.connectors) - set(compare.ARMS)
+    bad = set(map(compare.base, a.connectors)) - set(compare.ARMS)
     if bad:
         raise SystemExit("unknown connectors %s (of %s)" % (sorted(bad), ",".join(compare.ARMS)))
     if a.quick:

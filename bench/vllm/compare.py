@@ -147,10 +147,12 @@ class Arm:
         e = dict(env, **{k: v for k, v in peer_env().items() if k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
         e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
         e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")  # null_connector, hostcopy_spec
+        if overrides(name):
+            e["RINGSIDE_BENCH_CONNECTOR_CONFIG"] = json.dumps(overrides(name))
         self.name = name
         self.log = open(logpath, "w")
         self.p = subprocess.Popen(
-            [python, WORKER, "--connector", name, "--model", model] + args,
+            [python, WORKER, "--connector", base(name), "--model", model] + args,
             env=e,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -187,6 +189,24 @@ class Arm:
         self.log.close()
 
 
+def base(name: str) -> str:
+    """An arm's connector: "ringside:store_decode_every=0" is ringside with
+    that configuration key (a variant, measured as an arm of its own)."""
+    return name.split(":", 1)[0]
+
+
+def overrides(name: str) -> dict:
+    """The configuration keys of a variant arm (values as JSON, else strings)."""
+    out = {}
+    for kv in name.split(":")[1:]:
+        k, _, v = kv.partition("=")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out
+
+
 def abba(arms, rep):
     return list(arms) if rep % 2 == 0 else list(reversed(arms))
 
@@ -197,9 +217,9 @@ class Servers:
 
     def __init__(self, ctx, arms, name, slot_bytes, pool):
         self.sc = self.lm = None
-        if "ringside" in arms:
+        if "ringside" in map(base, arms):
             self.sc = ctx.Sidecar(ctx.a.bin, ctx.workdir, "cmp-" + name, pool, slot_bytes)
-        if "lmcache" in arms:
+        if "lmcache" in map(base, arms):
             self.lm = LMCacheServer(ctx.a.python, ctx.workdir, ctx.log)
 
     def cpu(self) -> dict:
@@ -217,6 +237,7 @@ class Servers:
 
 def arm_args(name, servers, store_dir, extra):
     args = list(extra)
+    name = base(name)
     if name == "ringside":
         args += ["--socket", servers.sc.sock]
     elif name == "lmcache":
@@ -238,7 +259,7 @@ def start_arms(ctx, arms, servers, model, extra, phase, kv_gib):
             ctx.env(),
             model,
             arm_args(name, servers, store, extra),
-            os.path.join(ctx.workdir, "engine-cmp-%s-%s.log" % (phase, name)),
+            os.path.join(ctx.workdir, "engine-cmp-%s-%s.log" % (phase, name.replace(":", "_").replace("/", "_"))),
             kv_gib,
         )
         r = started[name].ready
@@ -259,7 +280,7 @@ def gate(ctx, engines, ref_name="none"):
         r1, r2 = r["rounds"]
         same = r1["tokens"] == ref and r2["tokens"] == ref
         first_miss = all(c == 0 for c in r1["cached"])
-        if name in ("none", "null"):
+        if base(name) in ("none", "null"):
             hits_ok = all(c == 0 for c in r2["cached"])
         else:
             hits_ok = all(c > 0 for c in r2["cached"])
