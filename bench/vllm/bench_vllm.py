@@ -144,7 +144,7 @@ def build_model(python: str, workdir: str, name: str, shape: dict) -> str:
     return d
 
 
-def Sidecar(binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: int, prefill: int = 0):
+def Sidecar(binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: int, prefill: int = 0, args=()):
     """A sidecar for one part (the shared fixture, ringside.sidecar_process)."""
     return SidecarProcess(
         binary,
@@ -152,7 +152,7 @@ def Sidecar(binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: i
         slot=str(slot_bytes),
         metrics=True,
         prefill_blocks=prefill,
-        args=SIDECAR_ARGS,
+        args=SIDECAR_ARGS + list(args),
         log=os.path.join(workdir, "sidecar-%s.log" % name),
         log_level="warn",
         prefix="rs-bench-vllm-%s-" % name,

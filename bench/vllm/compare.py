@@ -147,8 +147,10 @@ class Arm:
         e = dict(env, **{k: v for k, v in peer_env().items() if k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
         e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
         e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")  # null_connector, hostcopy_spec
-        if overrides(name):
-            e["RINGSIDE_BENCH_CONNECTOR_CONFIG"] = json.dumps(overrides(name))
+        if base(name) == "ringside":
+            # Each ringside arm its own tenant: arms share one sidecar and the
+            # same prompts, and must not hit each other's blocks.
+            e["RINGSIDE_BENCH_CONNECTOR_CONFIG"] = json.dumps(dict({"tenant": name}, **overrides(name)))
         self.name = name
         self.log = open(logpath, "w")
         self.p = subprocess.Popen(
@@ -196,10 +198,13 @@ def base(name: str) -> str:
 
 
 def overrides(name: str) -> dict:
-    """The configuration keys of a variant arm (values as JSON, else strings)."""
+    """The connector configuration keys of a variant arm (values as JSON,
+    else strings)."""
     out = {}
     for kv in name.split(":")[1:]:
         k, _, v = kv.partition("=")
+        if k.startswith("sidecar."):
+            continue
         try:
             out[k] = json.loads(v)
         except ValueError:
@@ -207,42 +212,63 @@ def overrides(name: str) -> dict:
     return out
 
 
+def sidecar_flags(name: str) -> tuple:
+    """`ringside serve` flags of a variant arm ("sidecar.ring.spin=0s":
+    --ring.spin=0s); arms with different flags get sidecars of their own."""
+    return tuple(
+        "--%s=%s" % (k[len("sidecar.") :], v)
+        for k, _, v in (kv.partition("=") for kv in name.split(":")[1:])
+        if k.startswith("sidecar.")
+    )
+
+
 def abba(arms, rep):
     return list(arms) if rep % 2 == 0 else list(reversed(arms))
 
 
 class Servers:
-    """The out-of-engine processes of one phase: a ringside sidecar and an
-    LMCache server, each only if its arm runs; their CPU over any window."""
+    """The out-of-engine processes of one phase: ringside sidecars (one for
+    each set of sidecar flags among the ringside arms) and an LMCache server,
+    each only if an arm needs it; their CPU over any window."""
 
     def __init__(self, ctx, arms, name, slot_bytes, pool):
-        self.sc = self.lm = None
-        if "ringside" in map(base, arms):
-            self.sc = ctx.Sidecar(ctx.a.bin, ctx.workdir, "cmp-" + name, pool, slot_bytes)
-        if "lmcache" in map(base, arms):
-            self.lm = LMCacheServer(ctx.a.python, ctx.workdir, ctx.log)
+        self.sc: dict[tuple, object] = {}
+        self.lm = None
+        try:
+            for arm in arms:
+                flags = sidecar_flags(arm)
+                if base(arm) == "ringside" and flags not in self.sc:
+                    tag = "cmp-%s-%d" % (name, len(self.sc))
+                    self.sc[flags] = ctx.Sidecar(ctx.a.bin, ctx.workdir, tag, pool, slot_bytes, args=flags)
+            if "lmcache" in map(base, arms):
+                self.lm = LMCacheServer(ctx.a.python, ctx.workdir, ctx.log)
+        except BaseException:
+            self.stop()
+            raise
+
+    def sock(self, arm: str) -> str:
+        return self.sc[sidecar_flags(arm)].sock
 
     def cpu(self) -> dict:
         return {
-            "ringside": self.sc.cpu_seconds() if self.sc else 0.0,
+            "ringside": sum(sc.cpu_seconds() for sc in self.sc.values()),
             "lmcache": self.lm.cpu_seconds() if self.lm else 0.0,
         }
 
     def stop(self) -> None:
         if self.lm:
             self.lm.stop()
-        if self.sc:
-            self.sc.stop(check=False)
+        for sc in self.sc.values():
+            sc.stop(check=False)
 
 
 def arm_args(name, servers, store_dir, extra):
     args = list(extra)
-    name = base(name)
-    if name == "ringside":
-        args += ["--socket", servers.sc.sock]
-    elif name == "lmcache":
+    if base(name) == "ringside":
+        args += ["--socket", servers.sock(name)]
+    elif base(name) == "lmcache":
         args += ["--lmcache-port", str(servers.lm.port)]
-    elif name == "example":
+    elif base(name) == "example":
         args += ["--store-dir", store_dir]
     return args
 
