@@ -346,6 +346,8 @@ def summarize_load(name, n, runs, cpu_by_run):
         "admitted_ms",
         "engine_cpu_pct",
         "gc_us_per_step",
+        "ctx_voluntary_per_step",
+        "ctx_involuntary_per_step",
     ):
         row[key], row[key + "_min"], row[key + "_max"] = m(key)
     for side in ("scheduler", "worker"):

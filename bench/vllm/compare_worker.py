@@ -320,6 +320,22 @@ def rand_text(rng, n):
     return "".join(rng.choice(ALPHABET) for _ in range(n))
 
 
+def ctx_switches() -> tuple[int, int]:
+    """Voluntary and involuntary context switches of this process's threads."""
+    vol = inv = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open("/proc/self/task/%s/status" % t) as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        vol += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        inv += int(line.split()[1])
+        except OSError:
+            continue
+    return vol, inv
+
+
 def run_gate(llm, cmd):
     from vllm import SamplingParams
 
@@ -403,6 +419,7 @@ def run_load(llm, conn_timers, phases, cmd, overhead_ns):
     c0 = [t.snap() for t in conn_timers]
     p0 = phases.snap()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    cs0 = ctx_switches()
     rec = []
     prev = [t.ns for t in conn_timers]
     w0 = _clock()
@@ -415,6 +432,7 @@ def run_load(llm, conn_timers, phases, cmd, overhead_ns):
         prev = cur
     window_ns = _clock() - w0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cs1 = ctx_switches()
     c1 = [t.snap() for t in conn_timers]
     p1 = phases.snap()
     eng.abort_request(list(live))
@@ -456,6 +474,11 @@ def run_load(llm, conn_timers, phases, cmd, overhead_ns):
         "gc_us_per_step": round((p1[1] - p0[1]) / 1e3 / len(rec), 1),
         "gc_collections": [b - a for a, b in zip(p0[2], p1[2])],
         "engine_cpu_pct": round(100.0 * cpu_s / (window_ns / 1e9), 1),
+        # Context switches of the engine's threads per step: voluntary (a
+        # thread blocked: a wait, a futex) and involuntary (preempted: another
+        # runnable thread, e.g. a sidecar or server, took its CPU).
+        "ctx_voluntary_per_step": round((cs1[0] - cs0[0]) / len(rec), 2),
+        "ctx_involuntary_per_step": round((cs1[1] - cs0[1]) / len(rec), 2),
     }
 
 
