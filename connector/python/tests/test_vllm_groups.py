@@ -13,6 +13,7 @@ needs are there, and that vLLM's null block is never written.
 import pytest
 import vllm_harness as H  # skips this module where vLLM is not importable
 
+from ringside.plugin.config import VLLM, Config
 from ringside.vllm import RingsideConnector
 from ringside.vllm.engine import namespace
 from ringside.vllm.groups import FULL, SLIDING, Group, Layout, group_mask, layout_of, longest_hit
@@ -380,3 +381,39 @@ def test_every_layer_a_sliding_window(sc):
     hits = [limit(r) for r in reqs]
     assert b.stats["hit_blocks"] == sum(hits), b.stats
     assert b.wstats["loaded_blocks"] == sum(window_blocks(h * H.BLOCK) for h in hits), b.wstats
+
+
+def test_kv_events_describe_the_lead_group_only():
+    """KV events with several groups: the planner's runs for descriptions are
+    the lead (full-attention, unmasked) group's blocks, each once, as
+    contiguous ranges; the sliding window's blocks are never described, and
+    the events carry the lead group's group_idx and kind."""
+    from ringside.vllm import events as E
+
+    eng = H.Engine(NOWHERE, num_blocks=40, max_num_batched_tokens=32, groups=HYBRID)
+    lay = eng.conn.layout
+    lead = E.lead_group(lay)
+    assert lead is not None and lead.kind == "full" and not lead.mask
+    assert [g.gid for g in lay.groups if g.kind == "full"] == [lead.gid]
+    reqs = [H.request("e%d" % i, H.prompt(i, n), max_tokens=40) for i, n in enumerate((50, 70, 90, 110))]
+    log = GroupPlanLog(eng, reqs)
+    runs: dict = {}
+
+    class Noted:  # what the scheduler hands KV events each step (KVEvents.note)
+        def note(self, got):
+            for req, a, b in got:
+                assert a < b
+                runs.setdefault(req.request_id, []).extend(range(a, b))
+
+        def take_events(self, session, faults):
+            return []
+
+    eng.sside.events = Noted()
+    eng.sside.planner.runs = []
+    eng.run(reqs, on_meta=log)
+    eng.sside.events = None
+    j = [g.gid for g in lay.groups].index(lead.gid)
+    for r in reqs:
+        assert runs[r.request_id] == sorted(log.planned[(r.request_id, j)]), r.request_id
+    ev = E.KVEvents(Config.parse({}, VLLM), H.BLOCK, eng.kv_cache_config, lay)
+    assert ev.gid == lead.gid and ev.block_size == lead.block_size and ev.kind == "full_attention"

@@ -180,7 +180,7 @@ class Engine:
         cfg.update(extra or {})
         self.vc = vllm_config(cfg, **sched_kw)
         self.vc.cache_config.num_gpu_blocks = num_blocks
-        kcc = kv_cache_config(num_blocks, groups)
+        self.kv_cache_config = kcc = kv_cache_config(num_blocks, groups)
         self.sched = Scheduler(
             vllm_config=self.vc,
             kv_cache_config=kcc,
