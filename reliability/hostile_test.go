@@ -133,7 +133,7 @@ func (f *fuzzer) next() (uint16, []byte, pending) {
 		for i := range b {
 			b[i] = byte(r.Uint32())
 		}
-		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypeSnapshot}
+		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypeEventSnapshot} // past the last request type
 	case k < 25: // a valid record, mutated
 		typ, b, _ := f.valid(reg, view)
 		b = append([]byte(nil), b...)
