@@ -107,6 +107,11 @@ class SchedulerSide:
         self.reqs = self.admission.reqs
         # Several KV cache groups: their lookups and acquires (hybrid.py).
         self.hybrid = HybridAdmission(self.admission, layout) if not layout.plain else None
+        # The lookup hooks are the admission's own (one call each, chosen
+        # once for the layout).
+        adm = self.hybrid or self.admission
+        self.on_new_request = adm.on_new_request
+        self.get_num_new_matched_tokens = adm.get_num_new_matched_tokens
         self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
         # Speculative decoding schedules several tokens a step: check every
         # scheduled request every step instead.
@@ -126,18 +131,7 @@ class SchedulerSide:
             self.planner.runs = []
             events.start(self.link.get(), self.faults)
 
-    # -- admission -------------------------------------------------------------
-
-    def on_new_request(self, request: "Request") -> None:
-        if self.hybrid is not None:
-            self.hybrid.on_new_request(request)
-        else:
-            self.admission.on_new_request(request)
-
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        if self.hybrid is not None:
-            return self.hybrid.get_num_new_matched_tokens(request, num_computed_tokens)
-        return self.admission.get_num_new_matched_tokens(request, num_computed_tokens)
+    # -- admission (on_new_request, get_num_new_matched_tokens: bound in __init__)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         adm = self.admission
@@ -157,7 +151,7 @@ class SchedulerSide:
         want = ids[start : start + count]  # vLLM passes all of the request's blocks
         # Blocks that come from the sidecar need no storing back.
         r.stored = max(r.stored, start + count)
-        self.loads.acquire(r, request.request_id, start, count, want, adm.put_hashes_looked_up)
+        self.loads.acquire(r, request.request_id, start, count, want, adm.put_hashes)
 
     # -- the step's metadata ---------------------------------------------------
 
