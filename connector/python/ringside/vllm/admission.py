@@ -125,11 +125,6 @@ class Admission:
             )
         r.registered = upto
 
-    def put_hashes_looked_up(self, r: ReqState, s: Any, upto: int) -> None:
-        """put_hashes for blocks the index looked up (FlagLookup: the
-        sidecar's lookup and hit counters see the hit; its reply is dropped)."""
-        self.put_hashes(r, s, upto, _LOOKUP_REPLACE)
-
     # -- vLLM hooks ------------------------------------------------------------
 
     def on_new_request(self, request: "Request") -> None:

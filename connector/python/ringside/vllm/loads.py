@@ -37,6 +37,7 @@ from .state import ReqState, StepBudget
 
 _monotonic = time.monotonic
 _GRANTED = (_s.State.READY, _s.State.LOADED, _s.State.LOADING)
+_LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
 
 
 class LoadState(enum.IntEnum):
@@ -53,14 +54,15 @@ class Load:
 
     __slots__ = ("block_ids", "state", "lease", "blocks", "seq", "gen", "t")
 
-    def __init__(self, block_ids: list[int]):
+    def __init__(self, block_ids: list[int], seq: int = 0, gen: int = -1, t: float = 0.0):
         self.block_ids = block_ids  # engine blocks the hit promised
-        self.state = LoadState.UNSENT
+        # ACQUIRING when made for an acquire already sent (as acquiring(seq, gen, t)).
+        self.state = LoadState.ACQUIRING if seq else LoadState.UNSENT
         self.lease = 0
         self.blocks = 0  # blocks the lease covers
-        self.seq = 0  # the acquire or poll in flight (0: none)
-        self.gen = -1  # link generation the acquire was sent in
-        self.t = 0.0  # when that record was sent
+        self.seq = seq  # the acquire or poll in flight (0: none)
+        self.gen = gen  # link generation the acquire was sent in
+        self.t = t  # when that record was sent
 
     def acquiring(self, seq: int, gen: int, now: float) -> None:
         self.state, self.seq, self.gen, self.t = LoadState.ACQUIRING, seq, gen, now
@@ -122,19 +124,20 @@ class Loads:
     def acquire(self, r: ReqState, rid: str, start: int, count: int, block_ids: list[int], put_hashes) -> None:
         """A hit was allocated: acquire a lease on blocks [start, start+count)
         of the request's batch (submitted now, collected when the step's
-        metadata is built). put_hashes(r, s, upto) registers what the local
-        index looked up without the sidecar."""
-        ld = r.load = Load(block_ids)
+        metadata is built). put_hashes(r, s, upto, flags) registers what the
+        local index looked up without the sidecar (FlagLookup: the sidecar's
+        lookup and hit counters see the hit)."""
         link = self.link
         s = link.session
+        seq = 0
         if s is not None and r.generation == link.generation:
             try:
                 if r.registered < start + count:
-                    put_hashes(r, s, start + count)
+                    put_hashes(r, s, start + count, _LOOKUP_REPLACE)
                 seq = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, self.ttl_ms), wake=False)
-                ld.acquiring(seq, link.generation, _monotonic())
             except RingsideError as e:
                 self.faults.fail(e)
+        r.load = Load(block_ids, seq, link.generation, _monotonic()) if seq else Load(block_ids)
         self.waiting[rid] = r
 
     def acquire_parts(self, r: ReqState, rid: str, parts: Optional[list], flags: int) -> None:

@@ -54,7 +54,7 @@ class ReqState:
         # Several KV cache groups (hybrid.py; unused with one group):
         self.gstored: Optional[list] = None  # a `stored` cursor per group
         self.gwin: Optional[list] = None  # per group, what its batch holds: [lo, hi, leading hits] (-1: not answered)
-        self.gseq: list = []  # lookups submitted ahead: (group, seq)
+        self.gseq: Any = ()  # lookups submitted ahead: (group, seq)
         self.more: tuple = ()  # the loads of the other groups' blocks (loads.Load), with `load`
         self.whole = False  # its load covers several groups: all of them or none
 
