@@ -48,6 +48,21 @@ class LoadState(enum.IntEnum):
     FAILED = 4  # no lease: every block is a load error
 
 
+# The members as module constants for the per-request paths below: looking up
+# an attribute of an Enum class (LoadState.READY, _s.Status.OK) takes
+# CPython 3.11 some 0.3 us, a module global some 20 ns. The values are the
+# same members.
+_UNSENT, _ACQUIRING, _WAITING, _READY, _FAILED = (
+    LoadState.UNSENT,
+    LoadState.ACQUIRING,
+    LoadState.WAITING,
+    LoadState.READY,
+    LoadState.FAILED,
+)
+_OK = _s.Status.OK
+_LEASE_WAITING = _s.State.WAITING
+
+
 class Load:
     """One request's load (see the module doc). Pure: the methods take
     decoded replies and say what comes next."""
@@ -57,7 +72,7 @@ class Load:
     def __init__(self, block_ids: list[int], seq: int = 0, gen: int = -1, t: float = 0.0):
         self.block_ids = block_ids  # engine blocks the hit promised
         # ACQUIRING when made for an acquire already sent (as acquiring(seq, gen, t)).
-        self.state = LoadState.ACQUIRING if seq else LoadState.UNSENT
+        self.state = _ACQUIRING if seq else _UNSENT
         self.lease = 0
         self.blocks = 0  # blocks the lease covers
         self.seq = seq  # the acquire or poll in flight (0: none)
@@ -65,7 +80,7 @@ class Load:
         self.t = t  # when that record was sent
 
     def acquiring(self, seq: int, gen: int, now: float) -> None:
-        self.state, self.seq, self.gen, self.t = LoadState.ACQUIRING, seq, gen, now
+        self.state, self.seq, self.gen, self.t = _ACQUIRING, seq, gen, now
 
     def polling(self, seq: int, now: float) -> None:
         self.seq, self.t = seq, now
@@ -73,26 +88,26 @@ class Load:
     def on_reply(self, lr: Optional[_s.LeaseReply]) -> None:
         """The acquire's or a poll's reply (None: none, or not decodable)."""
         self.seq = 0
-        if lr is None or lr.status != _s.Status.OK:
-            self.state = LoadState.FAILED
+        if lr is None or lr.status != _OK:
+            self.state = _FAILED
             return
-        if self.state == LoadState.ACQUIRING:
+        if self.state == _ACQUIRING:
             self.lease, self.blocks = lr.lease, lr.blocks
-        if lr.state == _s.State.WAITING:
-            self.state = LoadState.WAITING
+        if lr.state == _LEASE_WAITING:
+            self.state = _WAITING
         elif lr.state in _GRANTED:
-            self.state = LoadState.READY
+            self.state = _READY
         else:
-            self.state = LoadState.FAILED
+            self.state = _FAILED
 
     def fail(self) -> None:
         self.seq = 0
-        self.state = LoadState.FAILED
+        self.state = _FAILED
 
     def spec(self, req_id: str) -> LoadSpec:
         """The LoadSpec of a READY or FAILED load."""
         ids = self.block_ids
-        n = min(self.blocks, len(ids)) if self.state == LoadState.READY else 0
+        n = min(self.blocks, len(ids)) if self.state == _READY else 0
         return LoadSpec(req_id, self.lease if n else 0, ids[:n], ids[n:])
 
 
@@ -101,7 +116,7 @@ def whole_spec(rid: str, parts: tuple) -> LoadSpec:
     a group): all of them, or, if any lease does not cover its blocks, none
     (every block a load error: the workers report the request's load
     failed and vLLM recomputes it; a hit must cover every group)."""
-    if all(p.state == LoadState.READY and p.blocks >= len(p.block_ids) for p in parts):
+    if all(p.state == _READY and p.blocks >= len(p.block_ids) for p in parts):
         first = parts[0]
         more = [(p.lease, p.block_ids) for p in parts[1:]]
         return LoadSpec(rid, first.lease, first.block_ids, [], more, True)
@@ -197,7 +212,7 @@ class Loads:
         """Collect a lease's acquire or poll reply, poll it again while it
         waits for the budget: (whether it is READY or FAILED, the session
         to go on with)."""
-        if ld.state >= LoadState.READY:
+        if ld.state >= _READY:
             return True, s
         live = s is not None and ld.gen == gen
         try:
@@ -205,24 +220,24 @@ class Loads:
                 # The acquire's reply, or the poll's sent last step.
                 if not live:
                     p = b""
-                elif ld.state == LoadState.ACQUIRING:
+                elif ld.state == _ACQUIRING:
                     p = self.budget.reply(s, ld.seq)
                 else:
                     p = s.try_reply(ld.seq)
                 if p is None:
                     if _monotonic() - ld.t < self.timeout:
-                        if ld.state == LoadState.WAITING:
+                        if ld.state == _WAITING:
                             s.kick()
                         return False, s
                     s.forget(ld.seq)
                     p = b""
-                    what = "acquire" if ld.state == LoadState.ACQUIRING else "poll"
+                    what = "acquire" if ld.state == _ACQUIRING else "poll"
                     self.faults.fail(RingsideTimeout("%s for %s got no reply in %.1fs" % (what, rid, self.timeout)))
                     s = self.link.session
                 ld.on_reply(_s.decode_lease_reply(p) if p else None)
-            elif ld.state != LoadState.WAITING:
+            elif ld.state != _WAITING:
                 ld.fail()  # never sent
-            if ld.state == LoadState.WAITING:
+            if ld.state == _WAITING:
                 if live and s is not None:
                     ld.polling(s.submit(_s.TYPE_POLL, _s.encode_poll(ld.lease), wake=False), _monotonic())
                     return False, s
@@ -249,7 +264,7 @@ class Loads:
                         s.forget(seq)
                     continue
                 lr = _s.decode_lease_reply(p)
-                if lr.status == _s.Status.OK and lr.lease:
+                if lr.status == _OK and lr.lease:
                     s.send(_s.TYPE_RELEASE, _s.encode_release(lr.lease), wake=False)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)
@@ -275,7 +290,7 @@ class Loads:
         release what it holds, or will hold once the acquire is answered.
         Raises like a session call."""
         for ld in (r.load,) + r.more:
-            if ld.seq and ld.state == LoadState.ACQUIRING:  # acquired, never collected: release it once answered
+            if ld.seq and ld.state == _ACQUIRING:  # acquired, never collected: release it once answered
                 self.orphans.append((ld.seq, _monotonic()))
             if ld.lease:
                 s.send(_s.TYPE_RELEASE, _s.encode_release(ld.lease), wake=False)
