@@ -3,6 +3,7 @@ processes: keep these classes where they are)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -19,7 +20,7 @@ class LoadSpec:
     # Several KV cache groups: the other groups' (lease, engine blocks), and
     # the load is one for the whole request: any error fails all of it (the
     # workers report it in failed_recving; vLLM recomputes the request).
-    more: list = field(default_factory=list)
+    more: Sequence = ()
     whole: bool = False
 
 
