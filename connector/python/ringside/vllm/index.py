@@ -25,8 +25,9 @@ _clock_ns = time.perf_counter_ns
 class LocalIndex:
     """The mirror, and when to trust and poll it (see the module doc)."""
 
-    def __init__(self, cfg: Config, faults: Any, budget: StepBudget):
+    def __init__(self, cfg: Config, link: Any, faults: Any, budget: StepBudget):
         self.mirror = Mirror(32, cfg.mirror_max_blocks, cfg.timeout, cfg.mirror_max_lag_ms / 1000.0)
+        self.link = link  # the scheduler side's (its session is polled after each step)
         self.faults = faults
         self.budget = budget
         self.stats = faults.stats
@@ -96,22 +97,18 @@ class LocalIndex:
             st["mirror_hit_blocks"] += hits
         return hits
 
-    def noting(self) -> Optional[set]:
-        """The set in which the step's planned stores are noted as the
-        engine's own (read your writes), or None when the index is off."""
-        m = self.mirror
-        return m.noting(_monotonic()) if not m.disabled else None
-
-    def after_step(self, s: Optional[Any]) -> None:
+    def after_step(self) -> tuple:
         """vLLM took a step's output (take_events): collect the last poll of
         the change log and send the next one (no wait, no wake), in a step
         that followed arrivals looked up in the index or mirror_poll_ms after
         the last poll; while the snapshot is copied, wait up to
-        mirror_sync_us."""
+        mirror_sync_us. Returns no events (): without KV events this is the
+        scheduler side's take_events hook itself (scheduler.py)."""
         now = self.out_t = _monotonic()
         m = self.mirror
+        s = self.link.session
         if m.disabled or s is None:
-            return
+            return ()
         try:
             if m.state != Mirror.LIVE:
                 m.pump(s, self.sync_budget_ns)
@@ -120,6 +117,7 @@ class LocalIndex:
                 m.pump(s)
         except SIDECAR_ERRORS as e:
             self.faults.fail(e)
+        return ()
 
     def add_stats(self, stats: dict) -> None:
         """The index's counters, for the stats file."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("ringside.vllm")
 
 _clock_ns = time.perf_counter_ns
+_monotonic = time.monotonic
 
 COUNTERS = (
     "lookups",
@@ -99,7 +100,7 @@ class SchedulerSide:
         self.link = make_link(cfg, dict(attach, role=_s.ROLE_SCHEDULER, rank=0))
         self.faults = Faults(self.link, self.stats, logger)
         self.budget = StepBudget(int(cfg.max_wait_us * 1000))
-        self.index = LocalIndex(cfg, self.faults, self.budget) if cfg.mirror else None
+        self.index = LocalIndex(cfg, self.link, self.faults, self.budget) if cfg.mirror else None
         self.mirror = self.index.mirror if self.index is not None else None
         self.admission = Admission(
             self.link, self.faults, self.budget, self.index, block_size, cfg.timeout, len(layout.groups)
@@ -130,6 +131,8 @@ class SchedulerSide:
             events.stats = self.stats
             self.planner.runs = []
             events.start(self.link.get(), self.faults)
+        elif self.index is not None:
+            self.take_events = self.index.after_step  # type: ignore[method-assign] # the only work after a step
 
     # -- admission (on_new_request, get_num_new_matched_tokens: bound in __init__)
 
@@ -193,7 +196,8 @@ class SchedulerSide:
                 planner.group_tables = group_tables(kvm, [g.gid for g in planner.groups])
                 planner.null_id = null_block_id(kvm)
         # The planned stores' digests are noted as the engine's own (read your writes).
-        planner.mine = self.index.noting() if self.index is not None else None
+        m = self.mirror
+        planner.mine = m.noting(_monotonic()) if m is not None and not m.disabled else None
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
@@ -204,7 +208,8 @@ class SchedulerSide:
             loads.collect(meta, s)
         if loads.orphans:
             loads.release_orphans(s)
-        self.budget.reset()
+        budget = self.budget
+        budget.left_ns = budget.max_ns  # the next step's (StepBudget.reset, inline)
         self.admission.woke = False
         dt = _clock_ns() - t0
         st = self.stats
@@ -218,16 +223,17 @@ class SchedulerSide:
     # -- after the step ----------------------------------------------------------
 
     def take_events(self):
-        # vLLM calls this once a step, after the step's output.
+        # vLLM calls this once a step, after the step's output (without KV
+        # events the index's after_step is bound in its place: __init__).
         if self.index is not None:
-            self.index.after_step(self.link.session)
+            self.index.after_step()
         if self.events is not None:
             return self.events.take_events(self.link.session, self.faults)
         return ()
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.index is not None:
-            self.index.out_t = time.monotonic()
+            self.index.out_t = _monotonic()
         rec = getattr(connector_output, "finished_recving", None) or ()
         if not rec:
             return
