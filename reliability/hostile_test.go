@@ -129,11 +129,20 @@ func (f *fuzzer) next() (uint16, []byte, pending) {
 		if typ == schema.TypeDetach || typ == 0 {
 			typ = 0x40
 		}
+		// KV events' records (Describe, Events, EventSnapshot) are left to
+		// their decoders' fuzzers and FuzzMachine: a random Events or
+		// EventSnapshot asks for replies up to max_payload each, and this
+		// client, which reads its replies only every 128 records, would
+		// then be a reader that stopped reading (dropped after
+		// --reply-timeout, as it should be), not the attack this test makes.
+		if typ >= schema.TypeDescribe && typ <= schema.TypeEventSnapshot {
+			typ = 0x40
+		}
 		b := make([]byte, r.IntN(80))
 		for i := range b {
 			b[i] = byte(r.Uint32())
 		}
-		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypeEventSnapshot} // past the last request type
+		return typ, b, pending{typ: typ, kind: "random", bad: typ > schema.TypeSnapshot}
 	case k < 25: // a valid record, mutated
 		typ, b, _ := f.valid(reg, view)
 		b = append([]byte(nil), b...)
