@@ -173,9 +173,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
-            self.connector_scheduler.kv_cache_manager = kv_cache_manager
-            if self.connector_scheduler.events is not None:  # re-announce after the engine's AllBlocksCleared
-                self.connector_scheduler.events.watch(kv_cache_manager)
+            self.connector_scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def on_new_request(self, request: "Request") -> None:
         assert self.connector_scheduler is not None
@@ -282,6 +280,9 @@ class Unserved:
         self.link = None
         self.mirror = None
         self.kv_cache_manager: Any = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.kv_cache_manager = kv_cache_manager
 
     def on_new_request(self, request: Any) -> None:
         return

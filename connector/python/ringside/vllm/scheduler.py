@@ -222,6 +222,11 @@ class SchedulerSide:
 
     # -- after the step ----------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        if self.events is not None:  # re-announce after the engine's AllBlocksCleared
+            self.events.watch(kv_cache_manager)
+
     def take_events(self):
         # vLLM calls this once a step, after the step's output (without KV
         # events the index's after_step is bound in its place: __init__).
