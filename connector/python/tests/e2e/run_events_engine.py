@@ -220,7 +220,16 @@ def main() -> int:
             kv_connector="RingsideConnector",
             kv_connector_module_path="ringside.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0},
+            # Prompt blocks only: the keeper request (steps_until_quiet)
+            # decodes up to 800 tokens, and its blocks, stored as they fill,
+            # would evict the prompts' blocks at a rate that depends on the
+            # machine's speed (the checks compare the stream with the pool).
+            kv_connector_extra_config={
+                "socket": a.socket,
+                "timeout": 2.0,
+                "reattach_interval": 1.0,
+                "store_decode_every": 0,
+            },
         ),
     )
     if a.tp > 1:
