@@ -559,7 +559,10 @@ class RingsideHiCacheStorage(HiCacheStorage):
                     return 0
                 time.sleep(pause)
                 pause = min(pause * 2, 0.01)
-                state = s.poll(lr.lease).state
+                # Each poll's reply counts the blocks the lease holds (fewer
+                # than the acquire's when the shared tier's fetch came short).
+                pr = s.poll(lr.lease)
+                state, blocks = pr.state, pr.blocks
             if state not in (_s.State.READY, _s.State.LOADING, _s.State.LOADED):
                 return 0
             k = min(blocks, n)

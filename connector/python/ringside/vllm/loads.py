@@ -92,7 +92,11 @@ class Load:
             self.state = _FAILED
             return
         if self.state == _ACQUIRING:
-            self.lease, self.blocks = lr.lease, lr.blocks
+            self.lease = lr.lease
+        # Every reply says how many blocks the lease holds: a lease waiting
+        # for the shared tier's fetch may end with fewer than its acquire's
+        # reply promised (protocol.md section 16).
+        self.blocks = lr.blocks
         if lr.state == _LEASE_WAITING:
             self.state = _WAITING
         elif lr.state in _GRANTED:
