@@ -263,7 +263,8 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 		}
 	}
 	if req.dir == gpu.EngineToPool {
-		m.l2EvictAhead() // write-on-evict: stores are what fill the pool
+		m.l2StoresEnded() // acquires that wait for these blocks
+		m.l2EvictAhead()  // write-on-evict: stores are what fill the pool
 	}
 	req.left--
 	if req.left > 0 {

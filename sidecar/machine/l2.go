@@ -183,8 +183,9 @@ type l2State struct {
 	nextID   uint64
 	lookups  map[uint64]*l2Lookup
 	fetches  map[uint64]*l2Fetch
-	byLease  map[uint64]*l2Fetch // unresolved fetches by lease id
-	filling  map[string]*l2Fetch // blocks being fetched, by fillKey, and whose fetch fills them
+	byLease  map[uint64]*l2Fetch   // unresolved fetches by lease id
+	filling  map[string]*l2Fetch   // blocks being fetched, by fillKey, and whose fetch fills them
+	stored   map[string]*storeWait // blocks an engine is storing that fetches wait for, by fillKey
 	writes   map[uint64]*l2Write
 	pinned   int // slots writes pin
 	st       L2Counters
@@ -223,6 +224,15 @@ type l2Fetch struct {
 	resolved bool
 }
 
+// storeWait is a block an engine is storing (its store in flight) that
+// acquires lead on to: they wait until it is present or gone, or for
+// their deadline.
+type storeWait struct {
+	ns      cache.NamespaceID
+	digest  []byte
+	waiters []*l2Fetch
+}
+
 type l2Write struct {
 	pin   uint64
 	slots int
@@ -243,7 +253,7 @@ const (
 func (m *Machine) EnableL2(c L2Config) {
 	c.Enabled = true
 	c.ensureDefaults(m.slots)
-	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, filling: map[string]*l2Fetch{}, writes: map[uint64]*l2Write{}}
+	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, filling: map[string]*l2Fetch{}, stored: map[string]*storeWait{}, writes: map[uint64]*l2Write{}}
 }
 
 // L2Config returns the tier's configuration (Enabled false: off).
@@ -379,7 +389,8 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 	var req L2Fetch
 	var offsets []uint64
 	var deps []*l2Fetch
-	covered := 0 // blocks of view up to the last one fetched, waited for or present
+	var stores []string // fillKeys of blocks engines are storing, waited for
+	covered := 0        // blocks of view up to the last one fetched, waited for or present
 scan:
 	for i := 0; i < limit; i++ {
 		d := view[i*w : (i+1)*w]
@@ -391,14 +402,17 @@ scan:
 			covered = i + 1
 			continue
 		case st == cache.InFlight:
-			// Another acquire's fetch fills it: wait for that one. A block
-			// an engine is storing is not waited for (it may never come).
-			dep := t.filling[fillKey(in.ns.id, d)]
-			if dep == nil {
-				break scan
-			}
-			if !slices.Contains(deps, dep) {
-				deps = append(deps, dep)
+			// Another acquire's fetch fills it, or an engine stores it (a
+			// request of the same prefix that missed it): wait for either
+			// to end, the fetch's deadline at most (a store may never
+			// come).
+			k := fillKey(in.ns.id, d)
+			if dep := t.filling[k]; dep != nil {
+				if !slices.Contains(deps, dep) {
+					deps = append(deps, dep)
+				}
+			} else if !slices.Contains(stores, k) {
+				stores = append(stores, k)
 			}
 			covered = i + 1
 			continue
@@ -415,7 +429,7 @@ scan:
 		req.Blocks = append(req.Blocks, L2FetchBlock{Digest: append([]byte(nil), d...), PoolOffsets: offsets[len(offsets)-len(ts):]})
 		covered = i + 1
 	}
-	if len(f.blocks) == 0 && len(deps) == 0 {
+	if len(f.blocks) == 0 && len(deps) == 0 && len(stores) == 0 {
 		// Nothing to wait for: whatever is present after the local run
 		// joins the lease now.
 		if covered > 0 {
@@ -439,6 +453,15 @@ scan:
 	f.promised = l.Blocks + covered
 	for _, dep := range deps {
 		dep.waiters = append(dep.waiters, f)
+		f.deps++
+	}
+	for _, k := range stores {
+		sw := t.stored[k]
+		if sw == nil {
+			sw = &storeWait{ns: in.ns.id, digest: []byte(k[2:])}
+			t.stored[k] = sw
+		}
+		sw.waiters = append(sw.waiters, f)
 		f.deps++
 	}
 	t.nextID++
@@ -533,17 +556,41 @@ func (m *Machine) L2FetchDone(now int64, id uint64, res []L2FetchResult, out *Ou
 		}
 	}
 	f.blocks = nil
-	for _, w := range f.waiters {
-		if w.deps--; w.deps == 0 && !w.resolved {
-			m.resolveFetch(w)
-		}
-	}
+	m.wake(f.waiters)
 	f.waiters = nil
 	if f.deps == 0 && !f.resolved {
 		m.resolveFetch(f)
 	}
 	m.forgetFetch(f)
 	m.check()
+}
+
+// wake ends one wait of each fetch in ws (a fetch or a store it waited
+// for ended); a fetch with none left, and no fetch of its own in flight,
+// resolves.
+func (m *Machine) wake(ws []*l2Fetch) {
+	for _, w := range ws {
+		if w.deps--; w.deps == 0 && !w.own && !w.resolved {
+			m.resolveFetch(w)
+		}
+	}
+}
+
+// l2StoresEnded wakes the fetches waiting for blocks whose store has
+// ended (committed: present; aborted or reaped: absent). Called after
+// stores end and on every tick; a no-op while nothing waits.
+func (m *Machine) l2StoresEnded() {
+	t := m.l2
+	if t == nil || len(t.stored) == 0 {
+		return
+	}
+	for k, sw := range t.stored {
+		if m.cache.State(sw.ns, sw.digest) == cache.Pending {
+			continue
+		}
+		delete(t.stored, k)
+		m.wake(sw.waiters)
+	}
 }
 
 // forgetFetch drops a fetch record that is resolved and whose own fetch
@@ -670,6 +717,7 @@ func (m *Machine) l2Tick(now int64) {
 			m.endLookup(id, lk, 0)
 		}
 	}
+	m.l2StoresEnded()
 	for _, f := range t.fetches { // resolveFetch may delete f: allowed in a range
 		if !f.resolved && now >= f.deadline {
 			t.st.FetchTimeouts++
@@ -773,8 +821,15 @@ func (m *Machine) l2Invariants(bad func(format string, args ...any)) {
 				}
 			}
 		}
+		for _, sw := range m.l2.stored {
+			for _, w := range sw.waiters {
+				if w == f {
+					deps++
+				}
+			}
+		}
 		if !f.resolved && deps != f.deps {
-			bad("l2 fetch %d: waits for %d fetches, %d name it", id, f.deps, deps)
+			bad("l2 fetch %d: waits for %d fetches and stores, %d name it", id, f.deps, deps)
 		}
 	}
 	for k, f := range m.l2.filling {

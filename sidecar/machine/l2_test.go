@@ -48,6 +48,9 @@ type l2node struct {
 	lookups []machine.L2Lookup
 	fetches []machine.L2Fetch
 	writes  []machine.L2Write
+
+	hold bool           // keep copies in flight (in held) instead of doing them
+	held []machine.Copy // copies kept in flight, for endCopies
 }
 
 func newNode(t *testing.T, tr *tier, slots int, cfg machine.L2Config) *l2node {
@@ -93,6 +96,10 @@ func (n *l2node) drain() []machine.Reply {
 	n.writes = append(n.writes, out.L2Writes...)
 	copies := append([]machine.Copy(nil), out.Copies...)
 	regs := append([]machine.Register(nil), out.Registers...)
+	if n.hold {
+		n.held = append(n.held, copies...)
+		copies = nil
+	}
 	for _, c := range copies {
 		buf := n.mem[c.Region]
 		for i, p := range c.Pages {
@@ -114,6 +121,16 @@ func (n *l2node) drain() []machine.Reply {
 	}
 	n.replies = append(n.replies, replies...)
 	return replies
+}
+
+// endCopies carries out the copies kept in flight.
+func (n *l2node) endCopies() {
+	n.t.Helper()
+	cs := n.held
+	n.held, n.hold = nil, false
+	n.out.Copies = append(n.out.Copies[:0], cs...)
+	n.out.Replies, n.out.Registers, n.out.L2Lookups, n.out.L2Fetches, n.out.L2Writes = nil, nil, nil, nil, nil
+	n.drain()
 }
 
 // endWrites carries out the writes asked for: each rank's value goes to
@@ -625,5 +642,92 @@ func TestL2SecondAcquireWaitsForTheFirstsFetch(t *testing.T) {
 	}
 	if c := b.m.L2Counters(); c.PendingFetches != 0 || c.FetchedBlocks != 4 {
 		t.Fatalf("B: %+v", c)
+	}
+}
+
+func TestL2AcquireWaitsForABlockAnEngineStores(t *testing.T) {
+	// Two requests of one prefix on B: the first hit the tier's first
+	// block and stores the second itself (vLLM recomputes the last block of
+	// a prompt); the second hits both in the tier and acquires while that
+	// store is in flight. Its lease waits for the store rather than stop
+	// short of the block its lookup promised; a store that never ends is
+	// waited for until the fetch's deadline only.
+	for _, never := range []bool{false, true} {
+		t.Run(fmt.Sprintf("store-never-ends=%v", never), func(t *testing.T) {
+			tr := &tier{vals: map[string][]byte{}}
+			a := newNode(t, tr, 64, machine.L2Config{})
+			b := newNode(t, tr, 64, machine.L2Config{FetchTimeout: 50 * time.Millisecond})
+			d := digs("one prefix", 2)
+			sa := a.attach("a", "", 1, 0)
+			sa.region(8)
+			sa.put(1, d)
+			sa.store(1, 0, 2)
+			a.endWrites(false)
+
+			s1, s2 := b.attach("b", "", 1, 0), b.attach("b", "", 1, 0)
+			s1.region(8)
+			s1.put(1, d)
+			s2.put(2, d)
+			b.hold = true // the store's copy stays in flight, its reply with it
+			s1.send(schema.TypeStore, (&schema.Store{View: schema.View{Batch: 1, Start: 1, Count: 1}, Region: 1, Pages: []uint32{1}}).Append(nil))
+			if len(b.held) != 1 {
+				t.Fatalf("%d copies in flight, want the store's", len(b.held))
+			}
+			l := s2.acquire(2, 2)
+			if l.State != schema.StateWaiting || l.Blocks != 2 || len(b.fetches) != 1 {
+				t.Fatalf("acquire %+v, %d fetches", l, len(b.fetches))
+			}
+			b.endFetches(nil)
+			if p := s2.poll(l.Lease); p.State != schema.StateWaiting {
+				t.Fatalf("the fetch ended, the store did not: %+v", p)
+			}
+			want := 2
+			if never {
+				b.now += int64(time.Second)
+				b.do(func(now int64, o *machine.Output) { b.m.Tick(now, o) })
+				want = 1
+			} else {
+				b.endCopies()
+			}
+			if p := s2.poll(l.Lease); p.State != schema.StateReady || int(p.Blocks) != want {
+				t.Fatalf("after the store: %+v, want ready with %d", p, want)
+			}
+			if never {
+				b.endCopies()
+			}
+			if c := b.m.L2Counters(); c.PendingFetches != 0 {
+				t.Fatalf("B: %+v", c)
+			}
+		})
+	}
+}
+
+func TestL2AcquireWaitsForItsOwnFetchAndAnothers(t *testing.T) {
+	// The second request's prefix is longer: it waits for the first's
+	// fetch (blocks 0-1) and fetches blocks 2-3 itself. The first fetch
+	// ending first must not resolve it before its own has ended.
+	tr := &tier{vals: map[string][]byte{}}
+	a := newNode(t, tr, 64, machine.L2Config{})
+	b := newNode(t, tr, 64, machine.L2Config{})
+	d := digs("a longer prefix", 4)
+	sa := a.attach("a", "", 1, 0)
+	sa.region(8)
+	sa.put(1, d)
+	sa.store(1, 0, 4)
+	a.endWrites(false)
+
+	s1, s2 := b.attach("b", "", 1, 0), b.attach("b", "", 1, 0)
+	s1.put(1, d[:2*tWidth])
+	s2.put(2, d)
+	l1, l2 := s1.acquire(1, 2), s2.acquire(2, 4)
+	if l1.State != schema.StateWaiting || l2.State != schema.StateWaiting || len(b.fetches) != 2 {
+		t.Fatalf("acquires %+v %+v, %d fetches (want two)", l1, l2, len(b.fetches))
+	}
+	b.endFetches(nil) // in order: the first's, then the second's
+	if p := s2.poll(l2.Lease); p.State != schema.StateReady || p.Blocks != 4 {
+		t.Fatalf("after both fetches: %+v, want ready with 4", p)
+	}
+	if p := s1.poll(l1.Lease); p.State != schema.StateReady || p.Blocks != 2 {
+		t.Fatalf("the first: %+v, want ready with 2", p)
 	}
 }
