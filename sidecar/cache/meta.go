@@ -124,7 +124,8 @@ type pendRef struct {
 type eventsState struct {
 	descs   map[uint32]descRec // head slot -> description
 	pend    map[pendKey]pendDesc
-	queue   []pendRef // pend in deadline order (stale refs are skipped)
+	pendNS  map[uint16]map[pendKey]struct{} // pend's keys by namespace (RemoveNamespace drops its own only)
+	queue   []pendRef                       // pend in deadline order (stale refs are skipped)
 	qhead   int
 	gen     uint64
 	total   int64
@@ -171,7 +172,7 @@ func (c *Cache) Describe(ns NamespaceID, parent, digests, tokens []byte, perBloc
 	}
 	ev := &c.ev
 	if ev.descs == nil {
-		ev.descs, ev.pend = map[uint32]descRec{}, map[pendKey]pendDesc{}
+		ev.descs, ev.pend, ev.pendNS = map[uint32]descRec{}, map[pendKey]pendDesc{}, map[uint16]map[pendKey]struct{}{}
 		ev.byKey, ev.byOwner = map[uint32]int64{}, map[SessionID]int64{}
 	}
 	added := 0
@@ -203,6 +204,12 @@ func (c *Cache) Describe(ns NamespaceID, parent, digests, tokens []byte, perBloc
 		ev.gen++
 		dl := addDeadline(now, c.cfg.WriteTimeout)
 		ev.pend[k] = pendDesc{rec: c.newDesc(p, tk, extra, perBlock, key, owner), deadline: dl, gen: ev.gen}
+		byNS := ev.pendNS[k.ns]
+		if byNS == nil {
+			byNS = map[pendKey]struct{}{}
+			ev.pendNS[k.ns] = byNS
+		}
+		byNS[k] = struct{}{}
 		ev.queue = append(ev.queue, pendRef{key: k, gen: ev.gen, deadline: dl})
 		added++
 	}
@@ -273,7 +280,7 @@ func (c *Cache) adoptDesc(ns uint16, d []byte, head uint32) {
 	if !ok {
 		return
 	}
-	delete(c.ev.pend, k)
+	c.ev.dropPend(k)
 	c.ev.descs[head] = p.rec
 }
 
@@ -316,7 +323,7 @@ func (c *Cache) ReapDescs(now int64) int {
 		ev.queue[ev.qhead] = pendRef{}
 		ev.qhead++
 		if p, ok := ev.pend[ref.key]; ok && p.gen == ref.gen {
-			delete(ev.pend, ref.key)
+			ev.dropPend(ref.key)
 			c.unchargeDesc(&p.rec)
 			dropped++
 		}
@@ -348,15 +355,26 @@ func (c *Cache) compactQueue() {
 	}
 }
 
+// dropPend forgets the pending description of k (in pend).
+func (ev *eventsState) dropPend(k pendKey) {
+	delete(ev.pend, k)
+	if byNS := ev.pendNS[k.ns]; byNS != nil {
+		delete(byNS, k)
+		if len(byNS) == 0 {
+			delete(ev.pendNS, k.ns)
+		}
+	}
+}
+
 // dropNamespaceDescs forgets the pending descriptions of ns and its event
 // log (RemoveNamespace).
 func (c *Cache) dropNamespaceDescs(id NamespaceID, n *namespace) {
-	for k, p := range c.ev.pend {
-		if k.ns == uint16(id) {
-			delete(c.ev.pend, k)
-			c.unchargeDesc(&p.rec)
-		}
+	for k := range c.ev.pendNS[uint16(id)] {
+		p := c.ev.pend[k]
+		delete(c.ev.pend, k)
+		c.unchargeDesc(&p.rec)
 	}
+	delete(c.ev.pendNS, uint16(id))
 	if n.ev != nil {
 		c.logBytes -= n.ev.log.bytes()
 		n.ev = nil
@@ -525,6 +543,18 @@ func (c *Cache) checkDescs(bad func(format string, args ...any)) {
 			bad("head %d: description of %d bytes, want %d", h, len(r.b), extra+4*int(r.tokens)+int(r.extra))
 		}
 		count(&r)
+	}
+	byNS := 0
+	for ns, ks := range ev.pendNS {
+		byNS += len(ks)
+		for k := range ks {
+			if _, ok := ev.pend[k]; !ok || k.ns != ns {
+				bad("pending description indexed under namespace %d, not pending there", ns)
+			}
+		}
+	}
+	if byNS != len(ev.pend) {
+		bad("%d pending descriptions, %d indexed by namespace", len(ev.pend), byNS)
 	}
 	for k, p := range ev.pend {
 		if k.ns == 0 || int(k.ns) > len(c.nsList) || c.nsList[k.ns-1] == nil {
