@@ -253,7 +253,7 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 			switch err := m.cache.CommitStore(t); {
 			case err == nil:
 				req.reply.Stored++
-				m.l2Committed(t.Slot) // write-through, once every rank is in
+				m.l2Committed(t.Slot) // waiting acquires, write-through: once every rank is in
 			case errors.Is(err, cache.ErrDoomed):
 				m.st.DoomedWrites++
 				req.reply.Skipped++
@@ -263,8 +263,7 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 		}
 	}
 	if req.dir == gpu.EngineToPool {
-		m.l2StoresEnded() // acquires that wait for these blocks
-		m.l2EvictAhead()  // write-on-evict: stores are what fill the pool
+		m.l2EvictAhead() // write-on-evict: stores are what fill the pool
 	}
 	req.left--
 	if req.left > 0 {

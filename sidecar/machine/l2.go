@@ -381,16 +381,20 @@ func (h *handler) l2Acquire(digests []byte, ttl time.Duration) (l cache.Lease, s
 	room := (m.pinLimit() - m.cache.PinnedCharged(s.uid+1)) / in.world
 	limit := min(n-l.Blocks, t.cfg.MaxFetchBlocks, max(room, 0))
 	f := &l2Fetch{sess: s, uid: s.uid, ns: in.ns}
-	var pend cache.Charge
-	if in.world > 1 {
-		pend = cache.Charge{Key: s.uid + 1, Limit: m.pendingLimit()}
-	}
+	// The slots a fetch reserves stay reserved until the tier answers,
+	// whatever the world size: charged to the uid's pending share, so that
+	// no uid's acquires can reserve the pool away from the others' stores.
+	pend := cache.Charge{Key: s.uid + 1, Limit: m.pendingLimit()}
 	view := digests[l.Blocks*w:]
 	var req L2Fetch
 	var offsets []uint64
 	var deps []*l2Fetch
 	var stores []string // fillKeys of blocks engines are storing, waited for
-	covered := 0        // blocks of view up to the last one fetched, waited for or present
+	// What is waited for already (sets: a view of 4096 blocks may name as
+	// many stores or fetches, or repeat digests).
+	var seenStore map[string]bool
+	var seenDep map[*l2Fetch]bool
+	covered := 0 // blocks of view up to the last one fetched, waited for or present
 scan:
 	for i := 0; i < limit; i++ {
 		d := view[i*w : (i+1)*w]
@@ -408,11 +412,21 @@ scan:
 			// come).
 			k := fillKey(in.ns.id, d)
 			if dep := t.filling[k]; dep != nil {
-				if !slices.Contains(deps, dep) {
+				if seenDep == nil {
+					seenDep = map[*l2Fetch]bool{}
+				}
+				if !seenDep[dep] {
+					seenDep[dep] = true
 					deps = append(deps, dep)
 				}
-			} else if !slices.Contains(stores, k) {
-				stores = append(stores, k)
+			} else {
+				if seenStore == nil {
+					seenStore = map[string]bool{}
+				}
+				if !seenStore[k] {
+					seenStore[k] = true
+					stores = append(stores, k)
+				}
 			}
 			covered = i + 1
 			continue
@@ -576,20 +590,26 @@ func (m *Machine) wake(ws []*l2Fetch) {
 	}
 }
 
-// l2StoresEnded wakes the fetches waiting for blocks whose store has
-// ended (committed: present; aborted or reaped: absent). Called after
-// stores end and on every tick; a no-op while nothing waits.
+// l2StoresEnded, on every tick, wakes the fetches waiting for blocks
+// whose store has ended otherwise than by a commit (aborted or reaped:
+// absent; l2Committed wakes those a commit ends) and forgets the waits of
+// fetches resolved meanwhile (at their deadline): a block that stays
+// pending keeps no resolved fetch.
 func (m *Machine) l2StoresEnded() {
 	t := m.l2
-	if t == nil || len(t.stored) == 0 {
+	if len(t.stored) == 0 {
 		return
 	}
 	for k, sw := range t.stored {
-		if m.cache.State(sw.ns, sw.digest) == cache.Pending {
+		sw.waiters = slices.DeleteFunc(sw.waiters, func(w *l2Fetch) bool { return w.resolved })
+		if len(sw.waiters) == 0 {
+			delete(t.stored, k)
 			continue
 		}
-		delete(t.stored, k)
-		m.wake(sw.waiters)
+		if m.cache.State(sw.ns, sw.digest) != cache.Pending {
+			delete(t.stored, k)
+			m.wake(sw.waiters)
+		}
 	}
 }
 
@@ -637,17 +657,28 @@ func (m *Machine) resolveFetch(f *l2Fetch) {
 	}
 }
 
-// l2Committed writes a block that a store's commit made present
-// (write-through).
+// l2Committed follows a store's commit of one rank's slot: once the block
+// is present, the acquires that wait for it are woken and, with
+// write-through, it is written to the tier.
 func (m *Machine) l2Committed(slot uint32) {
-	if m.l2 == nil || m.l2.cfg.Policy != WriteThrough {
+	t := m.l2
+	if t == nil {
 		return
 	}
 	ns, d, ok := m.cache.SlotBlock(slot)
 	if !ok {
 		return // not present yet: other ranks still to come
 	}
-	m.l2Write(ns, d, false)
+	if len(t.stored) > 0 {
+		k := fillKey(ns, d)
+		if sw := t.stored[k]; sw != nil {
+			delete(t.stored, k)
+			m.wake(sw.waiters)
+		}
+	}
+	if t.cfg.Policy == WriteThrough {
+		m.l2Write(ns, d, false)
+	}
 }
 
 // l2Write pins a present block and asks for it to be written; toTail: its
@@ -717,13 +748,13 @@ func (m *Machine) l2Tick(now int64) {
 			m.endLookup(id, lk, 0)
 		}
 	}
-	m.l2StoresEnded()
 	for _, f := range t.fetches { // resolveFetch may delete f: allowed in a range
 		if !f.resolved && now >= f.deadline {
 			t.st.FetchTimeouts++
 			m.resolveFetch(f)
 		}
 	}
+	m.l2StoresEnded()
 	m.l2EvictAhead()
 }
 
