@@ -592,7 +592,10 @@ func (t *Tier) fetchBatch(ctx context.Context, c *redisClient, f machine.L2Fetch
 		b := f.Blocks[i]
 		cmds[i-first] = make([]*redis.StringCmd, len(b.PoolOffsets))
 		for r := range b.PoolOffsets {
-			cmds[i-first][r] = pipe.Get(ctx, Key(t.cfg.Prefix, f.NS, b.Digest, r))
+			// At most the header, the largest payload and one byte more
+			// (a longer value is rejected as trailing): whoever can write
+			// the tier cannot make the sidecar read a value of any size.
+			cmds[i-first][r] = pipe.GetRange(ctx, Key(t.cfg.Prefix, f.NS, b.Digest, r), 0, int64(HeaderSize)+int64(f.MaxLength))
 		}
 	}
 	if _, err := pipe.Exec(ctx); err != nil && !errors.Is(err, redis.Nil) {
@@ -604,6 +607,9 @@ func (t *Tier) fetchBatch(ctx context.Context, c *redisClient, f machine.L2Fetch
 		ok, length := true, f.Length
 		for r, off := range b.PoolOffsets {
 			v, err := cmds[i-first][r].Bytes()
+			if err == nil && len(v) == 0 {
+				err = redis.Nil // GETRANGE of a missing key: an empty string
+			}
 			if err != nil {
 				ok = false
 				if errors.Is(err, redis.Nil) {

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"encoding/binary"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -468,5 +469,54 @@ func TestLeastPrivilegeACLUser(t *testing.T) {
 			t.Fatal("a write outside the user's keys did not fail")
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestAHugeValueIsReadOnlyUpToTheBound(t *testing.T) {
+	// Whoever can write the tier plants a 64 MiB value under a block's key
+	// (its header valid, its payload far too long): the fetch rejects it,
+	// and the server sends no more than a slot and a header for it (read
+	// whole, a few such values would take the sidecar's memory).
+	srv := redistest.Single(t, redistest.Options{})
+	src := make([]byte, 4*slotBytes)
+	tr := newTier(t, l2.Config{Addrs: []string{srv.Addr}}, src)
+	connected(t, tr)
+	write(t, tr, src, 1)
+	c, ctx := tr.Client(), context.Background()
+	key := l2.Key(l2.DefaultPrefix, testNS, digest(0), 0)
+	if err := c.SetRange(ctx, key, 64<<20, "X").Err(); err != nil {
+		t.Fatal(err)
+	}
+	sent := func() int64 {
+		info, err := c.Info(ctx, "stats").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(info, "\r\n") {
+			if v, ok := strings.CutPrefix(line, "total_net_output_bytes:"); ok {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return n
+			}
+		}
+		t.Fatal("no total_net_output_bytes in INFO stats")
+		return 0
+	}
+	dst := make([]byte, 4*slotBytes)
+	other := newTier(t, l2.Config{Addrs: []string{srv.Addr}}, dst)
+	connected(t, other)
+	before := sent()
+	res := fetch(other, dst, 1, 0)
+	out := sent() - before
+	if res[0].OK {
+		t.Fatalf("the huge value was accepted: %+v", res)
+	}
+	if snap := other.Metrics().Snapshot(); snap.Rejected[l2.RejectTrailing] != 1 {
+		t.Fatalf("rejections %+v", snap.Rejected)
+	}
+	if limit := int64(4*slotBytes + 64<<10); out > limit {
+		t.Fatalf("the server sent %d bytes for one block's fetch (bound %d)", out, limit)
 	}
 }
