@@ -106,9 +106,10 @@ type Config struct {
 	MaxNamespaces int
 	// PinShare is the part of the pool the leases of one uid may pin
 	// (distinct blocks); PendingShare the part one uid may hold in blocks
-	// that some tensor-parallel ranks have not written yet; UIDShare and SessionShare the parts of MetaBytes (and of
-	// RingBytes and MaxSessions, for a uid) one uid and one session may
-	// hold. Zero: the defaults of sidecar/machine.
+	// that some tensor-parallel ranks have not written yet or that fetches
+	// from the shared tier reserved; UIDShare and SessionShare the parts
+	// of MetaBytes (and of RingBytes and MaxSessions, for a uid) one uid
+	// and one session may hold. Zero: the defaults of sidecar/machine.
 	PinShare     float64
 	PendingShare float64
 	UIDShare     float64

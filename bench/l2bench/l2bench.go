@@ -211,7 +211,7 @@ func (c *Config) startNode(dir string, addrs []string, value uint64, slots int, 
 	l.Close()
 	args := []string{"serve", "--dir", dir, "--socket", n.sock, "--metrics.addr", n.metrics, "--log.level", "warn",
 		"--pool.slot-bytes", strconv.FormatUint(value, 10), "--pool.bytes", strconv.FormatUint(value*uint64(slots), 10),
-		"--limits.pin-share", "1", "--budget", strconv.FormatUint(value*uint64(slots), 10),
+		"--limits.pin-share", "1", "--limits.pending-share", "1", "--budget", strconv.FormatUint(value*uint64(slots), 10),
 		"--l2.redis.addrs", strings.Join(addrs, ","), "--l2.redis.prefix", prefix,
 		"--l2.redis.writers", strconv.Itoa(c.Writers), "--l2.redis.write-queue", strconv.Itoa(max(slots, 1024)),
 		"--l2.redis.io-timeout", "60s", "--l2.redis.lookup-timeout", "10s",

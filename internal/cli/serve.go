@@ -46,7 +46,7 @@ func serveFlags() []cli.Flag {
 		&cli.StringFlag{Name: "limits.ring-bytes", Value: "auto", Usage: "bound on the shared memory of all sessions' rings and reply queues; auto: 25% of what the pool leaves of --limits.memory, else 1GiB", EnvVars: env("limits.ring-bytes")},
 		&cli.IntFlag{Name: "limits.namespaces", Value: 1024, Usage: "most namespaces (model, layout, salt, width, world); an idle one is reclaimed when a new one needs room", EnvVars: env("limits.namespaces")},
 		&cli.Float64Flag{Name: "limits.pin-share", Usage: "part of the pool the leases of one uid may pin, counting each block once (0: 0.5): the rest stays evictable, so other tenants can always store", EnvVars: env("limits.pin-share")},
-		&cli.Float64Flag{Name: "limits.pending-share", Usage: "part of the pool one uid may hold in blocks some tensor-parallel ranks have not written yet (0: 0.25)", EnvVars: env("limits.pending-share")},
+		&cli.Float64Flag{Name: "limits.pending-share", Usage: "part of the pool one uid may hold in blocks some tensor-parallel ranks have not written yet, or reserved for fetches from the shared tier (0: 0.25)", EnvVars: env("limits.pending-share")},
 		&cli.Float64Flag{Name: "limits.uid-share", Usage: "part of the metadata and ring bounds, and of --max-sessions, one uid may hold (0: 0.5)", EnvVars: env("limits.uid-share")},
 		&cli.Float64Flag{Name: "limits.session-share", Usage: "part of the metadata bound one session may hold (0: 0.25)", EnvVars: env("limits.session-share")},
 		&cli.StringFlag{Name: "copy.chunk-bytes", Value: "4MiB", Usage: "copies are split into pieces of at most this size, scheduled round robin between sessions", EnvVars: env("copy.chunk-bytes")},
