@@ -286,8 +286,7 @@ func (h *handler) acquire(p []byte) error {
 	if l.ID == 0 {
 		m.uncharge(s, s.uid, usage{meta: meta})
 	} else {
-		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta,
-			bytes: int64(l.Blocks) * int64(m.cfg.SlotBytes) * int64(in.world)}
+		q := &query{lease: l.ID, inst: in, owner: s, blocks: l.Blocks, meta: meta, bytes: m.leaseBytes(in, l.Blocks)}
 		if fetch != nil {
 			// It waits for the shared tier's fetch (l2.go), then for the
 			// budget like any other.
@@ -500,4 +499,17 @@ func (h *handler) snapshot(p []byte) error {
 	rep := schema.SnapshotReply{Done: done, Epoch: cur.Epoch, Seq: cur.Seq, Next: next, Width: uint8(w), Entries: d}
 	h.out.reply(s.id, h.typ, h.seq, rep.Append)
 	return nil
+}
+
+// leaseBytes is what a lease of blocks charges its instance's load budget:
+// the bytes a Load of it copies, blocks × the namespace's page bytes ×
+// world (slot bytes while no block has fixed the page size: a slot of
+// 256 KiB holding a 16 KiB page charged 16 times the copy, and the
+// budget admitted a sixteenth of the loads it has room for).
+func (m *Machine) leaseBytes(in *instance, blocks int) int64 {
+	page := in.ns.pageBytes
+	if page == 0 || page > m.cfg.SlotBytes {
+		page = m.cfg.SlotBytes
+	}
+	return int64(blocks) * int64(page) * int64(in.world)
 }

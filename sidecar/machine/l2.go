@@ -649,7 +649,7 @@ func (m *Machine) resolveFetch(f *l2Fetch) {
 		q.state = schema.StateMiss
 		return
 	}
-	q.bytes = int64(q.blocks) * int64(m.cfg.SlotBytes) * int64(in.world)
+	q.bytes = m.leaseBytes(in, q.blocks)
 	if len(in.waiting) == 0 && m.budget.Admit(in.id, q.bytes) {
 		q.budgeted, q.state = true, schema.StateReady
 	} else {
