@@ -50,7 +50,7 @@ def say(**kv):
 
 
 def page_state(buf, i):
-    p = buf[i * PAGE:(i + 1) * PAGE]
+    p = buf[i * PAGE : (i + 1) * PAGE]
     if p == bytes([PATTERN]) * PAGE:
         return "untouched"
     if p == bytes([STORED]) * PAGE:
@@ -59,9 +59,22 @@ def page_state(buf, i):
 
 
 class CloneArgs(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack",
-        "stack_size", "tls", "set_tid", "set_tid_size", "cgroup")]
+    _fields_ = [
+        (n, ctypes.c_uint64)
+        for n in (
+            "flags",
+            "pidfd",
+            "child_tid",
+            "parent_tid",
+            "exit_signal",
+            "stack",
+            "stack_size",
+            "tls",
+            "set_tid",
+            "set_tid_size",
+            "cgroup",
+        )
+    ]
 
 
 SYS_CLONE3 = {"x86_64": 435, "aarch64": 435, "riscv64": 435, "loongarch64": 435, "s390x": 435}
@@ -87,8 +100,7 @@ def main():
     sock = os.environ["RS_SOCK"]
     digest = bytes.fromhex(os.environ["RS_DIGEST"])
     s = Session.attach(sock, instance="forker", model="llama-rel", layout="bf16/16/HND", timeout=2.0)
-    buf = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     buf[0:PAGE] = bytes([STORED]) * PAGE
     buf[PAGE:] = bytes([PATTERN]) * (3 * PAGE)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
