@@ -42,11 +42,16 @@ EVENTS_PER_POLL = 1024
 class EventFeed:
     """The announced blocks of one namespace (see the module doc).
 
-    ``emit_stored(digest, parent, tokens, extra)`` is called for each block
-    to announce (digest and parent: bytes, parent None for a chain's first
-    block; tokens: a memoryview of the u32 token ids, little-endian, valid
-    only during the call; extra: bytes-like), ``emit_removed(digest)`` for each to withdraw; both from
-    inside :meth:`pump`.
+    ``emit_stored(digests, parent, tokens, extra)`` is called for each run
+    of blocks to announce: digests, a list of bytes, is a chain (each
+    block's parent is the one before it) of blocks read one after another
+    with the same number of tokens and the same extra bytes; parent (bytes)
+    is the first block's parent, None for a chain's first block; tokens,
+    bytes-like, holds every block's u32 token ids, little-endian, in order
+    (valid only during the call); extra is bytes-like. Runs keep the log's
+    order: a block's announcement is never batched past a withdrawal that
+    follows it. ``emit_removed(digest)`` is called for each block to
+    withdraw. Both from inside :meth:`pump`.
 
     States: OFF (not started, or turned off: the sidecar does not know the
     event records, or the namespace holds more than max_blocks), SYNC
@@ -58,7 +63,7 @@ class EventFeed:
 
     def __init__(
         self,
-        emit_stored: Callable[[bytes, Optional[bytes], bytes, bytes], None],
+        emit_stored: Callable[[list, Optional[bytes], bytes, bytes], None],
         emit_removed: Callable[[bytes], None],
         width: int = 32,
         max_blocks: int = 4_000_000,
@@ -209,9 +214,12 @@ class EventFeed:
 
     def _read(self, p, n: int, w: int, sync: bool) -> None:
         # One pass that checks each entry as schema.check_events does and
-        # applies it. An entry found malformed raises after the ones before
-        # it were applied: the cursor is not advanced, and the next poll
-        # reads them again, which changes nothing (announced once).
+        # applies it, gathering the blocks to announce into runs (one call
+        # of emit_stored a chain, the per-block work kept to the checks and
+        # the announced set). An entry found malformed raises after the ones
+        # before it were applied (their run is emitted first): the cursor is
+        # not advanced, and the next poll reads them again, which changes
+        # nothing (announced once).
         if not isinstance(p, bytes):
             p = bytes(p)
         mv = memoryview(p)
@@ -222,8 +230,14 @@ class EventFeed:
         unpack = _EV.unpack_from
         stored_op, removed_op = _s.EVENT_STORED, _s.EVENT_REMOVED
         max_t, max_x = _s.MAX_DESCRIBE_TOKENS, _s.MAX_DESCRIBE_EXTRA
+        max_blocks = self.max_blocks
         off = 40
         stored = removed = 0
+        # The run being gathered: its first block (r_d, its tokens r_mv) and,
+        # once a second block joins it, the lists of all (r_ds, r_tks).
+        r_d = r_mv = r_ds = r_tks = r_parent = r_extra = None
+        r_t = -1
+        prev = None  # the run's last digest (a parent that continues it)
         try:
             for _ in range(n):
                 op, f, t, x = unpack(p, off)
@@ -238,18 +252,44 @@ class EventFeed:
                     if f:
                         parent = p[off : off + w]
                         off += w
-                    e = off + 4 * t
                     if sync:
                         seen.add(d)
-                    if d not in ann:
-                        if len(ann) >= self.max_blocks:
-                            self._off("the namespace holds more than %d described blocks" % self.max_blocks)
-                            return
+                    if d in ann:
+                        prev = None  # an announced block breaks the run's chain
+                    elif len(ann) >= max_blocks:
+                        self._off("the namespace holds more than %d described blocks" % max_blocks)
+                        return
+                    else:
                         ann.add(d)
-                        emit_stored(d, parent, mv[off:e], mv[e:end] if x else b"")
+                        e = off + 4 * t
+                        if (
+                            prev is not None
+                            and parent == prev
+                            and t == r_t
+                            and ((not x and not r_extra) or p[e:end] == r_extra)
+                        ):
+                            if r_ds is None:
+                                r_ds, r_tks = [r_d], [r_mv]
+                            r_ds.append(d)
+                            r_tks.append(mv[off:e])
+                        else:
+                            if r_d is not None:
+                                if r_ds is None:
+                                    emit_stored([r_d], r_parent, r_mv, r_extra)
+                                else:
+                                    emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
+                            r_d, r_mv, r_ds, r_parent, r_t = d, mv[off:e], None, parent, t
+                            r_extra = p[e:end] if x else b""
+                        prev = d
                         stored += 1
                 elif op == removed_op and not (f or t or x):
                     if d in ann:
+                        if r_d is not None:
+                            if r_ds is None:
+                                emit_stored([r_d], r_parent, r_mv, r_extra)
+                            else:
+                                emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
+                            r_d = r_ds = prev = None
                         ann.discard(d)
                         emit_removed(d)
                         removed += 1
@@ -259,6 +299,11 @@ class EventFeed:
             if off != size:
                 raise _s.SchemaError("events reply: %d trailing bytes" % (size - off))
         finally:
+            if r_d is not None:
+                if r_ds is None:
+                    emit_stored([r_d], r_parent, r_mv, r_extra)
+                else:
+                    emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
             self.stats["stored"] += stored
             self.stats["removed"] += removed
 

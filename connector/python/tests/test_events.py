@@ -5,6 +5,7 @@ withdraws evicted ones, starts over on a new session (a restarted sidecar:
 every block it announced is withdrawn) and keeps the sidecar's metadata
 bound."""
 
+import hashlib
 import struct
 
 from test_client import digests
@@ -33,11 +34,18 @@ class Recorder:
         self.stored = {}
         self.removed = []
         self.log = []
+        self.runs = []
 
-    def on_stored(self, digest, parent, tokens, extra):
-        assert digest not in self.stored, "announced twice"
-        self.stored[digest] = (parent, bytes(tokens), extra)
-        self.log.append(("stored", digest))
+    def on_stored(self, digests, parent, tokens, extra):
+        # A run: a chain of blocks of one size and one extra, in order.
+        tokens = bytes(tokens)
+        assert digests and len(tokens) % (4 * len(digests)) == 0, "tokens of a run's blocks"
+        per = len(tokens) // len(digests)
+        self.runs.append(len(digests))
+        for i, digest in enumerate(digests):
+            assert digest not in self.stored, "announced twice"
+            self.stored[digest] = (parent if i == 0 else digests[i - 1], tokens[i * per : (i + 1) * per], bytes(extra))
+            self.log.append(("stored", digest))
 
     def on_removed(self, digest):
         assert digest in self.stored, "withdrawn without an announcement"
@@ -165,3 +173,66 @@ def test_descriptions_are_bounded(start_sidecar):
             refused = True
             break
     assert refused
+
+
+def _entry(op, d, parent=None, tokens=b"", extra=b""):
+    return (
+        S._EVENT_HEAD.pack(op, 1 if parent else 0, len(tokens) // 4, len(extra)) + d + (parent or b"") + tokens + extra
+    )
+
+
+def _live_feed(rec):
+    feed = rec.feed()
+    feed.state = EventFeed.LIVE
+    return feed
+
+
+def test_runs_are_chains_in_the_logs_order():
+    # One reply, read in one pass: a prefill's chain is one run; a chain
+    # breaks at another size, another extra, a block announced before, a
+    # parent that is not the block before, and at a withdrawal (which keeps
+    # its place between the announcements).
+    d = [hashlib.sha256(bytes([i])).digest() for i in range(12)]
+    st, rm = S.EVENT_STORED, S.EVENT_REMOVED
+    es = [
+        _entry(st, d[0], None, toks(0)),
+        _entry(st, d[1], d[0], toks(1)),
+        _entry(st, d[2], d[1], toks(2)),  # run [0, 1, 2]
+        _entry(st, d[3], d[2], toks(3, 8)),  # another size: [3]
+        _entry(st, d[4], d[3], toks(4, 8), b"lora"),  # another extra: [4]
+        _entry(st, d[5], d[4], toks(5, 8), b"lora"),  # [4, 5]
+        _entry(rm, d[1]),
+        _entry(st, d[6], d[5], toks(6, 8), b"lora"),  # after a withdrawal: [6]
+        _entry(st, d[0], None, toks(0)),  # announced already: left out
+        _entry(st, d[7], d[0], toks(7)),  # parent is not the run's last: [7]
+        _entry(st, d[8], d[9], toks(8)),  # nor here: [8]
+    ]
+    rec = Recorder()
+    feed = _live_feed(rec)
+    reply = S.encode_events_reply(0, False, False, 1, len(es), 0, 32, len(es), b"".join(es))
+    feed._apply(reply)
+    assert rec.runs == [3, 1, 2, 1, 1, 1]
+    order = [d[i] for i in (0, 1, 2, 3, 4, 5)] + [d[1]] + [d[6], d[7], d[8]]
+    assert [x for _, x in rec.log] == order and rec.log[6] == ("removed", d[1])
+    assert rec.stored[d[5]] == (d[4], toks(5, 8), b"lora") and rec.stored[d[7]] == (d[0], toks(7), b"")
+    assert rec.stored[d[3]] == (d[2], toks(3, 8), b"") and rec.stored[d[2]] == (d[1], toks(2), b"")
+    assert feed.announced == set(d[:9]) - {d[1]} and feed.stats["stored"] == 9 and feed.stats["removed"] == 1
+
+
+def test_a_malformed_entry_emits_the_run_before_it():
+    # The entries before a malformed one are applied, their run emitted
+    # (announced is never ahead of what the engine was told); the cursor
+    # stays, and the next poll reads them again without a second event.
+    d = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    good = _entry(S.EVENT_STORED, d[0], None, toks(0)) + _entry(S.EVENT_STORED, d[1], d[0], toks(1))
+    bad = S._EVENT_HEAD.pack(S.EVENT_STORED, 2, 0, 0) + d[2]
+    rec = Recorder()
+    feed = _live_feed(rec)
+    try:
+        feed._apply(S.encode_events_reply(0, False, False, 1, 3, 0, 32, 3, good + bad))
+        raise AssertionError("a malformed entry was accepted")
+    except S.SchemaError:
+        pass
+    assert rec.runs == [2] and feed.announced == {d[0], d[1]} and feed._seq == 0
+    feed._apply(S.encode_events_reply(0, False, False, 1, 2, 0, 32, 2, good))
+    assert rec.runs == [2] and feed._seq == 2

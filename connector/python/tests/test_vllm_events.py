@@ -84,8 +84,8 @@ def test_events_are_vllms_own():
     ev = kv_events()
     d, p = hashlib.sha256(b"d").digest(), hashlib.sha256(b"p").digest()
     tk = memoryview(struct.pack("<4I", 1, 2, 3, 4))
-    ev._stored(d, p, tk, struct.pack("<q", 3) + b"lora-x")
-    ev._stored(d, None, tk, b"")
+    ev._stored([d], p, tk, struct.pack("<q", 3) + b"lora-x")
+    ev._stored([d], None, tk, b"")
     ev._removed(d)
     a, b, c = ev.out
     assert type(a) is BlockStored and type(c) is BlockRemoved
@@ -97,20 +97,24 @@ def test_events_are_vllms_own():
 
 
 def test_a_chain_is_one_event():
+    # A run of the feed is one event, and a run that continues the chain
+    # just announced (the next poll's part of a prefill) extends it.
     ev = kv_events()
-    ds = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
-    tk = [memoryview(struct.pack("<4I", *range(4 * i, 4 * i + 4))) for i in range(4)]
-    ev._stored(ds[0], None, tk[0], b"")
-    ev._stored(ds[1], memoryview(ds[0]), tk[1], b"")
-    ev._stored(ds[2], memoryview(ds[1]), tk[2], b"")
+    ds = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+    tk = [struct.pack("<4I", *range(4 * i, 4 * i + 4)) for i in range(6)]
+    ev._stored(ds[0:2], None, b"".join(tk[0:2]), b"")
+    ev._stored(ds[2:3], memoryview(ds[1]), memoryview(tk[2]), b"")
     ev._removed(ds[0])
-    ev._stored(ds[3], memoryview(ds[2]), tk[3], b"")  # after a removal: an event of its own
-    a, r, b = ev.take_events(None, None)
-    assert a.block_hashes == [maybe_convert_block_hash(d) for d in ds[:3]] and a.parent_block_hash is None
+    ev._removed(ds[1])  # withdrawals in a row: one event
+    ev._stored(ds[3:5], memoryview(ds[2]), b"".join(tk[3:5]), b"")  # after a removal: an event of its own
+    ev._stored(ds[5:6], memoryview(ds[0]), tk[5], b"")  # another parent: another event
+    a, r, b, c = ev.take_events(None, None)
+    conv = maybe_convert_block_hash
+    assert a.block_hashes == [conv(d) for d in ds[:3]] and a.parent_block_hash is None
     assert a.token_ids == list(range(12)) and a.block_size == 4 and type(r) is BlockRemoved
-    assert b.block_hashes == [maybe_convert_block_hash(ds[3])] and b.parent_block_hash == maybe_convert_block_hash(
-        ds[2]
-    )
+    assert r.block_hashes == [conv(ds[0]), conv(ds[1])]
+    assert b.block_hashes == [conv(ds[3]), conv(ds[4])] and b.parent_block_hash == conv(ds[2])
+    assert b.token_ids == list(range(12, 20)) and c.parent_block_hash == conv(ds[0]) and c.token_ids == [20, 21, 22, 23]
     assert ev.take_events(None, None) == []
 
 

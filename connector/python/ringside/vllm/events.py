@@ -110,7 +110,10 @@ class KVEvents:
 
         self._stored_cls, self._removed_cls, self._medium = BlockStored, BlockRemoved, MEDIUM_CPU
         self._conv = external_hash(maybe_convert_block_hash)
+        self._fast = getattr(self._conv, "fast", False)  # the low 64 bits, big-endian (vLLM's default)
         self._last: Any = None  # the last BlockStored of self.out (a chain to extend)
+        self._last_digest: Any = None  # the digest of its last block
+        self._last_removed: Any = None  # the last BlockRemoved of self.out (withdrawals to extend)
         lead = lead_group(layout) if layout is not None and not layout.plain else None
         self.gid = lead.gid if lead is not None else 0
         self.block_size = lead.block_size if lead is not None else block_size
@@ -267,7 +270,7 @@ class KVEvents:
         out = self.out
         if out:
             self.out = []
-            self._last = None
+            self._last = self._last_removed = None
         return out
 
     def _lora_of(self, extra) -> tuple:
@@ -282,42 +285,65 @@ class KVEvents:
                 self._lora[extra] = got
         return got
 
-    def _stored(self, digest: bytes, parent, tokens, extra) -> None:
-        conv = self._conv
-        h = conv(digest)
-        p = conv(parent) if parent is not None else None
-        ids = tokens.cast("I").tolist() if _NATIVE else list(struct.unpack("<%dI" % (len(tokens) // 4), tokens))
+    def _stored(self, digests: list, parent, tokens, extra) -> None:
+        # A run of the feed (EventFeed: a chain of blocks of one size and
+        # one adapter): one BlockStored, or the continuation of the chain
+        # just announced (a prefill's blocks read over two polls), as
+        # vLLM's GPU events of a request's blocks.
+        fast = self._fast
+        if len(digests) == 1:  # a decode block (the common run): no comprehension
+            hs = [int.from_bytes(digests[0][-8:], "big") if fast else self._conv(digests[0])]
+        elif fast:
+            frm = int.from_bytes
+            hs = [frm(d[-8:], "big") for d in digests]
+        else:
+            conv = self._conv
+            hs = [conv(d) for d in digests]
+        if _NATIVE:
+            ids = memoryview(tokens).cast("I").tolist()
+        else:
+            ids = list(struct.unpack("<%dI" % (len(tokens) // 4), tokens))
+        bs = len(ids) // len(hs)
         lora_id, lora_name = self._lora_of(extra) if extra else (None, None)
-        out = self.out
         last = self._last
-        # The next block of the chain just announced (a prefill's run): one
-        # event of several blocks, as vLLM's GPU events of a request's blocks.
         if (
             last is not None
-            and p is not None
-            and last.block_hashes[-1] == p
-            and out
-            and out[-1] is last
-            and last.block_size == len(ids)
+            and parent is not None
+            and parent == self._last_digest
+            and self.out[-1] is last
+            and last.block_size == bs
             and last.lora_name == lora_name
         ):
-            last.block_hashes.append(h)
+            last.block_hashes.extend(hs)
             last.token_ids.extend(ids)
-            return
-        # BlockStored's fields in order: block_hashes, parent_block_hash,
-        # token_ids, block_size, lora_id, medium, lora_name, extra_keys,
-        # group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
-        # locality, ownership.
-        ev = self._stored_cls(
-            [h], p, ids, len(ids), lora_id, self._medium, lora_name, None, self.gid, self.kind, self.window, None, None
-        )
-        out.append(ev)
-        self._last = ev
+        else:
+            # BlockStored's fields in order: block_hashes, parent_block_hash,
+            # token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+            # group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
+            # locality, ownership.
+            if parent is None:
+                p = None
+            else:
+                p = int.from_bytes(parent[-8:], "big") if fast else self._conv(parent)
+            last = self._stored_cls(
+                hs, p, ids, bs, lora_id, self._medium, lora_name, None, self.gid, self.kind, self.window, None, None
+            )
+            self.out.append(last)
+            self._last = last
+        self._last_digest = digests[-1]
 
     def _removed(self, digest: bytes) -> None:
+        # Withdrawals in a row: one BlockRemoved of their hashes.
         self.recent.discard(digest)
         self.recent_old.discard(digest)
-        self.out.append(self._removed_cls(block_hashes=[self._conv(digest)], medium=self._medium, group_idx=self.gid))
+        h = self._conv(digest)
+        out = self.out
+        if out and out[-1] is self._last_removed:
+            self._last_removed.block_hashes.append(h)
+        else:
+            ev = self._removed_cls(block_hashes=[h], medium=self._medium, group_idx=self.gid)
+            out.append(ev)
+            self._last_removed = ev
         self._last = None
 
 
@@ -336,4 +362,5 @@ def external_hash(maybe_convert: Any) -> Any:
 
     if conv(sample) != want or conv(memoryview(sample)) != want:  # pragma: no cover - a vLLM that converts otherwise
         return lambda d: maybe_convert(bytes(d))
+    conv.fast = True  # type: ignore[attr-defined] - KVEvents inlines it
     return conv
