@@ -71,10 +71,10 @@ def test_shared_prefixes_are_described_once():
     )
     ev.note([(a, 0, 3)])
     ev.note([(b, 0, 3), (b, 3, 4)])  # b's first 3 blocks are a's: not again
-    assert [(r[1], r[2]) for r in ev.noted] == [(0, 3), (3, 4)] and ev.noted_blocks == 4
+    assert [(r[1], r[2]) for r in ev.noted] == [(0, 3), (3, 4)] and ev._since_wake == 4
     s = Sent()
-    ev.flush(s, None)
-    assert len(s.records) == 1 and ev.noted == [] and ev.stats["described_blocks"] == 4
+    ev.flush(s)
+    assert len(s.records) == 1 and not ev.noted and ev.stats["described_blocks"] == 4
     ev._removed(a.block_hashes[2])  # evicted: described again when stored again
     ev.note([(b, 0, 3)])
     assert len(ev.noted) == 1
@@ -87,7 +87,8 @@ def test_events_are_vllms_own():
     ev._stored([d], p, tk, struct.pack("<q", 3) + b"lora-x")
     ev._stored([d], None, tk, b"")
     ev._removed(d)
-    a, b, c = ev.out
+    ev._publish()
+    a, b, c = ev.take_events()
     assert type(a) is BlockStored and type(c) is BlockRemoved
     assert a.block_hashes == [maybe_convert_block_hash(d)] and a.parent_block_hash == maybe_convert_block_hash(p)
     assert a.token_ids == [1, 2, 3, 4] and a.block_size == 4 and a.medium == "CPU"
@@ -108,14 +109,15 @@ def test_a_chain_is_one_event():
     ev._removed(ds[1])  # withdrawals in a row: one event
     ev._stored(ds[3:5], memoryview(ds[2]), b"".join(tk[3:5]), b"")  # after a removal: an event of its own
     ev._stored(ds[5:6], memoryview(ds[0]), tk[5], b"")  # another parent: another event
-    a, r, b, c = ev.take_events(None, None)
+    ev._publish()
+    a, r, b, c = ev.take_events()
     conv = maybe_convert_block_hash
     assert a.block_hashes == [conv(d) for d in ds[:3]] and a.parent_block_hash is None
     assert a.token_ids == list(range(12)) and a.block_size == 4 and type(r) is BlockRemoved
     assert r.block_hashes == [conv(ds[0]), conv(ds[1])]
     assert b.block_hashes == [conv(ds[3]), conv(ds[4])] and b.parent_block_hash == conv(ds[2])
     assert b.token_ids == list(range(12, 20)) and c.parent_block_hash == conv(ds[0]) and c.token_ids == [20, 21, 22, 23]
-    assert ev.take_events(None, None) == []
+    assert ev.take_events() == []
 
 
 def test_all_blocks_cleared_announces_again():
@@ -126,7 +128,10 @@ def test_all_blocks_cleared_announces_again():
     ev.watch(kvm)
     ev.watch(kvm)  # once
     assert [type(e) for e in kvm.take_events()] == [AllBlocksCleared]
-    assert ev.feed.announced == set() and ev.feed.state == ev.feed.SYNC
+    assert ev._forget and ev._wake.is_set()  # the events thread's next round starts over
+    ev._link = SimpleNamespace(get=lambda: None)  # (no sidecar now)
+    ev.round(0)
+    assert ev.feed.announced == set() and ev.feed.state == ev.feed.SYNC and not ev._forget
 
 
 def test_enabled():
