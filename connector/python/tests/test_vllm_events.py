@@ -141,3 +141,76 @@ def test_enabled():
     assert E.enabled(auto, on) and not E.enabled(auto, off)
     assert not E.enabled(Config.parse({"kv_events": False}, VLLM), on)
     assert E.enabled(Config.parse({"kv_events": True}, VLLM), off)
+
+
+def _until(cond, what, timeout=10.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("timed out: " + what)
+
+
+def test_the_events_thread_against_a_real_sidecar(start_sidecar):
+    """The events thread on its own session: it describes what the engine's
+    thread noted and announces what the sidecar holds (another engine's
+    blocks too), take_events never calls the sidecar, a sidecar restart
+    withdraws what the new one lacks (the thread's session re-attaches by
+    itself), and stop() ends the thread and closes its session."""
+    from test_mirror import attached, store
+
+    from ringside.client import Link
+    from ringside.ring import PARK_WAIT
+
+    sc = start_sidecar()
+    other, reg = attached(sc, 16)  # another engine of the namespace
+    a = request(6, seed="mine")
+    cfg = Config.parse({"kv_events_poll_ms": 5}, VLLM)
+    ev = E.KVEvents(cfg, BS, None)
+    attach = dict(instance="engine-b", model="llama", layout="bf16/16/HND", role=S.ROLE_SCHEDULER, rank=0)
+    ev.start(Link(sc.sock, 5.0, 0.05, dict(attach, wait=PARK_WAIT)))
+    try:
+        assert ev.thread.is_alive() and ev.thread.daemon
+        # This engine notes 6 blocks (described by the thread), stored by another session.
+        ev.note([(a, 0, 6)])
+        d = b"".join(a.block_hashes)
+        store(other, reg, 1, d, 0, 6)
+        got = []
+
+        def announced():
+            got.extend(ev.take_events())
+            return sum(len(e.block_hashes) for e in got if type(e) is BlockStored) >= 6
+
+        _until(announced, "the thread announced the 6 blocks")
+        st = [e for e in got if type(e) is BlockStored]
+        assert [h for e in st for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in a.block_hashes]
+        assert [t for e in st for t in e.token_ids] == a._all_token_ids[: 6 * BS] and st[0].parent_block_hash is None
+        assert ev.stats["described_blocks"] == 6 and ev.thread_stats["rounds"] > 0
+        # The sidecar restarts with 2 of the blocks: the thread's session
+        # fails, re-attaches, and the 4 others are withdrawn.
+        sc.stop()
+        sc2 = start_sidecar()
+        ev._link.socket = sc2.sock
+        other2, reg2 = attached(sc2, 16)
+        other2.describe(
+            [S.DescribeRun(None, d[: 2 * 32], BS, struct.pack("<%dI" % (2 * BS), *a._all_token_ids[: 2 * BS]))]
+        )
+        store(other2, reg2, 1, d, 0, 2)
+        gone = []
+
+        def withdrawn():
+            gone.extend(e for e in ev.take_events() if type(e) is BlockRemoved)
+            return sum(len(e.block_hashes) for e in gone) >= 4
+
+        _until(withdrawn, "the thread withdrew what the new sidecar lacks")
+        assert sorted(h for e in gone for h in e.block_hashes) == sorted(
+            maybe_convert_block_hash(h) for h in a.block_hashes[2:]
+        )
+        assert ev.feed.announced == set(a.block_hashes[:2])
+    finally:
+        ev.stop()
+    assert not ev.thread.is_alive() and ev._link.session is None

@@ -287,6 +287,7 @@ class KVEvents:
         st = self.thread_stats
         clock = time.thread_time_ns
         while not self._stop.is_set():
+            self._wake.clear()  # before the round: a wake during it brings the next one at once
             c0 = clock()
             try:
                 self.round(budget)
@@ -294,8 +295,7 @@ class KVEvents:
                 self.faults.warn_once("events-thread", "ringside: KV events round failed: %r" % (e,))
             st["rounds"] += 1
             st["cpu_ns"] += clock() - c0
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
+            self._wake.wait(max(self.poll_s, 0.001))
 
     def round(self, budget_ns: int) -> None:
         """One round of the events thread: describe the runs noted since the
