@@ -175,6 +175,22 @@ def make_llm(a):
     kvt = kv_transfer_config(a)
     if kvt is not None:
         kw["kv_transfer_config"] = kvt
+    if a.connector == "ringside" and json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}")).get(
+        "kv_events"
+    ):
+        # The arm "ringside:kv_events=true": vLLM's KV event publisher on
+        # (ZMQ on IPC sockets, nobody subscribed), the connector's events too.
+        import tempfile
+
+        from vllm.config import KVEventsConfig
+
+        d = tempfile.mkdtemp(prefix="rs-cmp-events-")
+        kw["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint="ipc://%s/pub" % d,
+            replay_endpoint="ipc://%s/replay" % d,
+        )
     return LLM(**kw)
 
 
