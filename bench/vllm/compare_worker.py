@@ -175,11 +175,11 @@ def make_llm(a):
     kvt = kv_transfer_config(a)
     if kvt is not None:
         kw["kv_transfer_config"] = kvt
-    if a.connector == "ringside" and json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}")).get(
-        "kv_events"
-    ):
-        # The arm "ringside:kv_events=true": vLLM's KV event publisher on
-        # (ZMQ on IPC sockets, nobody subscribed), the connector's events too.
+    rcfg = json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}"))
+    if a.connector == "ringside" and "kv_events" in rcfg:
+        # The arms "ringside:kv_events=true" and "ringside:kv_events=false":
+        # vLLM's KV event publisher on (ZMQ on IPC sockets, nobody
+        # subscribed), with the connector's events or without them.
         import tempfile
 
         from vllm.config import KVEventsConfig

@@ -190,6 +190,19 @@ def test_the_events_thread_against_a_real_sidecar(start_sidecar):
         assert [h for e in st for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in a.block_hashes]
         assert [t for e in st for t in e.token_ids] == a._all_token_ids[: 6 * BS] and st[0].parent_block_hash is None
         assert ev.stats["described_blocks"] == 6 and ev.thread_stats["rounds"] > 0
+        # An engine that does not step (no take_events) gets no rounds.
+        import time
+
+        time.sleep(0.1)
+        r0 = ev.thread_stats["rounds"]
+        time.sleep(0.5)
+        assert ev.thread_stats["rounds"] - r0 <= 1
+
+        def step():
+            ev.take_events()  # what vLLM calls once a step
+            return ev.thread_stats["rounds"] > r0 + 1
+
+        _until(step, "rounds again once the engine steps")
         # The sidecar restarts with 2 of the blocks: the thread's session
         # fails, re-attaches, and the 4 others are withdrawn.
         sc.stop()

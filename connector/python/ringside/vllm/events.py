@@ -65,6 +65,10 @@ _NATIVE = _s._NATIVE_U32
 MAX_NOTED = 2048
 # Polls one round of the events thread reads at most while the log has more.
 MAX_POLLS_A_ROUND = 16
+# While the engine does not step, the thread checks every IDLE_S whether it
+# did, and runs a round at least every IDLE_ROUND_S (its session stays used).
+IDLE_S = 0.05
+IDLE_ROUND_S = 5.0
 # How long a described block is not described again (note()).
 RECENT_S = 10.0
 
@@ -144,9 +148,11 @@ class KVEvents:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._forget = False  # set by the engine's thread on AllBlocksCleared
+        self._stepped = True  # the engine stepped (took events) since the last round
         self._link: Any = None
         self.faults: Any = None
         self.thread: Optional[threading.Thread] = None
+        self._idle_rounds = 0
         # The events thread's own counters (the scheduler side reports them
         # as events_*): rounds, its CPU time, the failures of its session.
         self.thread_stats: dict = {"rounds": 0, "cpu_ns": 0, "sidecar_errors": 0}
@@ -279,6 +285,9 @@ class KVEvents:
         t = self.thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
+            if t.is_alive():  # a round still waiting (bounded by its budget): its daemon thread ends with us
+                logger.warning("ringside: the KV events thread did not stop within %.0fs", timeout)
+                return
         if self._link is not None:
             self._link.close()
 
@@ -288,6 +297,16 @@ class KVEvents:
         clock = time.thread_time_ns
         while not self._stop.is_set():
             self._wake.clear()  # before the round: a wake during it brings the next one at once
+            if not (self._stepped or self.noted or self._forget):
+                # An idle engine publishes nothing (vLLM takes events only in
+                # a step): no round until it steps, or at most IDLE_S apart.
+                self._wake.wait(IDLE_S)
+                if not (self._stepped or self.noted or self._forget or self._stop.is_set()):
+                    self._idle_rounds += 1
+                    if self._idle_rounds * IDLE_S < IDLE_ROUND_S:
+                        continue
+            self._idle_rounds = 0
+            self._stepped = False
             c0 = clock()
             try:
                 self.round(budget)
@@ -301,8 +320,8 @@ class KVEvents:
         """One round of the events thread: describe the runs noted since the
         last, read the event log (the snapshot's pages first, on a new
         session; then polls while the log has more), and publish the
-        events made. Every wait is bounded by budget_ns; a failure drops
-        the session (Faults) and the next round attaches again."""
+        events made. Its waits together are bounded by budget_ns; a failure
+        drops the session (Faults) and the next round attaches again."""
         feed = self.feed
         if self._forget:
             self._forget = False
@@ -312,10 +331,12 @@ class KVEvents:
             return
         try:
             self.flush(s)
+            end = time.perf_counter_ns() + budget_ns  # the whole round's waits
             for _ in range(MAX_POLLS_A_ROUND):
-                if feed.disabled and feed._session is s:
+                left = end - time.perf_counter_ns()
+                if left <= 0 or self._stop.is_set() or (feed.disabled and feed._session is s):
                     break
-                feed.pump(s, budget_ns, wake=True)
+                feed.pump(s, left, wake=True)
                 self._publish()
                 if feed.state == EventFeed.LIVE and feed.caught_up and not feed._pending:
                     break
@@ -347,6 +368,7 @@ class KVEvents:
     def take_events(self) -> list:
         """The events the events thread made since the last call (the
         connector's take_events hook: no sidecar call, no wait)."""
+        self._stepped = True
         if not self.out:
             return []
         with self._lock:
