@@ -190,24 +190,6 @@ class StepTimer:
         self.cur, self.cur_cpu, self.calls, self.cur_by = 0, 0, 0, {}
 
 
-def events_counters(conn) -> tuple:
-    """(CPU ns, blocks announced) of the connector's events thread so far
-    (ringside.vllm.events: it works beside the engine's thread, outside the
-    hooks the step rows time), or zeros without one."""
-    ev = getattr(getattr(conn, "connector_scheduler", None), "events", None)
-    if ev is None:
-        return 0, 0
-    return ev.thread_stats["cpu_ns"], ev.feed.stats["stored"]
-
-
-def events_fields(e0, e1, steps) -> dict:
-    steps = max(steps, 1)
-    return {
-        "events_thread_cpu_us_per_step": round((e1[0] - e0[0]) / 1000.0 / steps, 2),
-        "events_announced_per_step": round((e1[1] - e0[1]) / steps, 2),
-    }
-
-
 def timer_overhead_ns() -> float:
     """Cost of the wrapper itself per call (two clock reads and a frame)."""
 
@@ -265,8 +247,6 @@ def run_step(a):
         rounds = max(1, min(a.max_rounds, round(a.min_steps / (a.max_tokens + 4) * (10.0 / n) ** 0.5)))
         samples = []
         st0 = dict(conn.stats)
-        e0 = events_counters(conn)
-        all_steps = 0  # every step of the rounds (the events thread's CPU is per step of them)
         for r in range(rounds):
             if not llm.reset_prefix_cache():
                 raise SystemExit("step: reset_prefix_cache failed")
@@ -277,9 +257,7 @@ def run_step(a):
             # Steps with all n requests in flight (admitted or waiting in the
             # scheduler, none finished yet).
             samples += [s for s in timer.samples if s[3] >= n]
-            all_steps += len(timer.samples)
         st1 = conn.stats
-        ev = events_fields(e0, events_counters(conn), all_steps)
         us = [s[0] / 1000.0 for s in samples]
         cpu_us = [s[5] / 1000.0 for s in samples]
         by = {}
@@ -319,7 +297,6 @@ def run_step(a):
                 "lookups": st1["lookups"] - st0["lookups"],
                 "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
                 "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
-                **ev,
             }
         )
     if a.sustained_steps > 0:
@@ -360,7 +337,6 @@ def run_sustained(llm, timer, conn, a, n):
         if step == warm:
             timer.samples, timer.recording = [], True
             st0, k0 = dict(conn.stats), k
-            e0 = events_counters(conn)
         for o in eng.step():
             if o.finished:
                 live.discard(o.request_id)
@@ -371,7 +347,6 @@ def run_sustained(llm, timer, conn, a, n):
     while eng.has_unfinished_requests():
         eng.step()
     st1 = conn.stats
-    e1 = events_counters(conn)
     us = [s[0] / 1000.0 for s in samples]
     by = {}
     for s in samples:
@@ -394,7 +369,6 @@ def run_sustained(llm, timer, conn, a, n):
         "breakdown_us_per_step": {m: round(v / 1000.0 / len(samples), 2) for m, v in sorted(by.items())},
         "hit_blocks": st1["hit_blocks"] - st0["hit_blocks"],
         "sidecar_errors": st1["sidecar_errors"] - st0["sidecar_errors"],
-        **events_fields(e0, e1, a.sustained_steps),
     }
 
 

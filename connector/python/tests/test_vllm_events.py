@@ -71,10 +71,10 @@ def test_shared_prefixes_are_described_once():
     )
     ev.note([(a, 0, 3)])
     ev.note([(b, 0, 3), (b, 3, 4)])  # b's first 3 blocks are a's: not again
-    assert [(r[1], r[2]) for r in ev.noted] == [(0, 3), (3, 4)] and ev._since_wake == 4
+    assert [(r[1], r[2]) for r in ev.noted] == [(0, 3), (3, 4)] and ev.noted_blocks == 4
     s = Sent()
-    ev.flush(s)
-    assert len(s.records) == 1 and not ev.noted and ev.stats["described_blocks"] == 4
+    ev.flush(s, None)
+    assert len(s.records) == 1 and ev.noted == [] and ev.stats["described_blocks"] == 4
     ev._removed(a.block_hashes[2])  # evicted: described again when stored again
     ev.note([(b, 0, 3)])
     assert len(ev.noted) == 1
@@ -87,8 +87,7 @@ def test_events_are_vllms_own():
     ev._stored([d], p, tk, struct.pack("<q", 3) + b"lora-x")
     ev._stored([d], None, tk, b"")
     ev._removed(d)
-    ev._publish()
-    a, b, c = ev.take_events()
+    a, b, c = ev.out
     assert type(a) is BlockStored and type(c) is BlockRemoved
     assert a.block_hashes == [maybe_convert_block_hash(d)] and a.parent_block_hash == maybe_convert_block_hash(p)
     assert a.token_ids == [1, 2, 3, 4] and a.block_size == 4 and a.medium == "CPU"
@@ -109,15 +108,14 @@ def test_a_chain_is_one_event():
     ev._removed(ds[1])  # withdrawals in a row: one event
     ev._stored(ds[3:5], memoryview(ds[2]), b"".join(tk[3:5]), b"")  # after a removal: an event of its own
     ev._stored(ds[5:6], memoryview(ds[0]), tk[5], b"")  # another parent: another event
-    ev._publish()
-    a, r, b, c = ev.take_events()
+    a, r, b, c = ev.take_events(None, None)
     conv = maybe_convert_block_hash
     assert a.block_hashes == [conv(d) for d in ds[:3]] and a.parent_block_hash is None
     assert a.token_ids == list(range(12)) and a.block_size == 4 and type(r) is BlockRemoved
     assert r.block_hashes == [conv(ds[0]), conv(ds[1])]
     assert b.block_hashes == [conv(ds[3]), conv(ds[4])] and b.parent_block_hash == conv(ds[2])
     assert b.token_ids == list(range(12, 20)) and c.parent_block_hash == conv(ds[0]) and c.token_ids == [20, 21, 22, 23]
-    assert ev.take_events() == []
+    assert ev.take_events(None, None) == []
 
 
 def test_all_blocks_cleared_announces_again():
@@ -128,10 +126,7 @@ def test_all_blocks_cleared_announces_again():
     ev.watch(kvm)
     ev.watch(kvm)  # once
     assert [type(e) for e in kvm.take_events()] == [AllBlocksCleared]
-    assert ev._forget and ev._wake.is_set()  # the events thread's next round starts over
-    ev._link = SimpleNamespace(get=lambda: None)  # (no sidecar now)
-    ev.round(0)
-    assert ev.feed.announced == set() and ev.feed.state == ev.feed.SYNC and not ev._forget
+    assert ev.feed.announced == set() and ev.feed.state == ev.feed.SYNC
 
 
 def test_enabled():
@@ -141,89 +136,3 @@ def test_enabled():
     assert E.enabled(auto, on) and not E.enabled(auto, off)
     assert not E.enabled(Config.parse({"kv_events": False}, VLLM), on)
     assert E.enabled(Config.parse({"kv_events": True}, VLLM), off)
-
-
-def _until(cond, what, timeout=10.0):
-    import time
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError("timed out: " + what)
-
-
-def test_the_events_thread_against_a_real_sidecar(start_sidecar):
-    """The events thread on its own session: it describes what the engine's
-    thread noted and announces what the sidecar holds (another engine's
-    blocks too), take_events never calls the sidecar, a sidecar restart
-    withdraws what the new one lacks (the thread's session re-attaches by
-    itself), and stop() ends the thread and closes its session."""
-    from test_mirror import attached, store
-
-    from ringside.client import Link
-    from ringside.ring import PARK_WAIT
-
-    sc = start_sidecar()
-    other, reg = attached(sc, 16)  # another engine of the namespace
-    a = request(6, seed="mine")
-    cfg = Config.parse({"kv_events_poll_ms": 5}, VLLM)
-    ev = E.KVEvents(cfg, BS, None)
-    attach = dict(instance="engine-b", model="llama", layout="bf16/16/HND", role=S.ROLE_SCHEDULER, rank=0)
-    ev.start(Link(sc.sock, 5.0, 0.05, dict(attach, wait=PARK_WAIT)))
-    try:
-        assert ev.thread.is_alive() and ev.thread.daemon
-        # This engine notes 6 blocks (described by the thread), stored by another session.
-        ev.note([(a, 0, 6)])
-        d = b"".join(a.block_hashes)
-        store(other, reg, 1, d, 0, 6)
-        got = []
-
-        def announced():
-            got.extend(ev.take_events())
-            return sum(len(e.block_hashes) for e in got if type(e) is BlockStored) >= 6
-
-        _until(announced, "the thread announced the 6 blocks")
-        st = [e for e in got if type(e) is BlockStored]
-        assert [h for e in st for h in e.block_hashes] == [maybe_convert_block_hash(h) for h in a.block_hashes]
-        assert [t for e in st for t in e.token_ids] == a._all_token_ids[: 6 * BS] and st[0].parent_block_hash is None
-        assert ev.stats["described_blocks"] == 6 and ev.thread_stats["rounds"] > 0
-        # An engine that does not step (no take_events) gets no rounds.
-        import time
-
-        time.sleep(0.1)
-        r0 = ev.thread_stats["rounds"]
-        time.sleep(0.5)
-        assert ev.thread_stats["rounds"] - r0 <= 1
-
-        def step():
-            ev.take_events()  # what vLLM calls once a step
-            return ev.thread_stats["rounds"] > r0 + 1
-
-        _until(step, "rounds again once the engine steps")
-        # The sidecar restarts with 2 of the blocks: the thread's session
-        # fails, re-attaches, and the 4 others are withdrawn.
-        sc.stop()
-        sc2 = start_sidecar()
-        ev._link.socket = sc2.sock
-        other2, reg2 = attached(sc2, 16)
-        other2.describe(
-            [S.DescribeRun(None, d[: 2 * 32], BS, struct.pack("<%dI" % (2 * BS), *a._all_token_ids[: 2 * BS]))]
-        )
-        store(other2, reg2, 1, d, 0, 2)
-        gone = []
-
-        def withdrawn():
-            gone.extend(e for e in ev.take_events() if type(e) is BlockRemoved)
-            return sum(len(e.block_hashes) for e in gone) >= 4
-
-        _until(withdrawn, "the thread withdrew what the new sidecar lacks")
-        assert sorted(h for e in gone for h in e.block_hashes) == sorted(
-            maybe_convert_block_hash(h) for h in a.block_hashes[2:]
-        )
-        assert ev.feed.announced == set(a.block_hashes[:2])
-    finally:
-        ev.stop()
-    assert not ev.thread.is_alive() and ev._link.session is None

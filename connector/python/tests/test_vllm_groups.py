@@ -405,7 +405,7 @@ def test_kv_events_describe_the_lead_group_only():
                 assert a < b
                 runs.setdefault(req.request_id, []).extend(range(a, b))
 
-        def take_events(self):
+        def take_events(self, session, faults):
             return []
 
     eng.sside.events = Noted()

@@ -253,8 +253,8 @@ class Config:
     kv_events_poll_ms: float = _key(
         50.0,
         NUMBER,
-        "The connector's events thread polls the sidecar's event log, and describes the stores noted since "
-        "its last round, this often (sooner past 2048 noted blocks; 0: every millisecond).",
+        "The sidecar's event log is polled, and the stores since the last poll described, at the end of a "
+        "step at most this often.",
         unit="milliseconds",
         plugins=(VLLM,),
         minimum=0,

@@ -1,27 +1,18 @@
 """The sidecar's tier in vLLM's own KV event stream (docs/architecture.md,
 "KV events for routers").
 
-Both halves run on the scheduler side, in a thread of their own (the
-events thread) with a session of their own, so that the engine's step pays
-only for noting its stores and for taking the events made meanwhile:
+Two halves, both on the scheduler side:
 
-- :meth:`KVEvents.note` (the engine's thread, from build_connector_meta)
-  queues the step's planned store runs. The events thread sends them, once
-  a poll interval, as a Describe record of their blocks: each run's parent
-  digest (the block before it in the request's chain), the token ids, and
-  the LoRA adapter. The sidecar keeps them as long as the blocks
-  (protocol.md, section 5.11).
-- The events thread follows the sidecar's event log with a
-  :class:`ringside.events.EventFeed` (a poll every kv_events_poll_ms, its
-  reply awaited parked, without the GIL) and makes vLLM's own
-  ``BlockStored`` / ``BlockRemoved`` objects for the CPU tier.
-  :meth:`KVEvents.take_events` (the connector's take_events hook, called by
-  vLLM once a step after its output) hands over those made so far, which
-  vLLM publishes in the same batch, ZMQ stream and replay buffer as its GPU
+- :meth:`KVEvents.describe` sends, with the step's planned stores, a
+  Describe record of their blocks: each run's parent digest (the block
+  before it in the request's chain), the token ids, and the LoRA adapter.
+  The sidecar keeps them as long as the blocks (protocol.md, section 5.11).
+- :meth:`KVEvents.take_events` (the connector's take_events hook, called by
+  vLLM once a step after its output) follows the sidecar's event log with a
+  :class:`ringside.events.EventFeed` and returns vLLM's own
+  ``BlockStored`` / ``BlockRemoved`` objects for the CPU tier, which vLLM
+  publishes in the same batch, ZMQ stream and replay buffer as its GPU
   events. Never ``AllBlocksCleared``: that clears every tier of the pod.
-
-No lock is held across a ring wait: the events thread builds a round's
-events apart and publishes them under a lock held only to extend a list.
 
 The events are filled the way vLLM's own offloading connector fills
 self-describing CPU-tier events (vllm/distributed/kv_transfer/kv_connector/
@@ -40,17 +31,15 @@ else the adapter id (i64, little-endian) and its name (UTF-8).
 
 from __future__ import annotations
 
-import collections
 import logging
 import struct
-import threading
 import time
 from array import array
 from typing import Any, Optional
 
 from .. import schema as _s
 from ..events import EventFeed
-from ..plugin.faults import SIDECAR_ERRORS, Faults
+from ..plugin.faults import SIDECAR_ERRORS
 
 logger = logging.getLogger("ringside.vllm")
 
@@ -61,14 +50,8 @@ _DESC = _s._DESCRIBE
 _PARENT = _s.DESCRIBE_FLAG_PARENT
 _TYPE_DESCRIBE = _s.TYPE_DESCRIBE
 _NATIVE = _s._NATIVE_U32
-# Blocks noted that wake the events thread before its poll interval ends.
+# Store runs noted before a Describe is sent at once (else once a poll).
 MAX_NOTED = 2048
-# Polls one round of the events thread reads at most while the log has more.
-MAX_POLLS_A_ROUND = 16
-# While the engine does not step, the thread checks every IDLE_S whether it
-# did, and runs a round at least every IDLE_ROUND_S (its session stays used).
-IDLE_S = 0.05
-IDLE_ROUND_S = 5.0
 # How long a described block is not described again (note()).
 RECENT_S = 10.0
 
@@ -128,9 +111,9 @@ class KVEvents:
         self._stored_cls, self._removed_cls, self._medium = BlockStored, BlockRemoved, MEDIUM_CPU
         self._conv = external_hash(maybe_convert_block_hash)
         self._fast = getattr(self._conv, "fast", False)  # the low 64 bits, big-endian (vLLM's default)
-        self._last: Any = None  # the last BlockStored of self._staged (a chain to extend)
+        self._last: Any = None  # the last BlockStored of self.out (a chain to extend)
         self._last_digest: Any = None  # the digest of its last block
-        self._last_removed: Any = None  # the last BlockRemoved of self._staged (withdrawals to extend)
+        self._last_removed: Any = None  # the last BlockRemoved of self.out (withdrawals to extend)
         lead = lead_group(layout) if layout is not None and not layout.plain else None
         self.gid = lead.gid if lead is not None else 0
         self.block_size = lead.block_size if lead is not None else block_size
@@ -138,24 +121,11 @@ class KVEvents:
         self.stats: dict = {"described_blocks": 0}  # the scheduler side's counters, once bound
         self.poll_s = cfg.kv_events_poll_ms / 1000.0
         self.timeout = cfg.timeout
-        self.out: list = []  # events published for the next take_events (under _lock)
-        self._staged: list = []  # the events of the events thread's round in progress
-        self._lock = threading.Lock()
-        # Store runs (request, first, end) not described yet: the engine's
-        # thread appends, the events thread pops (deque operations are atomic).
-        self.noted: collections.deque = collections.deque()
-        self._since_wake = 0  # blocks noted since the events thread was last woken (the engine's thread's)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._forget = False  # set by the engine's thread on AllBlocksCleared
-        self._stepped = True  # the engine stepped (took events) since the last round
-        self._link: Any = None
-        self.faults: Any = None
-        self.thread: Optional[threading.Thread] = None
-        self._idle_rounds = 0
-        # The events thread's own counters (the scheduler side reports them
-        # as events_*): rounds, its CPU time, the failures of its session.
-        self.thread_stats: dict = {"rounds": 0, "cpu_ns": 0, "sidecar_errors": 0}
+        self.out: list = []  # events for the next take_events
+        self.noted: list = []  # store runs (request, first, end) not described yet
+        self.noted_blocks = 0
+        self.due = False
+        self.flush_t = 0.0
         self.recent: set = set()  # the last blocks of runs described lately (see note)
         self.recent_old: set = set()
         self.recent_t = _monotonic()
@@ -165,11 +135,10 @@ class KVEvents:
     # -- the step's stores ------------------------------------------------------
 
     def note(self, runs: list) -> None:
-        """Queue a step's planned store runs, described by the events
-        thread's next round: one Describe record for the steps of a poll
-        interval. A run holds its request (block hashes and token ids only
-        grow), for about one interval; MAX_NOTED blocks wake the thread
-        early."""
+        """Keep a step's planned store runs, described at the next poll
+        (take_events): one Describe record for the steps of a poll interval.
+        A run holds its request (block hashes and token ids only grow), for
+        at most one interval; past MAX_NOTED blocks they are sent at once."""
         # A run whose last block this engine described lately is skipped:
         # the sidecar keeps the first description of a block, and every
         # request that shares a prefix stores (and would describe) its
@@ -177,23 +146,17 @@ class KVEvents:
         # well within the sidecar's wait for a description's block
         # (--write-timeout), and a block withdrawn (evicted) is forgotten at
         # once: stored again, it is described again.
-        now = _monotonic()
-        if now - self.recent_t >= RECENT_S:
-            self.recent_old, self.recent, self.recent_t = self.recent, set(), now
         recent, old = self.recent, self.recent_old
         noted = self.noted
-        n = 0
         for run in runs:
             last = run[0].block_hashes[run[2] - 1]
             if last in recent or last in old:
                 continue
             recent.add(last)
             noted.append(run)
-            n += run[2] - run[1]
-        self._since_wake += n
-        if self._since_wake >= MAX_NOTED:
-            self._since_wake = 0
-            self._wake.set()
+            self.noted_blocks += run[2] - run[1]
+        if self.noted_blocks >= MAX_NOTED:
+            self.due = True
 
     def describe(self, s: Any, runs: list, max_payload: int) -> None:
         """Send the descriptions of runs, (request, first, end) block ranges
@@ -251,128 +214,63 @@ class KVEvents:
         orig = getattr(kv_cache_manager, "take_events", None)
         if orig is None or getattr(orig, "_ringside", False):
             return
+        feed = self.feed
 
         def take_events():
             evs = orig()
             if evs:
                 for e in evs:
                     if type(e) is AllBlocksCleared:
-                        self._forget = True  # the events thread's next round starts over
-                        self._wake.set()
+                        feed.forget_all()
                         break
             return evs
 
         take_events._ringside = True  # type: ignore[attr-defined]
         kv_cache_manager.take_events = take_events
 
-    def start(self, link: Any) -> None:
-        """Start the events thread on link, a re-attaching session of its
-        own (a session is not shared between threads). Its first round
-        reads the sidecar's described blocks at once (bounded by the
-        session timeout, 2 s at most): the first steps publish them."""
-        if link is None or self.thread is not None:
-            return
-        self._link = link
-        self.faults = Faults(link, self.thread_stats, logger)
-        t = threading.Thread(target=self._run, name="ringside-kv-events", daemon=True)
-        self.thread = t
-        t.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the events thread and close its session."""
-        self._stop.set()
-        self._wake.set()
-        t = self.thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout)
-            if t.is_alive():  # a round still waiting (bounded by its budget): its daemon thread ends with us
-                logger.warning("ringside: the KV events thread did not stop within %.0fs", timeout)
-                return
-        if self._link is not None:
-            self._link.close()
-
-    def _run(self) -> None:
-        budget = int(min(self.timeout, 2.0) * 1e9)
-        st = self.thread_stats
-        clock = time.thread_time_ns
-        while not self._stop.is_set():
-            self._wake.clear()  # before the round: a wake during it brings the next one at once
-            if not (self._stepped or self.noted or self._forget):
-                # An idle engine publishes nothing (vLLM takes events only in
-                # a step): no round until it steps, or at most IDLE_S apart.
-                self._wake.wait(IDLE_S)
-                if not (self._stepped or self.noted or self._forget or self._stop.is_set()):
-                    self._idle_rounds += 1
-                    if self._idle_rounds * IDLE_S < IDLE_ROUND_S:
-                        continue
-            self._idle_rounds = 0
-            self._stepped = False
-            c0 = clock()
+    def start(self, s: Any, faults: Any) -> None:
+        """Read the sidecar's described blocks now, while the engine starts
+        (bounded by the session timeout, 2 s at most): the first step then
+        publishes them."""
+        if s is not None:
             try:
-                self.round(budget)
-            except Exception as e:  # noqa: BLE001 - never let the thread die: the tier is left unannounced
-                self.faults.warn_once("events-thread", "ringside: KV events round failed: %r" % (e,))
-            st["rounds"] += 1
-            st["cpu_ns"] += clock() - c0
-            self._wake.wait(max(self.poll_s, 0.001))
+                self.feed.pump(s, int(min(self.timeout, 2.0) * 1e9))
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "KV events")
 
-    def round(self, budget_ns: int) -> None:
-        """One round of the events thread: describe the runs noted since the
-        last, read the event log (the snapshot's pages first, on a new
-        session; then polls while the log has more), and publish the
-        events made. Its waits together are bounded by budget_ns; a failure
-        drops the session (Faults) and the next round attaches again."""
+    def flush(self, s: Any, faults: Any) -> None:
+        """Describe the runs noted since the last flush."""
+        runs, self.noted, self.noted_blocks, self.due = self.noted, [], 0, False
+        if runs and s is not None:
+            try:
+                self.describe(s, runs, s.max_payload)
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "describe")
+
+    def take_events(self, s: Any, faults: Any) -> list:
+        """The events of the sidecar's tier since the last call: collect the
+        last request's reply and send the next one, never waiting: a poll of
+        its event log at most every kv_events_poll_ms, or, while a snapshot
+        is read (a new session, after AllBlocksCleared), its next page."""
         feed = self.feed
-        if self._forget:
-            self._forget = False
-            feed.forget_all()
-        s = self._link.get()
-        if s is None:
-            return
-        try:
-            self.flush(s)
-            end = time.perf_counter_ns() + budget_ns  # the whole round's waits
-            for _ in range(MAX_POLLS_A_ROUND):
-                left = end - time.perf_counter_ns()
-                if left <= 0 or self._stop.is_set() or (feed.disabled and feed._session is s):
-                    break
-                feed.pump(s, left, wake=True)
-                self._publish()
-                if feed.state == EventFeed.LIVE and feed.caught_up and not feed._pending:
-                    break
-        except SIDECAR_ERRORS as e:
-            self.faults.fail(e, "KV events")
-        finally:
-            self._publish()
-
-    def flush(self, s: Any) -> None:
-        """Describe the runs noted since the last flush (raises like
-        Session.send)."""
-        q = self.noted
-        runs = []
-        while q:
-            runs.append(q.popleft())
-        if runs:
-            self.describe(s, runs, s.max_payload)
-
-    def _publish(self) -> None:
-        # Hand the round's events over; they are not touched again (vLLM may
-        # be encoding them in its publisher's thread).
-        st = self._staged
-        if st:
-            self._staged = []
+        now = _monotonic()
+        if now - self.recent_t >= RECENT_S:
+            self.recent_old, self.recent, self.recent_t = self.recent, set(), now
+        if self.noted and (self.due or now - self.flush_t >= self.poll_s):
+            self.flush_t = now
+            self.flush(s, faults)
+        if s is not None and not (feed.disabled and feed._session is s):
+            try:
+                if feed.state != EventFeed.LIVE or feed._session is not s:
+                    feed.pump(s)
+                elif feed._pending or not feed.caught_up or now - feed.sent_t >= self.poll_s:
+                    feed.pump(s)
+            except SIDECAR_ERRORS as e:
+                faults.fail(e, "KV events")
+        out = self.out
+        if out:
+            self.out = []
             self._last = self._last_removed = None
-            with self._lock:
-                self.out.extend(st)
-
-    def take_events(self) -> list:
-        """The events the events thread made since the last call (the
-        connector's take_events hook: no sidecar call, no wait)."""
-        self._stepped = True
-        if not self.out:
-            return []
-        with self._lock:
-            out, self.out = self.out, []
         return out
 
     def _lora_of(self, extra) -> tuple:
@@ -412,7 +310,7 @@ class KVEvents:
             last is not None
             and parent is not None
             and parent == self._last_digest
-            and self._staged[-1] is last
+            and self.out[-1] is last
             and last.block_size == bs
             and last.lora_name == lora_name
         ):
@@ -430,7 +328,7 @@ class KVEvents:
             last = self._stored_cls(
                 hs, p, ids, bs, lora_id, self._medium, lora_name, None, self.gid, self.kind, self.window, None, None
             )
-            self._staged.append(last)
+            self.out.append(last)
             self._last = last
         self._last_digest = digests[-1]
 
@@ -439,7 +337,7 @@ class KVEvents:
         self.recent.discard(digest)
         self.recent_old.discard(digest)
         h = self._conv(digest)
-        out = self._staged
+        out = self.out
         if out and out[-1] is self._last_removed:
             self._last_removed.block_hashes.append(h)
         else:

@@ -29,7 +29,6 @@ from ..events import EventFeed
 from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
-from ..ring import PARK_WAIT
 from .admission import Admission
 from .engine import full_attention_only, group_tables, null_block_id, single_group_blocks
 from .groups import Layout
@@ -131,10 +130,7 @@ class SchedulerSide:
         if events is not None:
             events.stats = self.stats
             self.planner.runs = []
-            # The events thread's own session (events.py): parked waits, so
-            # that it never holds the GIL while the sidecar answers.
-            ev_attach = dict(attach, role=_s.ROLE_SCHEDULER, rank=0, wait=PARK_WAIT)
-            events.start(make_link(cfg, ev_attach, miss_text="the sidecar's tier is not announced"))
+            events.start(self.link.get(), self.faults)
         elif self.index is not None:
             self.take_events = self.index.after_step  # type: ignore[method-assign] # the only work after a step
 
@@ -237,7 +233,7 @@ class SchedulerSide:
         if self.index is not None:
             self.index.after_step()
         if self.events is not None:
-            return self.events.take_events()
+            return self.events.take_events(self.link.session, self.faults)
         return ()
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -281,8 +277,6 @@ class SchedulerSide:
         return False, None
 
     def shutdown(self) -> None:
-        if self.events is not None:
-            self.events.stop()
         self.stats_file.write(self.stats)
         self.link.close()
 
@@ -292,6 +286,4 @@ class SchedulerSide:
         if self.events is not None:
             for k, v in self.events.feed.stats.items():
                 stats["events_" + k] = v
-            for k, v in self.events.thread_stats.items():
-                stats["events_thread_" + k] = v
             stats["events_state"] = EventFeed.STATE_NAMES[self.events.feed.state]
