@@ -274,10 +274,7 @@ class EventFeed:
                             r_tks.append(mv[off:e])
                         else:
                             if r_d is not None:
-                                if r_ds is None:
-                                    emit_stored([r_d], r_parent, r_mv, r_extra)
-                                else:
-                                    emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
+                                _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
                             r_d, r_mv, r_ds, r_parent, r_t = d, mv[off:e], None, parent, t
                             r_extra = p[e:end] if x else b""
                         prev = d
@@ -285,10 +282,7 @@ class EventFeed:
                 elif op == removed_op and not (f or t or x):
                     if d in ann:
                         if r_d is not None:
-                            if r_ds is None:
-                                emit_stored([r_d], r_parent, r_mv, r_extra)
-                            else:
-                                emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
+                            _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
                             r_d = r_ds = prev = None
                         ann.discard(d)
                         emit_removed(d)
@@ -300,10 +294,7 @@ class EventFeed:
                 raise _s.SchemaError("events reply: %d trailing bytes" % (size - off))
         finally:
             if r_d is not None:
-                if r_ds is None:
-                    emit_stored([r_d], r_parent, r_mv, r_extra)
-                else:
-                    emit_stored(r_ds, r_parent, b"".join(r_tks), r_extra)
+                _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
             self.stats["stored"] += stored
             self.stats["removed"] += removed
 
@@ -319,3 +310,13 @@ class EventFeed:
         self._seen = set()
         self._epoch, self._seq = self._c0 if self._c0 is not None else (0, 0)
         self.state = EventFeed.LIVE
+
+
+def _emit_run(emit_stored, d, ds, parent, mv, tks, extra) -> None:
+    # A gathered run (EventFeed._read): its first block alone (d, its tokens
+    # mv), or all of them (ds, tks) once a second joined. A plain function,
+    # not a closure, so that the read loop's variables stay locals.
+    if ds is None:
+        emit_stored([d], parent, mv, extra)
+    else:
+        emit_stored(ds, parent, b"".join(tks), extra)
