@@ -34,6 +34,9 @@ type Options struct {
 	RingCapacity uint32
 	Timeout      time.Duration // per call (default 5s)
 	Wait         ring.WaitConfig
+	// Version is the protocol version to attach with (default
+	// schema.Version; older ones for compatibility tests).
+	Version uint16
 }
 
 // Client is one attached session.
@@ -81,8 +84,12 @@ func Dial(o Options) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connector: dial %s: %w", o.Socket, err)
 	}
+	version := o.Version
+	if version == 0 {
+		version = schema.Version
+	}
 	req := schema.AttachRequest{
-		Version: schema.Version, Role: o.Role, Rank: uint32(o.Rank), WorldSize: uint32(o.WorldSize),
+		Version: version, Role: o.Role, Rank: uint32(o.Rank), WorldSize: uint32(o.WorldSize),
 		DigestWidth: uint8(o.DigestWidth), RingCapacity: o.RingCapacity,
 		Instance: o.Instance, Model: o.Model, Layout: o.Layout, Salt: o.Salt,
 	}

@@ -99,6 +99,14 @@ func FuzzRegisterRegion(f *testing.F) {
 	})
 }
 
+func FuzzCUDAExtra(f *testing.F) {
+	one := schema.CUDAExtra{Allocations: []schema.CUDAAllocation{{Base: 1 << 40, Size: 2 << 20}}}
+	seeds(f, sCUDAExtra.Append(nil), one.Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzCodec(t, b, decCUDAExtra, func(v any) []byte { m := v.(schema.CUDAExtra); return m.Append(nil) })
+	})
+}
+
 func FuzzLoad(f *testing.F) {
 	seeds(f, sLoad.Append(nil))
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -327,10 +327,83 @@ type Segment struct{ Offset, Stride, Length uint64 }
 // SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
 const SegmentSize = 24
 
-// CUDAIPCExtraSize is the size of RegisterRegion's extra bytes for
-// RegionCUDAIPC: a 64-byte cudaIpcMemHandle_t, a 16-byte GPU UUID and the
-// u64 offset of the region in the exported allocation.
-const CUDAIPCExtraSize = 88
+// The extra bytes of a RegionCUDAIPC region (protocol version 3): the GPU,
+// an optional interprocess CUDA event that stores wait for, and every device
+// allocation the region's segments lie in.
+//
+//	 0 u8[16] GPU UUID   16 u32 flags   20 u32 allocation count n
+//	24 u8[64] cudaIpcEventHandle_t (zero without CUDAExtraFlagEvent)
+//	88 n × (u8[64] cudaIpcMemHandle_t, u64 base, u64 size)
+const (
+	CUDAExtraHeaderSize        = 88
+	CUDAAllocationSize         = 80
+	CUDAExtraFlagEvent  uint32 = 1 // the event handle is set: a Store's copies wait for its last record
+	MaxAllocations             = MaxSegments
+)
+
+// CUDAAllocation is one device allocation of the engine: the IPC handle of
+// its base, and its base address and size in the engine's address space.
+type CUDAAllocation struct {
+	Handle [64]byte
+	Base   uint64
+	Size   uint64
+}
+
+// CUDAExtra is RegisterRegion's extra bytes for RegionCUDAIPC.
+type CUDAExtra struct {
+	GPU         [16]byte
+	Flags       uint32
+	Event       [64]byte
+	Allocations []CUDAAllocation
+}
+
+// Append encodes m.
+func (m *CUDAExtra) Append(dst []byte) []byte {
+	w := writer{dst}
+	w.raw(m.GPU[:])
+	w.u32(m.Flags)
+	w.u32(uint32(len(m.Allocations)))
+	w.raw(m.Event[:])
+	for _, a := range m.Allocations {
+		w.raw(a.Handle[:])
+		w.u64(a.Base)
+		w.u64(a.Size)
+	}
+	return w.b
+}
+
+// Decode parses m: unknown flags, no allocation or more than
+// MaxAllocations, an event handle without its flag, an allocation of size
+// zero or whose base + size overflows, and trailing bytes are malformed.
+// Whether the allocations overlap or hold the region is the copy engine's
+// to check.
+func (m *CUDAExtra) Decode(b []byte) error {
+	r := reader{b: b, what: "CUDA IPC extra"}
+	copy(m.GPU[:], r.bytes(16))
+	m.Flags = r.u32()
+	n := r.u32()
+	copy(m.Event[:], r.bytes(64))
+	switch {
+	case r.err != nil:
+	case m.Flags&^CUDAExtraFlagEvent != 0:
+		r.fail("unknown flags %#x", m.Flags)
+	case n == 0 || n > MaxAllocations:
+		r.fail("%d allocations, want 1 to %d", n, MaxAllocations)
+	case m.Flags&CUDAExtraFlagEvent == 0 && m.Event != [64]byte{}:
+		r.fail("an event handle without the event flag")
+	}
+	m.Allocations = m.Allocations[:0]
+	for i := 0; i < int(n) && r.err == nil; i++ {
+		var a CUDAAllocation
+		copy(a.Handle[:], r.bytes(64))
+		a.Base, a.Size = r.u64(), r.u64()
+		if r.err == nil && (a.Size == 0 || a.Base+a.Size < a.Base) {
+			r.fail("allocation %d: base %#x size %d", i, a.Base, a.Size)
+		}
+		m.Allocations = append(m.Allocations, a)
+	}
+	return r.done()
+}
 
 // Region kinds.
 const (
@@ -346,7 +419,7 @@ const (
 //	24 u64 length                     32 u64 page size
 //	40 u32 page count                 44 u32 segment count
 //	48 segments: u64 offset, u64 stride, u64 length each
-//	.. kind-specific bytes to the end (CUDA IPC: 64-byte handle, 16-byte GPU UUID, u64 offset)
+//	.. kind-specific bytes to the end (CUDA IPC: CUDAExtra)
 type RegisterRegion struct {
 	Region    uint32
 	Kind      uint8

@@ -23,8 +23,16 @@ import (
 // Version is the protocol version spoken in the attach handshake. Version
 // 2 hands the session's rings to the client as file descriptors with the
 // AttachReply (SCM_RIGHTS) instead of paths it opens: no other process can
-// open a session's rings (docs/protocol.md, section 4.3).
-const Version uint16 = 2
+// open a session's rings (docs/protocol.md, section 4.3). Version 3 changes
+// RegisterRegion's CUDA IPC extra bytes only (CUDAExtra: one handle per
+// device allocation, and an event for stores to wait on).
+const Version uint16 = 3
+
+// MinVersion is the oldest protocol version the sidecar still attaches:
+// version 2 differs from 3 only in the CUDA IPC extra, and its CUDA regions
+// are refused (their one allocation cannot hold a KV cache that vLLM
+// allocates one tensor per layer).
+const MinVersion uint16 = 2
 
 // Record types. Requests flow engine -> sidecar on the submission ring,
 // replies sidecar -> engine on the completion ring with ReplyBit set.

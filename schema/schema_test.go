@@ -95,7 +95,14 @@ var (
 			{Offset: 0x100, Stride: 0x10000, Length: 0x8000},
 			{Offset: 0x8100, Stride: 0x10000, Length: 0x8000},
 		},
-		Extra: append(append(seq(64, 0x40), seq(16, 0xC0)...), 0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11),
+		Extra: sCUDAExtra.Append(nil),
+	}
+	sCUDAExtra = schema.CUDAExtra{
+		GPU: [16]byte(seq(16, 0xC0)), Flags: schema.CUDAExtraFlagEvent, Event: [64]byte(seq(64, 0x80)),
+		Allocations: []schema.CUDAAllocation{
+			{Handle: [64]byte(seq(64, 0x40)), Base: 0x7F3A00000000, Size: 32 << 30},
+			{Handle: [64]byte(seq(64, 0x10)), Base: 0x7F4200000000, Size: 32 << 30},
+		},
 	}
 	sLoad         = schema.Load{Lease: 0x99AABBCCDDEEFF01, Region: 0x01020304, First: 5, Pages: pages(4, 1000)}
 	sStore        = schema.Store{View: schema.View{Batch: 0x1122334455667788, Start: 7, Count: 3}, Region: 0x01020304, Pages: pages(3, 77)}
@@ -143,6 +150,11 @@ func decRegisterRegion(b []byte) (any, error) {
 	err := m.Decode(b)
 	return m, err
 }
+func decCUDAExtra(b []byte) (any, error) {
+	var m schema.CUDAExtra
+	err := m.Decode(b)
+	return m, err
+}
 func decLoad(b []byte) (any, error)       { var m schema.Load; err := m.Decode(b); return m, err }
 func decStore(b []byte) (any, error)      { var m schema.Store; err := m.Decode(b); return m, err }
 func decChanges(b []byte) (any, error)    { var m schema.Changes; err := m.Decode(b); return m, err }
@@ -176,6 +188,7 @@ func samples() []sample {
 		{"Poll", schema.TypePoll, sPoll, func() []byte { return sPoll.Append(nil) }, decID, 8, false},
 		{"Release", schema.TypeRelease, sRelease, func() []byte { return sRelease.Append(nil) }, decID, 8, false},
 		{"RegisterRegion", schema.TypeRegisterRegion, sRegister, func() []byte { return sRegister.Append(nil) }, decRegisterRegion, 48 + 2*24, true},
+		{"CUDAExtra", 0, sCUDAExtra, func() []byte { return sCUDAExtra.Append(nil) }, decCUDAExtra, 88 + 2*80, false},
 		{"Load", schema.TypeLoad, sLoad, func() []byte { return sLoad.Append(nil) }, decLoad, 24 + 4*4, false},
 		{"Store", schema.TypeStore, sStore, func() []byte { return sStore.Append(nil) }, decStore, 24 + 3*4, false},
 		{"Changes", schema.TypeChanges, sChanges, func() []byte { return sChanges.Append(nil) }, decChanges, 24, false},
@@ -796,10 +809,15 @@ func TestTypeName(t *testing.T) {
 }
 
 func TestConstants(t *testing.T) {
-	// Frozen for protocol version 2 (version 1 named the rings by path; 2
-	// passes them as file descriptors): a change here is a wire-format change.
-	if schema.Version != 2 || schema.ReplyBit != 0x8000 || schema.ViewSize != 16 {
+	// Frozen for protocol version 3 (version 1 named the rings by path; 2
+	// passes them as file descriptors; 3 carries one CUDA IPC handle per
+	// device allocation): a change here is a wire-format change.
+	if schema.Version != 3 || schema.MinVersion != 2 || schema.ReplyBit != 0x8000 || schema.ViewSize != 16 {
 		t.Error("version, reply bit or view size changed")
+	}
+	if schema.CUDAExtraHeaderSize != 88 || schema.CUDAAllocationSize != 80 || schema.CUDAExtraFlagEvent != 1 ||
+		schema.MaxAllocations != 1024 {
+		t.Error("CUDA IPC extra layout changed")
 	}
 	if schema.AttachMagic != 0x54415352 || schema.AttachReplyMagic != 0x4b415352 {
 		t.Error("attach magics changed")

@@ -60,8 +60,8 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 		fail(schema.ErrCodeMalformed, "%v", err)
 		return
 	}
-	if req.Version != schema.Version {
-		fail(schema.ErrCodeBadVersion, "client speaks protocol version %d, this sidecar %d (version 2 passes the rings as file descriptors)", req.Version, schema.Version)
+	if req.Version < schema.MinVersion || req.Version > schema.Version {
+		fail(schema.ErrCodeBadVersion, "client speaks protocol version %d, this sidecar %d to %d (version 2 passes the rings as file descriptors)", req.Version, schema.MinVersion, schema.Version)
 		return
 	}
 	if s.draining.Load() {

@@ -79,6 +79,26 @@ func (h *harness) dial(mod func(*connector.Options)) *connector.Client {
 	return c
 }
 
+// The sidecar attaches the versions from schema.MinVersion to
+// schema.Version and refuses others with status 15.
+func TestAttachVersions(t *testing.T) {
+	h := newHarness(t, nil)
+	for _, v := range []uint16{1, schema.MinVersion, schema.Version, schema.Version + 1} {
+		o := connector.Options{Socket: h.cfg.Socket, Instance: "engine-a", Model: "llama", Layout: "l", Timeout: 5 * time.Second, Version: v}
+		c, err := connector.Dial(o)
+		ok := v >= schema.MinVersion && v <= schema.Version
+		switch {
+		case ok && err != nil:
+			t.Errorf("version %d: %v", v, err)
+		case !ok && status(err) != schema.ErrCodeBadVersion:
+			t.Errorf("version %d: got %v, want status %v", v, err, schema.ErrCodeBadVersion)
+		}
+		if c != nil {
+			c.Close()
+		}
+	}
+}
+
 // digests returns n chained 32-byte digests (as vLLM's sha256 block hashes).
 func digests(seed string, n int) []byte {
 	out := make([]byte, 0, n*32)

@@ -17,7 +17,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
 )
@@ -257,7 +256,6 @@ func TestWireConstantCopies(t *testing.T) {
 		name      string
 		got, want int
 	}{
-		{"gpu.IPCExtraSize", gpu.IPCExtraSize, schema.CUDAIPCExtraSize},
 		{"cache.MaxWorldSize", cache.MaxWorldSize, schema.MaxWorldSize},
 	} {
 		if c.got != c.want {

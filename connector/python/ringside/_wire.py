@@ -61,10 +61,12 @@ SCHEMA_FLAG_REPLACE = 4  # FlagReplace uint32
 # SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
 SCHEMA_SEGMENT_SIZE = 24  # SegmentSize untyped int
 
-# CUDAIPCExtraSize is the size of RegisterRegion's extra bytes for RegionCUDAIPC: a 64-byte
-# cudaIpcMemHandle_t, a 16-byte GPU UUID and the u64 offset of the region in the exported
-# allocation.
-SCHEMA_CUDAIPC_EXTRA_SIZE = 88  # CUDAIPCExtraSize untyped int
+# The extra bytes of a RegionCUDAIPC region (protocol version 3): the GPU, an optional interprocess
+# CUDA event that stores wait for, and every device allocation the region's segments lie in.
+SCHEMA_CUDA_EXTRA_HEADER_SIZE = 88  # CUDAExtraHeaderSize untyped int
+SCHEMA_CUDA_ALLOCATION_SIZE = 80  # CUDAAllocationSize untyped int
+SCHEMA_CUDA_EXTRA_FLAG_EVENT = 1  # CUDAExtraFlagEvent uint32: the event handle is set: a Store's copies wait for its last record
+SCHEMA_MAX_ALLOCATIONS = 1024  # MaxAllocations untyped int
 
 # Region kinds.
 SCHEMA_REGION_HOST_PROCESS = 1  # RegionHostProcess uint8: host memory of the engine process, by pid and address
@@ -89,7 +91,12 @@ SCHEMA_SNAPSHOT_FLAG_DONE = 1  # SnapshotFlagDone uint32
 # schema/schema.go
 
 # Version is the protocol version spoken in the attach handshake.
-SCHEMA_VERSION = 2  # Version uint16
+SCHEMA_VERSION = 3  # Version uint16
+
+# MinVersion is the oldest protocol version the sidecar still attaches: version 2 differs from 3
+# only in the CUDA IPC extra, and its CUDA regions are refused (their one allocation cannot hold a
+# KV cache that vLLM allocates one tensor per layer).
+SCHEMA_MIN_VERSION = 2  # MinVersion uint16
 
 # Record types.
 SCHEMA_TYPE_PUT_HASHES = 0x1  # TypePutHashes uint16: register (or extend) a hash batch

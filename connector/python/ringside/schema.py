@@ -34,6 +34,7 @@ from . import _wire as _w
 # users import; tests/test_wire.py checks that every Go constant has one.
 
 VERSION = _w.SCHEMA_VERSION
+MIN_VERSION = _w.SCHEMA_MIN_VERSION  # the oldest version a sidecar still attaches
 
 TYPE_PUT_HASHES = _w.SCHEMA_TYPE_PUT_HASHES
 TYPE_DROP_HASHES = _w.SCHEMA_TYPE_DROP_HASHES
@@ -213,7 +214,10 @@ EVENTS_REPLY_HEADER_SIZE = _w.SCHEMA_EVENTS_REPLY_HEADER_SIZE
 VIEW_SIZE = _w.SCHEMA_VIEW_SIZE
 SEGMENT_SIZE = _w.SCHEMA_SEGMENT_SIZE
 CHANGE_HEADER_SIZE = _w.SCHEMA_CHANGE_HEADER_SIZE  # u8 op, u8[7] zero, then the digest
-CUDA_IPC_EXTRA_SIZE = _w.SCHEMA_CUDAIPC_EXTRA_SIZE  # 64-byte handle, 16-byte GPU UUID, u64 offset
+CUDA_EXTRA_HEADER_SIZE = _w.SCHEMA_CUDA_EXTRA_HEADER_SIZE  # GPU UUID, flags, allocation count, event handle
+CUDA_ALLOCATION_SIZE = _w.SCHEMA_CUDA_ALLOCATION_SIZE  # 64-byte handle, u64 base, u64 size
+CUDA_EXTRA_FLAG_EVENT = _w.SCHEMA_CUDA_EXTRA_FLAG_EVENT  # the event handle is set
+MAX_ALLOCATIONS = _w.SCHEMA_MAX_ALLOCATIONS
 
 
 class SchemaError(ValueError):
@@ -261,7 +265,8 @@ _STORE_REPLY = struct.Struct("<IIII")  # 16
 _CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # 32
 _CHANGE_HEAD = struct.Struct("<B7x")  # 8
 _SNAPSHOT_REPLY = struct.Struct("<IIQQQIB3x")  # 40
-_CUDA_IPC_EXTRA = struct.Struct("<64s16sQ")  # 88
+_CUDA_EXTRA = struct.Struct("<16sII64s")  # 88: GPU UUID, flags, allocation count, event handle
+_CUDA_ALLOCATION = struct.Struct("<64sQQ")  # 80: handle, base, size
 _DESCRIBE = struct.Struct("<II")  # 8: runs, flags
 _DESCRIBE_RUN = struct.Struct("<IHHB7x")  # 16: blocks, tokens per block, extra length, flags
 _EVENTS_REPLY = struct.Struct("<IIQQQIB3x")  # 40
@@ -599,7 +604,7 @@ class RegisterRegion(NamedTuple):
     page_size: int
     page_count: int
     segments: Tuple[Segment, ...]
-    extra: bytes  # kind-specific; CUDA IPC: see encode_cuda_ipc_extra
+    extra: bytes  # kind-specific; CUDA IPC: see encode_cuda_extra
 
 
 def encode_register_region(
@@ -638,19 +643,63 @@ def decode_register_region(b) -> RegisterRegion:
     return RegisterRegion(region, kind, pid, base, length, page_size, page_count, segs, bytes(_view(b)[off:]))
 
 
-def encode_cuda_ipc_extra(handle: bytes, gpu_uuid: bytes, offset: int) -> bytes:
-    """RegisterRegion extra bytes for REGION_CUDA_IPC: 64-byte cudaIpcMemHandle_t,
-    16-byte GPU UUID, u64 offset of the region inside the exported allocation.
-    (Layout from the comment in messages.go; the Go decoder does not check it.)"""
-    if len(handle) != 64 or len(gpu_uuid) != 16:
-        raise SchemaError("CUDA IPC extra: handle must be 64 bytes and GPU UUID 16 bytes")
-    return _CUDA_IPC_EXTRA.pack(bytes(handle), bytes(gpu_uuid), offset)
+class CUDAAllocation(NamedTuple):
+    handle: bytes  # cudaIpcMemHandle_t of the allocation's base (64 bytes)
+    base: int  # the allocation's base address in the engine
+    size: int  # its size in bytes
 
 
-def decode_cuda_ipc_extra(extra) -> Tuple[bytes, bytes, int]:
-    if len(extra) != CUDA_IPC_EXTRA_SIZE:
-        raise SchemaError("CUDA IPC extra: %d bytes, want %d" % (len(extra), CUDA_IPC_EXTRA_SIZE))
-    return _CUDA_IPC_EXTRA.unpack_from(extra, 0)
+class CUDAExtra(NamedTuple):
+    gpu: bytes  # the device's UUID (16 bytes)
+    event: Optional[bytes]  # cudaIpcEventHandle_t (64 bytes) that stores wait for, or None
+    allocations: Tuple[CUDAAllocation, ...]
+
+
+def encode_cuda_extra(
+    gpu_uuid: bytes, allocations: Sequence[Tuple[bytes, int, int]], event: Optional[bytes] = None
+) -> bytes:
+    """RegisterRegion extra bytes for REGION_CUDA_IPC (protocol version 3):
+    the GPU's UUID, an optional interprocess event handle whose last record
+    the sidecar's store copies wait for, and each (handle, base, size) device
+    allocation the region's segments lie in."""
+    what = "CUDA IPC extra"
+    if len(gpu_uuid) != 16:
+        raise SchemaError("%s: GPU UUID of %d bytes, want 16" % (what, len(gpu_uuid)))
+    if event is not None and len(event) != 64:
+        raise SchemaError("%s: event handle of %d bytes, want 64" % (what, len(event)))
+    if not 1 <= len(allocations) <= MAX_ALLOCATIONS:
+        raise SchemaError("%s: %d allocations, want 1 to %d" % (what, len(allocations), MAX_ALLOCATIONS))
+    flags = CUDA_EXTRA_FLAG_EVENT if event is not None else 0
+    parts = [_CUDA_EXTRA.pack(bytes(gpu_uuid), flags, len(allocations), bytes(event or bytes(64)))]
+    for i, (handle, base, size) in enumerate(allocations):
+        if len(handle) != 64:
+            raise SchemaError("%s: allocation %d: handle of %d bytes, want 64" % (what, i, len(handle)))
+        if size <= 0 or base < 0 or base + size >= 1 << 64:
+            raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
+        parts.append(_CUDA_ALLOCATION.pack(bytes(handle), base, size))
+    return b"".join(parts)
+
+
+def decode_cuda_extra(b) -> CUDAExtra:
+    what = "CUDA IPC extra"
+    _need(what, b, 0, CUDA_EXTRA_HEADER_SIZE)
+    gpu, flags, n, event = _CUDA_EXTRA.unpack_from(b, 0)
+    if flags & ~CUDA_EXTRA_FLAG_EVENT:
+        raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    if not 1 <= n <= MAX_ALLOCATIONS:
+        raise SchemaError("%s: %d allocations, want 1 to %d" % (what, n, MAX_ALLOCATIONS))
+    if not flags & CUDA_EXTRA_FLAG_EVENT and any(event):
+        raise SchemaError("%s: an event handle without the event flag" % what)
+    _need(what, b, CUDA_EXTRA_HEADER_SIZE, n * CUDA_ALLOCATION_SIZE)
+    end = CUDA_EXTRA_HEADER_SIZE + n * CUDA_ALLOCATION_SIZE
+    if len(b) != end:
+        raise SchemaError("%s: %d trailing bytes" % (what, len(b) - end))
+    allocs = []
+    for i, (h, base, size) in enumerate(_CUDA_ALLOCATION.iter_unpack(_view(b)[CUDA_EXTRA_HEADER_SIZE:end])):
+        if size == 0 or base + size >= 1 << 64:
+            raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
+        allocs.append(CUDAAllocation(h, base, size))
+    return CUDAExtra(gpu, event if flags & CUDA_EXTRA_FLAG_EVENT else None, tuple(allocs))
 
 
 class Load(NamedTuple):

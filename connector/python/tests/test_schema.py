@@ -92,6 +92,20 @@ CODECS = {
         ),
         _region_fixed,
     ),
+    "CUDAExtra": (
+        lambda f, v: S.encode_cuda_extra(
+            _hex(f["gpu"]),
+            [(_hex(a["handle"]), a["base"], a["size"]) for a in f["allocations"]],
+            _hex(f["event"]) if f["flags"] & S.CUDA_EXTRA_FLAG_EVENT else None,
+        ),
+        lambda b, v: S.decode_cuda_extra(b),
+        lambda f, v: S.CUDAExtra(
+            _hex(f["gpu"]),
+            _hex(f["event"]) if f["flags"] & S.CUDA_EXTRA_FLAG_EVENT else None,
+            tuple(S.CUDAAllocation(_hex(a["handle"]), a["base"], a["size"]) for a in f["allocations"]),
+        ),
+        None,
+    ),
     "Load": (
         lambda f, v: S.encode_load(f["lease"], f["region"], f["first"], f["pages"]),
         lambda b, v: S.decode_load(b),
@@ -256,7 +270,7 @@ def test_golden_decode(v):
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
 def test_record_type(v):
     rt = v["record_type"]
-    if v["message"].startswith("Attach"):
+    if v["message"].startswith("Attach") or v["message"] == "CUDAExtra":  # not ring records
         assert rt == 0
         return
     assert not S.type_name(rt).startswith("type(")
@@ -405,17 +419,48 @@ def test_register_region_limits():
     assert m.segments == () and m.extra == b""
 
 
-def test_cuda_ipc_extra():
-    e = S.encode_cuda_ipc_extra(bytes(range(64)), bytes(range(16)), 0x1122334455667788)
-    assert len(e) == S.CUDA_IPC_EXTRA_SIZE
-    assert S.decode_cuda_ipc_extra(e) == (bytes(range(64)), bytes(range(16)), 0x1122334455667788)
+def test_cuda_extra():
+    allocs = [(bytes(range(64)), 0x7F0000000000, 1 << 30), (bytes(64 * [7]), 0x7F1000000000, 2 << 20)]
+    e = S.encode_cuda_extra(bytes(range(16)), allocs, event=bytes(64 * [9]))
+    assert len(e) == S.CUDA_EXTRA_HEADER_SIZE + 2 * S.CUDA_ALLOCATION_SIZE
+    m = S.decode_cuda_extra(e)
+    assert m.gpu == bytes(range(16)) and m.event == bytes(64 * [9])
+    assert [tuple(a) for a in m.allocations] == allocs
+    assert S.decode_cuda_extra(S.encode_cuda_extra(bytes(16), allocs[:1])).event is None
     golden = next(v for v in VECTORS if v["message"] == "RegisterRegion")
-    h, u, off = S.decode_cuda_ipc_extra(_hex(golden["fields"]["extra"]))
-    assert off == 0x1122334455667788
+    assert len(S.decode_cuda_extra(_hex(golden["fields"]["extra"])).allocations) == 2
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (bytes(15), [(bytes(64), 1, 1)], None),  # short UUID
+        (bytes(16), [], None),  # no allocation
+        (bytes(16), [(bytes(63), 1, 1)], None),  # short handle
+        (bytes(16), [(bytes(64), 1, 0)], None),  # empty allocation
+        (bytes(16), [(bytes(64), (1 << 64) - 1, 1)], None),  # overflows
+        (bytes(16), [(bytes(64), 1, 1)], bytes(63)),  # short event
+        (bytes(16), [(bytes(64), 1, 1)] * (S.MAX_ALLOCATIONS + 1), None),
+    ],
+)
+def test_cuda_extra_encoder_refuses(args):
     with pytest.raises(S.SchemaError):
-        S.encode_cuda_ipc_extra(bytes(63), bytes(16), 0)
-    with pytest.raises(S.SchemaError):
-        S.decode_cuda_ipc_extra(bytes(87))
+        S.encode_cuda_extra(*args)
+
+
+def test_cuda_extra_decoder_refuses():
+    good = S.encode_cuda_extra(bytes(16), [(bytes(64), 1, 1)])
+    for bad in (
+        good[:-1],
+        good + b"\0",
+        good[:16] + struct.pack("<I", 2) + good[20:],  # unknown flag
+        good[:20] + struct.pack("<I", 0) + good[24:],  # no allocation
+        good[:24] + b"\1" + good[25:],  # an event without its flag
+        bytes(88),  # count 0
+        bytes(87),
+    ):
+        with pytest.raises(S.SchemaError):
+            S.decode_cuda_extra(bad)
 
 
 def test_acquire_flags():

@@ -103,7 +103,7 @@ def test_wire_module_matches_the_vectors():
 # Every Go constant has its public Python name.
 
 # Where the public name is not the mechanical one (Go's acronym runs).
-_SCHEMA_RENAMED = {"RegionCUDAIPC": "REGION_CUDA_IPC", "CUDAIPCExtraSize": "CUDA_IPC_EXTRA_SIZE"}
+_SCHEMA_RENAMED = {"RegionCUDAIPC": "REGION_CUDA_IPC"}
 
 
 def public(pkg, c):
@@ -269,6 +269,14 @@ def _probe_segments(n):
     ]
 
 
+def _probe_allocations(n):
+    raw = struct.pack("<16sII64s", bytes(16), 0, n, bytes(64)) + struct.pack("<64sQQ", bytes(64), 1, 1) * n
+    return [
+        lambda: S.decode_cuda_extra(raw),
+        lambda: S.encode_cuda_extra(bytes(16), [(bytes(64), 1, 1)] * n),
+    ]
+
+
 def _probe_string(n):
     return [
         lambda f=f: S.validate_attach_request(_attach(**{f: "x" * n})) for f in ("instance", "model", "layout", "salt")
@@ -334,6 +342,7 @@ LIMIT_PROBES = {
     "MaxHashesPerRecord": _probe_hashes,
     "MaxPagesPerRecord": _probe_pages,
     "MaxSegments": _probe_segments,
+    "MaxAllocations": _probe_allocations,
     "MaxStringLen": _probe_string,
     "MaxChangesPerReply": _probe_changes,
     "MaxSnapshotPerReply": _probe_snapshot,
@@ -371,7 +380,11 @@ def test_schema_sizes_are_what_python_encodes():
     none = S.encode_register_region(1, S.REGION_HOST_PROCESS, 1, 1, 1, 1, 1)
     assert len(one) - len(none) == go("schema", "SegmentSize")
     assert len(S.encode_change(S.OP_STORED, bytes(16))) - 16 == go("schema", "ChangeHeaderSize")
-    assert len(S.encode_cuda_ipc_extra(bytes(64), bytes(16), 7)) == go("schema", "CUDAIPCExtraSize")
+    one = S.encode_cuda_extra(bytes(16), [(bytes(64), 1, 2)])
+    two = S.encode_cuda_extra(bytes(16), [(bytes(64), 1, 2)] * 2, event=bytes(64))
+    assert len(one) == go("schema", "CUDAExtraHeaderSize") + go("schema", "CUDAAllocationSize")
+    assert len(two) - len(one) == go("schema", "CUDAAllocationSize")
+    assert struct.unpack_from("<16xI", two)[0] == go("schema", "CUDAExtraFlagEvent")
     assert len(S.describe_run_header(1, 1, 0, False)) == go("schema", "DescribeRunHeaderSize")
     assert len(S.encode_event(S.EVENT_REMOVED, bytes(8))) - 8 == go("schema", "EventHeaderSize")
     assert len(S.encode_events_reply(0, False, False, 1, 2, 3, 8)) == go("schema", "EventsReplyHeaderSize")
@@ -380,7 +393,8 @@ def test_schema_sizes_are_what_python_encodes():
         "ViewSize",
         "SegmentSize",
         "ChangeHeaderSize",
-        "CUDAIPCExtraSize",
+        "CUDAExtraHeaderSize",
+        "CUDAAllocationSize",
         "DescribeRunHeaderSize",
         "EventHeaderSize",
         "EventsReplyHeaderSize",

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..schema import REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_ipc_extra
+from ..schema import REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
 
 # Most contiguous pieces a page may be made of (RegisterRegion's bound on
 # segments is larger; beyond this a layout is not worth registering).
@@ -208,7 +208,7 @@ def cuda_ipc_extra(tensors: Sequence[Any], base: int) -> bytes:
     raw = getattr(uuid, "bytes", None) or bytes(uuid)
     if len(raw) != 16:
         raise ValueError("GPU UUID of %d bytes, want 16" % len(raw))
-    return encode_cuda_ipc_extra(handle, raw, base - alloc_base)
+    return encode_cuda_extra(raw, [(handle, alloc_base, int(_size))])
 
 
 def from_page_views(v0: Any, v1: Any, vlast: Any, page_count: int) -> Region:
