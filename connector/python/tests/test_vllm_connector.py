@@ -387,12 +387,28 @@ def test_request_finished_while_load_in_flight(sc):
     eng.shutdown()
 
 
+def finished_answers(eng: H.Engine) -> dict:
+    """What the connector answers vLLM's request_finished (vLLM calls
+    request_finished_all_groups), by request id: True holds the blocks."""
+    got = {}
+    orig = eng.conn.request_finished_all_groups
+
+    def rec(request, block_ids):
+        out = orig(request, block_ids)
+        got[request.request_id] = out[0]
+        return out
+
+    eng.conn.request_finished_all_groups = rec
+    return got
+
+
 def test_request_finished_while_store_in_flight(sc):
-    """A request that finishes in the step that planned stores of its
-    blocks: the workers are told to wait for those stores before the next
-    forward pass (its blocks may be handed on), even with overlap_saves;
-    in other steps the stores run on through the forward pass."""
+    """Requests that finish in the step that planned stores of their blocks
+    are held (vLLM keeps their blocks) and released by the workers once
+    those stores are answered; the stores run on through the next forward
+    pass (overlap_saves), since no block they read can be handed on."""
     eng = H.Engine(sc.sock, extra={"overlap_saves": True})
+    held = finished_answers(eng)
     # 47 prompt tokens: blocks 0-1 fill in the prefill step, block 2 in the
     # first decode step, which is the short requests' last.
     short = [H.request("w%d" % i, H.prompt(50 + i, 47), max_tokens=2) for i in range(2)]
@@ -400,17 +416,151 @@ def test_request_finished_while_store_in_flight(sc):
     for r in short + [long]:
         eng.add(r)
     finished_at = {}
-    while len(eng.finished) < 3:
+    while len(eng.finished) < 3 or len(eng.sched.requests):
+        assert eng.steps < 100
         eng.step()
         for rid in eng.finished:
             finished_at.setdefault(rid, eng.steps - 1)
     eng.shutdown()
     k = finished_at["w0"]
-    assert finished_at["w1"] == k and eng.metas[k].store_block_ids, "the short requests' last step planned no store"
-    assert eng.metas[k + 1].wait_saves is True
+    assert finished_at["w1"] == k and set(eng.metas[k].store_req_ids) >= {"w0", "w1"}
+    assert held["w0"] is held["w1"] is True
+    assert set(eng.metas[k + 1].held_req_ids) == {"w0", "w1"}
     assert not all(m.wait_saves for m in eng.metas), "no step let the stores run on"
     assert eng.wstats["saves_unwaited"] > 0 and eng.wstats["store_errors"] == 0
     assert eng.wstats["stored_blocks"] == 3 * 2 + full_blocks(long.num_tokens)
+
+
+def test_request_without_store_in_flight_is_freed_at_once(sc):
+    """A request whose last store was planned steps before it finished:
+    nothing can still read its blocks, vLLM frees them at once."""
+    eng = H.Engine(sc.sock)
+    held = finished_answers(eng)
+    # 33 prompt tokens and 10 more: blocks 0-1 fill in the prefill step,
+    # decoding fills none.
+    r = H.request("n0", H.prompt(80, 33), max_tokens=10)
+    eng.run([r])
+    eng.shutdown()
+    assert held == {"n0": False}
+    assert "n0" not in eng.sched.requests and not any(m.held_req_ids for m in eng.metas)
+    assert eng.wstats["stored_blocks"] == 2
+
+
+@pytest.mark.parametrize("end", ["ok", "refused", "timeout"])
+def test_held_request_released_when_its_store_ends(sc, end):
+    """A request finished while its store is in flight (the sidecar stopped
+    before the store was sent): vLLM keeps its blocks while the store is
+    unanswered, and the workers release them once the store ended: answered
+    OK, refused (an error reply), or past save_timeout (the session is
+    dropped); the engine goes on serving."""
+    extra = {"overlap_saves": True, "save_timeout": 0.3 if end == "timeout" else 20}
+    eng = H.Engine(sc.sock, extra=dict(FROZEN, **extra))
+    held = finished_answers(eng)
+    pool = eng.sched.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+    r = H.request("h0", H.prompt(70, 47), max_tokens=2)
+    eng.add(r)
+
+    def freeze(so, meta):
+        assert set(meta.store_req_ids) == {"h0"}  # block 2 fills in its last step
+        if end == "refused":  # a page the region does not have: the sidecar refuses the store
+            meta.store_block_ids[-1] = 1 << 20
+        os.kill(sc.proc.pid, signal.SIGSTOP)
+        wait_stopped(sc.proc.pid)
+
+    stopped = True
+    try:
+        eng.step()
+        eng.step(freeze)
+        assert "h0" in eng.finished and held == {"h0": True}
+        t0 = time.monotonic()
+        for _ in range(3):  # the store is unanswered: the blocks stay
+            eng.step()
+            assert "h0" in eng.sched.requests and pool.get_num_free_blocks() < free0
+        assert end != "timeout" or time.monotonic() - t0 < 0.3, "the steps waited for the store"
+        answered = eng.wstats["stores"]
+        if end != "timeout":
+            os.kill(sc.proc.pid, signal.SIGCONT)
+            stopped = False
+        for _ in range(400):
+            eng.step()
+            if "h0" not in eng.sched.requests:
+                break
+            time.sleep(0.005)
+        assert "h0" not in eng.sched.requests, "the held request was never released"
+    finally:
+        if stopped:
+            os.kill(sc.proc.pid, signal.SIGCONT)
+    assert pool.get_num_free_blocks() == free0
+    ws = eng.wstats
+    if end == "ok":
+        assert ws["stores"] == answered + 1 and ws["store_errors"] == 0 and ws["stored_blocks"] == 3, ws
+    elif end == "refused":
+        assert ws["stores"] == answered + 1 and ws["store_errors"] == 1 and ws["sidecar_errors"] == 0, ws
+    else:
+        assert ws["stores"] == answered and ws["store_errors"] == 1 and ws["sidecar_errors"] >= 1, ws
+    # The engine goes on serving (a new session after a drop).
+    r2 = H.request("h1", H.prompt(71, 40), max_tokens=2)
+    eng.run([r2], max_steps=eng.steps + 400)
+    eng.shutdown()
+
+
+def fresh_blocks(eng: H.Engine, so) -> set:
+    """The blocks the step allocated to tokens not computed yet: blocks vLLM
+    may zero or copy into before the forward pass (not prefix-cache hits)."""
+    pool = eng.sched.kv_cache_manager.block_pool
+    ids = [b for nr in so.scheduled_new_reqs for b in nr.block_ids[0]]
+    for nb in so.scheduled_cached_reqs.new_block_ids:
+        if nb:
+            ids.extend(nb[0])
+    return {b for b in ids if pool.blocks[b].block_hash is None}
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_preempted_blocks_never_reused_under_a_store(sc, runner):
+    """Too few blocks: vLLM preempts requests whose blocks the last step's
+    stores read, and hands them to others in the same schedule. Model
+    Runner V2 zeroes and copies into a step's new blocks before
+    handle_preemptions, the V1 runner after it: at the first write of each
+    step, no store the workers have not seen end reads a new block."""
+    eng = H.Engine(sc.sock, num_blocks=14, max_num_batched_tokens=64, extra={"overlap_saves": True})
+    cw = eng.worker.connector_worker
+    cw.writes_first = runner == "v2"
+    reqs = [H.request("p%d" % i, H.prompt(10 + i, 40 + 3 * i), max_tokens=50) for i in range(4)]
+    seen = {"fresh": set(), "exposed": 0, "checked": 0}
+    last_stored: set = set()
+
+    def in_flight() -> set:
+        return {b for e in cw._saving for b in e[4]}
+
+    def check(fresh):
+        seen["checked"] += 1
+        bad = fresh & in_flight()
+        assert not bad, "blocks %s are reused while a store may read them" % sorted(bad)
+
+    def on_meta(so, meta):
+        fresh = fresh_blocks(eng, so)
+        seen["exposed"] += bool(fresh & last_stored)
+        last_stored.clear()
+        last_stored.update(meta.store_block_ids)
+        if cw.writes_first:
+            check(fresh)
+        seen["fresh"] = fresh
+
+    hp = cw.handle_preemptions
+
+    def handle_preemptions(meta):
+        hp(meta)
+        if not cw.writes_first:
+            check(seen["fresh"])
+
+    cw.handle_preemptions = handle_preemptions
+    eng.run(reqs, on_meta=on_meta)
+    eng.shutdown()
+    assert eng.stats["resumed"] > 0, eng.stats
+    assert seen["exposed"] > 0, "no step reused a block stored in the step before"
+    assert seen["checked"] == eng.steps
+    assert eng.wstats["store_errors"] == 0
 
 
 def test_no_sidecar_serves_without_cache():

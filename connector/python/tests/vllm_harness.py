@@ -290,6 +290,7 @@ class Engine:
             assert not t[:, self.null_id].any(), "the null block was written"
         rids = list(so.num_scheduled_tokens)
         kvo = KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
             finished_recving=res.finished_recving or None,
             failed_recving=res.failed_recving,
             invalid_block_ids=invalid,
