@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ringside-kv/ringside/gpu"
 )
 
 // Config configures a Machine. Zero fields take their defaults
@@ -27,6 +29,16 @@ type Config struct {
 	// chunks of this many bytes (at least one page each), which run,
 	// complete and can be cancelled on their own.
 	ChunkBytes uint64
+	// CUDAChunkBytes is ChunkBytes for the regions the CUDA backend
+	// serves (those RegionKind reports as gpu.CUDAIPC): its copies are
+	// asynchronous DMA, which costs no CPU while it runs and needs large
+	// pieces to fill the PCIe link (DefaultCUDAChunkBytes).
+	CUDAChunkBytes uint64
+	// RegionKind reports the kind of the region a registered handle names
+	// (the copy engine's handle, as RegisterDone received it); nil: every
+	// region is host memory. It is called under the caller's lock and must
+	// not call the Machine.
+	RegionKind func(gpu.Handle) gpu.Kind
 
 	// Per engine instance.
 	MaxBatches     int // hash batches
@@ -75,6 +87,7 @@ const (
 	DefaultMaxLeaseTTL    = 5 * time.Minute
 	DefaultSnapshotScan   = 1 << 14
 	DefaultChunkBytes     = 4 << 20
+	DefaultCUDAChunkBytes = 64 << 20
 	DefaultMaxBatches     = 1 << 16
 	DefaultMaxBatchHashes = 1 << 20
 	DefaultMaxHashBytes   = 256 << 20
@@ -118,6 +131,9 @@ func (c *Config) EnsureDefaults() {
 	set(&c.SnapshotScan, DefaultSnapshotScan)
 	if c.ChunkBytes == 0 {
 		c.ChunkBytes = DefaultChunkBytes
+	}
+	if c.CUDAChunkBytes == 0 {
+		c.CUDAChunkBytes = DefaultCUDAChunkBytes
 	}
 	set(&c.MaxBatches, DefaultMaxBatches)
 	set(&c.MaxBatchHashes, DefaultMaxBatchHashes)

@@ -8,12 +8,17 @@ import (
 	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
-// chunkPages is how many pages of pageBytes one chunk moves.
-func (m *Machine) chunkPages(pageBytes uint64) int {
-	if pageBytes == 0 || m.cfg.ChunkBytes <= pageBytes {
+// chunkPages is how many pages one chunk through r moves: ChunkBytes of
+// them, or CUDAChunkBytes for a region the CUDA backend serves.
+func (m *Machine) chunkPages(r *region) int {
+	limit := m.cfg.ChunkBytes
+	if m.cfg.RegionKind != nil && m.cfg.RegionKind(r.handle) == gpu.CUDAIPC {
+		limit = m.cfg.CUDAChunkBytes
+	}
+	if r.pageBytes == 0 || limit <= r.pageBytes {
 		return 1
 	}
-	return int(m.cfg.ChunkBytes / pageBytes)
+	return int(limit / r.pageBytes)
 }
 
 // chunkMeta is what the record of a chunk of n pages costs.
@@ -100,7 +105,7 @@ func (h *handler) load(p []byte) error {
 		h.ok(0)
 		return nil
 	}
-	per := m.chunkPages(rg.pageBytes)
+	per := m.chunkPages(rg)
 	nChunks := (len(r.Pages) + per - 1) / per
 	meta := int64(nChunks)*copyMeta + 12*int64(len(r.Pages))
 	if err := m.chargeMeta(s, s.uid, meta); err != nil {
@@ -153,7 +158,7 @@ func (h *handler) store(p []byte) error {
 		return err
 	}
 	w := in.width
-	per := m.chunkPages(rg.pageBytes)
+	per := m.chunkPages(rg)
 	// Charge the largest record the store can need before reserving
 	// anything; the excess goes back below.
 	maxMeta := int64((len(r.Pages)+per-1)/per)*copyMeta + 12*int64(len(r.Pages))
