@@ -8,18 +8,22 @@ strided tensors:
 
 - vLLM (:func:`from_block_tensors`): one tensor per layer whose first
   dimension (or second, after a K/V dimension of 2) is the block; page ``i``
-  is block ``i`` of every layer, K and V.
+  is block ``i`` of every layer, K and V: the layers in name order, each
+  layer's block as its contiguous pieces in address order (pieces that
+  touch joined), copied raw.
 - SGLang (:func:`from_page_views`): the host pool's view of page 0, 1 and the
   last; page ``p`` is the contiguous runs of the view of page ``p``.
 
 The tensors are duck-typed (``data_ptr``, ``shape``, ``stride``,
-``element_size``, ``device``): torch is only imported for CUDA memory.
+``element_size``, ``device``). GPU memory is exported with the CUDA driver
+(cudaipc.py), one IPC handle per device allocation the blocks lie in.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..schema import REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
@@ -36,7 +40,8 @@ class RegionError(ValueError):
 @dataclass(frozen=True)
 class Region:
     """One region: see the module doc. ``segments`` are (offset from base,
-    stride, length) in bytes."""
+    stride, length) in bytes. A CUDA region carries its store ``event``
+    (cudaipc.IpcEvent, whose handle is in ``extra``)."""
 
     base: int
     length: int
@@ -45,6 +50,7 @@ class Region:
     segments: tuple = ()
     kind: int = REGION_HOST_PROCESS
     extra: bytes = b""
+    event: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_segments(
@@ -63,7 +69,9 @@ class Region:
         """The same memory with no segment list when it is one run of pages
         laid end to end (what RegisterRegion means by no segments)."""
         if len(self.segments) == 1 and self.segments[0] == (0, self.page_size, self.page_size):
-            return Region(self.base, self.length, self.page_size, self.page_count, (), self.kind, self.extra)
+            return Region(
+                self.base, self.length, self.page_size, self.page_count, (), self.kind, self.extra, self.event
+            )
         return self
 
     def page_segments(self) -> tuple:
@@ -123,17 +131,87 @@ def runs(t: Any) -> Optional[list[tuple[int, int]]]:
     return out
 
 
-def from_block_tensors(kv_caches: Mapping[str, Any]) -> Region:
+def memory_runs(shape: Sequence[int], stride: Sequence[int], element_size: int) -> list[tuple[int, int]]:
+    """(byte offset, byte length) of the contiguous runs of the elements of
+    this shape and stride, in address order (dimensions sorted by stride, so
+    a permuted layout whose elements fill one range is one run). Raises
+    RegionError for elements that overlap, negative strides, or more than
+    MAX_RUNS runs."""
+    dims = sorted(((int(st), int(n)) for n, st in zip(shape, stride) if int(n) != 1), reverse=True)
+    if any(st <= 0 for st, _ in dims):
+        raise RegionError("a block with a zero or negative stride %s/%s" % (tuple(shape), tuple(stride)))
+    expect, j = 1, len(dims)
+    while j > 0 and dims[j - 1][0] == expect:
+        expect *= dims[j - 1][1]
+        j -= 1
+    span = expect  # elements spanned by the dimensions inside dims[i]
+    for st, n in reversed(dims[:j]):
+        if st < span:
+            raise RegionError("a block whose elements overlap %s/%s" % (tuple(shape), tuple(stride)))
+        span = (n - 1) * st + span
+    count = 1
+    for _, n in dims[:j]:
+        count *= n
+    if count > MAX_RUNS:
+        raise RegionError("a block has more than %d contiguous pieces: %s/%s" % (MAX_RUNS, tuple(shape), tuple(stride)))
+    offs = [0]
+    for st, n in dims[:j]:
+        offs = [o + i * st for o in offs for i in range(n)]
+    return [(o * element_size, expect * element_size) for o in sorted(offs)]
+
+
+def _block_pieces(t: Any, num_blocks: Optional[int], seen: Optional[int]) -> tuple[int, list[tuple[int, int, int]]]:
+    """(blocks, [(address, block stride, length)]) of one layer's tensor:
+    the contiguous pieces of its block 0 and the stride from each block to
+    the next. The block is the first dimension, or the second after a K/V
+    dimension of 2 (FlashAttention's [2, blocks, ...]: seen is the block
+    count of the layers before, num_blocks the engine's); a block dimension
+    of num_blocks * k (kernel blocks of num_blocks manager blocks) is taken
+    k at a time."""
+    es = int(t.element_size())
+    shape, stride = [int(n) for n in t.shape], [int(s) for s in t.stride()]
+    if not shape:
+        raise RegionError("a KV cache tensor without dimensions")
+    ptr = int(t.data_ptr())
+    outer = [(0, shape, stride)]
+    want = num_blocks if num_blocks is not None else seen
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] != 2 and (want is None or shape[1] % want == 0):
+        outer = [(kv * stride[0] * es, shape[1:], stride[1:]) for kv in range(2)]
+    pieces = []
+    nb = outer[0][1][0]
+    for off, sh, st in outer:
+        nb, bstride, inner_shape, inner_stride = sh[0], st[0], list(sh[1:]), list(st[1:])
+        if num_blocks is not None and nb != num_blocks and nb % num_blocks == 0:
+            k = nb // num_blocks
+            inner_shape, inner_stride = [k] + inner_shape, [bstride] + inner_stride
+            nb, bstride = num_blocks, bstride * k
+        for o, n in memory_runs(inner_shape, inner_stride, es):
+            pieces.append((ptr + off + o, bstride * es, n))
+    return nb, pieces
+
+
+def from_block_tensors(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None, drv: Any = None) -> Region:
     """vLLM's KV cache (layer name -> tensor, or a list/tuple whose first
-    element is the tensor) as one region: page i is block i of every layer.
-    Layers sharing one tensor are stored once. Raises RegionError."""
+    element is the tensor) as one region: page i is block i of every layer
+    (num_blocks: the engine's, when a tensor counts kernel blocks). Layers
+    sharing one tensor are stored once.
+
+    The page is the layers in sorted name order, each layer's block as its
+    contiguous pieces in address order; a piece that begins where the one
+    before it ends, in the same device allocation, joins it (a
+    block-outermost layout's layers in a row are one segment, a
+    cross-layer tensor is one). Not address order across layers: engines
+    that share blocks must lay out a page alike, and where the allocator
+    put each layer differs between processes (sorted names is also the
+    order the plugin always used). GPU memory is exported with drv
+    (cudaipc.Driver; default: the process's). Raises RegionError."""
     tensors = []
     seen = set()
     for name in sorted(kv_caches):
         t = kv_caches[name]
         if isinstance(t, (list, tuple)):
             t = t[0]
-        key = (t.data_ptr(), tuple(t.shape))
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
         if key in seen:
             continue
         seen.add(key)
@@ -143,72 +221,128 @@ def from_block_tensors(kv_caches: Mapping[str, Any]) -> Region:
     devices = {t.device.type for _, t in tensors}
     if len(devices) != 1 or devices - {"cpu", "cuda"}:
         raise RegionError("KV caches on %s are not supported" % sorted(devices))
-    starts = []
-    num_blocks = None
+    starts: list[tuple[int, int, int]] = []
+    nb = None
     for name, t in tensors:
-        es = t.element_size()
-        shape, stride = tuple(t.shape), tuple(t.stride())
-        # The block dimension: CPU layouts put it first; some put K/V first.
-        if len(shape) >= 2 and shape[0] == 2 and (num_blocks is None or shape[1] == num_blocks) and shape[1] != 2:
-            nb = shape[1]
-            per = contiguous_bytes(shape[2:], stride[2:], es)
-            if per is not None:
-                for kv in range(2):
-                    starts.append((t.data_ptr() + kv * stride[0] * es, stride[1] * es, per))
-        else:
-            nb = shape[0]
-            per = contiguous_bytes(shape[1:], stride[1:], es)
-            if per is not None:
-                starts.append((t.data_ptr(), stride[0] * es, per))
-        if per is None:
-            raise RegionError("layer %s has a non-contiguous block layout %s/%s" % (name, shape, stride))
-        if num_blocks is not None and nb != num_blocks:
-            raise RegionError("layers disagree on the number of blocks")
-        num_blocks = nb
-    region = Region.from_segments(starts, num_blocks)
-    if "cuda" in devices:
         try:
-            extra = cuda_ipc_extra([t for _, t in tensors], region.base)
-        except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
-            raise RegionError("cannot share the GPU KV cache with the sidecar (%s)" % e) from e
-        region = Region(
-            region.base, region.length, region.page_size, region.page_count, region.segments, REGION_CUDA_IPC, extra
+            n, pieces = _block_pieces(t, num_blocks, nb)
+        except RegionError as e:
+            raise RegionError("layer %s: %s" % (name, e))
+        if nb is not None and n != nb:
+            raise RegionError("layers disagree on the number of blocks (%s has %d, want %d)" % (name, n, nb))
+        nb = n
+        starts.extend(sorted(pieces))
+    assert nb is not None
+    if nb < 1:
+        raise RegionError("no blocks")
+    if "cuda" not in devices:
+        return Region.from_segments(_joined(starts, nb), nb)
+    return _cuda_region(tensors, starts, nb, drv)
+
+
+def _joined(starts: Sequence[tuple[int, int, int]], pages: int, alloc_of: Any = None) -> list[tuple[int, int, int]]:
+    """starts in their order, each joined to the one before when it begins
+    where that ends with the same stride (and, with alloc_of, lies in the
+    same allocation). Raises RegionError for pieces that overlap."""
+    by_addr = sorted(starts)
+    for (a, _, n), (b, _, _) in zip(by_addr, by_addr[1:]):
+        if b < a + n:
+            raise RegionError("two KV cache pieces overlap at %#x" % b)
+    out: list[tuple[int, int, int]] = []
+    for a, st, n in starts:
+        if out:
+            pa, pst, pn = out[-1]
+            joins = pages == 1 or (st == pst and pn + n <= st)
+            if a == pa + pn and joins and (alloc_of is None or alloc_of(a) == alloc_of(pa)):
+                out[-1] = (pa, pst, pn + n)
+                continue
+        if pages > 1 and st < n:
+            raise RegionError("blocks overlap: a stride of %d bytes for %d-byte pieces" % (st, n))
+        out.append((a, st, n))
+    return out
+
+
+def _cuda_region(tensors: Sequence[tuple[str, Any]], starts: list, nb: int, drv: Any) -> Region:
+    """The CUDA IPC region of GPU tensors (see from_block_tensors)."""
+    ev = None
+    try:
+        with _engine_device([t for _, t in tensors]):
+            if drv is None:
+                from . import cudaipc
+
+                drv = cudaipc.driver()
+            ordinal = getattr(tensors[0][1].device, "index", None)
+            dev = drv.current_device() if ordinal is None else drv.device(ordinal)
+            mode = drv.compute_mode(dev)
+            if mode == 3:  # CU_COMPUTEMODE_EXCLUSIVE_PROCESS
+                raise RegionError(
+                    "the GPU is in exclusive-process compute mode: the sidecar cannot open its memory "
+                    "(nvidia-smi -c DEFAULT allows it)"
+                )
+            uuid = drv.device_uuid(dev)
+            # The allocation of every piece: its first page's start, and its
+            # last page's end in the same allocation.
+            ranges: dict[int, tuple[int, int]] = {}
+            alloc: dict[int, int] = {}
+            for a, st, n in starts:
+                base, size = drv.address_range(a)
+                end = a + st * (nb - 1) + n
+                if end > base + size:
+                    raise RegionError(
+                        "a layer's blocks at %#x..%#x run past the end of their allocation (%#x, %d bytes)"
+                        % (a, end, base, size)
+                    )
+                ranges[base] = (base, size)
+                alloc[a] = base
+            segs = _joined(starts, nb, alloc.get)
+            handles = [(drv.ipc_mem_handle(b), b, s) for b, s in sorted(ranges.values())]
+            ev = drv.ipc_event()
+            extra = encode_cuda_extra(uuid, handles, event=ev.handle)
+    except RegionError:
+        _close(ev)
+        raise
+    except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
+        _close(ev)
+        raise RegionError("cannot share the GPU KV cache with the sidecar: %s" % e) from e
+    r = Region.from_segments(segs, nb, REGION_CUDA_IPC, extra)
+    return Region(r.base, r.length, r.page_size, r.page_count, r.segments, r.kind, r.extra, ev)
+
+
+def _close(ev: Any) -> None:
+    if ev is not None:
+        try:
+            ev.close()
+        except Exception:  # noqa: BLE001 - the refusal's own cause is the one to report
+            pass
+
+
+@contextlib.contextmanager
+def _engine_device(tensors: Sequence[Any]):
+    """For torch tensors: refuse an allocator CUDA IPC cannot export from,
+    and make the tensors' device (the engine's context) current while the
+    driver is called. Other (duck-typed) tensors: nothing."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not ts:
+        yield
+        return
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        raise RegionError(
+            "PyTorch's CUDA allocator is %r: its memory cannot be exported with CUDA IPC "
+            "(the native allocator, PYTORCH_CUDA_ALLOC_CONF without backend:cudaMallocAsync, can)" % backend
         )
-    return region
-
-
-def cuda_ipc_extra(tensors: Sequence[Any], base: int) -> bytes:
-    """The RegisterRegion extra bytes of a GPU KV cache: the CUDA IPC handle
-    of the one allocation holding every layer (deduplicated by allocation),
-    the GPU's UUID and the offset of ``base`` in that allocation.
-
-    Not verified on a GPU yet (none was available to the project so far).
-    Memory that CUDA IPC cannot share (PyTorch expandable segments, vLLM's
-    sleep-mode allocator) makes _share_cuda_ fail, and the engine then runs
-    without the cache."""
-    import torch
-
-    allocs = {}
-    device = None
-    for t in tensors:
-        st = t.untyped_storage()
-        dev, handle, _size, offset = st._share_cuda_()[:4]
-        alloc_base = st.data_ptr() - int(offset)
-        allocs.setdefault(alloc_base, bytes(handle))
-        device = dev
-    if len(allocs) != 1:
-        raise ValueError(
-            "the KV cache spans %d allocations; ringside needs all layers of a rank in one "
-            "allocation (vLLM's default single KV buffer)" % len(allocs)
-        )
-    ((alloc_base, handle),) = allocs.items()
-    if len(handle) != 64:
-        raise ValueError("CUDA IPC handle of %d bytes, want 64" % len(handle))
-    uuid = torch.cuda.get_device_properties(device).uuid
-    raw = getattr(uuid, "bytes", None) or bytes(uuid)
-    if len(raw) != 16:
-        raise ValueError("GPU UUID of %d bytes, want 16" % len(raw))
-    return encode_cuda_extra(raw, [(handle, alloc_base, int(_size))])
+    idx = {t.device.index for t in ts}
+    if len(idx) != 1:
+        raise RegionError("KV caches on several GPUs %s" % sorted(idx, key=str))
+    torch.cuda.init()
+    with torch.cuda.device(ts[0].device):
+        torch.cuda.current_device()
+        yield
 
 
 def from_page_views(v0: Any, v1: Any, vlast: Any, page_count: int) -> Region:
