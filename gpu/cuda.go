@@ -89,9 +89,15 @@ func (p PinInfo) MemlockBelowPool() bool {
 // one cuMemcpyBatchAsync (or one async copy per range) on the direction's
 // stream, then an event; completion is found by polling that event from
 // the device's goroutine, which is locked to its OS thread and holds the
-// device's primary context. Loads (pool to engine) use a high-priority
-// stream, stores a low-priority one. Other region kinds are rejected with
-// ErrUnsupported; use a Router to combine it with Host.
+// device's primary context. Loads (pool to engine) and stores have a stream
+// each, so that a load never queues behind stores issued before it on one
+// stream. (The streams are created with priorities, loads highest, but
+// CUDA documents that stream priorities have no effect on host-to-device
+// and device-to-host memory operations, cuStreamCreateWithPriority: they
+// order nothing here.) A region may carry an interprocess event: every
+// store on it first makes the store stream wait for the event's latest
+// record. Other region kinds are rejected with ErrUnsupported; use a
+// Router to combine it with Host.
 type CUDA struct {
 	pool     []byte
 	poolAddr uint64
@@ -129,16 +135,36 @@ type cudaDevInfo struct {
 }
 
 type cudaRegion struct {
-	r        Region
-	dev      *cudaDevice
-	key      ipcKey
-	local    uint64 // this process's device address of r.Base
+	r    Region
+	dev  *cudaDevice
+	keys []ipcKey // one per allocation, each opened once by Register
+	// segs translates each segment (the one span of a flat region) from
+	// the exporter's addresses to this process's: local = engine + delta
+	// (mod 2^64), inside the mapping of allocation alloc.
+	segs     []cudaSeg
+	event    cuda.Event // opened store event, 0 without one
+	eventKey ipcEventKey
 	inflight sync.WaitGroup
+}
+
+type cudaSeg struct {
+	alloc int
+	delta uint64
 }
 
 type ipcKey struct {
 	pid    int
 	handle cuda.IPCHandle
+}
+
+type ipcEventKey struct {
+	pid    int
+	handle cuda.IPCEventHandle
+}
+
+type ipcEvent struct {
+	ev   cuda.Event
+	refs int
 }
 
 type ipcMapping struct {
@@ -305,18 +331,22 @@ func (e *CUDA) Name() string { return "cuda" }
 // Supports reports true for CUDAIPC only.
 func (e *CUDA) Supports(k Kind) bool { return k == CUDAIPC }
 
-// Register opens the region's IPC handle in the context of the GPU named
-// by r.IPC.GPU (once per allocation: regions of one allocation share the
-// mapping) and checks that the region lies inside the allocation.
+// Register opens the handle of each of the region's allocations in the
+// context of the GPU named by r.IPC.GPU (once per allocation and device:
+// regions of one allocation share the mapping), bounds each allocation by
+// the smaller of its declared size and the size of the mapping, checks
+// that every segment lies inside its allocation's bound, and opens the
+// store event if there is one. Nothing stays open when it fails.
 func (e *CUDA) Register(r Region) (Handle, error) {
-	if err := r.Validate(); err != nil {
-		return 0, err
-	}
 	if r.Kind != CUDAIPC {
 		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", ErrUnsupported, CUDAIPC, r.Kind)
 	}
-	if r.IPC.Handle == ([64]byte{}) {
-		return 0, fmt.Errorf("%w: cuda-ipc region without an IPC handle", ErrInvalidRegion)
+	if err := r.Validate(); err != nil {
+		return 0, err
+	}
+	segAlloc, err := r.segmentAllocations()
+	if err != nil {
+		return 0, err
 	}
 	var di *cudaDevInfo
 	var visible []string
@@ -340,29 +370,16 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	if err != nil {
 		return 0, err
 	}
-	key := ipcKey{pid: r.PID, handle: r.IPC.Handle}
-	var base cuda.DevicePtr
-	err = d.call(func() error {
-		m, err := d.ipcOpen(key)
-		if err != nil {
-			return err
-		}
-		if end := r.IPC.Offset + r.Length; end < r.IPC.Offset || end > m.size {
-			d.ipcRelease(key)
-			return fmt.Errorf("%w: offset %d + length %d runs past the exported allocation of %d bytes", ErrInvalidRegion, r.IPC.Offset, r.Length, m.size)
-		}
-		base = m.ptr
-		return nil
-	})
-	if err != nil {
+	r.Segments = append([]Segment(nil), r.Segments...)
+	r.IPC.Allocations = append([]IPCAllocation(nil), r.IPC.Allocations...)
+	reg := &cudaRegion{r: r, dev: d}
+	if err := d.call(func() error { return d.open(reg, segAlloc) }); err != nil {
 		return 0, err
 	}
-	r.Segments = append([]Segment(nil), r.Segments...)
-	reg := &cudaRegion{r: r, dev: d, key: key, local: uint64(base) + r.IPC.Offset}
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
-		d.call(func() error { d.ipcRelease(key); return nil })
+		d.call(func() error { d.release(reg); return nil })
 		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
 	}
 	for {
@@ -377,8 +394,64 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	return h, nil
 }
 
-// Unregister waits for the region's ops and closes its IPC mapping when no
-// other region of the same allocation uses it.
+// open runs on the device goroutine: it opens reg's allocations and event
+// and fills in reg.keys, reg.segs and reg.event, or releases everything
+// it opened and returns why.
+func (d *cudaDevice) open(reg *cudaRegion, segAlloc []int) error {
+	r := &reg.r
+	local := make([]uint64, len(r.IPC.Allocations))
+	mapped := make([]uint64, len(r.IPC.Allocations))
+	for i, a := range r.IPC.Allocations {
+		key := ipcKey{pid: r.PID, handle: a.Handle}
+		m, err := d.ipcOpen(key)
+		if err != nil {
+			d.release(reg)
+			return fmt.Errorf("allocation %d: %w", i, err)
+		}
+		reg.keys = append(reg.keys, key)
+		local[i], mapped[i] = uint64(m.ptr), m.size
+	}
+	spans := r.segmentSpans()
+	reg.segs = make([]cudaSeg, len(spans))
+	for i, sp := range spans {
+		k := segAlloc[i]
+		a := r.IPC.Allocations[k]
+		// Validate kept the span inside the declared size; the mapping
+		// bounds it too: the allocation is the smaller of the two.
+		if sp[1]-a.Base > mapped[k] {
+			d.release(reg)
+			return fmt.Errorf("%w: segment %d [%#x,%#x) runs past allocation %d: it is declared as %d bytes at %#x, but the sidecar's "+
+				"mapping of its handle holds %d (cuMemGetAddressRange of the opened pointer)",
+				ErrInvalidRegion, i, sp[0], sp[1], k, a.Size, a.Base, mapped[k])
+		}
+		reg.segs[i] = cudaSeg{alloc: k, delta: local[k] - a.Base}
+	}
+	if r.IPC.HasEvent {
+		key := ipcEventKey{pid: r.PID, handle: r.IPC.Event}
+		ev, err := d.ipcEventOpen(key)
+		if err != nil {
+			d.release(reg)
+			return err
+		}
+		reg.event, reg.eventKey = ev, key
+	}
+	return nil
+}
+
+// release closes what open opened for reg (on the device goroutine).
+func (d *cudaDevice) release(reg *cudaRegion) {
+	for _, k := range reg.keys {
+		d.ipcRelease(k)
+	}
+	reg.keys = nil
+	if reg.event != 0 {
+		d.ipcEventRelease(reg.eventKey)
+		reg.event = 0
+	}
+}
+
+// Unregister waits for the region's ops and releases its allocations'
+// mappings (each closed when no other region uses it) and its event.
 func (e *CUDA) Unregister(h Handle) error {
 	e.mu.Lock()
 	reg, ok := e.regions[h]
@@ -389,12 +462,14 @@ func (e *CUDA) Unregister(h Handle) error {
 	}
 	reg.inflight.Wait()
 	// A device already stopped by Close closed its mappings itself.
-	reg.dev.call(func() error { reg.dev.ipcRelease(reg.key); return nil })
+	reg.dev.call(func() error { reg.dev.release(reg); return nil })
 	return nil
 }
 
-// Submit bounds-checks and plans op (PlanRanges, MergeRanges, split at pin
-// chunk boundaries), then queues it to the region's device.
+// Submit bounds-checks and plans op (PlanRanges), translates every range
+// to this process's device addresses, merges what is contiguous there on
+// both sides and within one allocation (localRanges), splits at pin chunk
+// boundaries, then queues it to the region's device.
 func (e *CUDA) Submit(op Op, done func(Result)) error {
 	fail := func(err error) error {
 		if ce, ok := err.(*CopyError); ok {
@@ -423,16 +498,15 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 	if err != nil {
 		return fail(err)
 	}
-	ranges = splitRanges(MergeRanges(ranges), e.chunk, uint64(len(e.pool)))
+	ranges = splitRanges(localRanges(ranges, reg.segs), e.chunk, uint64(len(e.pool)))
 	j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, submitted: now, done: done,
 		dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
 	for i, rg := range ranges {
-		dev := reg.local + (rg.Engine - reg.r.Base)
 		host := e.poolAddr + rg.Pool
 		if op.Dir == PoolToEngine {
-			j.dst[i], j.src[i] = dev, host
+			j.dst[i], j.src[i] = rg.Engine, host
 		} else {
-			j.dst[i], j.src[i] = host, dev
+			j.dst[i], j.src[i] = host, rg.Engine
 		}
 		j.lens[i] = rg.Len
 		j.bytes += int64(rg.Len)
@@ -442,6 +516,33 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 	// is running while we hold the read lock; its loop never takes e.mu.
 	reg.dev.jobs <- j
 	return nil
+}
+
+// localRanges translates planned ranges (PlanRanges' order: page-major,
+// one range per segment, or one per page of a flat region) to this
+// process's device addresses, in place: Engine becomes the local address.
+// It merges a range into the previous one only where both are contiguous
+// in the pool and in the sidecar's mapping and lie in one allocation: two
+// allocations adjacent in the engine's address space are mapped wherever
+// cuIpcOpenMemHandle put them, and one copy never spans two mappings even
+// when they happen to be adjacent.
+func localRanges(rs []Range, segs []cudaSeg) []Range {
+	out := rs[:0]
+	lastAlloc := -1
+	for i, r := range rs {
+		s := segs[i%len(segs)]
+		r.Engine += s.delta
+		if k := len(out) - 1; k >= 0 && lastAlloc == s.alloc {
+			last := &out[k]
+			if last.Pool+last.Len == r.Pool && last.Engine+last.Len == r.Engine {
+				last.Len += r.Len
+				continue
+			}
+		}
+		out = append(out, r)
+		lastAlloc = s.alloc
+	}
+	return out
 }
 
 // splitRanges cuts ranges at multiples of chunk in the pool, where one
@@ -526,7 +627,7 @@ func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 		return nil, fmt.Errorf("gpu: CUDA backend: %w", os.ErrClosed)
 	}
 	d := &cudaDevice{e: e, info: di, jobs: make(chan *cudaJob, e.queue), calls: make(chan func()),
-		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}}
+		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}, ipcEvent: map[ipcEventKey]*ipcEvent{}}
 	ready := make(chan error, 1)
 	go d.run(ready)
 	if err := <-ready; err != nil {
@@ -552,8 +653,9 @@ type cudaDevice struct {
 	stopOnce    sync.Once
 
 	// Owned by the device goroutine.
-	ipc    map[ipcKey]*ipcMapping
-	pinned [][]byte
+	ipc      map[ipcKey]*ipcMapping
+	ipcEvent map[ipcEventKey]*ipcEvent
+	pinned   [][]byte
 }
 
 var errDeviceStopped = errors.New("gpu: CUDA device stopped")
@@ -574,11 +676,19 @@ func (d *cudaDevice) stop() {
 	<-d.exited
 }
 
+// Polling while ops are in flight: spin for pollSpin after progress, then
+// sleep between polls, pollMin doubling up to pollMax. pollMax bounds how
+// late a completed copy is noticed (plus the sleep's own overshoot): a
+// load's reply, and so the engine's next step, waits for it. With nothing
+// in flight the goroutine blocks on its channels instead.
 const (
 	pollSpin = 50 * time.Microsecond // poll without sleeping this long after progress
 	pollMin  = 20 * time.Microsecond
-	pollMax  = 500 * time.Microsecond
+	pollMax  = 50 * time.Microsecond
 )
+
+// nextPollSleep is the sleep after one of d, while ops are in flight.
+func nextPollSleep(d time.Duration) time.Duration { return min(2*d, pollMax) }
 
 func (d *cudaDevice) run(ready chan<- error) {
 	// The goroutine stays locked until it exits, and the thread exits
@@ -636,7 +746,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 			continue
 		}
 		time.Sleep(sleep)
-		sleep = min(2*sleep, pollMax)
+		sleep = nextPollSleep(sleep)
 	}
 }
 
@@ -652,8 +762,11 @@ func (d *cudaDevice) setup() error {
 	if err != nil {
 		return fmt.Errorf("stream priorities: %w", err)
 	}
-	// Loads gate time to first token: the highest priority. Stores run
-	// in the background at the lowest.
+	// One stream per direction, so that a load never waits behind the
+	// stores queued before it (loads gate time to first token). The
+	// priorities (loads highest) are kept for kernels a later version
+	// might launch; for copies CUDA documents they have no effect
+	// (cuStreamCreateWithPriority).
 	if d.load, err = cuda.NewStream(greatest); err != nil {
 		return fmt.Errorf("load stream: %w", err)
 	}
@@ -671,6 +784,10 @@ func (d *cudaDevice) teardown() {
 	for k, m := range d.ipc {
 		cuda.IPCClose(m.ptr)
 		delete(d.ipc, k)
+	}
+	for k, ev := range d.ipcEvent {
+		ev.ev.Destroy()
+		delete(d.ipcEvent, k)
 	}
 	for _, b := range d.pinned {
 		cuda.HostUnregister(b)
@@ -720,14 +837,41 @@ func (d *cudaDevice) ipcRelease(key ipcKey) {
 	}
 }
 
+// ipcEventOpen opens key's event once per context and counts its users.
+func (d *cudaDevice) ipcEventOpen(key ipcEventKey) (cuda.Event, error) {
+	if ev := d.ipcEvent[key]; ev != nil {
+		ev.refs++
+		return ev.ev, nil
+	}
+	ev, err := cuda.IPCOpenEvent(key.handle)
+	if err != nil {
+		return 0, fmt.Errorf("%w: cuIpcOpenEventHandle of pid %d's store event failed: %v (the handle must come from "+
+			"cuIpcGetEventHandle of an event created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, and the event must still exist)",
+			ErrUnsupported, key.pid, err)
+	}
+	d.ipcEvent[key] = &ipcEvent{ev: ev, refs: 1}
+	return ev, nil
+}
+
+func (d *cudaDevice) ipcEventRelease(key ipcEventKey) {
+	ev := d.ipcEvent[key]
+	if ev == nil {
+		return
+	}
+	if ev.refs--; ev.refs == 0 {
+		ev.ev.Destroy()
+		delete(d.ipcEvent, key)
+	}
+}
+
 // ipcOpenError explains the usual reasons a handle cannot be opened.
 func ipcOpenError(pid int, err error) error {
 	var why string
 	switch {
 	case errors.Is(err, cuda.ErrorInvalidValue):
-		why = "the memory cannot be shared with legacy CUDA IPC: it is not a cudaMalloc allocation " +
-			"(virtual-memory-management memory from cuMemCreate, PyTorch's expandable_segments:True " +
-			"or vLLM's sleep-mode allocator), or the handle is stale (the exporter freed the allocation)"
+		why = "the handle is not a valid cudaIpcMemHandle_t: corrupted, or stale (the exporter freed the allocation). " +
+			"Memory that legacy CUDA IPC cannot share (virtual-memory-management memory from cuMemCreate, PyTorch's " +
+			"expandable_segments:True or vLLM's sleep-mode allocator) fails earlier, in the engine's cuIpcGetMemHandle"
 	case errors.Is(err, cuda.ErrorInvalidContext):
 		why = "the exporter and the sidecar share a pid value in different PID namespaces, or the handle " +
 			"comes from this process (share the pod's PID namespace: shareProcessNamespace: true)"
@@ -757,6 +901,19 @@ func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
 	if j.dir == PoolToEngine {
 		stream, dir, q = d.load, cuda.HtoD, loads
 	}
+	if j.dir == EngineToPool && j.reg.event != 0 {
+		// The engine recorded the event after writing the pages: the copies
+		// below read them only once that work is done. The wait is on the
+		// GPU; this thread does not block. Device-to-host copies read their
+		// source in stream order (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM), so
+		// the wait covers them.
+		if err := stream.WaitEvent(j.reg.event); err != nil {
+			j.err = fmt.Errorf("cuStreamWaitEvent on the engine's store event: %w", err)
+			d.finish(j)
+			return
+		}
+		j.calls++
+	}
 	batch := d.e.batch.Load()
 	calls, failed, err := cuda.CopyAsync(dir, batch, j.dst, j.src, j.lens, stream)
 	if err != nil && batch && batchRejected(err) {
@@ -769,7 +926,7 @@ func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
 		c, f, err2 := cuda.CopyAsync(dir, false, j.dst[failed:], j.src[failed:], j.lens[failed:], stream)
 		calls, failed, err = calls+c, failed+f, err2
 	}
-	j.calls = calls
+	j.calls += calls
 	if err != nil {
 		j.err = fmt.Errorf("enqueueing range %d of %d: %w", failed, len(j.lens), err)
 	}

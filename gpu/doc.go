@@ -17,9 +17,15 @@
 //     overflow rejects the Op with a *CopyError wrapping ErrOutOfBounds,
 //     ErrUnknownRegion, ErrInvalidOp or ErrUnsupported, and nothing moves.
 //     There is no partial unchecked copy. PlanRanges is the shared checker.
-//   - Ranges that are contiguous on both sides are merged (MergeRanges)
-//     before any backend call, and one Op is issued with as few calls as the
-//     backend allows (Result.Ranges, Result.Calls report it).
+//   - Ranges that are contiguous on both sides are merged (MergeRanges;
+//     the CUDA backend merges after translating to its own mappings and
+//     never across two allocations) before any backend call, and one Op is
+//     issued with as few calls as the backend allows (Result.Ranges,
+//     Result.Calls report it).
+//   - A CUDAIPC region names every device allocation its segments lie in
+//     (IPCMem): each segment inside one allocation, no allocation without
+//     a segment, none overlapping (Validate); the CUDA backend also bounds
+//     each allocation by its own mapping of the handle.
 //   - Completion: an accepted Op's done callback runs exactly once, on a
 //     backend goroutine, with bytes copied, queueing and copy time, and the
 //     error. A failed copy (fault, dead process) is an error wrapping

@@ -1,11 +1,13 @@
 package gpu
 
 import (
-	"encoding/binary"
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
 	"math/bits"
+	"slices"
+	"sort"
 	"time"
 )
 
@@ -107,40 +109,33 @@ type Region struct {
 	IPC       IPCMem // CUDAIPC only: how to open the exporter's allocation
 }
 
-// IPCMem names device memory of another process for a CUDAIPC region:
-// Handle is the exporter's cudaIpcMemHandle_t of the allocation's base
-// (cudaIpcGetMemHandle of any pointer into an allocation exports the whole
-// allocation), GPU the UUID of the device holding it, and Offset the bytes
-// from the allocation's base to Region.Base. Region.Base itself is the
-// exporter's device address; the CUDA backend translates it.
+// IPCMem names device memory of another process for a CUDAIPC region: the
+// GPU holding it (its UUID), every device allocation the region's segments
+// lie in, and optionally an interprocess event that stores wait for.
+// Region.Base and the segments are addresses in the exporter's address
+// space; the CUDA backend translates them through the allocations. vLLM
+// allocates the KV cache one tensor (one cudaMalloc) per layer, so a region
+// usually spans many allocations.
 type IPCMem struct {
+	GPU [16]byte
+	// Event is the cudaIpcEventHandle_t of an interprocess event the engine
+	// records after writing the pages it then stores; when HasEvent is set,
+	// every store's copies wait on the GPU for its latest record.
+	Event    [64]byte
+	HasEvent bool
+	// Allocations are disjoint; each holds at least one segment, and every
+	// segment lies inside one of them.
+	Allocations []IPCAllocation
+}
+
+// IPCAllocation is one device allocation of the exporter: the
+// cudaIpcMemHandle_t of its base, and its base address and size in the
+// exporter's address space. The CUDA backend bounds it by the smaller of
+// Size and the size of its own mapping of the handle.
+type IPCAllocation struct {
 	Handle [64]byte
-	GPU    [16]byte
-	Offset uint64
-}
-
-// IPCExtraSize is the size of the RegisterRegion extra bytes of a CUDA IPC
-// region: 64-byte handle, 16-byte GPU UUID, u64 offset (little-endian).
-const IPCExtraSize = 88
-
-// ParseIPCExtra decodes the RegisterRegion extra bytes of a CUDA IPC
-// region; errors wrap ErrInvalidRegion.
-func ParseIPCExtra(b []byte) (IPCMem, error) {
-	var m IPCMem
-	if len(b) != IPCExtraSize {
-		return m, fmt.Errorf("%w: CUDA IPC extra is %d bytes, want %d (64-byte handle, 16-byte GPU UUID, u64 offset)", ErrInvalidRegion, len(b), IPCExtraSize)
-	}
-	copy(m.Handle[:], b[:64])
-	copy(m.GPU[:], b[64:80])
-	m.Offset = binary.LittleEndian.Uint64(b[80:])
-	return m, nil
-}
-
-// AppendIPCExtra encodes m as RegisterRegion extra bytes.
-func AppendIPCExtra(dst []byte, m IPCMem) []byte {
-	dst = append(dst, m.Handle[:]...)
-	dst = append(dst, m.GPU[:]...)
-	return binary.LittleEndian.AppendUint64(dst, m.Offset)
+	Base   uint64
+	Size   uint64
 }
 
 // Validate checks the region's geometry: non-zero sizes, every page and
@@ -171,6 +166,9 @@ func (r *Region) Validate() error {
 		}
 	default:
 		bad("unknown kind %d", uint8(r.Kind))
+	}
+	if r.Kind != CUDAIPC && (len(r.IPC.Allocations) > 0 || r.IPC.HasEvent) {
+		bad("%v region must not name CUDA allocations or an event", r.Kind)
 	}
 	if r.Length == 0 {
 		bad("zero length")
@@ -215,7 +213,111 @@ func (r *Region) Validate() error {
 			bad("segment lengths sum to %d, page size is %d", sum, r.PageSize)
 		}
 	}
+	if r.Kind == CUDAIPC && len(errs) == 0 {
+		// The allocation checks need sound geometry: segment spans that
+		// do not overflow.
+		_, err := r.segmentAllocations()
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// segmentSpans returns, per segment (one for a flat region), the bytes
+// every page of it touches in the exporter's address space:
+// [Base+Offset, Base+Offset+(PageCount-1)*Stride+Length). r must have
+// passed the geometry checks of Validate.
+func (r *Region) segmentSpans() [][2]uint64 {
+	last := uint64(r.PageCount - 1)
+	if len(r.Segments) == 0 {
+		return [][2]uint64{{r.Base, r.Base + uint64(r.PageCount)*r.PageSize}}
+	}
+	out := make([][2]uint64, len(r.Segments))
+	for i, s := range r.Segments {
+		start := r.Base + s.Offset
+		out[i] = [2]uint64{start, start + last*s.Stride + s.Length}
+	}
+	return out
+}
+
+// segmentAllocations checks a CUDAIPC region's allocations against its
+// segments (docs/protocol.md, RegisterRegion): at least one allocation,
+// each with a handle, a non-zero size and no overflow; no two overlap;
+// every segment span lies inside one allocation; every allocation holds at
+// least one segment; an event handle only with HasEvent. It returns the
+// allocation index of each segment (of the one span of a flat region), or
+// every problem found, each wrapping ErrInvalidRegion.
+func (r *Region) segmentAllocations() ([]int, error) {
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidRegion}, args...)...))
+	}
+	m := &r.IPC
+	if !m.HasEvent && m.Event != ([64]byte{}) {
+		bad("an event handle without HasEvent")
+	}
+	if m.HasEvent && m.Event == ([64]byte{}) {
+		bad("HasEvent without an event handle")
+	}
+	if len(m.Allocations) == 0 {
+		bad("cuda-ipc region without an allocation (an IPC handle, base and size)")
+		return nil, errors.Join(errs...)
+	}
+	order := make([]int, len(m.Allocations))
+	for i, a := range m.Allocations {
+		order[i] = i
+		if a.Handle == ([64]byte{}) {
+			bad("allocation %d without an IPC handle", i)
+		}
+		if _, c := bits.Add64(a.Base, a.Size, 0); a.Size == 0 || c != 0 {
+			bad("allocation %d: base %#x size %d is empty or overflows", i, a.Base, a.Size)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(m.Allocations[a].Base, m.Allocations[b].Base) })
+	for k := 1; k < len(order); k++ {
+		p, q := m.Allocations[order[k-1]], m.Allocations[order[k]]
+		if p.Base+p.Size > q.Base {
+			bad("allocations %d [%#x,+%d) and %d [%#x,+%d) overlap", order[k-1], p.Base, p.Size, order[k], q.Base, q.Size)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	spans := r.segmentSpans()
+	of := make([]int, len(spans))
+	used := make([]bool, len(m.Allocations))
+	for i, sp := range spans {
+		// The last allocation starting at or below the span's first byte.
+		k := sort.Search(len(order), func(k int) bool { return m.Allocations[order[k]].Base > sp[0] }) - 1
+		if k < 0 {
+			bad("segment %d [%#x,%#x) lies in no allocation", i, sp[0], sp[1])
+			continue
+		}
+		a := m.Allocations[order[k]]
+		if end := a.Base + a.Size; sp[0] >= end {
+			bad("segment %d [%#x,%#x) lies in no allocation", i, sp[0], sp[1])
+			continue
+		} else if sp[1] > end {
+			bad("segment %d [%#x,%#x) runs past the end of allocation %d [%#x,%#x): a segment must lie inside one allocation",
+				i, sp[0], sp[1], order[k], a.Base, end)
+			continue
+		}
+		of[i] = order[k]
+		used[order[k]] = true
+	}
+	segErrs := len(errs)
+	for i, u := range used {
+		if !u && segErrs == 0 {
+			a := m.Allocations[i]
+			bad("allocation %d [%#x,+%d) holds no segment", i, a.Base, a.Size)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	return of, nil
 }
 
 // Handle names a registered region within one Engine. The zero Handle is

@@ -187,7 +187,7 @@ func TestHostLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Register(Region{Kind: CUDAIPC, PID: 1, Length: 4096, PageSize: 4096, PageCount: 1}); !errors.Is(err, ErrUnsupported) {
+	if _, err := h.Register(validCUDA()); !errors.Is(err, ErrUnsupported) {
 		t.Errorf("Register(CUDAIPC) = %v, want ErrUnsupported", err)
 	}
 	if _, err := h.Register(Region{Kind: HostShared}); !errors.Is(err, ErrInvalidRegion) {

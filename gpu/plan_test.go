@@ -43,6 +43,14 @@ func validShared() Region {
 	return Region{Kind: HostShared, Base: 0, Length: 4096, PageSize: 1024, PageCount: 4, Mapped: make([]byte, 4096)}
 }
 
+// validCUDA is a flat CUDA IPC region of 4 pages of 1 KiB in one
+// allocation of 8 KiB.
+func validCUDA() Region {
+	r := Region{Kind: CUDAIPC, PID: 1, Base: 1 << 40, Length: 4096, PageSize: 1024, PageCount: 4}
+	r.IPC.Allocations = []IPCAllocation{{Handle: [64]byte{1}, Base: 1 << 40, Size: 8192}}
+	return r
+}
+
 func TestRegionValidate(t *testing.T) {
 	tests := []struct {
 		name string
@@ -51,7 +59,8 @@ func TestRegionValidate(t *testing.T) {
 	}{
 		{"valid shared", func(r *Region) {}, true},
 		{"valid process", func(r *Region) { r.Kind, r.PID, r.Mapped, r.Base = HostProcess, 1, nil, 1<<40 }, true},
-		{"valid cuda", func(r *Region) { r.Kind, r.PID, r.Mapped = CUDAIPC, 1, nil }, true},
+		{"valid cuda", func(r *Region) { *r = validCUDA() }, true},
+		{"host region with allocations", func(r *Region) { r.IPC = validCUDA().IPC }, false},
 		{"valid segments", func(r *Region) {
 			r.Segments = []Segment{{0, 512, 512}, {2048, 512, 512}}
 		}, true},

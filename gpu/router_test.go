@@ -22,29 +22,13 @@ func TestSplitRanges(t *testing.T) {
 	}
 }
 
-func TestIPCExtra(t *testing.T) {
-	m := IPCMem{Offset: 0x1122334455667788}
-	m.Handle[0], m.Handle[63], m.GPU[15] = 1, 2, 3
-	b := AppendIPCExtra(nil, m)
-	if len(b) != IPCExtraSize || b[80] != 0x88 {
-		t.Fatalf("encoded % x", b)
-	}
-	got, err := ParseIPCExtra(b)
-	if err != nil || got != m {
-		t.Fatalf("ParseIPCExtra = %+v, %v", got, err)
-	}
-	if _, err := ParseIPCExtra(b[:87]); !errors.Is(err, ErrInvalidRegion) {
-		t.Errorf("short extra: %v", err)
-	}
-}
-
 func TestRouter(t *testing.T) {
 	h := newHost(t, make([]byte, 4096))
 	r := NewRouter(h)
 	if r.Name() != "host" || !r.Supports(HostShared) || r.Supports(CUDAIPC) || !Supports(r, HostProcess) {
 		t.Fatalf("router %s supports the wrong kinds", r.Name())
 	}
-	if _, err := r.Register(Region{Kind: CUDAIPC, PID: 1, Length: 4096, PageSize: 4096, PageCount: 1}); !errors.Is(err, ErrUnsupported) {
+	if _, err := r.Register(validCUDA()); !errors.Is(err, ErrUnsupported) {
 		t.Errorf("Register(CUDAIPC) = %v, want ErrUnsupported", err)
 	}
 	h1, err := r.Register(validShared())

@@ -580,12 +580,15 @@ func TestCUDAFakeDriver(t *testing.T) {
 		{"batch", ""}, {"no-batch-symbol", "FAKECUDA_NOBATCH=1"}, {"batch-fails", "FAKECUDA_BATCHFAIL=1"},
 	} {
 		t.Run(v.name, func(t *testing.T) {
-			args := []string{"-test.run=^(TestConformance|TestCUDARegister)$/^cuda", "-test.count=1", "-test.short"}
+			args := []string{"-test.run=^(TestConformance|TestCUDARegister|TestCUDALayers|TestCUDAAdjacentAllocations|TestCUDAStoreEvent|TestCUDAExport)$/^cuda",
+				"-test.count=1", "-test.short"}
 			if testing.Verbose() {
 				args = append(args, "-test.v")
 			}
 			cmd := exec.Command(os.Args[0], args...)
-			cmd.Env = append(os.Environ(), "LD_LIBRARY_PATH="+dir, "RINGSIDE_GPUTEST_FAKE=1", "RINGSIDE_REQUIRE_GPU=1")
+			counters := t.TempDir()
+			cmd.Env = append(os.Environ(), "LD_LIBRARY_PATH="+dir, "RINGSIDE_GPUTEST_FAKE=1", "RINGSIDE_REQUIRE_GPU=1",
+				"FAKECUDA_COUNTERS="+counters)
 			if v.env != "" {
 				cmd.Env = append(cmd.Env, v.env)
 			}
@@ -614,19 +617,64 @@ func TestCUDARegister(t *testing.T) {
 	peer := startPeer(t, "cuda")
 	exp := peer.alloc(t, 1<<20, 4096)
 	good := exp.Region(4096, 256, nil)
+	two := peer.alloc(t, 1<<20, 0)
+	fc := fakeCounters(t)
+	opened := fc.get(cIPCOpen) - fc.get(cIPCClose)
+	// A real driver may report a granularity-rounded size for the mapping
+	// (the fake rounds to 2 MiB): the allocation's bound is the smaller of
+	// the declared size and the mapping, so a region past the declared
+	// size is refused even where the mapping would hold it.
 	for _, tc := range []struct {
 		name string
 		mod  func(r *gpu.Region)
 		want error
 		text string
+		fake bool // what only the fake driver is known to do (a device probe checks the real one)
 	}{
-		{"host region", func(r *gpu.Region) { r.Kind = gpu.HostProcess }, gpu.ErrUnsupported, "only cuda-ipc"},
-		{"no handle", func(r *gpu.Region) { r.IPC.Handle = [64]byte{} }, gpu.ErrInvalidRegion, "without an IPC handle"},
-		{"garbage handle", func(r *gpu.Region) { r.IPC.Handle[0] ^= 0xff; r.IPC.Handle[1] ^= 0xff }, gpu.ErrUnsupported, "cuIpcOpenMemHandle"},
-		{"other GPU", func(r *gpu.Region) { r.IPC.GPU[0] ^= 0xff }, gpu.ErrUnsupported, "not visible"},
-		{"past the allocation", func(r *gpu.Region) { r.IPC.Offset += 8192 }, gpu.ErrInvalidRegion, "past the exported allocation"},
+		{"host region", func(r *gpu.Region) { r.Kind = gpu.HostProcess }, gpu.ErrUnsupported, "only cuda-ipc", false},
+		{"no handle", func(r *gpu.Region) { r.IPC.Allocations[0].Handle = [64]byte{} }, gpu.ErrInvalidRegion, "without an IPC handle", false},
+		{"garbage handle", func(r *gpu.Region) { r.IPC.Allocations[0].Handle[0] ^= 0xff; r.IPC.Allocations[0].Handle[1] ^= 0xff }, gpu.ErrUnsupported, "cuIpcOpenMemHandle", false},
+		// Probe ipc-corrupt-handle: whether a real driver refuses any corrupted byte.
+		{"corrupted handle byte", func(r *gpu.Region) { r.IPC.Allocations[0].Handle[40] ^= 0x01 }, gpu.ErrUnsupported, "cuIpcOpenMemHandle", true},
+		{"other GPU", func(r *gpu.Region) { r.IPC.GPU[0] ^= 0xff }, gpu.ErrUnsupported, "not visible", false},
+		{"past the declared size", func(r *gpu.Region) { r.IPC.Allocations[0].Size -= 8192 }, gpu.ErrInvalidRegion, "runs past the end of allocation 0", false},
+		{"declared larger than the mapping", func(r *gpu.Region) {
+			r.IPC.Allocations[0].Size = 64 << 20
+			r.Length, r.PageCount = 32<<20, 32<<20/4096
+		}, gpu.ErrInvalidRegion, "mapping of its handle holds", false},
+		{"allocation with no segment", func(r *gpu.Region) {
+			r.IPC.Allocations = append(r.IPC.Allocations, two.Alloc())
+		}, gpu.ErrInvalidRegion, "allocation 1 [0x", false},
+		{"overlapping allocations", func(r *gpu.Region) {
+			a := two.Alloc()
+			a.Base = r.IPC.Allocations[0].Base + 4096
+			r.IPC.Allocations = append(r.IPC.Allocations, a)
+		}, gpu.ErrInvalidRegion, "overlap", false},
+		{"segment outside every allocation", func(r *gpu.Region) { r.Base -= 8192 }, gpu.ErrInvalidRegion, "lies in no allocation", false},
+		// The first allocation opens, the second's mapping is too small:
+		// the first must be released again.
+		{"second allocation past its mapping", func(r *gpu.Region) {
+			a := two.Alloc()
+			a.Base, a.Size = r.IPC.Allocations[0].Base+(8<<20), 64<<20
+			r.IPC.Allocations = append(r.IPC.Allocations, a)
+			r.Segments = []gpu.Segment{{Offset: 0, Stride: 4096, Length: 4096}, {Offset: 8<<20 - 4096, Stride: 16 << 10, Length: 4096}}
+			r.PageSize, r.PageCount, r.Length = 8192, 256, 16<<20
+		}, gpu.ErrInvalidRegion, "segment 1 ", false},
+		{"second allocation's handle corrupted", func(r *gpu.Region) {
+			a := two.Alloc()
+			a.Base = r.IPC.Allocations[0].Base + (8 << 20)
+			a.Handle[50] ^= 0x10
+			r.IPC.Allocations = append(r.IPC.Allocations, a)
+			r.Segments = []gpu.Segment{{Offset: 0, Stride: 4096, Length: 4096}, {Offset: 8<<20 - 4096, Stride: 4096, Length: 4096}}
+			r.PageSize, r.PageCount, r.Length = 8192, 256, 16<<20
+		}, gpu.ErrUnsupported, "allocation 1: ", true},
 	} {
+		if tc.fake && !underFake() {
+			t.Logf("%s: not checked on a real driver (a device probe does)", tc.name)
+			continue
+		}
 		r := good
+		r.IPC.Allocations = append([]gpu.IPCAllocation(nil), good.IPC.Allocations...)
 		tc.mod(&r)
 		_, err := c.Register(r)
 		if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.text) {
@@ -634,6 +682,28 @@ func TestCUDARegister(t *testing.T) {
 		} else {
 			t.Logf("%s: %v", tc.name, err)
 		}
+		if n := fc.get(cIPCOpen) - fc.get(cIPCClose); fc != nil && n != opened {
+			t.Errorf("%s: a failed Register left %d mappings open", tc.name, n-opened)
+		}
+	}
+	// Declared with the rounded size the fake's mapping reports (2 MiB; a
+	// real driver's is what probe ipc-range measures): accepted, and the
+	// last page, past the requested size but inside the mapping, copies.
+	if underFake() {
+		a := exp.Alloc()
+		const rounded = 2 << 20
+		r := good
+		r.IPC.Allocations = []gpu.IPCAllocation{{Handle: a.Handle, Base: a.Base, Size: rounded}}
+		r.Length, r.PageCount = rounded-4096, (rounded-4096)/4096
+		h, err := c.Register(r)
+		if err != nil {
+			t.Fatalf("region up to the rounded size: %v", err)
+		}
+		copy(pool, bytes.Repeat([]byte{9}, 4096))
+		if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{r.PageCount - 1}, PoolOffsets: []uint64{0}}); err != nil {
+			t.Fatalf("load into the last page of the rounded allocation: %v", err)
+		}
+		c.Unregister(h)
 	}
 	// Two regions of one allocation share its mapping; closing one keeps
 	// the other usable.
@@ -660,5 +730,8 @@ func TestCUDARegister(t *testing.T) {
 	}
 	if err := c.Unregister(h2); err != nil {
 		t.Fatal(err)
+	}
+	if n := fc.get(cIPCOpen) - fc.get(cIPCClose); fc != nil && n != opened {
+		t.Errorf("Unregister left %d mappings open", n-opened)
 	}
 }

@@ -35,8 +35,17 @@ type Export struct {
 	PID    int
 	Base   uint64 // address of the buffer in the peer (device address for cuda)
 	Length uint64
-	IPC    gpu.IPCMem // cuda: handle of the allocation, GPU, offset of Base
+	IPC    gpu.IPCMem // cuda: the GPU and the one allocation holding the buffer
 	Info   string     // e.g. the GPU's name
+}
+
+// Alloc returns the buffer's device allocation (cuda only).
+func (e Export) Alloc() gpu.IPCAllocation { return e.IPC.Allocations[0] }
+
+// EventExport is an interprocess CUDA event of the peer.
+type EventExport struct {
+	ID     int
+	Handle [64]byte
 }
 
 // Region returns a region of e with the given geometry.
@@ -123,6 +132,30 @@ func (p *Peer) Alloc(n, off uint64) (Export, error) {
 	return e, err
 }
 
+// AllocN makes k allocations of n bytes each, one buffer each (as vLLM
+// allocates one KV cache tensor per layer).
+func (p *Peer) AllocN(k int, n uint64) ([]Export, error) {
+	var es []Export
+	s, err := p.do("allocn %d %d", k, n)
+	if err == nil {
+		err = json.Unmarshal([]byte(s), &es)
+	}
+	return es, err
+}
+
+// NewEvent creates an interprocess event (cuda peer) and exports it.
+func (p *Peer) NewEvent() (EventExport, error) {
+	var e EventExport
+	s, err := p.do("event")
+	if err == nil {
+		err = json.Unmarshal([]byte(s), &e)
+	}
+	return e, err
+}
+
+// Record records event id on the peer's stream.
+func (p *Peer) Record(id int) error { _, err := p.do("record %d", id); return err }
+
 // Write fills buffer id from the start with the contents of file path.
 func (p *Peer) Write(id int, path string) error { _, err := p.do("write %d %s", id, path); return err }
 
@@ -194,7 +227,37 @@ func PeerMain(kind string) int {
 		return 2
 	}
 	bufs := map[int]*peerBuf{}
+	events := map[int]cuda.Event{}
+	var stream cuda.Stream
 	next := 0
+	// alloc makes one buffer of n bytes at offset off of a fresh
+	// allocation of off+n bytes and exports it.
+	alloc := func(n, off uint64) (Export, error) {
+		next++
+		e := Export{ID: next, Kind: kind, PID: os.Getpid(), Length: n, Info: info}
+		b := &peerBuf{off: off, n: n}
+		if kind == "host" {
+			b.host = make([]byte, off+n)
+			e.Base = procmem.Addr(b.host) + off
+			bufs[next] = b
+			return e, nil
+		}
+		var err error
+		if b.dev, err = cuda.MemAlloc(off + n); err != nil {
+			return e, err
+		}
+		e.Base = uint64(b.dev) + off
+		a := gpu.IPCAllocation{Base: uint64(b.dev), Size: off + n}
+		if a.Handle, err = cuda.IPCGetHandle(b.dev); err != nil {
+			// Memory legacy IPC cannot share fails here, at export.
+			capable, aerr := cuda.IPCCapable(b.dev)
+			cuda.MemFree(b.dev)
+			return e, fmt.Errorf("cuIpcGetMemHandle: %w (CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE %v, %v)", err, capable, aerr)
+		}
+		e.IPC = gpu.IPCMem{GPU: uuid, Allocations: []gpu.IPCAllocation{a}}
+		bufs[next] = b
+		return e, nil
+	}
 	say("ok ready %d", os.Getpid())
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -206,7 +269,7 @@ func PeerMain(kind string) int {
 		var reply string
 		var id int
 		var b *peerBuf
-		if len(f) >= 2 && f[0] != "alloc" {
+		if len(f) >= 2 && f[0] != "alloc" && f[0] != "allocn" && f[0] != "record" {
 			fmt.Sscan(f[1], &id)
 			if b = bufs[id]; b == nil {
 				say("err no buffer %d", id)
@@ -218,33 +281,57 @@ func PeerMain(kind string) int {
 			var n, off uint64
 			fmt.Sscan(f[1], &n)
 			fmt.Sscan(f[2], &off)
-			next++
-			e := Export{ID: next, Kind: kind, PID: os.Getpid(), Length: n, Info: info}
-			b = &peerBuf{off: off, n: n}
-			if kind == "host" {
-				b.host = make([]byte, off+n)
-				e.Base = procmem.Addr(b.host) + off
-			} else {
-				e.IPC.GPU, e.IPC.Offset = uuid, off
-				if b.dev, err = cuda.MemAlloc(off + n); err == nil {
-					e.Base = uint64(b.dev) + off
-					var ok bool
-					if ok, err = cuda.IPCCapable(b.dev); err == nil && !ok {
-						err = errors.New("allocation is not legacy-IPC capable")
-					}
-					if err == nil {
-						e.IPC.Handle, err = cuda.IPCGetHandle(b.dev)
-					}
-					if err != nil {
-						cuda.MemFree(b.dev)
-					}
-				}
-			}
-			if err == nil {
-				bufs[next] = b
+			var e Export
+			if e, err = alloc(n, off); err == nil {
 				var j []byte
 				j, err = json.Marshal(e)
 				reply = string(j)
+			}
+		case f[0] == "allocn" && len(f) == 3:
+			var k int
+			var n uint64
+			fmt.Sscan(f[1], &k)
+			fmt.Sscan(f[2], &n)
+			var es []Export
+			for range k {
+				var e Export
+				if e, err = alloc(n, 0); err != nil {
+					break
+				}
+				es = append(es, e)
+			}
+			if err == nil {
+				var j []byte
+				j, err = json.Marshal(es)
+				reply = string(j)
+			}
+		case f[0] == "event" && len(f) == 1 && kind == "cuda":
+			if stream == 0 {
+				stream, err = cuda.NewStream(0)
+			}
+			var ev cuda.Event
+			if err == nil {
+				ev, err = cuda.NewIPCEvent()
+			}
+			if err == nil {
+				var h cuda.IPCEventHandle
+				if h, err = cuda.IPCGetEventHandle(ev); err != nil {
+					ev.Destroy()
+				} else {
+					next++
+					events[next] = ev
+					var j []byte
+					j, err = json.Marshal(EventExport{ID: next, Handle: h})
+					reply = string(j)
+				}
+			}
+		case f[0] == "record" && len(f) == 2 && kind == "cuda":
+			var id int
+			fmt.Sscan(f[1], &id)
+			if ev := events[id]; ev == 0 {
+				err = fmt.Errorf("no event %d", id)
+			} else {
+				err = ev.Record(stream)
 			}
 		case f[0] == "write" && len(f) == 3:
 			var data []byte
@@ -286,6 +373,12 @@ func PeerMain(kind string) int {
 		if kind == "cuda" {
 			cuda.MemFree(b.dev)
 		}
+	}
+	for _, ev := range events {
+		ev.Destroy()
+	}
+	if stream != 0 {
+		stream.Destroy()
 	}
 	return 0
 }

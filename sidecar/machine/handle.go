@@ -372,16 +372,27 @@ func (h *handler) registerRegion(p []byte) error {
 		g.Segments = append(g.Segments, gpu.Segment{Offset: sg.Offset, Stride: sg.Stride, Length: sg.Length})
 	}
 	if cudaIPC {
-		ipc, err := gpu.ParseIPCExtra(r.Extra)
-		if err != nil {
+		if len(r.Extra) == schema.CUDAExtraHeaderSize {
+			// Version 2's extra: one handle, the GPU, an offset (88 bytes).
+			// A version 3 extra is longer: it names at least one allocation.
+			return schema.Errorf(schema.ErrCodeNotPermitted, "the CUDA IPC extra is %d bytes, the one-allocation form of protocol version 2: "+
+				"this sidecar needs every device allocation of the region (protocol version 3): upgrade the engine plugin", len(r.Extra))
+		}
+		var x schema.CUDAExtra
+		if err := x.Decode(r.Extra); err != nil {
 			return malformed(err)
 		}
-		g.Kind, g.IPC = gpu.CUDAIPC, ipc
+		g.Kind = gpu.CUDAIPC
+		g.IPC = gpu.IPCMem{GPU: x.GPU, Event: x.Event, HasEvent: x.Flags&schema.CUDAExtraFlagEvent != 0,
+			Allocations: make([]gpu.IPCAllocation, len(x.Allocations))}
+		for i, a := range x.Allocations {
+			g.IPC.Allocations[i] = gpu.IPCAllocation{Handle: a.Handle, Base: a.Base, Size: a.Size}
+		}
 	}
 	if err := g.Validate(); err != nil {
 		return schema.Errorf(schema.ErrCodeOutOfRange, "%v", err)
 	}
-	meta := int64(regionMeta + 24*len(r.Segments))
+	meta := int64(regionMeta + 24*len(r.Segments) + schema.CUDAAllocationSize*len(g.IPC.Allocations))
 	if err := m.chargeMeta(s, s.uid, meta); err != nil {
 		return err
 	}

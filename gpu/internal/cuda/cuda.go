@@ -120,6 +120,9 @@ type Device int32
 // IPCHandle is a cudaIpcMemHandle_t / CUipcMemHandle.
 type IPCHandle [64]byte
 
+// IPCEventHandle is a cudaIpcEventHandle_t / CUipcEventHandle.
+type IPCEventHandle [64]byte
+
 // UUID is a CUuuid.
 type UUID [16]byte
 

@@ -18,6 +18,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char reserved[64]; } CUipcEventHandle;
 typedef struct { char bytes[16]; } CUuuid;
 typedef struct { unsigned int type; int id; } CUmemLocation;          // 8 bytes
 typedef struct {                                                      // 24 bytes
@@ -34,6 +35,7 @@ enum {
 	CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
 	CU_STREAM_NON_BLOCKING = 1,
 	CU_EVENT_DISABLE_TIMING = 2,
+	CU_EVENT_INTERPROCESS = 4,
 	CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
 	CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
 };
@@ -76,6 +78,9 @@ static struct {
 	CUresult (*eventRecord)(CUevent, CUstream);
 	CUresult (*eventQuery)(CUevent);
 	CUresult (*eventDestroy)(CUevent);
+	CUresult (*ipcGetEventHandle)(CUipcEventHandle *, CUevent);
+	CUresult (*ipcOpenEventHandle)(CUevent *, CUipcEventHandle);
+	CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned int);
 } rs;
 
 static int rs_proc(const char *name, void **fn, int version) {
@@ -149,6 +154,9 @@ static int rs_load(char *err, size_t n) {
 		{"cuEventRecord", (void **)&rs.eventRecord, RS_VER},
 		{"cuEventQuery", (void **)&rs.eventQuery, RS_VER},
 		{"cuEventDestroy", (void **)&rs.eventDestroy, RS_VER},
+		{"cuIpcGetEventHandle", (void **)&rs.ipcGetEventHandle, RS_VER},
+		{"cuIpcOpenEventHandle", (void **)&rs.ipcOpenEventHandle, RS_VER},
+		{"cuStreamWaitEvent", (void **)&rs.streamWaitEvent, RS_VER},
 	};
 	for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
 		if (!rs_proc(t[i].name, t[i].fn, t[i].ver)) {
@@ -210,6 +218,16 @@ static CUresult rs_event_create(uintptr_t *e) { return RS_CALL(eventCreate, (CUe
 static CUresult rs_event_record(uintptr_t e, uintptr_t s) { return RS_CALL(eventRecord, (CUevent)e, (CUstream)s); }
 static CUresult rs_event_query(uintptr_t e) { return RS_CALL(eventQuery, (CUevent)e); }
 static CUresult rs_event_destroy(uintptr_t e) { return RS_CALL(eventDestroy, (CUevent)e); }
+static CUresult rs_ipc_event_create(uintptr_t *e) {
+	return RS_CALL(eventCreate, (CUevent *)e, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+}
+static CUresult rs_ipc_event_get(void *h, uintptr_t e) { return RS_CALL(ipcGetEventHandle, (CUipcEventHandle *)h, (CUevent)e); }
+static CUresult rs_ipc_event_open(uintptr_t *e, const void *h) {
+	CUipcEventHandle hv;
+	memcpy(&hv, h, sizeof hv);
+	return RS_CALL(ipcOpenEventHandle, (CUevent *)e, hv);
+}
+static CUresult rs_stream_wait_event(uintptr_t s, uintptr_t e) { return RS_CALL(streamWaitEvent, (CUstream)s, (CUevent)e, 0); }
 
 // rs_copy_ranges enqueues one cuMemcpy{HtoD,DtoH}Async per range; on error
 // *fail is the index of the failed range (earlier ones are enqueued).
@@ -473,6 +491,37 @@ func (e Event) Query() (bool, error) {
 
 // Destroy destroys the event.
 func (e Event) Destroy() error { return result(Result(C.rs_event_destroy(C.uintptr_t(e)))) }
+
+// NewIPCEvent creates an event that can be exported to another process
+// (CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, as cuIpcGetEventHandle
+// requires).
+func NewIPCEvent() (Event, error) {
+	var e C.uintptr_t
+	err := result(Result(C.rs_ipc_event_create(&e)))
+	return Event(e), err
+}
+
+// IPCGetEventHandle exports an event made by NewIPCEvent.
+func IPCGetEventHandle(e Event) (IPCEventHandle, error) {
+	var h IPCEventHandle
+	err := result(Result(C.rs_ipc_event_get(unsafe.Pointer(&h[0]), C.uintptr_t(e))))
+	return h, err
+}
+
+// IPCOpenEvent opens another process's exported event in the current
+// context; the event is released with Destroy.
+func IPCOpenEvent(h IPCEventHandle) (Event, error) {
+	var e C.uintptr_t
+	err := result(Result(C.rs_ipc_event_open(&e, unsafe.Pointer(&h[0]))))
+	return Event(e), err
+}
+
+// WaitEvent makes the work enqueued on s after this call wait until the
+// work captured by e's latest record has completed (cuStreamWaitEvent; a
+// never-recorded event is complete). It does not block the caller.
+func (s Stream) WaitEvent(e Event) error {
+	return result(Result(C.rs_stream_wait_event(C.uintptr_t(s), C.uintptr_t(e))))
+}
 
 // CopyAsync enqueues len(lens) copies on s: dst[i] <- src[i], lens[i]
 // bytes. For HtoD dst are device and src host addresses, for DtoH the

@@ -106,6 +106,18 @@ func (e Event) Query() (bool, error) { return true, ErrorNotLoaded }
 // Destroy fails without a driver.
 func (e Event) Destroy() error { return ErrorNotLoaded }
 
+// NewIPCEvent fails without a driver.
+func NewIPCEvent() (Event, error) { return 0, ErrorNotLoaded }
+
+// IPCGetEventHandle fails without a driver.
+func IPCGetEventHandle(Event) (IPCEventHandle, error) { return IPCEventHandle{}, ErrorNotLoaded }
+
+// IPCOpenEvent fails without a driver.
+func IPCOpenEvent(IPCEventHandle) (Event, error) { return 0, ErrorNotLoaded }
+
+// WaitEvent fails without a driver.
+func (s Stream) WaitEvent(Event) error { return ErrorNotLoaded }
+
 // CopyAsync fails without a driver.
 func CopyAsync(Dir, bool, []uint64, []uint64, []uint64, Stream) (int, int, error) {
 	return 0, 0, ErrorNotLoaded
