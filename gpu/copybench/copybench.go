@@ -18,6 +18,7 @@ import (
 	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/gputest"
+	"github.com/ringside-kv/ringside/gpu/internal/cuda"
 	"github.com/ringside-kv/ringside/gpu/internal/hostmem"
 )
 
@@ -52,8 +53,11 @@ type Row struct {
 	Ranges    int     `json:"ranges"` // per op, after merging
 	Calls     int     `json:"calls"`  // driver or system calls per op
 	Device    string  `json:"device,omitempty"`
-	Status    string  `json:"status"` // "ok" or "skipped"
-	Reason    string  `json:"reason,omitempty"`
+	// "ok", "skipped", or "not_batched": a batched row whose ops were not
+	// one cuMemcpyBatchAsync call per 8192 ranges (the driver rejected a
+	// batch and the engine switched to per-range copies; Reason says why).
+	Status string `json:"status"`
+	Reason string `json:"reason,omitempty"`
 }
 
 var (
@@ -200,9 +204,14 @@ func Run(cfg Config) ([]Row, error) {
 						row.Status, row.Reason = "skipped", fmt.Sprintf("op of %d bytes > --max-bytes", row.Bytes)
 					case mode == "batched" && es.batched == nil:
 						row.Status, row.Reason = "skipped", batchReason
+					case mode == "batched" && es.cuda != nil && es.cuda.BatchDisabled() != nil:
+						row.Status, row.Reason = "skipped", es.cuda.BatchDisabled().Error()
 					default:
 						if err := measure(&row, cfg, es, exp, dir); err != nil {
 							return rows, fmt.Errorf("%s %s %d x %d: %w", row.Direction, mode, n, pb, err)
+						}
+						if mode == "batched" && es.cuda != nil {
+							checkBatched(&row, es.cuda, logf)
 						}
 					}
 					rows = append(rows, row)
@@ -222,6 +231,22 @@ func Run(cfg Config) ([]Row, error) {
 	}
 	harness.Verdicts(cfg.Out, cfg.Log, cfg.JSON, cfg.Quiet, Verdicts(rows))
 	return rows, nil
+}
+
+// checkBatched marks a batched CUDA row whose ops were not batched: the
+// engine switched to per-range copies during the row, or an op took more
+// calls than one cuMemcpyBatchAsync per cuda.MaxBatch ranges.
+func checkBatched(row *Row, c *gpu.CUDA, logf func(string, ...any)) {
+	want := (row.Ranges + cuda.MaxBatch - 1) / cuda.MaxBatch
+	switch err := c.BatchDisabled(); {
+	case err != nil:
+		row.Status, row.Reason = "not_batched", fmt.Sprintf("batching was switched off (%v): the row measured per-range copies", err)
+	case row.Calls != want:
+		row.Status, row.Reason = "not_batched", fmt.Sprintf("%d driver calls per op of %d ranges, want %d cuMemcpyBatchAsync", row.Calls, row.Ranges, want)
+	default:
+		return
+	}
+	logf("NOT BATCHED: %s %s %d x %d: %s", row.Direction, row.Mode, row.Pages, row.PageBytes, row.Reason)
 }
 
 type cudaUUID [16]byte
@@ -316,7 +341,7 @@ func PrintTable(w io.Writer, rows []Row) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "BACKEND\tDIR\tPAGE\tPAGES\tMODE\tGB/S\tMEAN µs\tRANGES\tCALLS\tSTATUS")
 	for _, r := range rows {
-		if r.Status != "ok" {
+		if r.Status == "skipped" {
 			continue
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%.2f\t%.1f\t%d\t%d\t%s\n",
@@ -325,7 +350,7 @@ func PrintTable(w io.Writer, rows []Row) {
 	tw.Flush()
 	skipped := 0
 	for _, r := range rows {
-		if r.Status != "ok" {
+		if r.Status == "skipped" {
 			skipped++
 		}
 	}

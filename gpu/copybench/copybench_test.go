@@ -1,0 +1,91 @@
+package copybench
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu/gputest"
+)
+
+func TestMain(m *testing.M) {
+	if k := os.Getenv(gputest.PeerEnv); k != "" {
+		os.Exit(gputest.PeerMain(k))
+	}
+	os.Exit(m.Run())
+}
+
+func run(t *testing.T, backend string) []Row {
+	rows, err := Run(Config{Backend: backend, PageBytes: []uint64{16 << 10}, Pages: []int{1, 64}, MinTime: time.Millisecond,
+		PeerArgv: []string{os.Args[0], "-test.run=^$"}, Quiet: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rows
+}
+
+func TestHostRows(t *testing.T) {
+	for _, r := range run(t, "host") {
+		if r.Status != "ok" || r.Reps < 3 || r.GBps <= 0 {
+			t.Errorf("row %+v", r)
+		}
+	}
+}
+
+// TestCUDABatchedRows runs the CUDA rows against the fake driver
+// (gpu/gputest/testdata/fakecuda.c): a batched row is one
+// cuMemcpyBatchAsync per op, and when the driver rejects batches the
+// batched rows say they were not batched instead of passing per-range
+// copies off as batched ones.
+func TestCUDABatchedRows(t *testing.T) {
+	if os.Getenv("RINGSIDE_COPYBENCH_FAKE") != "" {
+		want := "ok"
+		if os.Getenv("FAKECUDA_BATCHFAIL") != "" {
+			want = "not_batched"
+		}
+		batched := 0
+		for _, r := range run(t, "cuda") {
+			if r.Mode != "batched" {
+				continue
+			}
+			batched++
+			if r.Status != want && !(want == "not_batched" && r.Status == "skipped") {
+				t.Errorf("batched row %d x %d: status %q (%s), want %q", r.Pages, r.PageBytes, r.Status, r.Reason, want)
+			}
+			if want == "ok" && r.Calls != 1 {
+				t.Errorf("batched row %d x %d: %d calls per op, want 1", r.Pages, r.PageBytes, r.Calls)
+			}
+			t.Logf("%+v", r)
+		}
+		if batched == 0 {
+			t.Error("no batched rows")
+		}
+		return
+	}
+	gcc, err := exec.LookPath("gcc")
+	if err != nil {
+		t.Skip("no gcc to build the fake driver")
+	}
+	dir := t.TempDir()
+	build := exec.Command(gcc, "-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libcuda.so.1"), "../gputest/testdata/fakecuda.c")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building the fake driver: %v\n%s", err, out)
+	}
+	for _, env := range []string{"", "FAKECUDA_BATCHFAIL=1"} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestCUDABatchedRows$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), "LD_LIBRARY_PATH="+dir, "RINGSIDE_COPYBENCH_FAKE=1")
+		if env != "" {
+			cmd.Env = append(cmd.Env, env)
+		}
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "PASS") {
+			t.Fatalf("under the fake driver (%s): %v\n%s", env, err, out)
+		}
+		if testing.Verbose() {
+			t.Logf("%s", out)
+		}
+	}
+}
