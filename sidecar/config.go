@@ -51,7 +51,8 @@ type Config struct {
 	Yield time.Duration
 	// CopyBackend: "auto", "host" or "cuda".
 	CopyBackend string
-	// CopyWorkers is the number of host copy goroutines.
+	// CopyWorkers is the number of host copy goroutines: the chunks of
+	// host regions in flight.
 	CopyWorkers int
 	// MetricsAddr serves /metrics, /healthz, /readyz and /debug/state;
 	// empty disables it.
@@ -121,6 +122,17 @@ type Config struct {
 	// cancelled until it returns.
 	CopyChunkBytes uint64
 	CopyStall      time.Duration
+	// CopyCUDAChunkBytes and CopyCUDAInflight are the chunk size and the
+	// chunks in flight per GPU for the regions the CUDA backend serves
+	// (default 64 MiB and 8), in place of CopyChunkBytes and CopyWorkers:
+	// its copies are asynchronous DMA, which costs no CPU while it runs,
+	// so they need large pieces, many at a time, to keep the PCIe link
+	// busy. Each GPU's chunks have a budget of their own, apart from the
+	// host's: a slow host copy never takes a CUDA slot, nor the reverse.
+	// A GPU copies its chunks in flight one after another, so all of them
+	// must fit in CopyStall at PCIe speed, or the last count as stuck.
+	CopyCUDAChunkBytes uint64
+	CopyCUDAInflight   int
 	// L2 is the shared tier (tier.go); nil: off.
 	L2 *L2Config
 }
@@ -137,6 +149,10 @@ const (
 	DefaultMetricsAddr  = ":9477"
 	DefaultSnapshotScan = 1 << 14
 )
+
+// minPCIeBytesPerSecond is the slowest host-to-GPU link the CUDA copy
+// budget is checked against (PCIe 3.0 x16 moves about 12 GB/s).
+const minPCIeBytesPerSecond = 8e9
 
 // EnsureDefaults fills zero fields with defaults.
 func (c *Config) EnsureDefaults() {
@@ -206,6 +222,12 @@ func (c *Config) EnsureDefaults() {
 	}
 	if c.CopyStall == 0 {
 		c.CopyStall = time.Second
+	}
+	if c.CopyCUDAChunkBytes == 0 {
+		c.CopyCUDAChunkBytes = 64 << 20
+	}
+	if c.CopyCUDAInflight == 0 {
+		c.CopyCUDAInflight = 8
 	}
 }
 
@@ -289,6 +311,16 @@ func (c *Config) Validate() error {
 	}
 	if c.CopyStall <= 0 {
 		bad("copy.stall", "%v must be positive", c.CopyStall)
+	}
+	if c.CopyCUDAChunkBytes < 4096 || c.CopyCUDAChunkBytes > 1<<30 {
+		bad("copy.cuda-chunk-bytes", "%d outside [4 KiB, 1 GiB]", c.CopyCUDAChunkBytes)
+	}
+	if c.CopyCUDAInflight < 1 || c.CopyCUDAInflight > 64 {
+		bad("copy.cuda-inflight", "%d outside [1, 64]", c.CopyCUDAInflight)
+	} else if queued := c.CopyCUDAChunkBytes * uint64(c.CopyCUDAInflight); c.CopyStall > 0 && float64(queued) > minPCIeBytesPerSecond*c.CopyStall.Seconds() {
+		// A GPU copies its chunks one after another (one stream per
+		// direction), so the last one in flight ends after all the others.
+		bad("copy.cuda-inflight", "%d chunks of --copy.cuda-chunk-bytes %d are %d bytes in flight per GPU, more than a PCIe link moves within --copy.stall (%v) at %g GB/s: the last ones would count as stuck", c.CopyCUDAInflight, c.CopyCUDAChunkBytes, queued, c.CopyStall, minPCIeBytesPerSecond/1e9)
 	}
 	if c.L2 != nil {
 		if err := c.L2.validate(); err != nil {

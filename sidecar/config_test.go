@@ -3,6 +3,7 @@ package sidecar
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestConfigValidateReportsEverything(t *testing.T) {
@@ -21,5 +22,46 @@ func TestConfigValidateReportsEverything(t *testing.T) {
 	good.EnsureDefaults()
 	if err := good.Validate(); err != nil {
 		t.Fatalf("defaults rejected: %v", err)
+	}
+}
+
+// TestConfigCUDACopyBudget: the CUDA chunk size and in-flight limit default
+// to 64 MiB and 8; a value out of bounds, or more bytes in flight per GPU
+// than a slow PCIe link moves within --copy.stall, is refused naming its
+// flag, the values and the bound.
+func TestConfigCUDACopyBudget(t *testing.T) {
+	def := Config{Dir: "/dev/shm/x"}
+	def.EnsureDefaults()
+	if def.CopyCUDAChunkBytes != 64<<20 || def.CopyCUDAInflight != 8 {
+		t.Fatalf("defaults %d bytes, %d in flight", def.CopyCUDAChunkBytes, def.CopyCUDAInflight)
+	}
+	for _, tt := range []struct {
+		name     string
+		chunk    uint64
+		inflight int
+		stall    time.Duration
+		want     string // "" accepted
+	}{
+		{"smallest chunk", 4096, 1, 0, ""},
+		{"largest chunk", 1 << 30, 1, 0, ""},
+		{"most in flight", 64 << 20, 64, 0, ""},
+		{"more in flight than a link copies within the stall bound", 1 << 30, 8, 0, "--copy.cuda-inflight: 8 chunks of --copy.cuda-chunk-bytes 1073741824 are 8589934592 bytes in flight per GPU, more than a PCIe link moves within --copy.stall (1s) at 8 GB/s: the last ones would count as stuck"},
+		{"as many within a longer stall bound", 1 << 30, 8, 2 * time.Second, ""},
+		{"chunk under 4 KiB", 4095, 1, 0, "--copy.cuda-chunk-bytes: 4095 outside [4 KiB, 1 GiB]"},
+		{"chunk over 1 GiB", 1<<30 + 1, 1, 0, "--copy.cuda-chunk-bytes: 1073741825 outside [4 KiB, 1 GiB]"},
+		{"negative in flight", 64 << 20, -1, 0, "--copy.cuda-inflight: -1 outside [1, 64]"},
+		{"too many in flight", 64 << 20, 65, 0, "--copy.cuda-inflight: 65 outside [1, 64]"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := Config{Dir: "/dev/shm/x", CopyCUDAChunkBytes: tt.chunk, CopyCUDAInflight: tt.inflight, CopyStall: tt.stall}
+			c.EnsureDefaults()
+			err := c.Validate()
+			switch {
+			case tt.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tt.want != "" && (err == nil || err.Error() != tt.want):
+				t.Fatalf("got %v, want %q", err, tt.want)
+			}
+		})
 	}
 }

@@ -109,7 +109,7 @@ func (r *results) count(sess uint64) (ok, failed int) {
 // A's running one, and A's queue is served round robin with B's.
 func TestSchedulerSmallCopyNeverWaits(t *testing.T) {
 	e := newGateEngine()
-	s := newScheduler(e, 1, 8, time.Hour)
+	s := newScheduler(e, budget{1, 8}, budget{1, 8}, time.Hour)
 	defer s.close()
 	r := &results{errs: map[uint64][]error{}}
 	for i := 0; i < 10; i++ {
@@ -139,7 +139,7 @@ func TestSchedulerSmallCopyNeverWaits(t *testing.T) {
 // the new ones until it returns; other sessions go on.
 func TestSchedulerStalledChunk(t *testing.T) {
 	e := newGateEngine()
-	s := newScheduler(e, 1, 8, 30*time.Millisecond)
+	s := newScheduler(e, budget{1, 8}, budget{1, 8}, 30*time.Millisecond)
 	defer s.close()
 	r := &results{errs: map[uint64][]error{}}
 	for i := 0; i < 5; i++ {
@@ -171,16 +171,17 @@ func TestSchedulerStalledChunk(t *testing.T) {
 // all its new chunks cancelled, in any session; another uid is served.
 func TestSchedulerStalledUID(t *testing.T) {
 	e := newGateEngine()
-	s := newScheduler(e, 1, 16, 30*time.Millisecond)
+	s := newScheduler(e, budget{1, 16}, budget{1, 16}, 30*time.Millisecond)
 	defer s.close()
 	r := &results{errs: map[uint64][]error{}}
 	for sess := uint64(1); sess <= maxStalledPerUID; sess++ {
 		s.submit(sess, 7, gpu.Op{Region: gpu.Handle(sess), Pages: []uint32{0}}, nil, r.done(sess))
 	}
 	waitFor(t, "the uid's chunks stuck", func() bool {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		return s.uidStall[7] == maxStalledPerUID
+		l := s.laneOf(0)
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return l.uidStall[7] == maxStalledPerUID
 	})
 	s.submit(50, 7, gpu.Op{Region: 50, Pages: []uint32{0}}, nil, r.done(50))
 	if _, f := r.count(50); f != 1 {
@@ -197,7 +198,7 @@ func TestSchedulerStalledUID(t *testing.T) {
 // is not copied; one found gone after its copy is reported so.
 func TestSchedulerDeadProcess(t *testing.T) {
 	e := newGateEngine()
-	s := newScheduler(e, 2, 8, time.Hour)
+	s := newScheduler(e, budget{2, 8}, budget{2, 8}, time.Hour)
 	defer s.close()
 	var exited []bool
 	var mu sync.Mutex
@@ -227,7 +228,7 @@ func TestSchedulerDeadProcess(t *testing.T) {
 // TestSchedulerCancel: cancelling a session ends its queued chunks at once.
 func TestSchedulerCancel(t *testing.T) {
 	e := newGateEngine()
-	s := newScheduler(e, 1, 8, time.Hour)
+	s := newScheduler(e, budget{1, 8}, budget{1, 8}, time.Hour)
 	defer s.close()
 	r := &results{errs: map[uint64][]error{}}
 	for i := 0; i < 4; i++ {
@@ -240,5 +241,224 @@ func TestSchedulerCancel(t *testing.T) {
 	}
 	e.release(1, nil)
 	waitFor(t, "the running one", func() bool { ok, _ := r.count(1); return ok == 1 })
-	waitFor(t, "forgotten", func() bool { s.mu.Lock(); defer s.mu.Unlock(); return len(s.queues) == 0 })
+	waitFor(t, "forgotten", func() bool { return !s.laneOf(1).busy(1) })
+}
+
+// cudaRegion is a CUDA IPC region on the GPU whose UUID starts with dev.
+func cudaRegion(dev byte) gpu.Region {
+	r := gpu.Region{Kind: gpu.CUDAIPC}
+	r.IPC.GPU[0] = dev
+	return r
+}
+
+var hostRegion = gpu.Region{Kind: gpu.HostProcess}
+
+// endChunks ends the running copies of regions hs, one at a time, until n of
+// session sess's chunks have ended.
+func endChunks(t *testing.T, e *gateEngine, r *results, sess uint64, n int, hs ...gpu.Handle) {
+	t.Helper()
+	waitFor(t, "the session's chunks", func() bool {
+		if ok, failed := r.count(sess); ok+failed == n {
+			return true
+		}
+		for _, h := range hs {
+			e.release(h, nil)
+		}
+		return false
+	})
+}
+
+// TestSchedulerBudgetByKind: a region's chunks run as many at a time as
+// its kind's budget says, whatever the other budget is, and a region the
+// scheduler was not told of is host memory.
+func TestSchedulerBudgetByKind(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		host, cuda budget
+		region     gpu.Region
+		kind       gpu.Kind
+		want       int
+	}{
+		{"host region: the host budget", budget{2, 16}, budget{5, 40}, hostRegion, gpu.HostProcess, 2},
+		{"cuda region: the cuda budget", budget{2, 16}, budget{5, 40}, cudaRegion(1), gpu.CUDAIPC, 5},
+		{"cuda budget past the host's most", budget{1, 1}, budget{6, 48}, cudaRegion(1), gpu.CUDAIPC, 6},
+		{"host budget past the cuda's most", budget{6, 48}, budget{1, 1}, hostRegion, gpu.HostProcess, 6},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newGateEngine()
+			s := newScheduler(e, tt.host, tt.cuda, time.Hour)
+			defer s.close()
+			s.route(1, tt.region)
+			if k := s.kind(1); k != tt.kind {
+				t.Fatalf("kind %v, want %v", k, tt.kind)
+			}
+			r := &results{errs: map[uint64][]error{}}
+			const n = 20
+			for i := range n {
+				s.submit(1, 100, gpu.Op{Region: 1, Pages: []uint32{uint32(i)}}, nil, r.done(1))
+			}
+			if got := e.startedOf(1); got != tt.want {
+				t.Fatalf("%d chunks started, want %d", got, tt.want)
+			}
+			endChunks(t, e, r, 1, n, 1)
+			if ok, _ := r.count(1); ok != n {
+				t.Fatalf("%d of %d chunks ended well", ok, n)
+			}
+			if e.peak != tt.want {
+				t.Fatalf("%d chunks ran at once, want %d", e.peak, tt.want)
+			}
+		})
+	}
+}
+
+// TestSchedulerBudgetPerDevice: each GPU's chunks have a budget of their
+// own; a handle forgotten and issued again for host memory is host memory.
+func TestSchedulerBudgetPerDevice(t *testing.T) {
+	e := newGateEngine()
+	s := newScheduler(e, budget{1, 1}, budget{2, 2}, time.Hour)
+	defer s.close()
+	s.route(1, cudaRegion(1))
+	s.route(2, cudaRegion(2))
+	s.route(3, cudaRegion(1))
+	s.route(4, hostRegion)
+	r := &results{errs: map[uint64][]error{}}
+	for i := range 4 {
+		for h := gpu.Handle(1); h <= 4; h++ {
+			s.submit(uint64(h), 100, gpu.Op{Region: h, Pages: []uint32{uint32(i)}}, nil, r.done(uint64(h)))
+		}
+	}
+	// GPU 1 runs two chunks of regions 1 and 3 (one each: round robin),
+	// GPU 2 two of region 2, the host one of region 4.
+	for h, want := range map[gpu.Handle]int{1: 1, 2: 2, 3: 1, 4: 1} {
+		if got := e.startedOf(h); got != want {
+			t.Errorf("region %d: %d chunks started, want %d", h, got, want)
+		}
+	}
+	for h := gpu.Handle(1); h <= 4; h++ {
+		endChunks(t, e, r, uint64(h), 4, 1, 2, 3, 4)
+	}
+	s.unroute(2)
+	if k := s.kind(2); k != gpu.HostProcess {
+		t.Fatalf("a forgotten handle is %v", k)
+	}
+	s.route(2, hostRegion)
+	s.submit(9, 100, gpu.Op{Region: 2, Pages: []uint32{0}}, nil, r.done(9))
+	s.submit(9, 100, gpu.Op{Region: 4, Pages: []uint32{0}}, nil, r.done(9))
+	if a, b := e.startedOf(2), e.startedOf(4); a != 5 || b != 4 {
+		t.Fatalf("a handle issued again for host memory is still in GPU 2's budget: %d and %d started", a, b)
+	}
+	endChunks(t, e, r, 9, 2, 2, 4)
+}
+
+// TestSchedulerFullBudgetDelaysNoOther: with one budget full, the other's
+// chunks start at once, of another session or of the same.
+func TestSchedulerFullBudgetDelaysNoOther(t *testing.T) {
+	for _, tt := range []struct {
+		name        string
+		full, other gpu.Region
+	}{
+		{"host full, cuda starts", hostRegion, cudaRegion(1)},
+		{"cuda full, host starts", cudaRegion(1), hostRegion},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newGateEngine()
+			s := newScheduler(e, budget{1, 1}, budget{1, 1}, time.Hour)
+			defer s.close()
+			s.route(1, tt.full)
+			s.route(2, tt.other)
+			r := &results{errs: map[uint64][]error{}}
+			for i := range 4 {
+				s.submit(1, 100, gpu.Op{Region: 1, Pages: []uint32{uint32(i)}}, nil, r.done(1))
+			}
+			s.submit(2, 200, gpu.Op{Region: 1, Pages: []uint32{0}}, nil, r.done(2))
+			if got := e.startedOf(1); got != 1 {
+				t.Fatalf("%d chunks run in a budget of one", got)
+			}
+			s.submit(2, 200, gpu.Op{Region: 2, Pages: []uint32{1}}, nil, r.done(2))
+			if got := e.startedOf(2); got != 1 {
+				t.Fatal("another session's chunk waits for a full budget of the other kind")
+			}
+			s.submit(1, 100, gpu.Op{Region: 2, Pages: []uint32{1}}, nil, r.done(1))
+			e.release(2, nil)
+			waitFor(t, "the same session's chunk", func() bool { return e.startedOf(2) == 2 })
+			if got := e.startedOf(1); got != 1 {
+				t.Fatalf("%d chunks of the full budget started", got)
+			}
+			e.release(2, nil)
+			endChunks(t, e, r, 1, 5, 1)
+			endChunks(t, e, r, 2, 2, 1)
+		})
+	}
+}
+
+// TestSchedulerStallStaysInItsBudget: a session's stuck chunk cancels its
+// queued chunks of the same budget only; its chunks of the other budget
+// run on, as many at a time as before.
+func TestSchedulerStallStaysInItsBudget(t *testing.T) {
+	for _, tt := range []struct {
+		name         string
+		stuck, other gpu.Region
+	}{
+		{"host stuck", hostRegion, cudaRegion(1)},
+		{"cuda stuck", cudaRegion(1), hostRegion},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newGateEngine()
+			// A stall bound far above how long a released chunk takes to end.
+			s := newScheduler(e, budget{1, 8}, budget{1, 8}, 300*time.Millisecond)
+			defer s.close()
+			s.route(1, tt.stuck)
+			s.route(2, tt.other)
+			r := &results{errs: map[uint64][]error{}}
+			for i := range 3 {
+				s.submit(1, 100, gpu.Op{Region: 1, Pages: []uint32{uint32(i)}}, nil, r.done(1))
+			}
+			waitFor(t, "the queued chunks of the stuck one's budget cancelled", func() bool { _, f := r.count(1); return f == 2 })
+			for i := range 3 {
+				s.submit(1, 100, gpu.Op{Region: 2, Pages: []uint32{uint32(i)}}, nil, r.done(1))
+			}
+			if got := e.startedOf(2); got != 1 {
+				t.Fatalf("%d chunks of the other budget started, want 1", got)
+			}
+			endChunks(t, e, r, 1, 5, 2)
+			if ok, failed := r.count(1); ok != 3 || failed != 2 {
+				t.Fatalf("%d ended well, %d failed: the other budget's chunks were cancelled", ok, failed)
+			}
+			e.release(1, nil)
+			waitFor(t, "the stuck chunk", func() bool { ok, _ := r.count(1); return ok == 4 })
+		})
+	}
+}
+
+// TestSchedulerStalledUIDPerBudget: a uid at its bound of stuck chunks in
+// one budget has its new chunks of that budget cancelled, not those of the
+// other.
+func TestSchedulerStalledUIDPerBudget(t *testing.T) {
+	e := newGateEngine()
+	s := newScheduler(e, budget{1, 16}, budget{1, 16}, 30*time.Millisecond)
+	defer s.close()
+	s.route(100, cudaRegion(1))
+	r := &results{errs: map[uint64][]error{}}
+	for sess := uint64(1); sess <= maxStalledPerUID; sess++ {
+		s.submit(sess, 7, gpu.Op{Region: gpu.Handle(sess), Pages: []uint32{0}}, nil, r.done(sess))
+	}
+	waitFor(t, "the uid's host chunks stuck", func() bool {
+		_, stalled, _ := s.stats()
+		return stalled == maxStalledPerUID
+	})
+	s.submit(50, 7, gpu.Op{Region: 50, Pages: []uint32{0}}, nil, r.done(50))
+	if _, f := r.count(50); f != 1 {
+		t.Fatal("a host chunk of a uid at its stall bound was not cancelled")
+	}
+	s.submit(51, 7, gpu.Op{Region: 100, Pages: []uint32{0}}, nil, r.done(51))
+	if _, f := r.count(51); f != 0 || e.startedOf(100) != 1 {
+		t.Fatal("a CUDA chunk of a uid at its host stall bound did not start")
+	}
+	for sess := uint64(1); sess <= maxStalledPerUID; sess++ {
+		e.release(gpu.Handle(sess), nil)
+	}
+	e.release(100, nil)
+	for sess := uint64(1); sess <= maxStalledPerUID; sess++ {
+		waitFor(t, "the stuck chunks' ends", func() bool { ok, _ := r.count(sess); return ok == 1 })
+	}
 }

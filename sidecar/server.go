@@ -140,12 +140,16 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 			log.Info().Uint64("pool_bytes", slots*cfg.SlotBytes).Dur("took", time.Since(t0)).Msg("pool reserved")
 		}
 	}
-	maxWorkers := cfg.CopyWorkers * 8
-	s.copier, err = newCopier(cfg, s.pool.Bytes(), maxWorkers, log)
+	// Each budget runs its base number of chunks at once, more only while
+	// some are stalled or for sessions that have none running (copysched.go).
+	host := budget{base: cfg.CopyWorkers, max: cfg.CopyWorkers * 8}
+	cuda := budget{base: cfg.CopyCUDAInflight, max: cfg.CopyCUDAInflight * 8}
+	s.copier, err = newCopier(cfg, s.pool.Bytes(), host.max, cuda.max, log)
 	if err != nil {
 		s.pool.Close()
 		return nil, err
 	}
+	s.sched = newScheduler(s.copier, host, cuda, cfg.CopyStall)
 	mcfg := machine.Config{
 		SlotBytes: cfg.SlotBytes, Budget: cfg.Budget, LeaseTTL: cfg.LeaseTTL, MaxLeaseTTL: cfg.MaxLeaseTTL,
 		CUDAIPC: gpu.Supports(s.copier, gpu.CUDAIPC), SnapshotScan: cfg.SnapshotScan,
@@ -153,6 +157,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		MaxLeases: cfg.MaxLeases, MetaBytes: s.cfg.MetaBytes, RingBytes: s.cfg.RingBytes, MaxSessions: cfg.MaxSessions,
 		MaxNamespaces: cfg.MaxNamespaces, PinShare: cfg.PinShare, PendingShare: cfg.PendingShare,
 		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare, ChunkBytes: cfg.CopyChunkBytes,
+		CUDAChunkBytes: cfg.CopyCUDAChunkBytes, RegionKind: s.sched.kind,
 	}
 	if invariantsEnabled {
 		pool, sb := s.pool.Bytes(), cfg.SlotBytes
@@ -178,7 +183,6 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		}
 		log.Info().Int("blocks", cfg.PrefillBlocks).Dur("took", time.Since(t0)).Msg("prefilled the index with synthetic blocks")
 	}
-	s.sched = newScheduler(s.copier, cfg.CopyWorkers, maxWorkers, cfg.CopyStall)
 	if s.exits, err = sys.NewExitWatcher(); err != nil {
 		log.Warn().Err(err).Msg("cannot watch client processes with pidfds: a session then ends only when its socket closes")
 	}
@@ -242,9 +246,10 @@ func (s *Server) memoryBudget(pool uint64) error {
 // "auto" and "cuda" route CUDA IPC regions to the CUDA backend and host
 // regions to the host backend. "auto" falls back to the host backend alone
 // (and says why) when CUDA cannot run; "cuda" fails instead. workers is
-// the most copies the engine must be able to run at once (the scheduler
-// keeps to cfg.CopyWorkers unless some are stalled).
-func newCopier(cfg Config, pool []byte, workers int, log zerolog.Logger) (gpu.Engine, error) {
+// the most host copies the engine must be able to run at once, and
+// perDevice the most CUDA copies of one GPU (the scheduler keeps to
+// cfg.CopyWorkers and cfg.CopyCUDAInflight unless some are stalled).
+func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logger) (gpu.Engine, error) {
 	// Copy threads run at a lower priority (nice +5): on a busy CPU the
 	// session loops, which answer every client, go before bulk copies.
 	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers,
@@ -252,7 +257,9 @@ func newCopier(cfg Config, pool []byte, workers int, log zerolog.Logger) (gpu.En
 	if err != nil || cfg.CopyBackend == "host" {
 		return host, err
 	}
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{})
+	// A device's queue holds every copy the scheduler may have in flight
+	// on it, so that Submit never blocks.
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Queue: max(256, perDevice)})
 	if err != nil {
 		if cfg.CopyBackend == "cuda" {
 			host.Close()
@@ -436,6 +443,7 @@ func (s *Server) apply(out *machine.Output) {
 	}
 	s.applyL2(out)
 	for _, h := range out.Unregister {
+		s.sched.unroute(h) // before the engine may issue h again
 		s.bg.Add(1)
 		go func() {
 			defer s.bg.Done()
@@ -445,6 +453,7 @@ func (s *Server) apply(out *machine.Output) {
 	for _, rg := range out.Registers {
 		h, err := s.copier.Register(rg.Region)
 		if err == nil {
+			s.sched.route(h, rg.Region) // before the machine may copy through h
 			if ss := s.session(rg.Session); ss != nil && rg.Region.Kind == gpu.HostProcess {
 				ss.probeAt.CompareAndSwap(0, rg.Region.Base)
 			}

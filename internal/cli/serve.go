@@ -50,6 +50,8 @@ func serveFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "limits.uid-share", Usage: "part of the metadata and ring bounds, and of --max-sessions, one uid may hold (0: 0.5)", EnvVars: env("limits.uid-share")},
 		&cli.Float64Flag{Name: "limits.session-share", Usage: "part of the metadata bound one session may hold (0: 0.25)", EnvVars: env("limits.session-share")},
 		&cli.StringFlag{Name: "copy.chunk-bytes", Value: "4MiB", Usage: "copies are split into pieces of at most this size, scheduled round robin between sessions", EnvVars: env("copy.chunk-bytes")},
+		&cli.StringFlag{Name: "copy.cuda-chunk-bytes", Value: "64MiB", Usage: "copies of GPU (CUDA IPC) regions are split into pieces of at most this size: asynchronous DMA costs no CPU while it runs and needs large pieces to keep the PCIe link busy", EnvVars: env("copy.cuda-chunk-bytes")},
+		&cli.IntFlag{Name: "copy.cuda-inflight", Value: 8, Usage: "copy pieces of GPU regions in flight per GPU, a budget apart from --copy.workers: a slow host copy never holds up a GPU copy, nor the reverse", EnvVars: env("copy.cuda-inflight")},
 		&cli.DurationFlag{Name: "copy.stall", Value: time.Second, Usage: "a copy piece running longer is stuck: another worker takes its turn and its session's queued pieces are cancelled until it returns", EnvVars: env("copy.stall")},
 		&cli.DurationFlag{Name: "reply-timeout", Value: 2 * time.Second, Usage: "a session whose completion ring stays full this long (its client stopped reading) is dropped", EnvVars: env("reply-timeout")},
 		&cli.IntFlag{Name: "debug.prefill-blocks", Hidden: true, Usage: "benchmarks: fill the index with N synthetic blocks of a private namespace (no bytes)", EnvVars: env("debug.prefill-blocks")},
@@ -152,6 +154,8 @@ func ServeConfig(c *cli.Context) (sidecar.Config, error) {
 			IdleTimeout:  c.Duration("metrics.idle-timeout"),
 			MaxConns:     c.Int("metrics.max-conns"),
 		},
+		CopyCUDAChunkBytes: size("copy.cuda-chunk-bytes"),
+		CopyCUDAInflight:   c.Int("copy.cuda-inflight"),
 	}
 	cfg.L2 = l2Config(c, &errs)
 	if s := c.String("allow-uid"); s != "" {
