@@ -149,18 +149,23 @@ def main() -> int:
             f"{tuple(hnd.shape)}, contiguous {hnd.is_contiguous()}, same storage {hnd.data_ptr() == kv.data_ptr()}",
         )
 
-    def expandable():
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-        r = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=120)
+    def expandable_once(extra: dict) -> tuple[str, str]:
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **extra}
+        r = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=60)
         out = (r.stdout.strip().splitlines() or [""])[-1].split(" ", 3)
         if r.returncode != 0 or not out[0]:
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            verdict("torch-expandable", "the subprocess failed", f"exit {r.returncode}: {tail}")
-        elif out[0] == "OK":
+            return "the subprocess failed", f"exit {r.returncode}: {tail}"
+        if out[0] == "OK" and len(out) == 4:
             v = "_share_cuda_ succeeds" + (" with type 'e'" if out[3] == "e" else f" with type {out[3]!r}")
-            verdict("torch-expandable", v, f"handle length {out[1]}, version byte {out[2]}")
-        else:
-            verdict("torch-expandable", "_share_cuda_ fails", " ".join(out[1:]))
+            return v, f"handle length {out[1]}, version byte {out[2]}"
+        return "_share_cuda_ fails", " ".join(out[1:])
+
+    def expandable():
+        v, d = expandable_once({})
+        # Some builds export expandable segments only when asked to.
+        v2, d2 = expandable_once({"TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "1"})
+        verdict("torch-expandable", v, f"{d}; with TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=1: {v2} ({d2})")
 
     def uuid():
         if drv is None:
