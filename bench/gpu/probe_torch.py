@@ -151,7 +151,7 @@ def main() -> int:
 
     def expandable_once(extra: dict) -> tuple[str, str]:
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **extra}
-        r = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=30)
         out = (r.stdout.strip().splitlines() or [""])[-1].split(" ", 3)
         if r.returncode != 0 or not out[0]:
             tail = (r.stderr.strip().splitlines() or ["no output"])[-1]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for the CUDA copy engine, for one machine with an NVIDIA GPU;
-# a few minutes, always under 9.
+# a few minutes, always under 9 (the steps' time limits: conformance 130 s,
+# benchmark 160 s, serve check 2 x 25 s, probes 80 s each).
 #
 #   bench/gpu/run.sh          build (if Go is here), then check and measure
 #   bench/gpu/run.sh build    only build bin/ringside, bin/ringside-bench and
@@ -120,6 +121,7 @@ fi
 	fi
 	echo "RLIMIT_MEMLOCK: $(ulimit -l)"
 	echo "python: $("$py" --version 2>&1 || echo unavailable)"
+	echo "binaries: $("$bin/ringside" --version 2>&1 || echo "no $bin/ringside")"
 } | save gpu.txt
 
 status=0
@@ -130,7 +132,7 @@ conf=${conf:-$tmp/conformance.txt}
 set +e
 # The test binary runs in its package directory (testdata/ is relative).
 # shellcheck disable=SC2086 # conf_args is a list of flags
-(cd gpu/gputest && RINGSIDE_REQUIRE_GPU=1 timeout 140 "$bin/gputest.test" -test.count=1 -test.v $conf_args \
+(cd gpu/gputest && RINGSIDE_REQUIRE_GPU=1 timeout 130 "$bin/gputest.test" -test.count=1 -test.v $conf_args \
 	-test.run '^(TestConformance|TestCUDARegister)$') >"$conf" 2>&1
 st=$?
 set -e
@@ -145,7 +147,7 @@ json=${out:+$out/copy.jsonl}
 json=${json:-$tmp/copy.jsonl}
 set +e
 # shellcheck disable=SC2086 # copy_args and COPY_ARGS are lists of flags
-timeout 170 "$bin/ringside-bench" copy --backend cuda --out "$json" $copy_args ${COPY_ARGS:-} | save copy.txt
+timeout 160 "$bin/ringside-bench" copy --backend cuda --out "$json" $copy_args ${COPY_ARGS:-} | save copy.txt
 st=${PIPESTATUS[0]}
 set -e
 echo "rows: $(wc -l <"$json" 2>/dev/null || echo 0) in $json"
@@ -166,13 +168,13 @@ serve_check() {
 	env "$@" "$bin/ringside" serve --dir="$dir" --pool.bytes=256MiB --pool.slot-bytes=5MiB \
 		--copy.backend=cuda --metrics.addr=127.0.0.1:0 --log.format=json >"$log" 2>&1 &
 	pid=$!
-	for i in $(seq 1 300); do
+	for i in $(seq 1 200); do
 		if grep -q '"sidecar ready"' "$log" || ! kill -0 "$pid" 2>/dev/null; then break; fi
 		sleep 0.1
 	done
 	if kill -0 "$pid" 2>/dev/null; then
 		kill -TERM "$pid"
-		for i in $(seq 1 100); do
+		for i in $(seq 1 50); do
 			kill -0 "$pid" 2>/dev/null || break
 			sleep 0.1
 		done
@@ -212,7 +214,7 @@ fi
 
 echo "== probe_torch.py"
 set +e
-timeout 90 "$py" bench/gpu/probe_torch.py 2>&1 | save probe_torch.txt | grep -E '^PROBE '
+timeout 80 "$py" bench/gpu/probe_torch.py 2>&1 | save probe_torch.txt | grep -E '^PROBE '
 st=${PIPESTATUS[0]}
 set -e
 echo "probe_torch: exit $st"
@@ -220,7 +222,7 @@ echo "probe_torch: exit $st"
 echo "== probe_ipc.py $ipc_args"
 set +e
 # shellcheck disable=SC2086 # ipc_args is a list of flags
-timeout 90 "$py" bench/gpu/probe_ipc.py $ipc_args 2>&1 | save probe_ipc.txt | grep -E '^PROBE '
+timeout 80 "$py" bench/gpu/probe_ipc.py $ipc_args 2>&1 | save probe_ipc.txt | grep -E '^PROBE '
 st=${PIPESTATUS[0]}
 set -e
 echo "probe_ipc: exit $st"
