@@ -271,6 +271,17 @@ func TestCUDAStoreEvent(t *testing.T) {
 	r.IPC.Event, r.IPC.HasEvent = ev.Handle, true
 	fc := fakeCounters(t)
 	events := fc.get(cEventOpen) - fc.get(cEventClose)
+	// An event handle that cannot be opened refuses the region, and the
+	// allocation opened before it is closed again.
+	mapped := fc.get(cIPCOpen) - fc.get(cIPCClose)
+	bad := r
+	bad.IPC.Event[10] ^= 0x20
+	if _, err := c.Register(bad); !errors.Is(err, gpu.ErrUnsupported) || !strings.Contains(err.Error(), "cuIpcOpenEventHandle") {
+		t.Fatalf("Register with a corrupted event handle = %v, want ErrUnsupported naming cuIpcOpenEventHandle", err)
+	}
+	if n := fc.get(cIPCOpen) - fc.get(cIPCClose); n != mapped {
+		t.Fatalf("a refused event left %d mappings open", n-mapped)
+	}
 	h, err := c.Register(r)
 	if err != nil {
 		t.Fatal(err)

@@ -38,6 +38,12 @@ func TestInitWithoutGPU(t *testing.T) {
 	if HasBatch() {
 		t.Error("HasBatch without a driver")
 	}
+	if _, err := IPCOpenEvent(IPCEventHandle{1}); err == nil {
+		t.Error("IPCOpenEvent succeeded without a driver")
+	}
+	if err := Stream(0).WaitEvent(1); err == nil {
+		t.Error("WaitEvent succeeded without a driver")
+	}
 }
 
 func TestResultError(t *testing.T) {
