@@ -46,13 +46,15 @@ const (
 	rulePrometheus     = "prometheus"              // scrape annotations and a Service on the metrics port
 	ruleServiceMonitor = "servicemonitor"          // the ServiceMonitor selects that Service and port
 	ruleGPUClaim       = "gpu-claim"               // a GPU is shared through one DRA claim named by both containers
+	ruleGPUBackend     = "gpu-backend"             // a sidecar given a GPU runs --copy.backend=cuda
 	ruleL2Tier         = "l2-tier"                 // a shared tier: TLS, and its password and CA from a Secret, never a literal
 )
 
 var allRules = []string{
 	ruleRender, ruleStrictDecode, ruleSidecarNative, ruleStartupProbe, ruleEngineOrder,
 	ruleSharedShm, rulePIDNamespace, ruleHostIsolation, ruleSecurity, ruleSameUser, ruleSeccomp, ruleProbes,
-	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim, ruleL2Tier,
+	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim, ruleGPUBackend,
+	ruleL2Tier,
 }
 
 const (
@@ -320,6 +322,9 @@ func (c *checker) checkPod(p *podSpec, services []*corev1.Service, templates, cl
 	}
 	if en != nil {
 		c.checkGPU(p, sc, en, templates, claims)
+	}
+	if cfgOK && len(sc.Resources.Claims) > 0 && cfg.CopyBackend != "cuda" {
+		c.fail(ruleGPUBackend, "%s: the sidecar is given a GPU but runs --copy.backend=%s: with auto a node whose driver is unusable (or an image built without cgo) falls back to the host backend, which cannot copy GPU memory, and vLLM serves without the cache; cuda fails at start instead", p.name, cfg.CopyBackend)
 	}
 	if cfgOK && cfg.L2 != nil {
 		c.checkL2(p, sc, cfg.L2)
