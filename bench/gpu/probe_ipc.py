@@ -249,7 +249,8 @@ def open_or_refuse(drv: cudrv.Driver, handle: bytes) -> int:
 
 def stand_in_cleanup(handle: bytes) -> None:
     """The stand-in driver keeps "device memory" in /dev/shm files named in
-    its handles; a SIGKILLed exporter leaves its files behind."""
+    its handles; a SIGKILLed exporter leaves its files behind, and so does
+    a cuMemFree that a sticky error refuses."""
     if handle[:4] == b"FAKE":
         name = handle[4:].split(b"\0", 1)[0].decode(errors="replace")
         if name.startswith("/fakecuda-") and "/" not in name[1:]:
@@ -366,12 +367,13 @@ def probe_death(drv: cudrv.Driver, child: Child, args, _st: dict) -> None:
     for name in ("cuMemcpyDtoHAsync", "cuStreamSynchronize"):
         if not drv.has(name):
             raise Unsupported("unsupported by this driver", f"{name} missing")
-    h = b""
+    h = own_handle = b""
     h = bytes.fromhex(child.ask("alloc", bytes=n, fill=0x5A)["handle"])
     try:
         mem = open_or_refuse(drv, h)
         host = cudrv.PinnedBuffer(drv, n)
         own = drv.alloc(MIB)
+        own_handle = drv.ipc_handle(own)  # only to clean up after the stand-in
         s = drv.stream()
         codes: dict[str, int] = {}
         for i in range(copies):
@@ -413,6 +415,7 @@ def probe_death(drv: cudrv.Driver, child: Child, args, _st: dict) -> None:
             verdict("exporter-death", "no error", d)
     finally:
         stand_in_cleanup(h)
+        stand_in_cleanup(own_handle)
 
 
 def parent_main(args) -> int:
