@@ -162,6 +162,13 @@ func TestRunDry(t *testing.T) {
 	if v := verdicts("probe_torch.txt"); v["torch"] != "skipped" {
 		t.Errorf("probe_torch.txt: want `PROBE torch: skipped (...)` without CUDA torch, got %v", v)
 	}
+	// The stand-in keeps device memory in /dev/shm files; the probe's own
+	// must be gone, even after a sticky error refused their cuMemFree.
+	if m := regexp.MustCompile(`(?m)^driver .*, pid (\d+)$`).FindStringSubmatch(read("probe_ipc.txt")); m == nil {
+		t.Errorf("probe_ipc.txt has no header line with its pid")
+	} else if left, _ := filepath.Glob("/dev/shm/fakecuda-" + m[1] + "-*"); len(left) > 0 {
+		t.Errorf("probe_ipc.py left stand-in device memory behind: %v", left)
+	}
 	v := verdicts("probe_ipc.txt")
 	for _, p := range ipcProbes {
 		if _, ok := v[p]; !ok {
