@@ -83,7 +83,7 @@ $(VLLM_VENV)/.ringside-test-deps: connector/python/requirements-test.txt
 # ruff (pinned in requirements-test.txt) over the package, its tests and
 # the benchmark scripts; settings in connector/python/pyproject.toml.
 RUFF ?= $(PYTHON) -m ruff
-RUFF_PATHS := connector/python bench/vllm
+RUFF_PATHS := connector/python bench/vllm bench/gpu
 ruff:
 	$(RUFF) check --config connector/python/pyproject.toml $(RUFF_PATHS)
 	$(RUFF) format --check --config connector/python/pyproject.toml $(RUFF_PATHS)
