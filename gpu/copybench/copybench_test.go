@@ -93,3 +93,37 @@ func TestCUDABatchedRows(t *testing.T) {
 		}
 	}
 }
+
+// The targets' verdicts: each compares its rows with the same run's
+// ceiling of the same bytes, and a target without rows says so.
+func TestVerdicts(t *testing.T) {
+	row := func(dir, mode string, pb uint64, n int, gbps, us float64) Row {
+		return Row{Backend: "cuda", Direction: dir, Mode: mode, PageBytes: pb, Pages: n, Bytes: pb * uint64(n), GBps: gbps, MeanUS: us, Status: "ok"}
+	}
+	rows := []Row{
+		row("h2d", "batched", 2<<20, 128, 46, 5800), row("h2d", "ceiling", 2<<20, 128, 50, 5400),
+		row("d2h", "batched", 2<<20, 128, 40, 6700), row("d2h", "ceiling", 2<<20, 128, 50, 5400),
+		row("h2d", "batched", 32<<10, 8192, 25, 10700), row("h2d", "ceiling", 32<<10, 8192, 50, 5400),
+		row("h2d", "batched", 32<<10, 16, 1, 500), // a smaller count: not the one judged
+	}
+	got := strings.Join(Verdicts(rows), "\n")
+	for _, want := range []string{
+		"target h2d cross-layer 2 MiB blocks batched >= 0.9x the ceiling (128 pages): met (46.00 vs 50.00 GB/s, 0.92x)",
+		"target d2h cross-layer 2 MiB blocks batched >= 0.9x the ceiling (128 pages): NOT met (40.00 vs 50.00 GB/s, 0.80x)",
+		"target h2d per-layer 32 KiB ranges batched >= 0.6x the ceiling (8192 pages): NOT met (25.00 vs 50.00 GB/s, 0.50x)",
+		"target d2h per-layer 32 KiB ranges batched >= 0.6x the ceiling: not measured",
+		"as 32K ranges < 8ms: NOT met (10.7ms, 0 ranges)",
+		"as 2M ranges < 8ms: met (5.8ms, 0 ranges)",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verdicts lack %q:\n%s", want, got)
+		}
+	}
+	rows[0].Backend = "host"
+	for i := range rows {
+		rows[i].Backend = "host"
+	}
+	if v := Verdicts(rows); v != nil {
+		t.Errorf("host rows got GPU verdicts: %v", v)
+	}
+}
