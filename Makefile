@@ -71,8 +71,8 @@ test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 # end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
 pytest: ruff $(VLLM_VENV)/.ringside-test-deps
-	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py
-	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py
+	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py --ignore=connector/python/tests/test_cuda_vllm.py
+	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py
 	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
 
 # pytest in the vLLM venv (its lock pins the engine only), once per venv.

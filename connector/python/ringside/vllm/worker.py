@@ -48,6 +48,10 @@ class WorkerSide:
         self.save_timeout = cfg.save_timeout
         self.region: Optional[Region] = None
         self._region_gen = -1
+        # A CUDA region's interprocess event (cudaipc.IpcEvent; None for host
+        # memory): recorded on the engine's stream before a Store, the
+        # sidecar's store copies wait for it.
+        self.store_event: Any = None
         self._wbatch = 0
         # Stores sent by wait_for_save, awaited at the start of the next step
         # (handle_preemptions) instead of blocking the step that sent them;
@@ -63,13 +67,48 @@ class WorkerSide:
     # -- registration ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        if self.region is not None:
+            self._release_region()
         try:
-            self.region = from_block_tensors(kv_caches)
+            region = from_block_tensors(kv_caches)
         except RegionError as e:
             logger.warning("ringside: %s; serving without the cache", e)
-            self.region = None
             return
+        except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
+            logger.warning("ringside: cannot describe the KV cache (%r); serving without the cache", e)
+            return
+        self.region, self.store_event = region, region.event
         self._register()
+
+    def _release_region(self) -> None:
+        """Forget the registered KV cache before another is registered (vLLM
+        re-initialising it). The protocol cannot unregister a region, so the
+        session that registered it is closed (detach) and the next one
+        registers the new memory under the same REGION_ID: the sidecar drops
+        the old region and its mappings of the old allocations with that
+        session, so no copy can reach them again. (A new region id in the
+        same session would keep the old allocations mapped, and open, in
+        the sidecar until the session ends; and a session registers at most
+        64 regions.) Stores and loads still copying into or out of the old
+        memory are waited for first (bounded by their timeouts)."""
+        if self._saving:
+            self._finish_saves()
+        while self._inflight:
+            self._collect_loads()
+            if self._inflight:
+                time.sleep(0.001)
+        if self.link.session is not None and self._region_gen == self.link.generation:
+            self.link.close()
+            # A detach of our own, not a lost sidecar: attach again at once
+            # (the link's reattach interval paces attempts after failures).
+            self.link._next_try = 0.0
+        self._region_gen = -1
+        ev, self.store_event, self.region = self.store_event, None, None
+        if ev is not None:
+            try:
+                ev.close()
+            except Exception as e:  # noqa: BLE001 - a leaked event is no reason to stop
+                logger.debug("ringside: destroying the old store event: %r", e)
 
     def _register(self) -> Optional[Session]:
         s = self.link.get()

@@ -1,0 +1,211 @@
+"""The vLLM worker's GPU KV cache, on the stand-in CUDA driver
+(gpu/gputest/testdata/fakecuda.c; see test_cuda_region.py), in the vLLM venv:
+
+- every KVCacheLayout of the installed vLLM's own allocator
+  (vllm/v1/kv_cache_interface.py create_kv_cache_views over one buffer, the
+  strides from compute_layout_strides as get_kv_cache_config_from_groups
+  sets them), page by page, byte by byte;
+- WorkerSide's registration: the store event, refusals that leave the
+  engine serving, and a second register_kv_caches.
+"""
+
+import ctypes
+import logging
+import os
+import struct
+import time
+from types import SimpleNamespace
+
+import pytest
+import vllm_harness as H  # skips this module where vLLM is not importable
+from test_cuda_region import BLOCK, BS, GRANULE, D, Sim, T, libcuda  # noqa: F401 - libcuda: a fixture
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ringside import schema as S
+from ringside.plugin import cudaipc
+from ringside.plugin.config import VLLM, Config
+from ringside.plugin.region import from_block_tensors
+from ringside.vllm.worker import WorkerSide
+
+torch = H.torch
+
+
+@pytest.fixture
+def sim(libcuda, monkeypatch):  # noqa: F811 - the fixture of the same name
+    monkeypatch.setenv(cudaipc.LIB_ENV, libcuda)  # the worker's driver is the stand-in
+    s = Sim(libcuda)
+    yield s
+    s.close()
+
+
+class Cuda:
+    """A torch tensor over simulator memory that says it is on the GPU."""
+
+    def __init__(self, t):
+        self.t = t
+        self.device = SimpleNamespace(type="cuda", index=0)
+        self.shape, self.dtype = t.shape, t.dtype
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def stride(self):
+        return self.t.stride()
+
+    def element_size(self):
+        return self.t.element_size()
+
+    def __getitem__(self, k):
+        return self.t[k]
+
+    def __setitem__(self, k, v):
+        self.t[k] = v
+
+
+def device_bytes(sim, n):
+    p = sim.alloc(n)
+    return p, torch.frombuffer((ctypes.c_char * n).from_address(p), dtype=torch.int8)
+
+
+def byte_addresses(t):
+    """Every byte address of tensor t, in address order."""
+    es = t.element_size()
+    offs = [0]
+    for n, st in zip(t.shape, t.stride()):
+        offs = [o + i * st for o in offs for i in range(n)]
+    return sorted(t.data_ptr() + o * es + k for o in offs for k in range(es))
+
+
+SPEC = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=D, dtype=torch.float16)
+
+
+def vllm_views(sim, layout, nb=6, layers=3, kernel_block_size=None):
+    ls, bs, *_ = compute_layout_strides(SPEC, nb, layers, layout)
+    size = nb * layers * SPEC.page_size_bytes
+    p, raw = device_bytes(sim, size)
+    names = ["model.layers.%d.self_attn.attn" % i for i in range(layers)]
+    kvt = KVCacheTensor(size=size, layers=names, layer_stride=ls, block_stride=bs)
+    views = create_kv_cache_views(raw, SPEC, nb, layout, kvt, kernel_block_size=kernel_block_size)
+    return p, dict(zip(names, views))
+
+
+# Segments a page of 3 layers has in each layout: a block-outermost layout
+# whose block is compact is one range; heads outside the block dimension
+# make a piece per head and layer.
+SEGMENTS = {"LBHNC": 3, "LBNHC": 3, "LHBNC": 6, "BLHNC": 1, "BLNHC": 1, "BHLNC": 6}
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda lay: lay.name)
+def test_every_vllm_layout_pages_byte_by_byte(sim, layout):
+    nb = 6
+    p, views = vllm_views(sim, layout, nb)
+    r = from_block_tensors({n: Cuda(v) for n, v in views.items()}, drv=sim.drv)
+    assert r.page_count == nb and r.page_size == 3 * SPEC.page_size_bytes
+    for i in range(nb):
+        want = [a for n in sorted(views) for a in byte_addresses(views[n][i])]
+        got = [r.base + o + i * st + k for o, st, ln in r.page_segments() for k in range(ln)]
+        assert got == want, i
+    assert len(r.segments) == SEGMENTS[layout.name]
+    x = S.decode_cuda_extra(r.extra)
+    assert x.allocations == (S.CUDAAllocation(sim.handle(p), p, GRANULE),)
+
+
+def test_kernel_blocks_make_one_page_of_a_block(sim):
+    # A kernel block size below the block size: the views count kernel
+    # blocks; given the engine's block count a page is a whole block.
+    nb = 4
+    _, views = vllm_views(sim, KVCacheLayout.LBNHC, nb, kernel_block_size=BS // 2)
+    kv = {n: Cuda(v) for n, v in views.items()}
+    assert next(iter(views.values())).shape[0] == 2 * nb
+    r = from_block_tensors(kv, num_blocks=nb, drv=sim.drv)
+    assert r.page_count == nb and r.page_size == 3 * SPEC.page_size_bytes
+    for i in range(nb):
+        want = [a for n in sorted(views) for a in byte_addresses(views[n][2 * i]) + byte_addresses(views[n][2 * i + 1])]
+        got = [r.base + o + i * st + k for o, st, ln in r.page_segments() for k in range(ln)]
+        assert got == want
+
+
+def worker(sock="/nonexistent/ringside.sock"):
+    cfg = Config.parse({"socket": sock, "reattach_interval": 0.0, "timeout": 2.0}, VLLM)
+    attach = dict(instance="cuda-worker", model="m", layout="l", salt="", world_size=1, digest_width=32)
+    return WorkerSide(cfg, attach, 0, True)
+
+
+def fa_layers(sim, n, nb=6):
+    return {"model.layers.%d.attn" % i: T(sim.alloc(2 * nb * BLOCK), (2, nb, BS, 2, D)) for i in range(n)}
+
+
+def test_worker_attaches_the_store_event(sim):
+    w = worker()
+    w.register_kv_caches(fa_layers(sim, 32))
+    assert w.region is not None and w.region.kind == S.REGION_CUDA_IPC
+    assert isinstance(w.store_event, cudaipc.IpcEvent)
+    assert S.decode_cuda_extra(w.region.extra).event == w.store_event.handle
+    w.store_event.record(sim.stream())
+    # Host memory has none.
+    bufs = [ctypes.create_string_buffer(2 * 6 * BLOCK) for _ in range(2)]
+    h = worker()
+    h.register_kv_caches(
+        {"l%d" % i: T(ctypes.addressof(b), (2, 6, BS, 2, D), device="cpu") for i, b in enumerate(bufs)}
+    )
+    assert h.region is not None and h.region.kind == S.REGION_HOST_PROCESS and h.store_event is None
+
+
+def test_worker_serves_without_the_cache_when_memory_cannot_be_shared(sim, monkeypatch, caplog):
+    monkeypatch.setenv("FAKECUDA_VMM", "1")
+    layers = fa_layers(sim, 2)
+    monkeypatch.delenv("FAKECUDA_VMM")
+    w = worker()
+    with caplog.at_level(logging.WARNING, logger="ringside.vllm"):
+        w.register_kv_caches(layers)
+    assert w.region is None and w.store_event is None
+    warned = [r.getMessage() for r in caplog.records if "serving without the cache" in r.getMessage()]
+    assert len(warned) == 1 and "expandable_segments" in warned[0], warned
+    # The engine's steps go on: nothing to load or store.
+    w.start_load_kv(None)
+    assert w.get_finished(set()) == (None, None)
+
+
+def sidecar_counters(d, pid):
+    """The stand-in driver's call counters in the sidecar (FAKECUDA_COUNTERS):
+    (IPC handles opened, closed)."""
+    try:
+        with open(os.path.join(d, str(pid)), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return 0, 0
+    c = struct.unpack("<%dQ" % (len(raw) // 8), raw)
+    return c[3], c[4]
+
+
+def wait_for(cond, what, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_second_registration_replaces_the_first(sim, start_sidecar, libcuda, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    monkeypatch.setenv("FAKECUDA_COUNTERS", str(tmp_path))
+    sc = start_sidecar(pool="4MiB", slot="16KiB", args=["--copy.backend=cuda"], metrics=True)
+    monkeypatch.delenv("FAKECUDA_COUNTERS")
+    pid = sc.proc.pid
+    w = worker(sc.sock)
+    w.register_kv_caches(fa_layers(sim, 4))
+    first, ev, gen = w.region, w.store_event, w.link.generation
+    assert w._region_gen == gen
+    wait_for(lambda: sidecar_counters(tmp_path, pid) == (4, 0), "the sidecar did not open the 4 allocations")
+    w.register_kv_caches(fa_layers(sim, 4))
+    assert w.region is not first and w.store_event is not ev and ev.event is None  # the old event destroyed
+    # A new session registered the new memory; the old one is gone, and
+    # with it the sidecar's mappings of the old allocations.
+    assert w.link.generation == gen + 1 and w._region_gen == w.link.generation
+    sid = w.link.session.info.session
+    wait_for(
+        lambda: [(x["id"], x["regions"]) for x in sc.state()["sessions"]] == [(sid, 1)],
+        "the old session is still there: %s" % sc.state()["sessions"],
+    )
+    wait_for(lambda: sidecar_counters(tmp_path, pid) == (8, 4), "the old allocations are still mapped")
+    w.shutdown()
