@@ -364,3 +364,15 @@ def test_host_regions_join_in_address_order():
     base = min(starts)[0]
     assert r.kind == S.REGION_HOST_PROCESS and r.extra == b"" and r.event is None
     assert r.segments == tuple((a - base, st, n) for a, st, n in starts)
+
+
+def test_more_pieces_than_register_region_takes_are_refused():
+    n = S.MAX_SEGMENTS + 1
+    buf = ctypes.create_string_buffer(3 * n * 64)
+    base = ctypes.addressof(buf)
+    # Layer i's 16 bytes of each of 3 blocks at i * 64: pieces that never touch.
+    layers = {"layers.%04d" % i: T(base + i * 64, (3, 16), (n * 64, 1), es=1, device="cpu") for i in range(n)}
+    with pytest.raises(RegionError, match="at most %d" % S.MAX_SEGMENTS):
+        from_block_tensors(layers)
+    del layers["layers.%04d" % (n - 1)]
+    assert len(from_block_tensors(layers).segments) == S.MAX_SEGMENTS

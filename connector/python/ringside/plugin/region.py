@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..schema import REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
+from ..schema import MAX_SEGMENTS, REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
 
 # Most contiguous pieces a page may be made of (RegisterRegion's bound on
 # segments is larger; beyond this a layout is not worth registering).
@@ -174,8 +174,12 @@ def _block_pieces(t: Any, num_blocks: Optional[int], seen: Optional[int]) -> tup
         raise RegionError("a KV cache tensor without dimensions")
     ptr = int(t.data_ptr())
     outer = [(0, shape, stride)]
-    want = num_blocks if num_blocks is not None else seen
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] != 2 and (want is None or shape[1] % want == 0):
+    kv_first = len(shape) >= 2 and shape[0] == 2 and shape[1] != 2
+    if num_blocks is not None:
+        kv_first = kv_first and shape[1] % num_blocks == 0
+    else:
+        kv_first = kv_first and (seen is None or shape[1] == seen)
+    if kv_first:
         outer = [(kv * stride[0] * es, shape[1:], stride[1:]) for kv in range(2)]
     pieces = []
     nb = outer[0][1][0]
@@ -259,6 +263,8 @@ def _joined(starts: Sequence[tuple[int, int, int]], pages: int, alloc_of: Any = 
         if pages > 1 and st < n:
             raise RegionError("blocks overlap: a stride of %d bytes for %d-byte pieces" % (st, n))
         out.append((a, st, n))
+    if len(out) > MAX_SEGMENTS:
+        raise RegionError("a page is %d pieces, RegisterRegion takes at most %d" % (len(out), MAX_SEGMENTS))
     return out
 
 
