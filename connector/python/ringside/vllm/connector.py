@@ -39,7 +39,7 @@ from . import events as kv_events
 from .engine import hash_seed_warning, namespace, tp_rank
 from .groups import layout_of
 from .metadata import RingsideConnectorMetadata
-from .scheduler import COUNTERS, SchedulerSide
+from .scheduler import COUNTERS, EngineLimits, SchedulerSide
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,6 +62,7 @@ SCHEDULER_HOOKS = (
     "take_events",
     "update_connector_output",
     "request_finished",
+    "has_pending_block_frees",
 )
 
 
@@ -126,11 +127,13 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
             events = None
             if kv_events.enabled(cfg, vllm_config):  # the sidecar's tier in vLLM's KV event stream
                 events = kv_events.KVEvents(cfg, bs, kv_cache_config, groups)
-            self.connector_scheduler = SchedulerSide(cfg, attach, bs, speculative, groups, events)
+            limits = EngineLimits.of(vllm_config)
+            self.connector_scheduler = SchedulerSide(cfg, attach, bs, speculative, groups, events, limits)
             self._bind_hooks()
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)
+            self.connector_worker.writes_first = writes_before_hook(vllm_config)
         logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
         if not groups.plain and role == KVConnectorRole.SCHEDULER:
             logger.info("ringside: KV cache groups served: %s", ", ".join(map(repr, groups.groups)))
@@ -213,11 +216,14 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Optional[dict]]:
-        # vLLM with the hybrid allocator calls this instead of request_finished.
-        # Stores never outlive the request's blocks (wait_saves), so nothing
-        # is held: the blocks are freed now.
+        # vLLM with the hybrid allocator calls this instead of request_finished:
+        # the same (True holds every group's blocks until finished_sending).
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.has_pending_block_frees()
 
     # -- worker side -------------------------------------------------------------
 
@@ -244,8 +250,10 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        # With the step's metadata (still bound: both runners clear it after
+        # this call), whose held requests the workers report when released.
         assert self.connector_worker is not None
-        return self.connector_worker.get_finished(finished_req_ids)
+        return self.connector_worker.get_finished(finished_req_ids, getattr(self, "_connector_metadata", None))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.connector_worker is not None
@@ -269,6 +277,17 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self):
         self.side.shutdown()
+
+
+def writes_before_hook(vllm_config: Any) -> bool:
+    """Whether the engine's model runner writes blocks (zeroes new ones,
+    copies into them) before it calls handle_preemptions: Model Runner V2
+    does (update_requests comes first), the V1 runner does not. Unknown
+    counts as yes (the workers then settle exposed stores at the step's end)."""
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # noqa: BLE001 - without the property vLLM predates V2 (the V1 runner)
+        return hasattr(type(vllm_config), "use_v2_model_runner")
 
 
 class Unserved:
@@ -305,6 +324,9 @@ class Unserved:
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict]]:
         return False, None
 
+    def has_pending_block_frees(self) -> bool:
+        return False
+
     def register_kv_caches(self, kv_caches: dict) -> None:
         return
 
@@ -317,7 +339,7 @@ class Unserved:
     def handle_preemptions(self, meta: Any) -> None:
         return
 
-    def get_finished(self, finished_req_ids: set) -> tuple[None, None]:
+    def get_finished(self, finished_req_ids: set, meta: Any = None) -> tuple[None, None]:
         return None, None
 
     def take_failed(self, recving: set) -> set:

@@ -81,6 +81,34 @@ COUNTERS = (
 )
 
 
+class EngineLimits:
+    """The engine's scheduling limits the scheduler side reasons with (how
+    many blocks a schedule can allocate, how many steps are in flight)."""
+
+    __slots__ = ("max_tokens", "max_seqs", "lookahead", "concurrent_batches")
+
+    def __init__(self, max_tokens: int = 0, max_seqs: int = 0, lookahead: int = 0, concurrent_batches: int = 1):
+        self.max_tokens = max_tokens  # max_num_batched_tokens (0: not known)
+        self.max_seqs = max_seqs  # max_num_seqs
+        self.lookahead = lookahead  # speculative tokens a request
+        self.concurrent_batches = max(1, concurrent_batches)  # vLLM's max_concurrent_batches
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> "EngineLimits":
+        sc = vllm_config.scheduler_config
+        spec = getattr(vllm_config, "speculative_config", None)
+        try:
+            batches = int(vllm_config.max_concurrent_batches)
+        except Exception:  # noqa: BLE001 - a vLLM without it: assume the most common overlap
+            batches = 2
+        return cls(
+            int(sc.max_num_batched_tokens),
+            int(sc.max_num_seqs),
+            int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
+            batches,
+        )
+
+
 class SchedulerSide:
     """Implementation of the scheduler-side connector methods."""
 
@@ -92,6 +120,7 @@ class SchedulerSide:
         speculative: bool,
         layout: Optional[Layout] = None,
         events: Any = None,
+        limits: Optional["EngineLimits"] = None,
     ):
         self.cfg = cfg
         self.block_size = block_size
@@ -122,7 +151,26 @@ class SchedulerSide:
         # Only full attention keeps every block of a live request until it
         # finishes or is preempted (sliding windows free old blocks).
         self._full_attention: Optional[bool] = None
-        self._saves_exposed = False  # a request with stores in flight finished (see wait_saves)
+        # Finished requests whose blocks vLLM keeps for the workers' stores
+        # (request_finished returned True): to tell the workers (the next
+        # metadata), and those not reported back in finished_sending yet.
+        self._held: list[str] = []
+        self.holding: set[str] = set()
+        lim = limits or EngineLimits()
+        # A store planned in step k is answered, or waited for, by the time
+        # the workers start the forward pass of step k + 2 (handle_preemptions
+        # waits for all but the latest step's); with overlapping batches
+        # (async scheduling, pipeline parallelism) vLLM schedules up to
+        # max_concurrent_batches - 1 steps more before it processes a step's
+        # output. One step of margin.
+        self.hold_steps = lim.concurrent_batches + 2
+        # The most blocks one schedule can allocate to running requests (the
+        # only ones vLLM preempts for): the token budget and every request's
+        # lookahead, a block more a request for the one it has begun, in
+        # every KV cache group. 0: not known (every step is exposed).
+        n = len(layout.groups)
+        lim_tokens = lim.max_tokens + lim.max_seqs * lim.lookahead
+        self.alloc_bound = n * (lim_tokens // block_size + lim.max_seqs) if lim.max_tokens else 0
         if self.index is not None:
             self.index.start(self.link.get(), cfg.timeout)
         # The sidecar's tier in vLLM's KV event stream (events.py), or None.
@@ -184,10 +232,20 @@ class SchedulerSide:
         if self._full_attention is None:
             self._full_attention = full_attention_only(self.kv_cache_manager)
         pre = getattr(scheduler_output, "preempted_req_ids", None)
-        meta.wait_saves = self._saves_exposed or pre is None or bool(pre) or not self._full_attention
+        full = self._full_attention
+        meta.wait_saves = pre is None or bool(pre) or not full
         if pre:
             self.admission.preempted(pre)
-        self._saves_exposed = False
+            reqs = self.reqs
+            for rid in pre:  # its blocks went with the preemption (wait_saves, settle_saves)
+                r = reqs.get(rid)
+                if r is not None:
+                    r.store_step = 0
+        kvm = self.kv_cache_manager
+        bound = self.alloc_bound
+        meta.settle_saves = not full or not bound or kvm is None or kvm.block_pool.get_num_free_blocks() < bound
+        if self._held:
+            meta.held_req_ids, self._held = self._held, []
         planner.step += 1
         if planner.req_to_blocks is False:
             kvm = self.kv_cache_manager
@@ -239,6 +297,10 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         if self.index is not None:
             self.index.out_t = _monotonic()
+        if self.holding:
+            sent = getattr(connector_output, "finished_sending", None)
+            if sent:
+                self.holding.difference_update(sent)
         rec = getattr(connector_output, "finished_recving", None) or ()
         if not rec:
             return
@@ -255,10 +317,16 @@ class SchedulerSide:
         r = self.reqs.pop(rid, None)
         if r is None:
             return False, None
-        if r.store_step and r.store_step >= self.planner.step:
-            # Its blocks are freed now, and the last step's stores may still
-            # be reading some of them.
-            self._saves_exposed = True
+        # Stores planned in its last steps may still be reading its blocks:
+        # vLLM keeps them until the workers report the request in
+        # finished_sending (each once no store of its that read them is
+        # unanswered). A preempted request's stores went with its blocks
+        # (store_step 0), and a request waiting for its load is held by
+        # vLLM itself until finished_recving.
+        hold = bool(r.store_step) and r.store_step + self.hold_steps > self.planner.step
+        if hold:
+            self._held.append(rid)
+            self.holding.add(rid)
         if r.load is not None and self.loads.waiting.pop(rid, None) is not None:
             self.loads.abandoned.append(rid)
         s = self.link.session
@@ -274,7 +342,13 @@ class SchedulerSide:
                     self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)
-        return False, None
+        return hold, None
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM asks before it preempts a request for blocks: held blocks
+        come back within a step or two (save_timeout at most), so it waits
+        for them instead."""
+        return bool(self.holding)
 
     def shutdown(self) -> None:
         self.stats_file.write(self.stats)

@@ -1,8 +1,8 @@
 """The store planner: which blocks of which requests become full in a step.
 
 Pure: it reads vLLM's SchedulerOutput and requests and writes the step's
-stores into the metadata (digests and engine block ids, in the same order);
-no sidecar, no I/O. The workers store those blocks after the forward pass
+stores into the metadata (digests and engine block ids, in the same order,
+and the requests whose blocks they are); no sidecar, no I/O. The workers store those blocks after the forward pass
 that fills them (worker.py).
 
 Cost follows the requests that can fill a block this step, not all scheduled
@@ -166,6 +166,7 @@ class StorePlanner:
                         mine.update(hashes[a:full])
                 if self.runs is not None:
                     self.runs.append((req, a, full))
+                meta.store_req_ids.append(rid)
                 r.stored = full
                 r.store_step = self.step
         if self.every_step:
@@ -240,6 +241,8 @@ class StorePlanner:
                     meta.store_digests.append(b"".join(digs))
                     if mine is not None:
                         mine.update(digs)
+                    if r.store_step != self.step:  # once a step, whatever its groups
+                        meta.store_req_ids.append(rid)
                     r.store_step = self.step
                     if self.runs is not None and g is self.lead:  # KV events describe the lead group
                         self.runs.append((req, ids[0][0], ids[-1][0] + 1))

@@ -6,11 +6,19 @@ tensors). Loads start before the forward pass (``start_load_kv``; the request
 waits in WAITING_FOR_REMOTE_KVS meanwhile) and are collected in
 ``get_finished``. A step's newly full blocks are stored in ``wait_for_save``,
 after the forward pass that wrote them: the step's digests are registered as
-a batch of this worker's own and stored from it; the copies are waited for
-(bounded) at the start of the next step (``handle_preemptions``, before vLLM
-can write any block), so that no block is rewritten while it is copied and
-the copies overlap with vLLM's output processing and scheduling. With
-``overlap_saves`` they may run on through the next forward pass too.
+a batch of this worker's own and stored from it. No block is handed to
+another request while a store may read it: a request that finishes with a
+store unanswered is held by vLLM (request_finished returned True) until this
+worker reports it in finished_sending, once every store of its own that read
+its blocks has ended (answered OK or not, or past save_timeout); blocks
+freed without request_finished (preemption, sliding windows) are covered by
+waiting for the stores before the first write that can reach them:
+``handle_preemptions`` when the scheduler says a step may reuse them (the V1
+runner writes no block before it), or the end of the step before (Model
+Runner V2 zeroes and copies into new blocks before it calls
+handle_preemptions). Otherwise the copies overlap with vLLM's output
+processing and scheduling, and with ``overlap_saves`` with the next forward
+pass too.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ logger = logging.getLogger("ringside.vllm")
 
 REGION_ID = 1
 _monotonic = time.monotonic
+_ALL, _LAST, _POLL = 0, 1, 2  # how _finish_saves collects the stores' replies
 
 
 class WorkerSide:
@@ -56,7 +65,15 @@ class WorkerSide:
         # Stores sent by wait_for_save, awaited at the start of the next step
         # (handle_preemptions) instead of blocking the step that sent them;
         # synchronous where vLLM has no such hook, or with sync_saves.
-        self._saving: list = []  # (session, seqs, deadline)
+        self._saving: list = []  # (session, seqs, deadline, request ids, engine block ids)
+        self._store_reqs: dict[str, int] = {}  # req id -> stores in _saving that read its blocks
+        self._held: set[str] = set()  # finished requests vLLM keeps the blocks of, until reported
+        self._sent: set[str] = set()  # held requests whose stores all ended: finished_sending
+        self._noted: Any = None  # the last metadata whose held requests were noted
+        # The runner writes blocks before handle_preemptions (Model Runner V2;
+        # the connector sets it): stores exposed by the next schedule
+        # (settle_saves) are waited for at the end of the step.
+        self.writes_first = True
         self._deferred_saves = deferred_saves and not cfg.sync_saves
         self._overlap = cfg.overlap_saves  # "auto" (GPU memory only), True or False: see overlap_saves()
         self._inflight: dict[str, list] = {}  # req_id -> [(seq, engine block ids, whole, deadline)]
@@ -188,14 +205,17 @@ class WorkerSide:
             self._load_errors.update(ids)
         self.stats["load_error_blocks"] += len(ids)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+    def get_finished(
+        self, finished_req_ids: set[str], meta: Any = None
+    ) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._inflight:
             self._collect_loads()
+        sending = self._settle(meta) if isinstance(meta, RingsideConnectorMetadata) else None
         self.stats_file.tick(self.stats)
         if not self._finished_recving:
-            return None, None
+            return sending, None
         done, self._finished_recving = self._finished_recving, set()
-        return None, done
+        return sending, done
 
     def take_failed(self, recving: set) -> set:
         """The requests among recving (finished loading) whose load of several
@@ -260,9 +280,12 @@ class WorkerSide:
         s = self._register()
         if s is None:
             return
-        if self.region.kind == _s.REGION_CUDA_IPC:
-            # The sidecar's device-to-host copies run on its own streams: the
-            # forward pass that wrote these blocks must be finished first.
+        # The sidecar's device-to-host copies run on its own streams: they
+        # must not start before the forward pass that wrote these blocks.
+        ev = getattr(self, "store_event", None)
+        if ev is not None:
+            ev.record()  # on the current stream; the sidecar's store stream waits on it
+        elif self.region.kind == _s.REGION_CUDA_IPC:
             import torch
 
             torch.cuda.current_stream().synchronize()
@@ -272,6 +295,7 @@ class WorkerSide:
         self._wbatch += 1
         batch = (1 << 63) | (self.rank << 40) | (self._wbatch & ((1 << 40) - 1))
         seqs = []
+        ids = meta.store_block_ids
         try:
             digests = b"".join(meta.store_digests)
             step = _s.MAX_HASHES_PER_RECORD * 32
@@ -284,7 +308,6 @@ class WorkerSide:
             # The batch holds every run's digests in order, and the block ids
             # in the same order make one list: one Store record for the whole
             # step (8192 pages per record at most), not one a request.
-            ids = meta.store_block_ids
             for first in range(0, len(ids), _s.MAX_PAGES_PER_RECORD):
                 chunk = ids[first : first + _s.MAX_PAGES_PER_RECORD]
                 seqs.append(
@@ -295,21 +318,34 @@ class WorkerSide:
         except SIDECAR_ERRORS as e:
             self._save_failed(e)
             return
-        self._saving.append((s, seqs, _monotonic() + self.save_timeout))
+        # The requests whose blocks these stores read: a held one is reported
+        # in finished_sending once every such store of this worker ended.
+        rids = meta.store_req_ids
+        sr = self._store_reqs
+        for rid in rids:
+            sr[rid] = sr.get(rid, 0) + 1
+        self._saving.append((s, seqs, _monotonic() + self.save_timeout, rids, ids))
         if not self._deferred_saves:
-            self._finish_saves(True)
+            self._finish_saves(_ALL)
 
     def handle_preemptions(self, meta: Any) -> None:
-        # vLLM calls this at the start of every step, before anything can
-        # write a block (zeroing, block copies, the forward pass). A store's
-        # blocks are full and belong to a live request, so nothing writes
-        # them again until they are freed: the scheduler marks the steps in
-        # which stores still copying may have lost their blocks (a request
-        # finished or was preempted, wait_saves) and only then does this
-        # wait; otherwise the copies go on through this step's forward pass
-        # and are waited for at the next step at the latest.
+        # vLLM calls this at the start of every step, before the step's
+        # forward pass. A store's blocks are full and belong to a live
+        # request, so nothing writes them again until they are freed, and a
+        # finished request's are held until its stores ended (request_finished,
+        # finished_sending). Blocks freed without request_finished (a
+        # preempted request's, those a sliding window drops) may be handed
+        # to another request by this step's schedule: the scheduler says so
+        # (wait_saves) and only then does this wait for every store. That is
+        # in time for the V1 runner, which writes no block before this call;
+        # Model Runner V2 zeroes and copies into the step's new blocks before
+        # it (update_requests), so there the stores the next schedule may
+        # expose were waited for at the end of the step before (_settle,
+        # settle_saves). Otherwise the copies go on through this step's
+        # forward pass (overlap_saves) and are waited for at the next step at
+        # the latest.
         if self._saving:
-            self._finish_saves(not self.overlap_saves() or getattr(meta, "wait_saves", True))
+            self._finish_saves(_ALL if not self.overlap_saves() or getattr(meta, "wait_saves", True) else _LAST)
 
     def overlap_saves(self) -> bool:
         """Whether stores may run on through the next forward pass (when the
@@ -322,34 +358,81 @@ class WorkerSide:
             return self.region is not None and self.region.kind == _s.REGION_CUDA_IPC
         return bool(o)
 
-    def _finish_saves(self, wait_all: bool = True) -> None:
-        """Wait (bounded by save_timeout) for the replies of the stores sent
-        by wait_for_save. With wait_all False the latest step's stores are
-        only collected if answered; the rest stay pending one more step (the
-        next call waits for them, as for everything older)."""
+    def _settle(self, meta: RingsideConnectorMetadata) -> Optional[set[str]]:
+        """finished_sending (get_finished): the held requests whose stores
+        all ended. The step's held requests are noted once; where the runner
+        writes blocks before handle_preemptions, the stores the next schedule
+        may expose (settle_saves) are waited for now; else, with requests
+        held, the answered stores are collected (no wait)."""
+        if meta is not self._noted:
+            self._noted = meta
+            for rid in meta.held_req_ids:
+                if rid in self._store_reqs:
+                    self._held.add(rid)
+                else:  # no store of this worker read its blocks, or all ended
+                    self._sent.add(rid)
+        if self._saving:
+            if self.writes_first and meta.settle_saves:
+                self._finish_saves(_ALL)
+            elif self._held:
+                self._finish_saves(_POLL)
+        if not self._sent:
+            return None
+        done, self._sent = self._sent, set()
+        return done
+
+    def _finish_saves(self, how: int = _ALL) -> None:
+        """Collect the replies of the stores sent by wait_for_save. _ALL
+        waits (bounded by save_timeout) for every one; _LAST the same, but
+        the latest step's stores are only collected if answered (the rest
+        stay pending one more step: the next call waits for them, as for
+        everything older); _POLL waits for none (a store past its deadline
+        times out). A store that ended (answered OK or not, timed out, or of
+        a dropped session) releases the requests whose blocks it read."""
         pending, self._saving = self._saving, []
         last = len(pending) - 1
-        for i, (s, seqs, deadline) in enumerate(pending):
+        for i, entry in enumerate(pending):
+            s, seqs, deadline = entry[0], entry[1], entry[2]
+            left: list = []
             try:
-                if not wait_all and i == last and s is self.link.session:
-                    self.stats["saves_unwaited"] += 1
-                    left = []
+                if s is not self.link.session:
+                    pass  # that session was dropped (_save_failed)
+                elif how == _POLL or (how == _LAST and i == last):
+                    if how == _LAST:
+                        self.stats["saves_unwaited"] += 1
                     for seq in seqs:
                         p = s.try_reply(seq)
                         if p is None:
                             left.append(seq)
                         else:
                             self._store_done(p)
-                    if left:
-                        self._saving.append((s, left, deadline))
-                    continue
-                for seq in seqs:
-                    if s is not self.link.session:
-                        break  # that session was dropped: the sidecar discarded its writes
-                    left_s = max(deadline - _monotonic(), 0.001)
-                    self._store_done(s.await_reply(seq, timeout=left_s))
+                    if left and how == _POLL and _monotonic() > deadline:
+                        left = []
+                        raise RingsideTimeout("a store got no reply in %.1fs" % self.save_timeout)
+                else:
+                    for seq in seqs:
+                        left_s = max(deadline - _monotonic(), 0.001)
+                        self._store_done(s.await_reply(seq, timeout=left_s))
             except SIDECAR_ERRORS as e:
                 self._save_failed(e)
+                left = []
+            if left:
+                self._saving.append((s, left) + entry[2:])
+            elif entry[3]:
+                self._release(entry[3])
+
+    def _release(self, rids: list) -> None:
+        """One store that read the blocks of rids ended."""
+        sr = self._store_reqs
+        for rid in rids:
+            n = sr.get(rid, 0) - 1
+            if n > 0:
+                sr[rid] = n
+                continue
+            sr.pop(rid, None)
+            if rid in self._held:
+                self._held.discard(rid)
+                self._sent.add(rid)
 
     def _store_done(self, payload: bytes) -> None:
         rep = _s.decode_store_reply(payload)
@@ -362,9 +445,11 @@ class WorkerSide:
             st["store_errors"] += 1
 
     def _save_failed(self, e: Exception) -> None:
-        # The engine may reuse the blocks once we return: drop the session so
-        # the sidecar stops and discards whatever it holds (a write of a dead
-        # session never becomes visible).
+        # No reply came in time, or none can come: the session is dropped,
+        # so the sidecar takes no more records from it, and its stores count
+        # as ended (their blocks are released). A copy the sidecar had
+        # already queued or begun may still read them: docs/architecture.md
+        # (ordering rule 1) says when that is.
         self.stats["store_errors"] += 1
         self.faults.fail(e)
         if self.link.session is not None:
