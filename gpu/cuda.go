@@ -48,6 +48,29 @@ type CUDAOptions struct {
 	// Queue is the number of accepted ops per device that may wait for the
 	// device's submission thread before Submit blocks (default 256).
 	Queue int
+	// PinWait bounds how long a registration waits for the pool's
+	// pinning, which starts at the first registration (default
+	// DefaultPinWait).
+	PinWait time.Duration
+	// OnPinned, if set, is called once when the pool's pinning has ended
+	// (err nil: pinned), from the goroutine that pinned it.
+	OnPinned func(p PinInfo, err error)
+	// OnDeviceFailed, if set, is called once per GPU whose context hit a
+	// sticky error, from a goroutine of its own.
+	OnDeviceFailed func(DeviceFailure)
+}
+
+// DefaultPinWait is how long a registration waits for the pool to be
+// pinned by default: pinning takes about 0.1 s per GiB, so this covers
+// pools of about a terabyte.
+const DefaultPinWait = 2 * time.Minute
+
+// DeviceFailure describes a GPU whose context is unusable.
+type DeviceFailure struct {
+	Ordinal int
+	UUID    string
+	Code    int   // the CUresult that poisoned the context, e.g. 700
+	Err     error // wraps ErrDeviceFailed; every op on the GPU fails with it
 }
 
 // CUDAInfo describes a running CUDA backend, for the startup log.
@@ -117,7 +140,17 @@ type CUDA struct {
 	devMu      sync.Mutex
 	devs       map[int]*cudaDevice // by ordinal
 	devsClosed bool
-	pin        *cudaDevice
+	pin        *cudaDevice // the device whose context pinned the pool; nil until the first registration
+
+	pinWait  time.Duration
+	onPinned func(PinInfo, error)
+	onFail   func(DeviceFailure)
+	// pinDone is closed when the pool's pinning has ended; pinRes, pinErr
+	// and pinned are written before that and only read after it.
+	pinDone chan struct{}
+	pinRes  PinInfo
+	pinErr  error
+	pinned  [][]byte
 
 	completions chan cudaCompletion
 	compDone    chan struct{}
@@ -177,6 +210,8 @@ type cudaJob struct {
 	dir       Direction
 	h         Handle
 	reg       *cudaRegion
+	fence     *Fence
+	fail      error // ended before it was issued (fenced, device failed): the op's whole error
 	dst, src  []uint64
 	lens      []uint64
 	bytes     int64
@@ -194,10 +229,16 @@ type cudaCompletion struct {
 	done func(Result)
 }
 
-// NewCUDA loads the CUDA driver, registers pool (the sidecar's mapping of
-// the block pool; it must be mmapped memory, not Go heap) as pinned host
-// memory in chunks, and returns the backend. Without a usable driver or
-// device the error wraps ErrCUDAUnavailable.
+// NewCUDA loads the CUDA driver, checks that a device is visible and
+// returns the backend. It takes no GPU memory: no context is created here
+// (an engine that profiles free GPU memory at its start, as vLLM does,
+// must find all of it, and in EXCLUSIVE_PROCESS mode a context of ours
+// would keep the engine off the GPU). A device's primary context is
+// retained at the first registration on it, and the pool (the sidecar's
+// mapping of the block pool; it must be mmapped memory, not Go heap) is
+// registered as pinned host memory, in chunks, at the first registration
+// on any device, in the background; registrations wait for it (PinWait).
+// Without a usable driver or device the error wraps ErrCUDAUnavailable.
 func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 	if len(pool) == 0 {
 		return nil, fmt.Errorf("%w: empty pool", ErrInvalidOp)
@@ -215,9 +256,13 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 	if opts.Queue <= 0 {
 		opts.Queue = 256
 	}
+	if opts.PinWait <= 0 {
+		opts.PinWait = DefaultPinWait
+	}
 	e := &CUDA{
 		pool: pool, poolAddr: cuda.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
 		regions: map[Handle]*cudaRegion{}, devs: map[int]*cudaDevice{},
+		pinWait: opts.PinWait, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
 		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
 	}
 	var err error
@@ -254,41 +299,58 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 		return nil, fmt.Errorf("%w: copy mode %d", ErrInvalidOp, opts.Copy)
 	}
 	go e.completer()
-	// The pool is registered from device 0's context; PORTABLE makes it
-	// pinned for every context of this process.
-	e.pin, err = e.device(e.devInfo[0])
-	if err == nil {
-		e.info.Pin, err = e.pinPool()
-	}
-	if err != nil {
-		e.Close()
-		return nil, err
-	}
 	e.info.Batch = e.batch.Load()
 	return e, nil
 }
 
-func (e *CUDA) pinPool() (PinInfo, error) {
+// pinPool registers the pool as pinned host memory from d's context on a
+// thread of its own (the device's thread stays free to open handles);
+// PORTABLE makes it pinned for every context of this process. It runs
+// once, started by the first device, and ends by closing pinDone.
+func (e *CUDA) pinPool(d *cudaDevice) {
+	runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
 	p := PinInfo{Bytes: uint64(len(e.pool))}
 	p.MemlockSoft, p.MemlockHard, p.MemlockErr = cuda.MemlockLimit()
 	t0 := time.Now()
-	err := e.pin.call(func() error {
-		for off := uint64(0); off < uint64(len(e.pool)); off += e.chunk {
-			end := min(off+e.chunk, uint64(len(e.pool)))
-			if err := cuda.HostRegister(e.pool[off:end], cuda.HostRegisterPortable); err != nil {
-				msg := fmt.Sprintf("gpu: registering pool bytes [%d, %d) of %d as pinned memory: %v", off, end, len(e.pool), err)
-				if p.MemlockBelowPool() {
-					msg += fmt.Sprintf(" (RLIMIT_MEMLOCK is %d bytes; raise it, e.g. ulimit -l unlimited)", p.MemlockSoft)
-				}
-				return errors.New(msg)
+	err := d.ctx.SetCurrent()
+	if err != nil {
+		err = fmt.Errorf("gpu: pinning the pool: cuCtxSetCurrent: %w", err)
+	}
+	for off := uint64(0); err == nil && off < uint64(len(e.pool)); off += e.chunk {
+		end := min(off+e.chunk, uint64(len(e.pool)))
+		if rerr := cuda.HostRegister(e.pool[off:end], cuda.HostRegisterPortable); rerr != nil {
+			msg := fmt.Sprintf("gpu: registering pool bytes [%d, %d) of %d as pinned memory: %v", off, end, len(e.pool), rerr)
+			if p.MemlockBelowPool() {
+				msg += fmt.Sprintf(" (RLIMIT_MEMLOCK is %d bytes; raise it, e.g. ulimit -l unlimited)", p.MemlockSoft)
 			}
-			e.pin.pinned = append(e.pin.pinned, e.pool[off:end])
-			p.Chunks++
+			err = errors.New(msg)
+			break
+		}
+		e.pinned = append(e.pinned, e.pool[off:end])
+		p.Chunks++
+	}
+	p.Took = time.Since(t0)
+	e.pinRes, e.pinErr = p, err
+	close(e.pinDone)
+	if e.onPinned != nil {
+		e.onPinned(p, err)
+	}
+}
+
+// waitPinned waits, up to PinWait, for the pool's pinning to end.
+func (e *CUDA) waitPinned() error {
+	t := time.NewTimer(e.pinWait)
+	defer t.Stop()
+	select {
+	case <-e.pinDone:
+		if e.pinErr != nil {
+			return fmt.Errorf("%w: the pool could not be pinned, so no GPU memory can be served: %w", ErrUnsupported, e.pinErr)
 		}
 		return nil
-	})
-	p.Took = time.Since(t0)
-	return p, err
+	case <-t.C:
+		return fmt.Errorf("%w: the pool (%d bytes) is still being registered as pinned host memory after %v; register again later",
+			ErrUnsupported, len(e.pool), e.pinWait)
+	}
 }
 
 // SetCopyMode switches how later ops are issued (benchmarks compare
@@ -311,10 +373,16 @@ func (e *CUDA) SetCopyMode(m CopyMode) error {
 	return nil
 }
 
-// Info describes the backend: driver, devices, batching, pool pinning.
+// Info describes the backend: driver, devices, batching, and the pool's
+// pinning once it has ended (zero before the first registration).
 func (e *CUDA) Info() CUDAInfo {
 	i := e.info
 	i.Batch = e.batch.Load()
+	select {
+	case <-e.pinDone:
+		i.Pin = e.pinRes
+	default:
+	}
 	return i
 }
 
@@ -336,7 +404,11 @@ func (e *CUDA) Supports(k Kind) bool { return k == CUDAIPC }
 // regions of one allocation share the mapping), bounds each allocation by
 // the smaller of its declared size and the size of the mapping, checks
 // that every segment lies inside its allocation's bound, and opens the
-// store event if there is one. Nothing stays open when it fails.
+// store event if there is one. Nothing stays open when it fails. The
+// first registration on a GPU retains its primary context (a GPU in
+// EXCLUSIVE_PROCESS or PROHIBITED compute mode is refused), the first on
+// any GPU starts pinning the pool, and every registration waits for the
+// pinning (PinWait). A failed GPU (ErrDeviceFailed) refuses it.
 func (e *CUDA) Register(r Region) (Handle, error) {
 	if r.Kind != CUDAIPC {
 		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", ErrUnsupported, CUDAIPC, r.Kind)
@@ -368,6 +440,9 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	}
 	d, err := e.device(*di)
 	if err != nil {
+		return 0, err
+	}
+	if err := e.waitPinned(); err != nil {
 		return 0, err
 	}
 	r.Segments = append([]Segment(nil), r.Segments...)
@@ -494,12 +569,18 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 	if !ok {
 		return fail(ErrUnknownRegion)
 	}
+	if err := reg.dev.failed(); err != nil {
+		return fail(err)
+	}
+	if op.Fence.Raised() {
+		return fail(ErrFenced)
+	}
 	ranges, err := PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
 	if err != nil {
 		return fail(err)
 	}
 	ranges = splitRanges(localRanges(ranges, reg.segs), e.chunk, uint64(len(e.pool)))
-	j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, submitted: now, done: done,
+	j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, fence: op.Fence, submitted: now, done: done,
 		dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
 	for i, rg := range ranges {
 		host := e.poolAddr + rg.Pool
@@ -584,19 +665,23 @@ func (e *CUDA) Close() error {
 		e.mu.Unlock()
 		e.devMu.Lock()
 		e.devsClosed = true
+		pin := e.pin
 		devs := make([]*cudaDevice, 0, len(e.devs))
 		for _, d := range e.devs {
-			if d != e.pin {
+			if d != pin {
 				devs = append(devs, d)
 			}
 		}
 		e.devMu.Unlock()
+		if pin != nil {
+			<-e.pinDone // the pinning thread uses pin's context
+		}
 		// The pool stays pinned until every device has drained.
 		for _, d := range devs {
 			d.stop()
 		}
-		if e.pin != nil {
-			e.pin.stop()
+		if pin != nil {
+			pin.stop()
 		}
 		close(e.completions)
 		<-e.compDone
@@ -616,15 +701,31 @@ func (e *CUDA) completer() {
 	}
 }
 
-// device returns the running device for di, starting it on first use.
+// device returns the running device for di, starting it on first use
+// (the first device started also starts pinning the pool).
 func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 	e.devMu.Lock()
 	defer e.devMu.Unlock()
 	if d := e.devs[di.ordinal]; d != nil {
+		if err := d.failed(); err != nil {
+			return nil, err
+		}
 		return d, nil
 	}
 	if e.devsClosed {
 		return nil, fmt.Errorf("gpu: CUDA backend: %w", os.ErrClosed)
+	}
+	// Before any context: in EXCLUSIVE_PROCESS mode one process may hold
+	// a context on the GPU, and the engine needs it.
+	switch mode, err := di.dev.Attribute(cuda.AttrComputeMode); {
+	case err != nil:
+		return nil, fmt.Errorf("%w: GPU %d (%s): reading its compute mode (cuDeviceGetAttribute): %v", ErrUnsupported, di.ordinal, di.uuid, err)
+	case mode == cuda.ComputeExclusiveProcess:
+		return nil, fmt.Errorf("%w: GPU %d (%s) is in EXCLUSIVE_PROCESS compute mode: only one process may hold a context on it, "+
+			"and the engine holds it, so the sidecar cannot map its memory; set the compute mode to DEFAULT "+
+			"(nvidia-smi -i %d -c DEFAULT, or the GPU operator's compute-mode setting) to use the GPU KV cache", ErrUnsupported, di.ordinal, di.uuid, di.ordinal)
+	case mode == cuda.ComputeProhibited:
+		return nil, fmt.Errorf("%w: GPU %d (%s) is in PROHIBITED compute mode: no process may create a context on it", ErrUnsupported, di.ordinal, di.uuid)
 	}
 	d := &cudaDevice{e: e, info: di, jobs: make(chan *cudaJob, e.queue), calls: make(chan func()),
 		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}, ipcEvent: map[ipcEventKey]*ipcEvent{}}
@@ -634,6 +735,10 @@ func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 		return nil, fmt.Errorf("gpu: CUDA device %d (%s): %w", di.ordinal, di.uuid, err)
 	}
 	e.devs[di.ordinal] = d
+	if e.pin == nil {
+		e.pin = d
+		go e.pinPool(d)
+	}
 	return d, nil
 }
 
@@ -651,11 +756,58 @@ type cudaDevice struct {
 	quit        chan struct{}
 	exited      chan struct{}
 	stopOnce    sync.Once
+	// fault is set once, on the device goroutine, when the context hits a
+	// sticky error: the error every op on the device fails with.
+	fault atomic.Pointer[error]
 
 	// Owned by the device goroutine.
-	ipc      map[ipcKey]*ipcMapping
-	ipcEvent map[ipcEventKey]*ipcEvent
-	pinned   [][]byte
+	ipc           map[ipcKey]*ipcMapping
+	ipcEvent      map[ipcEventKey]*ipcEvent
+	loads, stores []*cudaJob // issued, in stream order
+}
+
+// failed returns the device's failure (wrapping ErrDeviceFailed), or nil.
+func (d *cudaDevice) failed() error {
+	if p := d.fault.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// markFailed records that the context hit the sticky error cause: every
+// op issued and not yet completed fails now (its completion event would
+// only return the same error), and nothing is issued on the device again.
+// Runs on the device goroutine.
+func (d *cudaDevice) markFailed(cause error) {
+	if d.failed() != nil {
+		return
+	}
+	code := cuda.Code(cause)
+	err := fmt.Errorf("%w: GPU %d (%s): %w: the sidecar's CUDA context on this GPU is unusable (a sticky error); "+
+		"nothing more is issued on it and every copy on it fails until the sidecar restarts", ErrDeviceFailed, d.info.ordinal, d.info.uuid, code)
+	d.fault.Store(&err)
+	for _, q := range []*[]*cudaJob{&d.loads, &d.stores} {
+		for _, j := range *q {
+			j.fail = err
+			d.finish(j)
+		}
+		*q = nil
+	}
+	if d.e.onFail != nil {
+		f := DeviceFailure{Ordinal: d.info.ordinal, UUID: d.info.uuid.String(), Code: int(code), Err: err}
+		go d.e.onFail(f)
+	}
+}
+
+// sticky fails j and the device if err carries a sticky code.
+func (d *cudaDevice) sticky(j *cudaJob, err error) bool {
+	if !cuda.Sticky(err) {
+		return false
+	}
+	d.markFailed(err)
+	j.fail = d.failed()
+	d.finish(j)
+	return true
 }
 
 var errDeviceStopped = errors.New("gpu: CUDA device stopped")
@@ -701,20 +853,19 @@ func (d *cudaDevice) run(ready chan<- error) {
 		return
 	}
 	ready <- nil
-	var loads, stores []*cudaJob
 	quit := d.quit
 	quitting := false
 	lastProgress := time.Now()
 	sleep := pollMin
 	for {
-		if len(loads)+len(stores) == 0 {
+		if len(d.loads)+len(d.stores) == 0 {
 			if quitting && len(d.jobs) == 0 {
 				d.teardown()
 				return
 			}
 			select {
 			case j := <-d.jobs:
-				d.start(j, &loads, &stores)
+				d.start(j)
 			case f := <-d.calls:
 				f()
 			case <-quit:
@@ -727,7 +878,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 		for {
 			select {
 			case j := <-d.jobs:
-				d.start(j, &loads, &stores)
+				d.start(j)
 			case f := <-d.calls:
 				f()
 			case <-quit:
@@ -736,7 +887,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 				break drain
 			}
 		}
-		if d.poll(&loads)+d.poll(&stores) > 0 {
+		if d.poll(&d.loads)+d.poll(&d.stores) > 0 {
 			lastProgress, sleep = time.Now(), pollMin
 			continue
 		}
@@ -789,10 +940,12 @@ func (d *cudaDevice) teardown() {
 		ev.ev.Destroy()
 		delete(d.ipcEvent, k)
 	}
-	for _, b := range d.pinned {
-		cuda.HostUnregister(b)
+	if d == d.e.pin {
+		for _, b := range d.e.pinned {
+			cuda.HostUnregister(b)
+		}
+		d.e.pinned = nil
 	}
-	d.pinned = nil
 	for _, ev := range d.events {
 		ev.Destroy()
 	}
@@ -894,12 +1047,23 @@ func (d *cudaDevice) event() (cuda.Event, error) {
 	return cuda.NewEvent()
 }
 
-// start issues j's copies and its completion event.
-func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
+// start issues j's copies and its completion event, unless the device
+// has failed or j's fence is raised: then j ends without a driver call.
+func (d *cudaDevice) start(j *cudaJob) {
 	j.started = time.Now()
-	stream, dir, q := d.store, cuda.DtoH, stores
+	if j.fence.Raised() {
+		j.fail = fmt.Errorf("%w: CUDA device %d (%s)", ErrFenced, d.info.ordinal, d.info.uuid)
+		d.finish(j)
+		return
+	}
+	if err := d.failed(); err != nil {
+		j.fail = err
+		d.finish(j)
+		return
+	}
+	stream, dir, q := d.store, cuda.DtoH, &d.stores
 	if j.dir == PoolToEngine {
-		stream, dir, q = d.load, cuda.HtoD, loads
+		stream, dir, q = d.load, cuda.HtoD, &d.loads
 	}
 	if j.dir == EngineToPool && j.reg.event != 0 {
 		// The engine recorded the event after writing the pages: the copies
@@ -908,6 +1072,9 @@ func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
 		// source in stream order (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM), so
 		// the wait covers them.
 		if err := stream.WaitEvent(j.reg.event); err != nil {
+			if d.sticky(j, err) {
+				return
+			}
 			j.err = fmt.Errorf("cuStreamWaitEvent on the engine's store event: %w", err)
 			d.finish(j)
 			return
@@ -928,6 +1095,9 @@ func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
 	}
 	j.calls += calls
 	if err != nil {
+		if d.sticky(j, err) {
+			return
+		}
 		j.err = fmt.Errorf("enqueueing range %d of %d: %w", failed, len(j.lens), err)
 	}
 	ev, err := d.event()
@@ -941,6 +1111,9 @@ func (d *cudaDevice) start(j *cudaJob, loads, stores *[]*cudaJob) {
 		// No event: wait for what was enqueued, so that nothing touches
 		// the pool or the engine's memory after the op completes.
 		serr := stream.Synchronize()
+		if d.sticky(j, errors.Join(err, serr)) {
+			return
+		}
 		j.err = errors.Join(j.err, fmt.Errorf("recording the completion event: %w", err), serr)
 		d.finish(j)
 		return
@@ -963,6 +1136,11 @@ func (d *cudaDevice) poll(q *[]*cudaJob) int {
 		if !fired {
 			break
 		}
+		if cuda.Sticky(err) {
+			// Every op issued on the device fails with it, j first.
+			d.markFailed(err)
+			return n + 1
+		}
 		if err != nil {
 			j.err = errors.Join(j.err, err)
 			j.ev.Destroy()
@@ -980,7 +1158,10 @@ func (d *cudaDevice) poll(q *[]*cudaJob) int {
 
 func (d *cudaDevice) finish(j *cudaJob) {
 	res := Result{Bytes: j.bytes, Ranges: len(j.lens), Calls: j.calls, Queued: j.started.Sub(j.submitted), Elapsed: time.Since(j.started)}
-	if j.err != nil {
+	if j.fail != nil {
+		res.Bytes = 0
+		res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: j.fail}
+	} else if j.err != nil {
 		res.Bytes = 0
 		res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1,
 			Err: fmt.Errorf("%w: CUDA device %d (%s): %w", ErrTransfer, d.info.ordinal, d.info.uuid, j.err)}

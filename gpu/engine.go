@@ -8,6 +8,7 @@ import (
 	"math/bits"
 	"slices"
 	"sort"
+	"sync/atomic"
 	"time"
 )
 
@@ -27,6 +28,15 @@ var (
 	ErrUnsupported = errors.New("gpu: unsupported")
 	// ErrTransfer: the copy itself failed (fault, dead process, permission).
 	ErrTransfer = errors.New("gpu: transfer failed")
+	// ErrDeviceFailed: the GPU's context in this process hit a sticky
+	// error (an illegal address, a launch failure and the like): nothing
+	// more is issued on it, every op on it fails with this error (which
+	// names the GPU and the driver's code), and the process must restart
+	// to use the GPU again.
+	ErrDeviceFailed = errors.New("gpu: CUDA device failed")
+	// ErrFenced: the op was withdrawn (its Fence raised) before the
+	// backend issued it; nothing of it was copied.
+	ErrFenced = errors.New("gpu: copy withdrawn before it was issued")
 )
 
 // Kind says how the engine memory of a Region is reached.
@@ -333,7 +343,24 @@ type Op struct {
 	Region      Handle
 	Pages       []uint32
 	PoolOffsets []uint64
+	// Fence, if set, withdraws the op while it waits: a backend that
+	// queues ops before issuing them (the CUDA backend's device queue)
+	// checks it just before it issues the op and, if it is raised, ends
+	// the op with ErrFenced without touching either side. An op already
+	// issued runs to its end. Backends that issue at once may ignore it.
+	Fence *Fence
 }
+
+// Fence withdraws the ops that carry it (Op.Fence). The zero value is
+// down; Raise is for good. Safe for concurrent use; a nil Fence is never
+// raised.
+type Fence struct{ raised atomic.Bool }
+
+// Raise withdraws every op carrying f that has not been issued yet.
+func (f *Fence) Raise() { f.raised.Store(true) }
+
+// Raised reports whether Raise was called.
+func (f *Fence) Raised() bool { return f != nil && f.raised.Load() }
 
 // Result reports a completed Op.
 type Result struct {

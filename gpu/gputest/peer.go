@@ -66,6 +66,7 @@ type Peer struct {
 	in      io.WriteCloser
 	out     *bufio.Reader
 	Timeout time.Duration
+	killed  bool
 }
 
 // StartPeer starts argv (the test binary, or `ringside-bench copy-peer`)
@@ -165,8 +166,22 @@ func (p *Peer) Read(id int, path string) error { _, err := p.do("read %d %s", id
 // Free releases buffer id.
 func (p *Peer) Free(id int) error { _, err := p.do("free %d", id); return err }
 
+// Kill SIGKILLs the peer (an engine that dies without a word) and waits
+// until it is reaped; Close then returns nil.
+func (p *Peer) Kill() error {
+	if err := p.cmd.Process.Kill(); err != nil {
+		return err
+	}
+	p.killed = true
+	p.cmd.Wait()
+	return nil
+}
+
 // Close stops the peer and waits for it.
 func (p *Peer) Close() error {
+	if p.killed {
+		return nil
+	}
 	p.in.Close()
 	done := make(chan error, 1)
 	go func() { done <- p.cmd.Wait() }()

@@ -26,6 +26,13 @@
 //                         the record "still runs", like a kernel)
 //   FAKECUDA_COUNTERS=D   this process counts its driver calls in the file
 //                         D/<pid>: NCOUNT little-endian u64s (enum counter)
+//   FAKECUDA_STICKY_AFTER=N the Nth copy call of this process (batch or
+//                         per-range) fails with CUDA_ERROR_ILLEGAL_ADDRESS
+//                         and every later call fails with it (sticky)
+//   FAKECUDA_COPY_HOLD=F  while file F exists, a copy call blocks before it
+//                         returns (a slow driver call: the calling thread
+//                         is busy)
+//   FAKECUDA_COMPUTE_MODE=M cuDeviceGetAttribute(COMPUTE_MODE) answers M
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
@@ -59,6 +66,9 @@ enum counter {
 	C_EVENT_CLOSE,  // cuEventDestroy of an opened (imported) event
 	C_WAIT_EVENT,   // cuStreamWaitEvent calls
 	C_DEFERRED,     // async copies queued behind an incomplete event
+	C_CTX_RETAIN,   // cuDevicePrimaryCtxRetain calls
+	C_HOST_REG,     // successful cuMemHostRegister
+	C_STICKY,       // calls refused because the context is poisoned
 	NCOUNT
 };
 static uint64_t *counters;
@@ -83,10 +93,65 @@ static void count(enum counter c) {
 }
 
 // ---- Fault injection ----
-// Not modeled yet: the exporter's death (its allocations and events
-// vanishing under an importer) and sticky context errors (every call after
-// a fault failing with the fault's code). They belong here, each with the
-// driver documentation it follows and its probe (exporter-death).
+// Sticky errors. Source: the CUDA driver API's CUresult documentation of
+// CUDA_ERROR_ILLEGAL_ADDRESS (700) and of 714-719: the error "leaves the
+// process in an inconsistent state and any further CUDA work will return
+// the same error. To continue using CUDA, the process must be terminated
+// and relaunched." Once poisoned, every entry point that takes the context
+// returns the poisoning code (C_STICKY counts those calls). Injected with
+// FAKECUDA_STICKY_AFTER=N: the Nth copy call of the process poisons it.
+// Probe: exporter-death reports which codes a real context returns after
+// a fault, and whether they stay.
+static int sticky;
+static uint64_t copy_calls;
+static CUresult poisoned(void) {
+	int r = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
+	return r;
+}
+static void poison(CUresult r) { __atomic_store_n(&sticky, r, __ATOMIC_SEQ_CST); }
+
+// Exporter death: the exporter process exits (or is SIGKILLed) while this
+// process holds a mapping of its allocation. Assumption (the review's
+// hypothesis, NOT a documented fact): a copy that touches a dead exporter's
+// allocation fails with CUDA_ERROR_ILLEGAL_ADDRESS and poisons the context
+// like any sticky error. Source: cuIpcOpenMemHandle says only that
+// "Calling cuMemFree on an exported memory region before calling
+// cuIpcCloseMemHandle in the importing context will result in undefined
+// behavior"; an exporter's exit frees its allocations. Probe:
+// exporter-death must confirm or refute it (the real driver may keep the
+// memory alive until the importer closes it, or fail only the copy).
+// The fake's shm file outlives a killed exporter, so the model is a check:
+// the exporter's pid (in the allocation's name) is gone or a zombie.
+static int pid_dead(int pid) {
+	char path[64], buf[256];
+	snprintf(path, sizeof path, "/proc/%d/stat", pid);
+	int fd = open(path, O_RDONLY);
+	if (fd < 0) return 1;
+	ssize_t n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0) return 1;
+	buf[n] = 0;
+	char *p = strrchr(buf, ')');
+	return p && (p[2] == 'Z' || p[2] == 'X');
+}
+
+// copy_hold blocks while FAKECUDA_COPY_HOLD's file exists.
+static void copy_hold(void) {
+	const char *f = getenv("FAKECUDA_COPY_HOLD");
+	for (int i = 0; f && access(f, F_OK) == 0 && i < 60000; i++) usleep(1000);
+}
+
+// copy_entry runs at the start of every copy call, after it is counted:
+// the injected sticky error, then a poisoned context.
+static CUresult copy_entry(void) {
+	copy_hold();
+	uint64_t n = __atomic_add_fetch(&copy_calls, 1, __ATOMIC_SEQ_CST);
+	const char *after = getenv("FAKECUDA_STICKY_AFTER");
+	if (after && n == strtoull(after, NULL, 10)) poison(700);
+	CUresult r = poisoned();
+	if (r) count(C_STICKY);
+	return r;
+}
 
 // ---- Device memory ----
 // cuMemAlloc rounds the mapping up to 2 MiB, and cuMemGetAddressRange, in
@@ -102,7 +167,7 @@ static void count(enum counter c) {
 static struct { uintptr_t p; size_t n; int own, vmm; char name[64]; } allocs[MAXA];
 static struct { uintptr_t p; size_t n; } hostregs[MAXA];
 
-#define NEEDCTX() do { if (!cur_ctx) return 201; } while (0)
+#define NEEDCTX() do { if (!cur_ctx) return 201; CUresult p_ = poisoned(); if (p_) { count(C_STICKY); return p_; } } while (0)
 
 static int find_alloc(uintptr_t p, size_t n) {
 	for (int i = 0; i < MAXA; i++)
@@ -146,7 +211,15 @@ CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int *d, int i) { if (i != 0) return 101; *d = 0; return 0; }
 CUresult cuDeviceGetName(char *s, int n, int d) { (void)d; snprintf(s, n, "ringside fake GPU"); return 0; }
 CUresult cuDeviceGetUuid(char *u, int d) { for (int i = 0; i < 16; i++) u[i] = (char)(0xf0 + i + d); return 0; }
-CUresult cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)(uintptr_t)(0x1000 + d); return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { count(C_CTX_RETAIN); *c = (void *)(uintptr_t)(0x1000 + d); return 0; }
+// CU_DEVICE_ATTRIBUTE_COMPUTE_MODE (20) only; FAKECUDA_COMPUTE_MODE sets it.
+CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
+	if (d != 0) return 101;
+	if (attr != 20) return 1;
+	const char *m = getenv("FAKECUDA_COMPUTE_MODE");
+	*v = m ? atoi(m) : 0;
+	return 0;
+}
 CUresult cuDevicePrimaryCtxRelease(int d) { (void)d; return 0; }
 CUresult cuCtxSetCurrent(void *c) { cur_ctx = c; return 0; }
 CUresult cuCtxGetStreamPriorityRange(int *l, int *g) { NEEDCTX(); *l = 0; *g = -5; return 0; }
@@ -265,6 +338,7 @@ CUresult cuMemHostRegister(void *p, size_t n, unsigned int flags) {
 		if (hostregs[i].p && a < hostregs[i].p + hostregs[i].n && hostregs[i].p < a + n) { pthread_mutex_unlock(&mu); return 712; }
 	for (int i = 0; i < MAXA; i++) if (!hostregs[i].p) { hostregs[i].p = a; hostregs[i].n = n; break; }
 	pthread_mutex_unlock(&mu);
+	count(C_HOST_REG);
 	return 0;
 }
 CUresult cuMemHostUnregister(void *p) {
@@ -373,8 +447,16 @@ static void push(struct stream *s, struct op o) {
 
 static CUresult copy1(int h2d, uintptr_t dst, uintptr_t src, size_t n, struct stream *st) {
 	pthread_mutex_lock(&mu);
-	int ok = h2d ? (find_alloc(dst, n) >= 0 && is_registered(src, n)) : (find_alloc(src, n) >= 0 && is_registered(dst, n));
+	int a = h2d ? find_alloc(dst, n) : find_alloc(src, n);
+	int ok = a >= 0 && (h2d ? is_registered(src, n) : is_registered(dst, n));
 	if (!ok) { pthread_mutex_unlock(&mu); return 1; }
+	int exporter = 0;
+	if (!allocs[a].own) sscanf(allocs[a].name, "/fakecuda-%d-", &exporter);
+	if (exporter > 0 && pid_dead(exporter)) { // see Fault injection: exporter death
+		pthread_mutex_unlock(&mu);
+		poison(700);
+		return 700;
+	}
 	advance(st);
 	if (st->n > 0) {
 		push(st, (struct op){.kind = OP_COPY, .dst = dst, .src = src, .n = n});
@@ -387,21 +469,27 @@ static CUresult copy1(int h2d, uintptr_t dst, uintptr_t src, size_t n, struct st
 	return 0;
 }
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *s, size_t n, void *st) {
-	NEEDCTX();
-	if (!st) return 400;
+	if (!cur_ctx) return 201;
 	count(C_RANGE);
+	CUresult r = copy_entry();
+	if (r) return r;
+	if (!st) return 400;
 	return copy1(1, d, (uintptr_t)s, n, st);
 }
 CUresult cuMemcpyDtoHAsync(void *d, CUdeviceptr s, size_t n, void *st) {
-	NEEDCTX();
-	if (!st) return 400;
+	if (!cur_ctx) return 201;
 	count(C_RANGE);
+	CUresult r = copy_entry();
+	if (r) return r;
+	if (!st) return 400;
 	return copy1(0, (uintptr_t)d, s, n, st);
 }
 CUresult cuMemcpyBatchAsync(CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t count_, attrs_t *a, size_t *idx,
 		size_t na, size_t *fail, void *st) {
-	NEEDCTX();
+	if (!cur_ctx) return 201;
 	count(C_BATCH);
+	CUresult r0 = copy_entry();
+	if (r0) { *fail = 0; return r0; }
 	if (getenv("FAKECUDA_BATCHFAIL")) { *fail = 0; return 1; }
 	if (!st || na != 1 || idx[0] != 0 || a[0].order < 1 || a[0].order > 3 || count_ == 0) { *fail = (size_t)-1; return 1; }
 	for (size_t i = 0; i < count_; i++) {
@@ -557,6 +645,7 @@ static const char *ename(CUresult r) {
 	case 0: return "CUDA_SUCCESS"; case 1: return "CUDA_ERROR_INVALID_VALUE"; case 100: return "CUDA_ERROR_NO_DEVICE";
 	case 201: return "CUDA_ERROR_INVALID_CONTEXT"; case 600: return "CUDA_ERROR_NOT_READY";
 	case 712: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; case 713: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
+	case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS";
 	}
 	return NULL;
 }
@@ -567,6 +656,7 @@ static struct { const char *name; void *fn; int minver; } procs[] = {
 	{"cuInit", (void *)cuInit, 2000}, {"cuDriverGetVersion", (void *)cuDriverGetVersion, 2020},
 	{"cuDeviceGetCount", (void *)cuDeviceGetCount, 2000}, {"cuDeviceGet", (void *)cuDeviceGet, 2000},
 	{"cuDeviceGetName", (void *)cuDeviceGetName, 2000}, {"cuDeviceGetUuid", (void *)cuDeviceGetUuid, 9020},
+	{"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute, 2000},
 	{"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain, 7000},
 	{"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease, 7000},
 	{"cuCtxSetCurrent", (void *)cuCtxSetCurrent, 4000},

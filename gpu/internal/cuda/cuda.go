@@ -56,6 +56,12 @@ const (
 	ErrorIllegalAddress              Result = 700
 	ErrorHostMemoryAlreadyRegistered Result = 712
 	ErrorHostMemoryNotRegistered     Result = 713
+	ErrorHardwareStackError          Result = 714
+	ErrorIllegalInstruction          Result = 715
+	ErrorMisalignedAddress           Result = 716
+	ErrorInvalidAddressSpace         Result = 717
+	ErrorInvalidPC                   Result = 718
+	ErrorLaunchFailed                Result = 719
 	ErrorNotPermitted                Result = 800
 	ErrorNotSupported                Result = 801
 	ErrorUnknown                     Result = 999
@@ -74,7 +80,12 @@ var names = map[Result]string{
 	ErrorNotReady: "CUDA_ERROR_NOT_READY", ErrorIllegalAddress: "CUDA_ERROR_ILLEGAL_ADDRESS",
 	ErrorHostMemoryAlreadyRegistered: "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
 	ErrorHostMemoryNotRegistered:     "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-	ErrorNotPermitted:                "CUDA_ERROR_NOT_PERMITTED", ErrorNotSupported: "CUDA_ERROR_NOT_SUPPORTED",
+	ErrorHardwareStackError:          "CUDA_ERROR_HARDWARE_STACK_ERROR",
+	ErrorIllegalInstruction:          "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+	ErrorMisalignedAddress:           "CUDA_ERROR_MISALIGNED_ADDRESS",
+	ErrorInvalidAddressSpace:         "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+	ErrorInvalidPC:                   "CUDA_ERROR_INVALID_PC", ErrorLaunchFailed: "CUDA_ERROR_LAUNCH_FAILED",
+	ErrorNotPermitted: "CUDA_ERROR_NOT_PERMITTED", ErrorNotSupported: "CUDA_ERROR_NOT_SUPPORTED",
 	ErrorUnknown: "CUDA_ERROR_UNKNOWN", ErrorNotLoaded: "entry point not loaded",
 }
 
@@ -93,6 +104,37 @@ func (r Result) Error() string {
 		return "cuda: " + name + ": " + desc
 	}
 	return "cuda: " + name
+}
+
+// Sticky reports whether err carries a CUresult after which the context is
+// unusable: the CUDA driver API documents CUDA_ERROR_ILLEGAL_ADDRESS (700),
+// CUDA_ERROR_HARDWARE_STACK_ERROR (714), CUDA_ERROR_ILLEGAL_INSTRUCTION
+// (715), CUDA_ERROR_MISALIGNED_ADDRESS (716),
+// CUDA_ERROR_INVALID_ADDRESS_SPACE (717), CUDA_ERROR_INVALID_PC (718) and
+// CUDA_ERROR_LAUNCH_FAILED (719) as leaving "the process in an inconsistent
+// state and any further CUDA work will return the same error"; the
+// process must be terminated and relaunched. CUDA_ERROR_UNKNOWN (999) is
+// treated the same way: nothing says what state it leaves.
+func Sticky(err error) bool {
+	var r Result
+	if !errors.As(err, &r) {
+		return false
+	}
+	switch r {
+	case ErrorIllegalAddress, ErrorHardwareStackError, ErrorIllegalInstruction, ErrorMisalignedAddress,
+		ErrorInvalidAddressSpace, ErrorInvalidPC, ErrorLaunchFailed, ErrorUnknown:
+		return true
+	}
+	return false
+}
+
+// Code returns the CUresult err carries, or Success if it carries none.
+func Code(err error) Result {
+	var r Result
+	if errors.As(err, &r) {
+		return r
+	}
+	return Success
 }
 
 // result turns a CUresult into nil or a Result error.
@@ -149,6 +191,15 @@ const (
 // MaxBatch caps the descriptors of one cuMemcpyBatchAsync call; a larger
 // copy list is issued as several calls on the same stream.
 const MaxBatch = 8192
+
+// Device attributes (CUdevice_attribute) and compute modes (CUcomputemode).
+const (
+	AttrComputeMode = 20 // CU_DEVICE_ATTRIBUTE_COMPUTE_MODE
+
+	ComputeDefault          = 0 // CU_COMPUTEMODE_DEFAULT
+	ComputeProhibited       = 2 // CU_COMPUTEMODE_PROHIBITED
+	ComputeExclusiveProcess = 3 // CU_COMPUTEMODE_EXCLUSIVE_PROCESS
+)
 
 // Unlimited is RLIM_INFINITY as MemlockLimit reports it.
 const Unlimited = ^uint64(0)

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -66,5 +67,50 @@ func TestResultError(t *testing.T) {
 	}
 	if _, _, err := MemlockLimit(); err != nil {
 		t.Logf("MemlockLimit: %v", err)
+	}
+}
+
+// TestSticky: the codes after which the CUDA documentation says the
+// process must be relaunched (and CUDA_ERROR_UNKNOWN) are sticky, wrapped
+// or not; per-op failures and non-driver errors are not.
+func TestSticky(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{ErrorIllegalAddress, true},
+		{Result(714), true},
+		{Result(715), true},
+		{Result(716), true},
+		{Result(717), true},
+		{Result(718), true},
+		{ErrorLaunchFailed, true},
+		{ErrorUnknown, true},
+		{fmt.Errorf("enqueueing range 3 of 9: %w", ErrorIllegalAddress), true},
+		{errors.Join(errors.New("recording"), fmt.Errorf("x: %w", Result(719))), true},
+		{Success, false},
+		{ErrorInvalidValue, false},
+		{ErrorOutOfMemory, false},
+		{ErrorNotReady, false},
+		{ErrorMapFailed, false},
+		{ErrorHostMemoryNotRegistered, false},
+		{Result(713), false},
+		{Result(720), false},
+		{ErrorNotLoaded, false},
+		{errors.New("cuda: CUDA_ERROR_ILLEGAL_ADDRESS (700)"), false},
+		{nil, false},
+	} {
+		if got := Sticky(tc.err); got != tc.want {
+			t.Errorf("Sticky(%v) = %v, want %v", tc.err, got, tc.want)
+		}
+	}
+	if c := Code(fmt.Errorf("a: %w", ErrorInvalidPC)); c != ErrorInvalidPC {
+		t.Errorf("Code = %d, want 718", c)
+	}
+	if c := Code(errors.New("plain")); c != Success {
+		t.Errorf("Code of a plain error = %d, want 0", c)
+	}
+	if got := ErrorMisalignedAddress.Error(); !strings.Contains(got, "CUDA_ERROR_MISALIGNED_ADDRESS (716)") {
+		t.Errorf("716 reads %q", got)
 	}
 }

@@ -52,6 +52,7 @@ static struct {
 	CUresult (*deviceGet)(CUdevice *, int);
 	CUresult (*deviceGetName)(char *, int, CUdevice);
 	CUresult (*deviceGetUuid)(CUuuid *, CUdevice);
+	CUresult (*deviceGetAttribute)(int *, int, CUdevice);
 	CUresult (*primaryCtxRetain)(CUcontext *, CUdevice);
 	CUresult (*primaryCtxRelease)(CUdevice);
 	CUresult (*ctxSetCurrent)(CUcontext);
@@ -130,6 +131,7 @@ static int rs_load(char *err, size_t n) {
 		{"cuDeviceGet", (void **)&rs.deviceGet, RS_VER},
 		{"cuDeviceGetName", (void **)&rs.deviceGetName, RS_VER},
 		{"cuDeviceGetUuid", (void **)&rs.deviceGetUuid, RS_VER},
+		{"cuDeviceGetAttribute", (void **)&rs.deviceGetAttribute, RS_VER},
 		{"cuDevicePrimaryCtxRetain", (void **)&rs.primaryCtxRetain, RS_VER},
 		{"cuDevicePrimaryCtxRelease", (void **)&rs.primaryCtxRelease, RS_VER},
 		{"cuCtxSetCurrent", (void **)&rs.ctxSetCurrent, RS_VER},
@@ -185,6 +187,7 @@ static CUresult rs_device_count(int *n) { return RS_CALL(deviceGetCount, n); }
 static CUresult rs_device_get(int *d, int ordinal) { return RS_CALL(deviceGet, d, ordinal); }
 static CUresult rs_device_name(char *s, int n, int d) { return RS_CALL(deviceGetName, s, n, d); }
 static CUresult rs_device_uuid(void *u, int d) { return RS_CALL(deviceGetUuid, (CUuuid *)u, d); }
+static CUresult rs_device_attr(int *v, int attr, int d) { *v = 0; return RS_CALL(deviceGetAttribute, v, attr, d); }
 static CUresult rs_ctx_retain(uintptr_t *c, int d) { return RS_CALL(primaryCtxRetain, (CUcontext *)c, d); }
 static CUresult rs_ctx_release(int d) { return RS_CALL(primaryCtxRelease, d); }
 static CUresult rs_ctx_set_current(uintptr_t c) { return RS_CALL(ctxSetCurrent, (CUcontext)c); }
@@ -346,6 +349,14 @@ func (d Device) UUID() (UUID, error) {
 	var u UUID
 	err := result(Result(C.rs_device_uuid(unsafe.Pointer(&u[0]), C.int(d))))
 	return u, err
+}
+
+// Attribute returns a device attribute (cuDeviceGetAttribute; it needs no
+// context).
+func (d Device) Attribute(attr int) (int, error) {
+	var v C.int
+	err := result(Result(C.rs_device_attr(&v, C.int(attr), C.int(d))))
+	return int(v), err
 }
 
 // Retain retains the device's primary context.

@@ -32,6 +32,9 @@ func (d Device) Name() (string, error) { return "", ErrorNotLoaded }
 // UUID fails without a driver.
 func (d Device) UUID() (UUID, error) { return UUID{}, ErrorNotLoaded }
 
+// Attribute fails without a driver.
+func (d Device) Attribute(int) (int, error) { return 0, ErrorNotLoaded }
+
 // Retain fails without a driver.
 func (d Device) Retain() (Context, error) { return 0, ErrorNotLoaded }
 

@@ -1,0 +1,453 @@
+package gputest
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+)
+
+// More fake driver counters (enum counter in fakecuda.c, after cDeferred).
+const (
+	cCtxRetain = nCounters + iota
+	cHostReg
+	cSticky
+)
+
+// copyCalls is the copy calls this process made: cuMemcpyBatchAsync plus
+// the per-range async copies.
+func copyCalls(fc *counters) uint64 { return fc.get(cBatch) + fc.get(cRange) }
+
+// buildFake builds testdata/fakecuda.c into a directory for LD_LIBRARY_PATH.
+func buildFake(t *testing.T) string {
+	t.Helper()
+	gcc, err := exec.LookPath("gcc")
+	if err != nil {
+		t.Skip("no gcc to build the fake driver")
+	}
+	dir := t.TempDir()
+	build := exec.Command(gcc, "-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libcuda.so.1"), "testdata/fakecuda.c")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building the fake driver: %v\n%s", err, out)
+	}
+	return dir
+}
+
+// TestCUDAFakeFailures runs the failure tests below against the fake
+// driver, each in a process of its own with the fault it injects.
+func TestCUDAFakeFailures(t *testing.T) {
+	if underFake() {
+		t.Skip("already running under the fake driver")
+	}
+	lib := buildFake(t)
+	for _, v := range []struct {
+		name, test string
+		env        []string
+	}{
+		{"lazy-context", "TestCUDALazyContext", nil},
+		{"exclusive-process", "TestCUDAExclusiveProcess", []string{"FAKECUDA_COMPUTE_MODE=3"}},
+		{"sticky", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=2"}},
+		{"sticky-per-range", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=2", "RINGSIDE_GPUTEST_PER_RANGE=1"}},
+		{"exporter-death", "TestCUDAExporterDeath", nil},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			args := []string{"-test.run=^" + v.test + "$", "-test.count=1"}
+			if testing.Verbose() {
+				args = append(args, "-test.v")
+			}
+			cmd := exec.Command(os.Args[0], args...)
+			cmd.Env = append(os.Environ(), "LD_LIBRARY_PATH="+lib, "RINGSIDE_GPUTEST_FAKE=1", "RINGSIDE_REQUIRE_GPU=1",
+				"FAKECUDA_COUNTERS="+t.TempDir(), "FAKECUDA_COPY_HOLD="+filepath.Join(t.TempDir(), "copy-hold"))
+			cmd.Env = append(cmd.Env, v.env...)
+			out, err := cmd.CombinedOutput()
+			if err != nil || !strings.Contains(string(out), "PASS") || strings.Contains(string(out), "SKIP") {
+				t.Fatalf("under the fake driver: %v\n%s", err, out)
+			}
+			if testing.Verbose() {
+				t.Logf("%s", out)
+			}
+		})
+	}
+}
+
+func needFake(t *testing.T) *counters {
+	t.Helper()
+	if !underFake() {
+		t.Skip("injects faults into the fake driver (TestCUDAFakeFailures runs it)")
+	}
+	fc := fakeCounters(t)
+	if fc == nil {
+		t.Fatal("FAKECUDA_COUNTERS is not set")
+	}
+	return fc
+}
+
+// copyHold makes the fake's copy calls block while it is held: the device
+// thread is then busy inside the driver and the ops submitted meanwhile
+// wait in the device's queue.
+type copyHold string
+
+func (h copyHold) hold(t *testing.T) {
+	t.Helper()
+	if err := os.WriteFile(string(h), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(h.release)
+}
+
+func (h copyHold) release() { os.Remove(string(h)) }
+
+func getCopyHold(t *testing.T) copyHold {
+	h := os.Getenv("FAKECUDA_COPY_HOLD")
+	if h == "" {
+		t.Fatal("FAKECUDA_COPY_HOLD is not set")
+	}
+	return copyHold(h)
+}
+
+// waitFor polls cond for up to 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func result(t *testing.T, what string, ch <-chan gpu.Result) gpu.Result {
+	t.Helper()
+	select {
+	case r := <-ch:
+		return r
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s did not complete", what)
+		return gpu.Result{}
+	}
+}
+
+// TestCUDALazyContext: NewCUDA takes no context and pins nothing (an
+// engine starting beside the sidecar profiles all of the GPU's free
+// memory); the first registration retains the device's primary context
+// and pins the pool, and later ones do neither again.
+func TestCUDALazyContext(t *testing.T) {
+	fc := needFake(t)
+	retained, pinned := fc.get(cCtxRetain), fc.get(cHostReg)
+	pool := mapPool(t, 64<<20)
+	pins := make(chan error, 1)
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{PinChunk: 4 << 20, OnPinned: func(_ gpu.PinInfo, err error) { pins <- err }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if n := fc.get(cCtxRetain) - retained; n != 0 {
+		t.Fatalf("NewCUDA retained %d primary contexts, want none before a registration", n)
+	}
+	if n := fc.get(cHostReg) - pinned; n != 0 {
+		t.Fatalf("NewCUDA made %d cuMemHostRegister calls, want none before a registration", n)
+	}
+	if p := c.Info().Pin; p.Chunks != 0 {
+		t.Fatalf("Info reports the pool pinned (%+v) before any registration", p)
+	}
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, 1<<20, 0)
+	t0 := time.Now()
+	h, err := c.Register(exp.Region(4096, 256, nil))
+	first := time.Since(t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-pins; err != nil {
+		t.Fatalf("OnPinned: %v", err)
+	}
+	if n := fc.get(cCtxRetain) - retained; n != 1 {
+		t.Errorf("the first registration retained %d contexts, want 1", n)
+	}
+	if n := fc.get(cHostReg) - pinned; n != 16 {
+		t.Errorf("the first registration pinned %d chunks, want 16 (64 MiB in 4 MiB)", n)
+	}
+	if p := c.Info().Pin; p.Chunks != 16 || p.Bytes != 64<<20 {
+		t.Errorf("Info().Pin = %+v after the first registration", p)
+	}
+	t0 = time.Now()
+	h2, err := c.Register(exp.Region(4096, 128, nil))
+	second := time.Since(t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := fc.get(cCtxRetain) - retained; n != 1 {
+		t.Errorf("a second registration retained a context again (%d in all)", n)
+	}
+	if n := fc.get(cHostReg) - pinned; n != 16 {
+		t.Errorf("a second registration pinned again (%d chunks in all)", n)
+	}
+	// The simulator's pinning costs nothing; on a GPU it is about 0.1 s
+	// per GiB of pool (bench/gpu/run.sh measures it).
+	t.Logf("first registration (context + pinning %d MiB in %d chunks, fake driver): %v; second: %v", len(pool)>>20, c.Info().Pin.Chunks, first, second)
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{3}, PoolOffsets: []uint64{0}}); err != nil {
+		t.Fatal(err)
+	}
+	c.Unregister(h)
+	c.Unregister(h2)
+}
+
+// TestCUDAExclusiveProcess: a GPU in EXCLUSIVE_PROCESS compute mode is
+// refused at registration, with a message, before any context is made;
+// the backend itself starts (it holds no context).
+func TestCUDAExclusiveProcess(t *testing.T) {
+	fc := needFake(t)
+	retained := fc.get(cCtxRetain)
+	pool := mapPool(t, 4<<20)
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{})
+	if err != nil {
+		t.Fatalf("NewCUDA with an EXCLUSIVE_PROCESS GPU: %v (it takes no context, so it must start)", err)
+	}
+	defer c.Close()
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, 1<<20, 0)
+	_, err = c.Register(exp.Region(4096, 256, nil))
+	if !errors.Is(err, gpu.ErrUnsupported) || !strings.Contains(err.Error(), "EXCLUSIVE_PROCESS") || !strings.Contains(err.Error(), "-c DEFAULT") {
+		t.Fatalf("Register on an EXCLUSIVE_PROCESS GPU = %v, want ErrUnsupported naming the mode and the fix", err)
+	}
+	t.Log(err)
+	if n := fc.get(cCtxRetain) - retained; n != 0 {
+		t.Errorf("%d contexts retained on an EXCLUSIVE_PROCESS GPU, want none", n)
+	}
+}
+
+// TestCUDASticky (FAKECUDA_STICKY_AFTER=2: the second copy call poisons
+// the context with CUDA_ERROR_ILLEGAL_ADDRESS): the device is marked
+// failed; the op issued before it (a store held behind the engine's
+// event), the op whose call failed, and the ops waiting in the device's
+// queue all fail with ErrDeviceFailed naming the GPU and the code; no copy
+// call is made afterwards; new ops and registrations fail at once.
+func TestCUDASticky(t *testing.T) {
+	fc := needFake(t)
+	hold := getCopyHold(t)
+	mode := gpu.CopyAuto
+	if os.Getenv("RINGSIDE_GPUTEST_PER_RANGE") != "" {
+		mode = gpu.CopyPerRange
+	}
+	pool := mapPool(t, 4<<20)
+	failures := make(chan gpu.DeviceFailure, 4)
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Copy: mode, OnDeviceFailed: func(f gpu.DeviceFailure) { failures <- f }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	evHold := filepath.Join(t.TempDir(), "event-hold")
+	peer := startPeerEnv(t, "cuda", "FAKECUDA_EVENT_HOLD="+evHold)
+	ev, err := peer.p.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const pageLen, pages = 64 << 10, 8
+	exp := peer.alloc(t, pageLen*pages, 0)
+	r := exp.Region(pageLen, pages, nil)
+	r.IPC.Event, r.IPC.HasEvent = ev.Handle, true
+	h, err := c.Register(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The engine is still writing: a store on the region stays in flight.
+	if err := os.WriteFile(evHold, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(evHold)
+	if err := peer.p.Record(ev.ID); err != nil {
+		t.Fatal(err)
+	}
+	calls0 := copyCalls(fc)
+	submit := func(dir gpu.Direction, page uint32) chan gpu.Result {
+		t.Helper()
+		ch := make(chan gpu.Result, 1)
+		if err := c.Submit(gpu.Op{Dir: dir, Region: h, Pages: []uint32{page}, PoolOffsets: []uint64{uint64(page) * pageLen}},
+			func(r gpu.Result) { ch <- r }); err != nil {
+			t.Fatal(err)
+		}
+		return ch
+	}
+	inFlight := submit(gpu.EngineToPool, 0) // copy call 1: issued, held behind the event
+	waitFor(t, "the store's copy call", func() bool { return copyCalls(fc) == calls0+1 })
+	// The next call blocks in the driver until released, then fails:
+	// the ops submitted meanwhile wait in the device's queue.
+	hold.hold(t)
+	failing := submit(gpu.PoolToEngine, 1) // copy call 2: CUDA_ERROR_ILLEGAL_ADDRESS
+	waitFor(t, "the load's copy call", func() bool { return copyCalls(fc) == calls0+2 })
+	queued := []chan gpu.Result{submit(gpu.PoolToEngine, 2), submit(gpu.EngineToPool, 3), submit(gpu.PoolToEngine, 4)}
+	hold.release()
+
+	check := func(what string, res gpu.Result) {
+		t.Helper()
+		var ce *gpu.CopyError
+		if !errors.Is(res.Err, gpu.ErrDeviceFailed) || !errors.As(res.Err, &ce) || ce.Region != h {
+			t.Fatalf("%s: %v, want a *CopyError for region %d wrapping ErrDeviceFailed", what, res.Err, h)
+		}
+		msg := res.Err.Error()
+		for _, want := range []string{"GPU 0", cuda.UUID(exp.IPC.GPU).String(), "CUDA_ERROR_ILLEGAL_ADDRESS (700)"} {
+			if !strings.Contains(msg, want) {
+				t.Errorf("%s: %q does not name %q", what, msg, want)
+			}
+		}
+		if res.Bytes != 0 {
+			t.Errorf("%s: %d bytes reported copied", what, res.Bytes)
+		}
+	}
+	check("the op whose call failed", result(t, "the failing load", failing))
+	check("the store in flight", result(t, "the store in flight", inFlight))
+	for i, ch := range queued {
+		check("queued op "+itoa(i+1), result(t, "a queued op", ch))
+	}
+	select {
+	case f := <-failures:
+		if f.Code != 700 || f.UUID != cuda.UUID(exp.IPC.GPU).String() || f.Ordinal != 0 || !errors.Is(f.Err, gpu.ErrDeviceFailed) {
+			t.Errorf("OnDeviceFailed got %+v", f)
+		}
+		t.Logf("device failure: %v", f.Err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("OnDeviceFailed was not called")
+	}
+	if n := copyCalls(fc) - calls0; n != 2 {
+		t.Fatalf("%d copy calls, want 2: the queued ops must not be issued on a failed device", n)
+	}
+	// A new op fails at once, without a call.
+	err = c.Submit(gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{5}, PoolOffsets: []uint64{0}}, func(gpu.Result) {
+		t.Error("done called for an op refused by Submit")
+	})
+	if !errors.Is(err, gpu.ErrDeviceFailed) {
+		t.Fatalf("Submit on a failed device = %v, want ErrDeviceFailed", err)
+	}
+	if _, err := c.Register(exp.Region(pageLen, pages, nil)); !errors.Is(err, gpu.ErrDeviceFailed) {
+		t.Fatalf("Register on a failed device = %v, want ErrDeviceFailed", err)
+	}
+	if n := copyCalls(fc) - calls0; n != 2 {
+		t.Fatalf("%d copy calls after the failure, want none", n-2)
+	}
+	select {
+	case f := <-failures:
+		t.Fatalf("OnDeviceFailed called twice (%+v)", f)
+	default:
+	}
+	if err := c.Unregister(h); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCUDAExporterDeath: an engine is SIGKILLed while copies on its memory
+// wait in the device's queue (the device thread is busy in a call for
+// another engine). Its session's end raises the ops' fences: they end
+// with ErrFenced and none is issued, so the dead exporter's memory is
+// never touched and the other engine keeps its GPU. Unfenced, the fake
+// models such a copy as the review's hypothesis (probe exporter-death
+// must confirm it): CUDA_ERROR_ILLEGAL_ADDRESS, and the device fails.
+func TestCUDAExporterDeath(t *testing.T) {
+	fc := needFake(t)
+	hold := getCopyHold(t)
+	pool := mapPool(t, 4<<20)
+	failures := make(chan gpu.DeviceFailure, 4)
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{OnDeviceFailed: func(f gpu.DeviceFailure) { failures <- f }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const pageLen, pages = 64 << 10, 8
+	alive, doomed := startPeer(t, "cuda"), startPeer(t, "cuda")
+	ea, ed := alive.alloc(t, pageLen*pages, 0), doomed.alloc(t, pageLen*pages, 0)
+	ha, err := c.Register(ea.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hd, err := c.Register(ed.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	calls0 := copyCalls(fc)
+	submit := func(h gpu.Handle, dir gpu.Direction, page uint32, fence *gpu.Fence) chan gpu.Result {
+		t.Helper()
+		ch := make(chan gpu.Result, 1)
+		if err := c.Submit(gpu.Op{Dir: dir, Region: h, Pages: []uint32{page}, PoolOffsets: []uint64{uint64(page) * pageLen}, Fence: fence},
+			func(r gpu.Result) { ch <- r }); err != nil {
+			t.Fatal(err)
+		}
+		return ch
+	}
+	hold.hold(t)
+	busy := submit(ha, gpu.PoolToEngine, 0, nil) // the device thread is in this call
+	waitFor(t, "the other engine's copy call", func() bool { return copyCalls(fc) == calls0+1 })
+	var fences [3]gpu.Fence
+	queued := []chan gpu.Result{
+		submit(hd, gpu.PoolToEngine, 1, &fences[0]),
+		submit(hd, gpu.EngineToPool, 2, &fences[1]),
+		submit(hd, gpu.PoolToEngine, 3, &fences[2]),
+	}
+	if err := doomed.p.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // what the killed exporter could not remove
+		left, _ := filepath.Glob(fmt.Sprintf("/dev/shm/fakecuda-%d-*", ed.PID))
+		for _, f := range left {
+			os.Remove(f)
+		}
+	})
+	for i := range fences { // the session's end (the sidecar's scheduler does this)
+		fences[i].Raise()
+	}
+	hold.release()
+	if res := result(t, "the other engine's load", busy); res.Err != nil {
+		t.Fatalf("the other engine's load: %v", res.Err)
+	}
+	for i, ch := range queued {
+		res := result(t, "a queued op of the dead engine", ch)
+		if !errors.Is(res.Err, gpu.ErrFenced) || res.Bytes != 0 {
+			t.Fatalf("queued op %d of the dead engine: %v (%d bytes), want ErrFenced", i+1, res.Err, res.Bytes)
+		}
+	}
+	if n := copyCalls(fc) - calls0; n != 1 {
+		t.Fatalf("%d copy calls, want 1: a fenced op was issued", n)
+	}
+	// A raised fence also refuses at Submit.
+	var f gpu.Fence
+	f.Raise()
+	err = c.Submit(gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}, Fence: &f}, func(gpu.Result) {
+		t.Error("done called for an op refused by Submit")
+	})
+	if !errors.Is(err, gpu.ErrFenced) {
+		t.Fatalf("Submit with a raised fence = %v, want ErrFenced", err)
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.EngineToPool, Region: ha, Pages: []uint32{1}, PoolOffsets: []uint64{0}}); err != nil {
+		t.Fatalf("the other engine after the death: %v", err)
+	}
+	select {
+	case f := <-failures:
+		t.Fatalf("the device failed although nothing touched the dead exporter: %v", f.Err)
+	default:
+	}
+	// What the fence prevents: a copy on the dead exporter's memory.
+	calls1 := copyCalls(fc)
+	_, err = gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}})
+	if !errors.Is(err, gpu.ErrDeviceFailed) || !strings.Contains(err.Error(), "(700)") {
+		t.Fatalf("a copy on the dead exporter's memory = %v, want ErrDeviceFailed with CUDA_ERROR_ILLEGAL_ADDRESS (the fake's model)", err)
+	}
+	select {
+	case f := <-failures:
+		t.Logf("unfenced: %v", f.Err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("OnDeviceFailed was not called")
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: ha, Pages: []uint32{0}, PoolOffsets: []uint64{0}}); !errors.Is(err, gpu.ErrDeviceFailed) {
+		t.Fatalf("the other engine on the failed device: %v, want ErrDeviceFailed", err)
+	}
+	if n := copyCalls(fc) - calls1; n != 1 {
+		t.Errorf("%d copy calls after the dead exporter's, want 1 (its own)", n)
+	}
+	c.Unregister(ha)
+	c.Unregister(hd)
+}
