@@ -93,6 +93,7 @@ type sessQueue struct {
 
 type chunk struct {
 	op      gpu.Op
+	fence   gpu.Fence   // raised when the session ends: withdraws the chunk if the engine has not issued it
 	alive   func() bool // false once the region's process is gone
 	done    func(gpu.Result, bool)
 	started time.Time
@@ -195,10 +196,39 @@ func (s *scheduler) submit(sess uint64, uid uint32, op gpu.Op, alive func() bool
 	s.laneOf(op.Region).submit(sess, uid, op, alive, done)
 }
 
-// cancel ends every queued chunk of session sess, in every lane (those
-// running finish).
+// cancel ends every queued chunk of session sess, in every lane, and
+// raises the fences of those handed to the engine: the ones the engine has
+// not issued yet (a CUDA device's queue) end without being issued, so
+// nothing touches the memory of an engine that died or gave up; those
+// already issued finish.
 func (s *scheduler) cancel(sess uint64) {
-	s.eachLane(func(l *lane) { l.drop(sess, errCancelled) })
+	s.eachLane(func(l *lane) {
+		l.drop(sess, errCancelled, nil)
+		l.fence(sess, nil)
+	})
+}
+
+// cancelLoads does what cancel does, for the session's loads only: an
+// ending session's loads have nobody left to read them (its engine gave
+// up on them or detached), while its stores may still be kept.
+func (s *scheduler) cancelLoads(sess uint64) {
+	isLoad := func(c *chunk) bool { return c.op.Dir == gpu.PoolToEngine }
+	s.eachLane(func(l *lane) {
+		l.drop(sess, errCancelled, isLoad)
+		l.fence(sess, isLoad)
+	})
+}
+
+// fence raises the fences of session sess's chunks that are running (with
+// the engine), those that match if match is set.
+func (l *lane) fence(sess uint64, match func(*chunk) bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for c := range l.running {
+		if c.q.id == sess && (match == nil || match(c)) {
+			c.fence.Raise()
+		}
+	}
 }
 
 func (l *lane) submit(sess uint64, uid uint32, op gpu.Op, alive func() bool, done func(gpu.Result, bool)) {
@@ -223,12 +253,27 @@ func (l *lane) submit(sess uint64, uid uint32, op gpu.Op, alive func() bool, don
 	l.dispatch()
 }
 
-func (l *lane) drop(sess uint64, why error) {
+// drop ends session sess's queued chunks (those that match, if match is
+// set) with why.
+func (l *lane) drop(sess uint64, why error, match func(*chunk) bool) {
 	l.mu.Lock()
 	q := l.queues[sess]
 	var drop []*chunk
-	if q != nil {
+	if q != nil && match == nil {
 		drop, q.chunks = q.chunks, nil
+	} else if q != nil {
+		keep := q.chunks[:0]
+		for _, c := range q.chunks {
+			if match(c) {
+				drop = append(drop, c)
+			} else {
+				keep = append(keep, c)
+			}
+		}
+		clear(q.chunks[len(keep):])
+		q.chunks = keep
+	}
+	if q != nil {
 		l.forget(q)
 	}
 	l.mu.Unlock()
@@ -306,6 +351,7 @@ func (l *lane) pick(room bool) *chunk {
 // dispatch) and after the copy: a store is kept only if its process was
 // alive at both ends, so its pid cannot have changed hands in between.
 func (l *lane) start(c *chunk) {
+	c.op.Fence = &c.fence
 	err := l.eng.Submit(c.op, func(r gpu.Result) {
 		exited := c.alive != nil && !c.alive()
 		l.finish(c, r, exited, true)
@@ -369,7 +415,7 @@ func (l *lane) scan() {
 	}
 	l.mu.Unlock()
 	for _, id := range stuck {
-		l.drop(id, errStalled)
+		l.drop(id, errStalled, nil)
 	}
 	if len(stuck) > 0 {
 		l.dispatch()
@@ -397,8 +443,10 @@ func (l *lane) stats() (running, stalled, queued int) {
 func (s *scheduler) close() { s.stopped.Do(func() { close(s.stop) }) }
 
 // waitSession waits until session sess has no chunk queued or running in
-// any lane, or deadline passes.
+// any lane, or deadline passes. Its loads are cancelled first
+// (cancelLoads): only its stores are worth finishing.
 func (s *scheduler) waitSession(sess uint64, deadline time.Time) {
+	s.cancelLoads(sess)
 	for time.Now().Before(deadline) {
 		busy := false
 		s.eachLane(func(l *lane) { busy = busy || l.busy(sess) })

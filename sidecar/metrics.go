@@ -34,6 +34,7 @@ type metrics struct {
 	attachErrors prometheus.Counter
 	dropped      prometheus.Counter
 	acceptErrors prometheus.Counter
+	cudaFailed   *prometheus.GaugeVec
 	srv          *http.Server
 	http         HTTPConfig
 
@@ -58,8 +59,12 @@ func newMetrics(s *Server) *metrics {
 	m.attachErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attach_errors_total", Help: "Attach requests refused."})
 	m.dropped = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_sessions_dropped_total", Help: "Sessions dropped because their completion ring stayed full (the client stopped reading)."})
 	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_accept_errors_total", Help: "Failed accepts on the attach socket (EMFILE and the like); each is retried after a backoff of 5 ms to 1 s."})
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.dropped, m.acceptErrors} {
+	m.cudaFailed = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "ringside_cuda_device_failed", Help: "1 for a GPU whose CUDA context in the sidecar hit a sticky error (every copy on it fails; the sidecar drains and exits to be restarted), 0 for the others the CUDA backend sees."}, []string{"gpu"})
+	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.dropped, m.acceptErrors, m.cudaFailed} {
 		f(c)
+	}
+	for _, uuid := range s.gpus {
+		m.cudaFailed.WithLabelValues(uuid).Set(0)
 	}
 	for t := uint16(1); t < 256; t++ {
 		if n := schema.TypeName(t); !strings.HasPrefix(n, "type(") {
@@ -242,11 +247,19 @@ func formatEpoch(e uint64) string {
 }
 
 // serve runs the HTTP endpoint; the returned channel gets its exit error.
-func (m *metrics) serve(addr string) chan error {
+// /healthz answers 503 while healthy returns an error (a failed GPU: the
+// sidecar is exiting, and a liveness probe restarts it if it does not).
+func (m *metrics) serve(addr string, healthy func() error) chan error {
 	errc := make(chan error, 1)
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+		if err := healthy(); err != nil {
+			http.Error(w, "unhealthy: "+err.Error()+"\n", http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ok\n"))
+	})
 	var lim *connLimit
 	m.srv, lim = newHTTPServer(mux, m.http)
 	ln, err := net.Listen("tcp", addr)
@@ -276,6 +289,10 @@ func (m *metrics) close() {
 
 func (s *Server) httpHandlers() {
 	s.met.handle("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		if err := s.deviceFailure(); err != nil {
+			http.Error(w, "not ready: "+err.Error()+"\n", http.StatusServiceUnavailable)
+			return
+		}
 		if !s.ready.Load() || s.draining.Load() {
 			http.Error(w, "not ready\n", http.StatusServiceUnavailable)
 			return

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -54,6 +55,12 @@ type Server struct {
 	sessions map[machine.SessionID]*session
 
 	outs sync.Pool // *machine.Output for copy completions and the reaper
+
+	// gpuMu guards gpuFailed: the GPUs whose CUDA context hit a sticky
+	// error, by UUID (deviceFailed).
+	gpuMu     sync.Mutex
+	gpuFailed map[string]gpu.DeviceFailure
+	gpus      []string // the UUIDs the CUDA backend sees; nil without it
 
 	ready    atomic.Bool
 	draining atomic.Bool
@@ -144,7 +151,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	// some are stalled or for sessions that have none running (copysched.go).
 	host := budget{base: cfg.CopyWorkers, max: cfg.CopyWorkers * 8}
 	cuda := budget{base: cfg.CopyCUDAInflight, max: cfg.CopyCUDAInflight * 8}
-	s.copier, err = newCopier(cfg, s.pool.Bytes(), host.max, cuda.max, log)
+	s.copier, s.gpus, err = newCopier(cfg, s.pool.Bytes(), host.max, cuda.max, log, s.deviceFailed)
 	if err != nil {
 		s.pool.Close()
 		return nil, err
@@ -245,42 +252,113 @@ func (s *Server) memoryBudget(pool uint64) error {
 // newCopier builds the copy engine: "host" is the host backend alone;
 // "auto" and "cuda" route CUDA IPC regions to the CUDA backend and host
 // regions to the host backend. "auto" falls back to the host backend alone
-// (and says why) when CUDA cannot run; "cuda" fails instead. workers is
-// the most host copies the engine must be able to run at once, and
-// perDevice the most CUDA copies of one GPU (the scheduler keeps to
-// cfg.CopyWorkers and cfg.CopyCUDAInflight unless some are stalled).
-func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logger) (gpu.Engine, error) {
+// (and says why) when CUDA cannot run; "cuda" fails instead (the driver
+// and device checks run here and take no GPU memory: the CUDA backend
+// retains a GPU's context and pins the pool only at the first
+// registration). workers is the most host copies the engine must be able
+// to run at once, and perDevice the most CUDA copies of one GPU (the
+// scheduler keeps to cfg.CopyWorkers and cfg.CopyCUDAInflight unless some
+// are stalled). onFail is called when a GPU's context fails; gpus are the
+// UUIDs of the GPUs the CUDA backend sees.
+func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logger, onFail func(gpu.DeviceFailure)) (_ gpu.Engine, gpus []string, _ error) {
 	// Copy threads run at a lower priority (nice +5): on a busy CPU the
 	// session loops, which answer every client, go before bulk copies.
 	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers,
 		ThreadSetup: func() { sys.NiceThread(5) }})
 	if err != nil || cfg.CopyBackend == "host" {
-		return host, err
+		return host, nil, err
 	}
 	// A device's queue holds every copy the scheduler may have in flight
 	// on it, so that Submit never blocks.
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Queue: max(256, perDevice)})
+	onPinned := func(p gpu.PinInfo, err error) {
+		if err != nil {
+			log.Error().Err(err).Uint64("pool_bytes", p.Bytes).Dur("took", p.Took).
+				Msg("CUDA: the pool could not be pinned at the first GPU registration: GPU regions are refused")
+			return
+		}
+		log.Info().Uint64("pinned_bytes", p.Bytes).Int("pin_chunks", p.Chunks).Dur("pin_took", p.Took).
+			Msg("CUDA: pool registered as pinned host memory (at the first GPU registration; registrations waited for it)")
+		if p.MemlockBelowPool() {
+			log.Warn().Uint64("memlock_limit", p.MemlockSoft).Uint64("pool_bytes", p.Bytes).
+				Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")
+		}
+	}
+	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Queue: max(256, perDevice), OnPinned: onPinned, OnDeviceFailed: onFail})
 	if err != nil {
 		if cfg.CopyBackend == "cuda" {
 			host.Close()
-			return nil, fmt.Errorf("--copy.backend cuda: %w", err)
+			return nil, nil, fmt.Errorf("--copy.backend cuda: %w", err)
 		}
 		ev := log.Warn()
 		if errors.Is(err, gpu.ErrCUDAUnavailable) {
 			ev = log.Info()
 		}
 		ev.Err(err).Msg("copy backend auto: the CUDA backend is unavailable, using the host backend (GPU memory cannot be registered)")
-		return host, nil
+		return host, nil, nil
 	}
 	in := c.Info()
-	log.Info().Int("cuda_driver", in.Driver).Interface("gpus", in.Devices).Bool("batched_copies", in.Batch).
-		Uint64("pinned_bytes", in.Pin.Bytes).Int("pin_chunks", in.Pin.Chunks).Dur("pin_took", in.Pin.Took).
-		Msg("CUDA copy backend ready: pool registered as pinned host memory")
-	if in.Pin.MemlockBelowPool() {
-		log.Warn().Uint64("memlock_limit", in.Pin.MemlockSoft).Uint64("pool_bytes", in.Pin.Bytes).
-			Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")
+	for _, d := range in.Devices {
+		gpus = append(gpus, d.UUID)
 	}
-	return gpu.NewRouter(c, host), nil
+	log.Info().Int("cuda_driver", in.Driver).Interface("gpus", in.Devices).Bool("batched_copies", in.Batch).
+		Uint64("pool_bytes", uint64(len(pool))).
+		Msg("CUDA copy backend ready: no GPU context and no pinning until the first GPU registration")
+	return gpu.NewRouter(c, host), gpus, nil
+}
+
+// deviceFailDrain is how long a sidecar whose GPU failed keeps serving
+// (everything but that GPU; /readyz already unready) before it shuts
+// down: the status 11 replies of the GPU's failed copies reach their
+// engines first.
+var deviceFailDrain = time.Second
+
+// deviceFailed handles a GPU whose CUDA context hit a sticky error: every
+// copy on it already fails (gpu.ErrDeviceFailed, status 11 to its
+// sessions) and nothing more is issued on it. The sidecar turns unready,
+// says so in ringside_cuda_device_failed, drains its sessions and exits:
+// Serve returns an error wrapping gpu.ErrDeviceFailed, so the process
+// exits non-zero and is restarted with a fresh context (docs/architecture.md,
+// failure model, says why it does not reset the device instead).
+func (s *Server) deviceFailed(f gpu.DeviceFailure) {
+	s.gpuMu.Lock()
+	if s.gpuFailed == nil {
+		s.gpuFailed = map[string]gpu.DeviceFailure{}
+	}
+	_, again := s.gpuFailed[f.UUID]
+	s.gpuFailed[f.UUID] = f
+	s.gpuMu.Unlock()
+	if again {
+		return
+	}
+	if s.met != nil {
+		s.met.cudaFailed.WithLabelValues(f.UUID).Set(1)
+	}
+	s.log.Error().Err(f.Err).Str("gpu", f.UUID).Int("cuda_error", f.Code).Dur("drain", deviceFailDrain).
+		Msg("CUDA device failed: its copies fail with status 11; the sidecar drains its sessions and exits to be restarted with a fresh context")
+	time.AfterFunc(deviceFailDrain, s.Shutdown)
+}
+
+// deviceFailure returns the first failed GPU's error, or nil.
+func (s *Server) deviceFailure() error {
+	s.gpuMu.Lock()
+	defer s.gpuMu.Unlock()
+	var first error
+	for _, uuid := range s.failedGPUs() {
+		if first == nil {
+			first = s.gpuFailed[uuid].Err
+		}
+	}
+	return first
+}
+
+// failedGPUs lists the failed GPUs' UUIDs, sorted. Caller holds gpuMu.
+func (s *Server) failedGPUs() []string {
+	out := make([]string, 0, len(s.gpuFailed))
+	for uuid := range s.gpuFailed {
+		out = append(out, uuid)
+	}
+	sort.Strings(out)
+	return out
 }
 
 func (s *Server) removeStaleRings() {
@@ -310,7 +388,7 @@ func (s *Server) Serve(ctx context.Context) error {
 	go s.reaper()
 	var httpErr chan error
 	if s.cfg.MetricsAddr != "" {
-		httpErr = s.met.serve(s.cfg.MetricsAddr)
+		httpErr = s.met.serve(s.cfg.MetricsAddr, s.deviceFailure)
 		s.httpHandlers()
 	}
 	s.ready.Store(true)
@@ -348,6 +426,9 @@ func (s *Server) Serve(ctx context.Context) error {
 	s.wg.Wait()
 	s.met.close()
 	s.closeResources()
+	if ferr := s.deviceFailure(); ferr != nil {
+		err = errors.Join(err, fmt.Errorf("sidecar: exiting to be restarted: %w", ferr))
+	}
 	if httpErr != nil {
 		select {
 		case e := <-httpErr:
