@@ -95,16 +95,18 @@ class EngineLimits:
 
     @classmethod
     def of(cls, vllm_config: Any) -> "EngineLimits":
-        sc = vllm_config.scheduler_config
+        """From vLLM's config; what it lacks stays unknown (max_tokens 0:
+        every step counts as one a preemption may follow)."""
+        sc = getattr(vllm_config, "scheduler_config", None)
         spec = getattr(vllm_config, "speculative_config", None)
         try:
             batches = int(vllm_config.max_concurrent_batches)
-        except Exception:  # noqa: BLE001 - a vLLM without it: assume the most common overlap
+        except Exception:  # noqa: BLE001 - a vLLM without it: PP or async scheduling may overlap 2
             batches = 2
         return cls(
-            int(sc.max_num_batched_tokens),
-            int(sc.max_num_seqs),
-            int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0,
+            int(getattr(sc, "max_num_batched_tokens", 0) or 0),
+            int(getattr(sc, "max_num_seqs", 0) or 0),
+            int(getattr(spec, "num_speculative_tokens", 0) or 0),
             batches,
         )
 
