@@ -6,7 +6,11 @@
   strides from compute_layout_strides as get_kv_cache_config_from_groups
   sets them), page by page, byte by byte;
 - WorkerSide's registration: the store event, refusals that leave the
-  engine serving, and a second register_kv_caches.
+  engine serving, and a second register_kv_caches;
+- the connector through the test harness (vllm_harness.py) with its KV
+  cache in simulator memory and a real sidecar on its CUDA copy backend:
+  stores, loads, and a re-registration after which the old memory is
+  never copied into again.
 """
 
 import ctypes
@@ -209,3 +213,78 @@ def test_a_second_registration_replaces_the_first(sim, start_sidecar, libcuda, m
     )
     wait_for(lambda: sidecar_counters(tmp_path, pid) == (8, 4), "the old allocations are still mapped")
     w.shutdown()
+
+
+# -- the connector, end to end ---------------------------------------------------
+
+
+class _SimTorch:
+    """The harness's torch, whose zeros() are tensors in simulator memory
+    (the engine's KV cache)."""
+
+    def __init__(self, sim):
+        self.sim = sim
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def zeros(self, *shape, dtype):
+        n = 1
+        for d in shape:
+            n *= d
+        es = torch.empty((), dtype=dtype).element_size()
+        _, raw = device_bytes(self.sim, n * es)
+        raw.zero_()
+        return Cuda(raw.view(dtype).view(*shape))
+
+
+def cuda_engine(sim, sock, stream, **kw):
+    old = H.torch
+    H.torch = _SimTorch(sim)
+    try:
+        eng = H.Engine(sock, **kw)
+    finally:
+        H.torch = old
+    ws = eng.worker.connector_worker
+    assert ws.region is not None and ws.region.kind == S.REGION_CUDA_IPC, "the KV cache was not registered"
+    ws.store_event.stream = stream  # the stand-in has no torch stream
+    return eng
+
+
+def test_connector_stores_loads_and_reregisters(sim, start_sidecar, libcuda, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    stream = sim.stream()
+    a = cuda_engine(sim, sc.sock, stream, num_blocks=32)
+    first = [H.request("c%d" % i, H.prompt(50 + i, 40 + 7 * i), max_tokens=8) for i in range(3)]
+    a.run(first)
+    assert a.wstats["stored_blocks"] > 0 and a.wstats["store_errors"] == 0, a.wstats
+
+    # vLLM re-initialises its KV cache: new memory, an empty prefix cache.
+    old = a.tensors
+    new = [_SimTorch(sim).zeros(*t.shape, dtype=t.dtype) for t in old]
+    for t in old:
+        t.t.fill_(-7.0)  # the old memory, now another allocation's: never written again
+    a.tensors = new
+    a.kv = {name: new[i] for g in a.groups for i, name in enumerate(g.layer_names)}
+    a.worker.register_kv_caches(a.kv)
+    a.worker.connector_worker.store_event.stream = stream
+    assert a.sched.reset_prefix_cache()
+    # The next turns find every block in the sidecar: loads land in the new
+    # memory (the harness checks every block's bytes before each forward).
+    turn = [
+        H.request("d%d" % i, list(r.all_token_ids) + H.prompt(90 + i, 20), max_tokens=4) for i, r in enumerate(first)
+    ]
+    loaded = a.wstats["loaded_blocks"]
+    a.run(turn)
+    assert a.wstats["loaded_blocks"] > loaded and a.wstats["load_error_blocks"] == 0, a.wstats
+    for t in old:
+        assert bool((t.t == -7.0).all()), "a copy reached the old KV cache"
+    a.shutdown()
+
+    # What was stored from the new memory is right: a host engine loads it.
+    b = H.Engine(sc.sock, num_blocks=64)
+    b.run([H.request("e%d" % i, list(r.all_token_ids), max_tokens=2) for i, r in enumerate(turn)])
+    b.shutdown()
+    assert b.wstats["loaded_blocks"] > 0 and b.wstats["load_error_blocks"] == 0, b.wstats
+    assert b.checked_blocks > 0
