@@ -448,7 +448,16 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	r.Segments = append([]Segment(nil), r.Segments...)
 	r.IPC.Allocations = append([]IPCAllocation(nil), r.IPC.Allocations...)
 	reg := &cudaRegion{r: r, dev: d}
-	if err := d.call(func() error { return d.open(reg, segAlloc) }); err != nil {
+	if err := d.call(func() error {
+		if err := d.failed(); err != nil {
+			return fmt.Errorf("%w: %w", ErrUnsupported, err)
+		}
+		err := d.open(reg, segAlloc)
+		if cuda.Sticky(err) {
+			d.markFailed(err)
+		}
+		return err
+	}); err != nil {
 		return 0, err
 	}
 	e.mu.Lock()
@@ -708,7 +717,9 @@ func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 	defer e.devMu.Unlock()
 	if d := e.devs[di.ordinal]; d != nil {
 		if err := d.failed(); err != nil {
-			return nil, err
+			// The GPU cannot be served until the sidecar restarts: a
+			// configuration-like refusal for the registering engine.
+			return nil, fmt.Errorf("%w: %w", ErrUnsupported, err)
 		}
 		return d, nil
 	}
@@ -1035,7 +1046,7 @@ func ipcOpenError(pid int, err error) error {
 	default:
 		why = "unexpected driver error"
 	}
-	return fmt.Errorf("%w: cuIpcOpenMemHandle of pid %d's allocation failed: %v: %s", ErrUnsupported, pid, err, why)
+	return fmt.Errorf("%w: cuIpcOpenMemHandle of pid %d's allocation failed: %w: %s", ErrUnsupported, pid, err, why)
 }
 
 func (d *cudaDevice) event() (cuda.Event, error) {

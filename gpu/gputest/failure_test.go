@@ -325,8 +325,8 @@ func TestCUDASticky(t *testing.T) {
 	if !errors.Is(err, gpu.ErrDeviceFailed) {
 		t.Fatalf("Submit on a failed device = %v, want ErrDeviceFailed", err)
 	}
-	if _, err := c.Register(exp.Region(pageLen, pages, nil)); !errors.Is(err, gpu.ErrDeviceFailed) {
-		t.Fatalf("Register on a failed device = %v, want ErrDeviceFailed", err)
+	if _, err := c.Register(exp.Region(pageLen, pages, nil)); !errors.Is(err, gpu.ErrDeviceFailed) || !errors.Is(err, gpu.ErrUnsupported) {
+		t.Fatalf("Register on a failed device = %v, want ErrDeviceFailed and ErrUnsupported (the engine's refusal: status 12)", err)
 	}
 	if n := copyCalls(fc) - calls0; n != 2 {
 		t.Fatalf("%d copy calls after the failure, want none", n-2)

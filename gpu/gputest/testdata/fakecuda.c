@@ -9,8 +9,9 @@
 // Each behaviour that stands for something the real driver does names the
 // CUDA driver API documentation entry it follows and the device probe
 // (bench/gpu/probe_ipc.py) that checks it on a GPU: ipc-range,
-// ipc-corrupt-handle, vmm-export, ipc-event. A behaviour no probe has
-// confirmed yet is an assumption, not a fact about the driver.
+// ipc-corrupt-handle, vmm-export, ipc-event, exporter-death. A behaviour
+// no probe has confirmed yet is an assumption, not a fact about the
+// driver (the exporter's death, under Fault injection, is one).
 //
 // Build: gcc -shared -fPIC -o DIR/libcuda.so.1 fakecuda.c
 // Env:
