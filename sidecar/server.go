@@ -508,9 +508,14 @@ func (s *Server) session(id machine.SessionID) *session {
 // registrations and unregistrations. It holds no lock of the Server's.
 func (s *Server) apply(out *machine.Output) {
 	var last *session
+	// The replies are sent under smu (send never blocks): a session's
+	// cleanup removes it under smu before it closes its completion ring,
+	// so a reply from another goroutine (a copy's completion) is either
+	// written before that or not at all.
+	s.smu.RLock()
 	for _, r := range out.Replies {
 		if last == nil || last.id != r.Session {
-			last = s.session(r.Session)
+			last = s.sessions[r.Session]
 		}
 		if len(r.Payload) >= 4 {
 			s.met.status(r.Payload)
@@ -519,6 +524,7 @@ func (s *Server) apply(out *machine.Output) {
 			last.ob.send(r.Type, r.Seq, r.Payload)
 		}
 	}
+	s.smu.RUnlock()
 	for i := range out.Copies {
 		s.submitCopy(out.Copies[i])
 	}

@@ -397,3 +397,46 @@ func PeerMain(kind string) int {
 	}
 	return 0
 }
+
+// ExportCUDA allocates n bytes of device memory on device 0 in this
+// process and exports it with cuIpcGetMemHandle, as an engine exports its
+// KV cache (for tests whose engine is this process); free releases it.
+func ExportCUDA(n uint64) (e Export, free func(), err error) {
+	runtime.LockOSThread() // the context is current on this thread only
+	defer runtime.UnlockOSThread()
+	if err := cuda.Init(); err != nil {
+		return e, nil, err
+	}
+	d, err := cuda.DeviceGet(0)
+	var ctx cuda.Context
+	if err == nil {
+		ctx, err = d.Retain()
+	}
+	if err == nil {
+		err = ctx.SetCurrent()
+	}
+	var uuid cuda.UUID
+	if err == nil {
+		uuid, err = d.UUID()
+	}
+	if err != nil {
+		return e, nil, fmt.Errorf("cuda device 0: %w", err)
+	}
+	p, err := cuda.MemAlloc(n)
+	if err != nil {
+		return e, nil, err
+	}
+	a := gpu.IPCAllocation{Base: uint64(p), Size: n}
+	if a.Handle, err = cuda.IPCGetHandle(p); err != nil {
+		cuda.MemFree(p)
+		return e, nil, fmt.Errorf("cuIpcGetMemHandle: %w", err)
+	}
+	e = Export{Kind: "cuda", PID: os.Getpid(), Base: uint64(p), Length: n, IPC: gpu.IPCMem{GPU: uuid, Allocations: []gpu.IPCAllocation{a}}}
+	return e, func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		ctx.SetCurrent()
+		cuda.MemFree(p)
+		d.Release()
+	}, nil
+}
