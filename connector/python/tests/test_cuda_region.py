@@ -62,6 +62,20 @@ class Sim:
         assert self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
         assert self.lib.cuCtxSetCurrent(ctx) == 0
         self.allocs = []
+        # Every store event made through this driver or the process's one
+        # for this library is destroyed at close (the stand-in keeps an
+        # interprocess event's file until then).
+        self.events = []
+        for d in (self.drv, cudaipc.driver(path)):
+            d.ipc_event = self._tracked(d.ipc_event)
+
+    def _tracked(self, make):
+        def ipc_event():
+            ev = make()
+            self.events.append(ev)
+            return ev
+
+        return ipc_event
 
     def alloc(self, n):
         p = ctypes.c_uint64()
@@ -80,6 +94,12 @@ class Sim:
         return s.value
 
     def close(self):
+        for ev in self.events:
+            if ev.event:
+                ev.close()
+        self.events = []
+        d = cudaipc.driver(self.path)
+        d.__dict__.pop("ipc_event", None)
         for p in self.allocs:
             self.lib.cuMemFree(ctypes.c_uint64(p))
         self.allocs = []
