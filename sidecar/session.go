@@ -171,11 +171,13 @@ func (ss *session) cleanup() {
 	if s.exits != nil && ss.pidfd != nil {
 		s.exits.Unwatch(ss.pidfd)
 	}
-	// Copies already queued finish if the process is alive (a clean
-	// detach keeps its last stores), within the reply timeout; the rest
-	// are cancelled. Copies still running after that keep their slots
-	// pinned until they end: the machine applies their results then.
-	if ss.alive() {
+	// A session its client ended (Detach, socket closed, process gone)
+	// keeps no store: its engine may reuse the pages from then on, so its
+	// queued copies are cancelled and those still running keep their slots
+	// pinned until they end, when the machine discards what they wrote.
+	// Only at the sidecar's shutdown do the queued copies of a live process
+	// get the reply timeout to finish (its engine still holds the pages).
+	if s.draining.Load() && ss.alive() {
 		s.sched.waitSession(uint64(ss.id), time.Now().Add(s.cfg.ReplyTimeout))
 	}
 	s.sched.cancel(uint64(ss.id))

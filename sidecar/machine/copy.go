@@ -218,9 +218,12 @@ func (h *handler) store(p []byte) error {
 }
 
 // CopyDone applies the end of one chunk: a load's pins are dropped; a
-// store's blocks are committed, or discarded when the copy failed or its
-// process exited during it. When the request's last chunk ends, its reply
-// goes to the session that asked, if it is still there.
+// store's blocks are committed, or discarded when the copy failed, its
+// process exited during it, or its session ended before it did (Detach
+// handled, socket closed, process gone: from then on the engine may hand
+// the pages to another request, so what the copy read is not trusted).
+// When the request's last chunk ends, its reply goes to the session that
+// asked, if it is still there.
 func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 	out.reset()
 	m.out = out
@@ -245,14 +248,18 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 	} else {
 		m.st.CopiesOK++
 	}
+	ended := req.dir == gpu.EngineToPool && !failed && !req.sess.live()
 	switch req.dir {
 	case gpu.PoolToEngine:
 		m.cache.EndLoad(op.load)
 	case gpu.EngineToPool:
 		for _, t := range op.tickets {
-			if failed {
+			if failed || ended {
 				m.cache.AbortStore(t)
 				req.reply.Skipped++
+				if ended {
+					m.st.DiscardedEndedStores++
+				}
 				continue
 			}
 			switch err := m.cache.CommitStore(t); {
@@ -302,7 +309,7 @@ func (m *Machine) CopyDone(now int64, id CopyID, res CopyResult, out *Output) {
 		}
 		payload = r.Append
 	}
-	if !req.sess.gone && payload != nil {
+	if req.sess.live() && payload != nil {
 		out.reply(req.sess.id, req.typ, req.seq, payload)
 	}
 	m.check()

@@ -56,6 +56,7 @@ func (m *Machine) Handle(now int64, id SessionID, typ uint16, seq uint64, payloa
 			h.ok(r.ID)
 		}
 	case schema.TypeDetach:
+		s.ended = true // before the reply: no store of s commits after it (copy.go)
 		h.ok(0)
 		out.End = true
 	default:

@@ -49,6 +49,7 @@ type Counters struct {
 	NamespacesRemoved       uint64
 	DoomedWrites            uint64 // store copies that ended after their block was dropped
 	DiscardedExitedStores   uint64 // stores discarded because their process exited during the copy
+	DiscardedEndedStores    uint64 // blocks whose store copy ended after its session did (discarded)
 	CopiesStarted, CopiesOK uint64
 	CopiesFailed            uint64
 	Described               uint64 // block descriptions added (events.go)
@@ -101,8 +102,15 @@ type session struct {
 	leases     int
 	use        usage
 	copyMeta   int64 // part of use.meta held by copies and the shared tier's lookups and fetches in flight (their ends give it back)
-	gone       bool
+	// ended: the session's Detach was handled; gone: the session ended
+	// (Detach). From either on, its store copies that end commit nothing:
+	// its engine may reuse the pages once it saw the session end.
+	ended bool
+	gone  bool
 }
+
+// live reports whether s may still commit stores.
+func (s *session) live() bool { return !s.gone && !s.ended }
 
 type region struct {
 	handle    gpu.Handle
