@@ -159,13 +159,16 @@ func Run(cfg Config) ([]Row, error) {
 			return nil, err
 		}
 	case "cuda":
-		t0 := time.Now()
-		c, err := gpu.NewCUDA(es.poolB, gpu.CUDAOptions{Copy: gpu.CopyPerRange})
+		// The pool is pinned at the first registration (no context before):
+		// its figures are logged then.
+		c, err := gpu.NewCUDA(es.poolB, gpu.CUDAOptions{Copy: gpu.CopyPerRange, OnPinned: func(p gpu.PinInfo, err error) {
+			logf("pinned %d bytes in %d chunk(s) in %v (err %v)", p.Bytes, p.Chunks, p.Took.Round(time.Millisecond), err)
+		}})
 		if err != nil {
 			return nil, err
 		}
 		in := c.Info()
-		logf("CUDA driver %d, %d GPU(s); pinned %d bytes in %d chunk(s) in %v", in.Driver, len(in.Devices), in.Pin.Bytes, in.Pin.Chunks, time.Since(t0).Round(time.Millisecond))
+		logf("CUDA driver %d, %d GPU(s)", in.Driver, len(in.Devices))
 		es.cuda, es.perRange, es.regP = c, c, es.regB
 		if err := c.SetCopyMode(gpu.CopyBatched); err != nil {
 			batchReason = err.Error()
