@@ -32,11 +32,13 @@ re-attaches in the background (at most once per ``reattach_interval``).
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 from .connector import RingsideConnector
 from .metadata import LoadSpec, RingsideConnectorMetadata
 
-__all__ = ["RingsideConnector", "RingsideConnectorMetadata", "LoadSpec", "register_plugin"]
+__all__ = ["RingsideConnector", "RingsideConnectorMetadata", "LoadSpec", "register_plugin", "reset_prefix_cache"]
 
 logger = logging.getLogger("ringside.vllm")
 
@@ -51,3 +53,29 @@ def register_plugin() -> None:
             KVConnectorFactory.register_connector("RingsideConnector", "ringside.vllm", "RingsideConnector")
     except Exception as e:  # noqa: BLE001 - a plugin must never break vLLM's start
         logger.warning("ringside: could not register the vLLM connector: %s", e)
+
+
+def reset_prefix_cache(llm: Any, timeout: float = 10.0) -> bool:
+    """vLLM's ``LLM.reset_prefix_cache()``, once it can succeed.
+
+    The connector holds a finished request's blocks until the sidecar has
+    read them for its stores (``request_finished`` returns True; vLLM frees
+    them when a worker reports the request in ``finished_sending``, at a
+    later engine step). An offline ``LLM.generate`` returns before that
+    step, so a reset right after it fails while blocks are held. This steps
+    an in-process engine core while it has such requests (a multiprocess
+    engine core steps by itself; it is waited for), then resets. False if
+    the reset still fails after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    eng = llm.llm_engine
+    core = getattr(getattr(eng, "engine_core", None), "engine_core", None)  # in-process client only
+    sched = getattr(core, "scheduler", None)
+    while True:
+        if llm.reset_prefix_cache():
+            return True
+        if time.monotonic() >= end:
+            return False
+        if sched is not None and sched.has_requests():
+            eng.step()
+        else:
+            time.sleep(0.005)

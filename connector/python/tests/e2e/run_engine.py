@@ -58,6 +58,8 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
+    from ringside.vllm import reset_prefix_cache
+
     kw = dict(
         model=a.model,
         dtype="float32",
@@ -104,7 +106,9 @@ def main() -> int:
     inputs = prompts
     for r in range(a.rounds):
         if r > 0:
-            llm.reset_prefix_cache()
+            # The connector may still hold the last requests' blocks for
+            # their stores until one more engine step.
+            assert reset_prefix_cache(llm), "the prefix cache could not be reset"
         if a.ready_file and r == a.rounds - 1:
             open(a.ready_file, "w").write("generating\n")
         t = time.time()
