@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import struct
+import threading
 import time
 from types import SimpleNamespace
 
@@ -288,3 +289,179 @@ def test_connector_stores_loads_and_reregisters(sim, start_sidecar, libcuda, mon
     b.shutdown()
     assert b.wstats["loaded_blocks"] > 0 and b.wstats["load_error_blocks"] == 0, b.wstats
     assert b.checked_blocks > 0
+
+
+# -- stores in flight: finished and preempted requests --------------------------
+
+
+class Held:
+    """FAKECUDA_EVENT_HOLD in this (the engine's) process: while the file
+    exists, a store event recorded here stays incomplete, so the sidecar's
+    store copies wait behind it and cannot have read the blocks."""
+
+    def __init__(self, path, monkeypatch):
+        self.path = str(path)
+        monkeypatch.setenv("FAKECUDA_EVENT_HOLD", self.path)
+
+    def hold(self):
+        with open(self.path, "wb"):
+            pass
+
+    def release(self):
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    @property
+    def held(self):
+        return os.path.exists(self.path)
+
+
+@pytest.fixture
+def held(monkeypatch, tmp_path):
+    """A Held, released at teardown (before the sidecar's stop, which would
+    wait for a store behind it)."""
+    h = Held(tmp_path / "event-hold", monkeypatch)
+    yield h
+    h.release()
+
+
+def observe(eng):
+    """Record what request_finished answered and every step's finished_sending."""
+    finished, sending = {}, []
+    conn, w = eng.conn, eng.worker
+    gtr = w.get_transfer_results
+
+    def wrap(name):
+        rf = getattr(conn, name)
+
+        def request_finished(request, block_ids):
+            out = rf(request, block_ids)
+            finished[request.request_id] = out[0]
+            return out
+
+        setattr(conn, name, request_finished)
+
+    wrap("request_finished")
+    wrap("request_finished_all_groups")  # what vLLM calls for a connector with SupportsHMA
+
+    def get_transfer_results(ids):
+        res = gtr(ids)
+        sending.append(set(res.finished_sending or ()))
+        return res
+
+    w.get_transfer_results = get_transfer_results
+    return finished, sending
+
+
+def reset(eng, timeout=4.0):
+    """vLLM's reset_prefix_cache, once the held requests' blocks are freed
+    (the engine steps until their stores are reported ended)."""
+    deadline = time.monotonic() + timeout
+    while not eng.sched.reset_prefix_cache():
+        assert time.monotonic() < deadline, "the prefix cache could not be reset"
+        eng.step()
+        time.sleep(0.005)
+
+
+def test_a_finished_request_is_held_until_its_store_ended(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    ev = held
+    eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=16)
+    ws = eng.worker.connector_worker
+    finished, sending = observe(eng)
+    # Two full blocks, finished in the step that computes them (one token):
+    # the step's store is sent after the forward pass and its event held.
+    ev.hold()
+    eng.add(H.request("f0", H.prompt(11, 2 * H.BLOCK), max_tokens=1))
+    deadline = time.monotonic() + 4.0
+    while "f0" not in eng.finished:  # the scheduler's lookup first, then the prefill
+        assert time.monotonic() < deadline, "f0 did not finish"
+        eng.step()
+        time.sleep(0.001)
+    assert finished == {"f0": True}, "request_finished did not hold the request: %s" % finished
+    blocks = eng._block_ids("f0")
+    assert len(blocks) >= 2
+    try:
+        for _ in range(10):
+            eng.step()
+            time.sleep(0.02)
+            assert ev.held
+            assert not any("f0" in s for s in sending), "reported in finished_sending before its store copied"
+            assert "f0" in eng.sched.requests and eng._block_ids("f0") == blocks, "its blocks were freed"
+            assert ws.stats["stores"] == 0, "a store was answered while its event was incomplete"
+    finally:
+        ev.release()
+    deadline = time.monotonic() + 4.0
+    while not any("f0" in s for s in sending):
+        assert time.monotonic() < deadline, "never reported in finished_sending after its store ended"
+        eng.step()
+        time.sleep(0.005)
+    assert ws.stats["stores"] >= 1 and ws.stats["stored_blocks"] == 2 and ws.stats["store_errors"] == 0, ws.stats
+    assert "f0" not in eng.sched.requests
+    # What the store read loads back: a longer turn of the same prompt,
+    # with vLLM's prefix cache emptied, loads both blocks (the harness
+    # checks every block's bytes before the forward pass).
+    assert eng.sched.reset_prefix_cache()
+    eng.run([H.request("f1", H.prompt(11, 2 * H.BLOCK + 5), max_tokens=2)])
+    assert eng.wstats["loaded_blocks"] == 2 and eng.wstats["load_error_blocks"] == 0, eng.wstats
+    assert eng.checked_blocks >= 2
+    eng.shutdown()
+
+
+def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    ev = held
+    # 7 usable blocks (one is vLLM's null block): two 3-block prompts fill
+    # 6 in their prefill step, whose store is held; in the next step both
+    # need a 4th block, and vLLM preempts the second, freeing its blocks
+    # while that store has not read them.
+    eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=8)
+    ws = eng.worker.connector_worker
+    seen = []
+    hp = eng.worker.handle_preemptions
+
+    def handle_preemptions(meta):
+        pre = set(eng.sched_output.preempted_req_ids or ())
+        if not pre:
+            return hp(meta)
+        # The blocks vLLM just freed may be written by this step's forward
+        # pass: handle_preemptions returns only once the store read them.
+        assert ev.held and ws.stats["stores"] == 0, "the store ended before the preemption"
+        timer = threading.Timer(0.3, ev.release)
+        t0 = time.monotonic()
+        timer.start()
+        try:
+            hp(meta)
+        finally:
+            timer.cancel()
+            held = ev.held
+            ev.release()
+        seen.append((pre, held, time.monotonic() - t0, dict(ws.stats)))
+
+    eng.worker.handle_preemptions = handle_preemptions
+    sched = eng.sched.schedule
+
+    def schedule():
+        eng.sched_output = sched()
+        return eng.sched_output
+
+    eng.sched.schedule = schedule
+    reqs = [H.request("p%d" % i, H.prompt(20 + i, 3 * H.BLOCK), max_tokens=4) for i in range(2)]
+    ev.hold()  # from the prefill step's store on
+    eng.run(reqs)
+    assert seen, "no preemption happened"
+    pre, held, took, stats = seen[0]
+    assert pre == {"p1"}, pre
+    assert not held, "handle_preemptions returned while the store could not have read the freed blocks"
+    assert took >= 0.25, took
+    assert stats["stored_blocks"] == 6 and stats["store_errors"] == 0, stats
+    # The preempted request's blocks as stored load back byte-exact.
+    reset(eng)
+    loaded = eng.wstats["loaded_blocks"]
+    eng.run([H.request("p2", H.prompt(21, 3 * H.BLOCK + 5), max_tokens=1)])
+    assert eng.wstats["loaded_blocks"] - loaded == 3 and eng.wstats["load_error_blocks"] == 0, eng.wstats
+    eng.shutdown()
