@@ -465,3 +465,75 @@ def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held
     eng.run([H.request("p2", H.prompt(21, 3 * H.BLOCK + 5), max_tokens=1)])
     assert eng.wstats["loaded_blocks"] - loaded == 3 and eng.wstats["load_error_blocks"] == 0, eng.wstats
     eng.shutdown()
+
+
+def test_a_sticky_error_in_the_sidecar_leaves_the_engine_serving(sim, start_sidecar, libcuda, monkeypatch, tmp_path):  # noqa: F811
+    # FAKECUDA_STICKY_AFTER=1 in the sidecar: its first copy call fails with
+    # CUDA_ERROR_ILLEGAL_ADDRESS and poisons its context. The store gets
+    # status 11, the sidecar marks the GPU failed and exits non-zero; the
+    # engine's steps go on (its requests compute), and once a new sidecar
+    # serves the socket the worker attaches and registers its KV cache
+    # again, and its stores are copied.
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    monkeypatch.setenv("FAKECUDA_STICKY_AFTER", "1")
+    monkeypatch.setenv("FAKECUDA_COUNTERS", str(tmp_path))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"], metrics=True)
+    monkeypatch.delenv("FAKECUDA_STICKY_AFTER")
+    first_pid = sc.proc.pid
+    stream = sim.stream()
+    eng = cuda_engine(sim, sc.sock, stream, num_blocks=32)
+    ws = eng.worker.connector_worker
+    statuses = []
+    done = ws._store_done
+
+    def store_done(payload):
+        statuses.append(S.decode_store_reply(payload).status)
+        return done(payload)
+
+    ws._store_done = store_done
+    gen = ws.link.generation
+    eng.run([H.request("s0", H.prompt(5, 40), max_tokens=4)])  # no exception out of the hooks
+    assert statuses and statuses[0] == S.Status.COPY_FAILED, statuses
+    assert ws.stats["stored_blocks"] == 0 and ws.stats["store_errors"] >= 1, ws.stats
+    try:
+        rc = sc.proc.wait(10)
+    except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+        pytest.fail("the sidecar did not exit after the sticky error:\n" + sc.logs())
+    assert rc != 0, "the sidecar exited 0 after a sticky error:\n" + sc.logs()
+    assert copy_calls(tmp_path, first_pid)[1] > 0, "the poisoned context was not refused anything"
+    # No sidecar: the engine serves on, computing.
+    eng.run([H.request("s1", H.prompt(6, 40), max_tokens=4)])
+    # A new sidecar on the same socket (a fresh context: no sticky error).
+    sc.start()
+    deadline = time.monotonic() + 5.0
+    n = 0
+    while ws.stats["stored_blocks"] == 0:
+        assert time.monotonic() < deadline, "no store was copied after the restart: %s" % ws.stats
+        eng.run([H.request("s%d" % (2 + n), H.prompt(7 + n, 40), max_tokens=2)])
+        reset(eng)  # steps until the request's stores ended
+        n += 1
+    assert ws.link.generation > gen and ws._region_gen == ws.link.generation
+    assert statuses[-1] == S.Status.OK, statuses
+    assert copy_calls(tmp_path, sc.proc.pid)[0] > 0, "the new sidecar copied nothing"
+    # s0's blocks were never stored: with vLLM's prefix cache emptied its
+    # prompt computes again (the harness checks the bytes), and is stored.
+    loaded, stored = ws.stats["loaded_blocks"], ws.stats["stored_blocks"]
+    eng.run([H.request("s0b", H.prompt(5, 40), max_tokens=2)])
+    reset(eng)
+    assert ws.stats["loaded_blocks"] == loaded and ws.stats["stored_blocks"] == stored + 2, ws.stats
+    # And what the new sidecar stored loads back byte-exact.
+    eng.run([H.request("s0c", H.prompt(5, 40), max_tokens=2)])
+    assert ws.stats["loaded_blocks"] == loaded + 2 and ws.stats["load_error_blocks"] == 0, ws.stats
+    eng.shutdown()
+
+
+def copy_calls(d, pid):
+    """The stand-in driver's copy calls in process pid (FAKECUDA_COUNTERS),
+    and the calls it refused on a poisoned context: (copies, refused)."""
+    try:
+        with open(os.path.join(d, str(pid)), "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return 0, 0
+    c = struct.unpack("<%dQ" % (len(raw) // 8), raw)
+    return c[1] + c[2], c[11]
