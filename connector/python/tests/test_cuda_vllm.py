@@ -365,15 +365,24 @@ def reset(eng, timeout=4.0):
         time.sleep(0.005)
 
 
-def test_a_finished_request_is_held_until_its_store_ended(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("hold", ["event", "copy"])
+def test_a_finished_request_is_held_until_its_store_ended(sim, start_sidecar, held, libcuda, monkeypatch, hold):  # noqa: F811
+    # The store is held by its event (FAKECUDA_EVENT_HOLD, in the engine) or
+    # by the sidecar's copy call (FAKECUDA_COPY_HOLD, in the sidecar: the
+    # call blocks before it reads anything).
     monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
-    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    if hold == "copy":
+        monkeypatch.delenv("FAKECUDA_EVENT_HOLD")
+        monkeypatch.setenv("FAKECUDA_COPY_HOLD", held.path)
+    # --copy.stall above the hold: a held copy is not stuck.
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda", "--copy.stall=10s"])
+    monkeypatch.delenv("FAKECUDA_COPY_HOLD", raising=False)
     ev = held
     eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=16)
     ws = eng.worker.connector_worker
     finished, sending = observe(eng)
     # Two full blocks, finished in the step that computes them (one token):
-    # the step's store is sent after the forward pass and its event held.
+    # the step's store is sent after the forward pass, and held.
     ev.hold()
     eng.add(H.request("f0", H.prompt(11, 2 * H.BLOCK), max_tokens=1))
     deadline = time.monotonic() + 4.0
