@@ -502,6 +502,7 @@ def test_a_sticky_error_in_the_sidecar_leaves_the_engine_serving(sim, start_side
     ws._store_done = store_done
     gen = ws.link.generation
     eng.run([H.request("s0", H.prompt(5, 40), max_tokens=4)])  # no exception out of the hooks
+    reset(eng)  # steps until the request's stores ended
     assert statuses and statuses[0] == S.Status.COPY_FAILED, statuses
     assert ws.stats["stored_blocks"] == 0 and ws.stats["store_errors"] >= 1, ws.stats
     try:
