@@ -297,7 +297,8 @@ def test_connector_stores_loads_and_reregisters(sim, start_sidecar, libcuda, mon
 class Held:
     """FAKECUDA_EVENT_HOLD in this (the engine's) process: while the file
     exists, a store event recorded here stays incomplete, so the sidecar's
-    store copies wait behind it and cannot have read the blocks."""
+    store copies wait behind it and cannot have read the blocks. (The same
+    file can be the sidecar's FAKECUDA_COPY_HOLD.)"""
 
     def __init__(self, path, monkeypatch):
         self.path = str(path)
@@ -435,7 +436,7 @@ def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held
 
     def handle_preemptions(meta):
         pre = set(eng.sched_output.preempted_req_ids or ())
-        if not pre:
+        if not pre or seen:  # the first preemption is the one with the store held
             return hp(meta)
         # The blocks vLLM just freed may be written by this step's forward
         # pass: handle_preemptions returns only once the store read them.
@@ -447,9 +448,9 @@ def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held
             hp(meta)
         finally:
             timer.cancel()
-            held = ev.held
+            still = ev.held
             ev.release()
-        seen.append((pre, held, time.monotonic() - t0, dict(ws.stats)))
+        seen.append((pre, still, time.monotonic() - t0, dict(ws.stats)))
 
     eng.worker.handle_preemptions = handle_preemptions
     sched = eng.sched.schedule
@@ -463,9 +464,9 @@ def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held
     ev.hold()  # from the prefill step's store on
     eng.run(reqs)
     assert seen, "no preemption happened"
-    pre, held, took, stats = seen[0]
+    pre, still, took, stats = seen[0]
     assert pre == {"p1"}, pre
-    assert not held, "handle_preemptions returned while the store could not have read the freed blocks"
+    assert not still, "handle_preemptions returned while the store could not have read the freed blocks"
     assert took >= 0.25, took
     assert stats["stored_blocks"] == 6 and stats["store_errors"] == 0, stats
     # The preempted request's blocks as stored load back byte-exact.
