@@ -253,6 +253,7 @@ class Session:
         self.quiet_failures = 0  # failed fire-and-forget requests (send)
         self.last_quiet_failure: Optional[tuple] = None  # (status, message) of the last one
         self._dead: Optional[str] = None
+        self._peer_gone = False  # the sidecar closed the session's rings, or its process is gone
         self._closed = False
         self._unwoken = False  # records published with wake=False since the last wake
 
@@ -357,6 +358,43 @@ class Session:
             self._closed = True
             self._release()
 
+    def begin_detach(self) -> Optional[int]:
+        """Publish a Detach and return its correlation number, without
+        waiting for ring space or for the reply; None when it could not be
+        published (the session is dead or closed, or its ring is full).
+        Follow it with :meth:`detached`, then :meth:`abandon`."""
+        if self._dead is not None or self._closed:
+            return None
+        self._seq = seq = self._seq + 1
+        try:
+            if not self._prod.put(b"", _T_DETACH, seq, True):
+                self._prod.write(b"", _T_DETACH, 0, seq, _monotonic(), wake=True)
+        except _UNAVAILABLE + (_ring.RingTimeout,) as e:
+            self._fail(e)
+            return None
+        return seq
+
+    def detached(self, seq: Optional[int]) -> bool:
+        """Whether the sidecar has ended this session, never waiting: the
+        reply to the Detach published as seq (:meth:`begin_detach`; None:
+        none was) arrived, or the sidecar closed the session's rings (it
+        does so only after ending it) or exited. From then on no store of
+        the session can be committed any more (docs/protocol.md, section
+        8.1), so the pages its stores read may be reused."""
+        if self._peer_gone:
+            return True
+        if seq is None or self._dead is not None or self._closed:
+            return False
+        try:
+            return self.try_reply(seq) is not None
+        except RingsideError:
+            return self._peer_gone
+
+    @property
+    def peer_gone(self) -> bool:
+        """The sidecar closed the session's rings, or its process is gone."""
+        return self._peer_gone
+
     def abandon(self) -> None:
         """Drop the session without detaching, as a crashed process would:
         the socket closes and the sidecar reclaims what the session held."""
@@ -410,6 +448,8 @@ class Session:
     def _fail(self, e: Exception) -> RingsideError:
         if isinstance(e, _ring.RingTimeout):
             return RingsideTimeout(str(e) or "deadline passed")
+        if isinstance(e, (_ring.RingPeerDead, _ring.RingPeerClosed)):
+            self._peer_gone = True
         self._dead = "%s: %s" % (type(e).__name__, e)
         return RingsideUnavailable(self._dead)
 
@@ -785,6 +825,14 @@ class Link:
             except Exception:  # noqa: BLE001
                 pass
         self.session = None
+
+    def retire(self, err: Exception) -> Optional[Session]:
+        """Forget a failed session like :meth:`drop`, but hand it to the
+        caller unclosed, to end it (begin_detach, detached, abandon)."""
+        s, self.session = self.session, None
+        if s is not None:
+            _log.warning("ringside: sidecar session lost (%s); %s", err, self.miss_text)
+        return s
 
     def close(self) -> None:
         s, self.session = self.session, None

@@ -451,11 +451,15 @@ def test_held_request_released_when_its_store_ends(sc, end):
     """A request finished while its store is in flight (the sidecar stopped
     before the store was sent): vLLM keeps its blocks while the store is
     unanswered, and the workers release them once the store ended: answered
-    OK, refused (an error reply), or past save_timeout (the session is
-    dropped); the engine goes on serving."""
+    OK, refused (an error reply), or, past save_timeout, once the sidecar
+    can no longer commit it: a stopped sidecar never answers the Detach, so
+    the blocks stay held for the sidecar's write timeout since the store was
+    sent, then are released; the engine goes on serving."""
     timeout = 1.5 if end == "timeout" else 20
+    hold = 3.0
     extra = {"overlap_saves": True, "save_timeout": timeout}
     eng = H.Engine(sc.sock, extra=dict(FROZEN, **extra))
+    eng.worker.connector_worker.write_timeout = hold
     held = finished_answers(eng)
     pool = eng.sched.kv_cache_manager.block_pool
     free0 = pool.get_num_free_blocks()
@@ -470,9 +474,12 @@ def test_held_request_released_when_its_store_ends(sc, end):
         assert set(meta.store_req_ids) == {"h0"} and len(meta.store_block_ids) == 1
         if end == "refused":  # a page the region does not have: the sidecar refuses the store
             meta.store_block_ids[-1] = 1 << 20
+        eng.worker.connector_worker._finish_saves()  # the earlier stores are answered: only this one waits
         os.kill(sc.proc.pid, signal.SIGSTOP)
         wait_stopped(sc.proc.pid)
+        sent.append(time.monotonic())
 
+    sent: list = []  # when the store was sent (just after)
     stopped = True
     try:
         while "h0" not in eng.finished:
@@ -489,12 +496,14 @@ def test_held_request_released_when_its_store_ends(sc, end):
         if end != "timeout":
             os.kill(sc.proc.pid, signal.SIGCONT)
             stopped = False
-        for _ in range(400):
+        for _ in range(2000):
             eng.step()
             if "h0" not in eng.sched.requests:
                 break
             time.sleep(0.005)
         assert "h0" not in eng.sched.requests, "the held request was never released"
+        if end == "timeout":  # released by the bound, with the sidecar still stopped
+            assert time.monotonic() - sent[0] >= hold, "released before the sidecar's write timeout"
     finally:
         if stopped:
             os.kill(sc.proc.pid, signal.SIGCONT)
@@ -510,6 +519,75 @@ def test_held_request_released_when_its_store_ends(sc, end):
     r2 = H.request("h1", H.prompt(71, 40), max_tokens=2)
     eng.run([r2], max_steps=eng.steps + 400)
     eng.shutdown()
+
+
+def test_store_timeout_releases_blocks_after_the_detach(sc):
+    """A store past save_timeout while the sidecar is alive but slow (stopped
+    before the store was sent, resumed after the timeout): the worker ends
+    the session with a Detach and vLLM keeps the request's blocks until the
+    sidecar answered it, not for the whole write timeout; meanwhile another
+    request that needs those blocks waits. A store copy still in flight at
+    the Detach is discarded by the sidecar, so whatever the pool holds of
+    the request is its own bytes: a second engine that loads it finds them
+    (the harness checks every loaded block)."""
+    extra = {"overlap_saves": True, "save_timeout": 1.0}
+    eng = H.Engine(sc.sock, num_blocks=8, extra=dict(FROZEN, **extra))
+    eng.worker.connector_worker.write_timeout = 60.0
+    held = finished_answers(eng)
+    pool = eng.sched.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+    r = H.request("d0", H.prompt(75, 40), max_tokens=9)
+    eng.add(r)
+
+    def freeze(so, meta):
+        if meta.store_req_ids and eng.steps > 0:
+            eng.worker.connector_worker._finish_saves()  # the earlier stores are answered: only this one waits
+            os.kill(sc.proc.pid, signal.SIGSTOP)
+            wait_stopped(sc.proc.pid)
+
+    stopped = True
+    try:
+        while "d0" not in eng.finished:
+            assert eng.steps < 20
+            eng.step(freeze)
+        assert held == {"d0": True}
+        # Past save_timeout: the store timed out, the Detach is unanswered.
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            eng.step()
+            time.sleep(0.01)
+        assert eng.wstats["store_errors"] == 1, eng.wstats
+        assert "d0" in eng.sched.requests, "blocks released before the sidecar ended the session"
+        # Another request needing every block: it cannot get d0's meanwhile.
+        r2 = H.request("d1", H.prompt(76, 6 * H.BLOCK + 4), max_tokens=2)
+        eng.add(r2)
+        for _ in range(5):
+            eng.step()
+            assert "d0" in eng.sched.requests and pool.get_num_free_blocks() < free0
+        os.kill(sc.proc.pid, signal.SIGCONT)
+        stopped = False
+        t0 = time.monotonic()
+        for _ in range(2000):
+            if "d0" not in eng.sched.requests and "d1" in eng.finished:
+                break
+            eng.step()
+            time.sleep(0.002)
+        assert "d0" not in eng.sched.requests, "the held request was never released"
+        assert time.monotonic() - t0 < 30, "released by the write timeout, not the Detach reply"
+        assert "d1" in eng.finished
+    finally:
+        if stopped:
+            os.kill(sc.proc.pid, signal.SIGCONT)
+    eng.shutdown()
+    # What the pool has of d0 (blocks 0-1 stored before the stop; block 2
+    # only if its copy ended before the Detach) holds d0's bytes. The index
+    # is trusted for a minute (a loaded machine cannot make it a miss).
+    b = H.Engine(sc.sock, extra={"mirror_idle_ms": 60000, "mirror_max_lag_ms": 60000})
+    again = H.request("d2", list(r.prompt_token_ids) + r.output_token_ids[:8], max_tokens=2)
+    b.run([again])
+    b.shutdown()
+    assert b.wstats["load_error_blocks"] == 0 and b.wstats["loaded_blocks"] >= 2, (b.stats, b.wstats)
+    assert b.checked_blocks > 0
 
 
 @pytest.mark.parametrize("runner", ["v2", "v1"])

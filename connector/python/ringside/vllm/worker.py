@@ -39,6 +39,11 @@ from .scheduler import COUNTERS
 logger = logging.getLogger("ringside.vllm")
 
 REGION_ID = 1
+# The sidecar's default --write-timeout: it discards a shard not committed
+# that long after the block's latest store. A worker that could not end a
+# session whose stores timed out (no Detach reply: a stuck sidecar) keeps
+# their blocks that long; it must be at least the sidecar's write timeout.
+SIDECAR_WRITE_TIMEOUT = 30.0
 _monotonic = time.monotonic
 _ALL, _LAST, _POLL = 0, 1, 2  # how _finish_saves collects the stores' replies
 
@@ -55,6 +60,7 @@ class WorkerSide:
         self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "worker")
         self.load_timeout = cfg.load_timeout
         self.save_timeout = cfg.save_timeout
+        self.write_timeout = SIDECAR_WRITE_TIMEOUT
         self.region: Optional[Region] = None
         self._region_gen = -1
         # A CUDA region's interprocess event (cudaipc.IpcEvent; None for host
@@ -66,7 +72,13 @@ class WorkerSide:
         # (handle_preemptions) instead of blocking the step that sent them;
         # synchronous where vLLM has no such hook, or with sync_saves.
         self._saving: list = []  # (session, seqs, deadline, request ids, engine block ids)
-        self._store_reqs: dict[str, int] = {}  # req id -> stores in _saving that read its blocks
+        self._store_reqs: dict[str, int] = {}  # req id -> stores in _saving or _ending that read its blocks
+        # Sessions given up on with stores unanswered: [session, Detach seq
+        # or None, hold-until time, request ids of those stores, whether the
+        # sidecar has ended the session]. Their
+        # requests are released once the sidecar has ended the session (no
+        # store of it can commit any more), or at the hold-until time.
+        self._ending: list = []
         self._held: set[str] = set()  # finished requests vLLM keeps the blocks of, until reported
         self._sent: set[str] = set()  # held requests whose stores all ended: finished_sending
         self._noted: Any = None  # the last metadata whose held requests were noted
@@ -316,8 +328,9 @@ class WorkerSide:
             # The last record wakes the sidecar: the copies start now.
             s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(batch), wake=True)
         except SIDECAR_ERRORS as e:
-            self._save_failed(e)
-            return
+            failed: Optional[Exception] = e
+        else:
+            failed = None
         # The requests whose blocks these stores read: a held one is reported
         # in finished_sending once every such store of this worker ended.
         rids = meta.store_req_ids
@@ -325,7 +338,11 @@ class WorkerSide:
         for rid in rids:
             sr[rid] = sr.get(rid, 0) + 1
         self._saving.append((s, seqs, _monotonic() + self.save_timeout, rids, ids))
-        if not self._deferred_saves:
+        if failed is not None:
+            # Stores already sent may be copying: they end with the session.
+            self._save_failed(failed, s)
+            self._finish_saves(_POLL)
+        elif not self._deferred_saves:
             self._finish_saves(_ALL)
 
     def handle_preemptions(self, meta: Any) -> None:
@@ -376,6 +393,8 @@ class WorkerSide:
                 self._finish_saves(_ALL)
             elif self._held:
                 self._finish_saves(_POLL)
+        if self._ending:
+            self._poll_ending()
         if not self._sent:
             return None
         done, self._sent = self._sent, set()
@@ -387,16 +406,19 @@ class WorkerSide:
         the latest step's stores are only collected if answered (the rest
         stay pending one more step: the next call waits for them, as for
         everything older); _POLL waits for none (a store past its deadline
-        times out). A store that ended (answered OK or not, timed out, or of
-        a dropped session) releases the requests whose blocks it read."""
+        times out). A store that ended answered (OK or not) releases the
+        requests whose blocks it read; one that timed out, or whose session
+        failed, releases them only once that session has ended on the
+        sidecar (_ending)."""
         pending, self._saving = self._saving, []
         last = len(pending) - 1
         for i, entry in enumerate(pending):
             s, seqs, deadline = entry[0], entry[1], entry[2]
             left: list = []
+            ended = False
             try:
                 if s is not self.link.session:
-                    pass  # that session was dropped (_save_failed)
+                    ended = True  # that session was given up on (_save_failed) or dropped
                 elif how == _POLL or (how == _LAST and i == last):
                     if how == _LAST:
                         self.stats["saves_unwaited"] += 1
@@ -410,16 +432,25 @@ class WorkerSide:
                         left = []
                         raise RingsideTimeout("a store got no reply in %.1fs" % self.save_timeout)
                 else:
+                    # The last part of the wait is kept for the Detach that
+                    # ends the session if a store does not answer in time.
+                    until = deadline - self._detach_share()
                     for seq in seqs:
-                        left_s = max(deadline - _monotonic(), 0.001)
+                        left_s = max(until - _monotonic(), 0.001)
                         self._store_done(s.await_reply(seq, timeout=left_s))
             except SIDECAR_ERRORS as e:
-                self._save_failed(e)
-                left = []
+                self._save_failed(e, s)
+                left, ended = [], True
+                if how == _ALL or (how == _LAST and i != last):
+                    self._await_detach(s, deadline)
             if left:
                 self._saving.append((s, left) + entry[2:])
+            elif ended:
+                self._ending_of(s)[3].extend(entry[3])
             elif entry[3]:
                 self._release(entry[3])
+        if self._ending:
+            self._poll_ending()
 
     def _release(self, rids: list) -> None:
         """One store that read the blocks of rids ended."""
@@ -444,19 +475,77 @@ class WorkerSide:
         else:
             st["store_errors"] += 1
 
-    def _save_failed(self, e: Exception) -> None:
-        # No reply came in time, or none can come: the session is dropped,
-        # so the sidecar takes no more records from it, and its stores count
-        # as ended (their blocks are released). A copy the sidecar had
-        # already queued or begun may still read them: docs/architecture.md
-        # (ordering rule 1) says when that is.
+    def _save_failed(self, e: Exception, s: Optional[Session]) -> None:
+        """No reply came in time, or none can come: the session s is given
+        up on (the link attaches a new one) and ended with a Detach that is
+        not waited for. Its stores' requests stay held until the sidecar has
+        ended it (the Detach reply, or its rings closed), after which none of
+        its stores can commit (docs/architecture.md, ordering rule 1), or,
+        if it never answers, for write_timeout: the sidecar discards a store
+        not committed by then."""
         self.stats["store_errors"] += 1
-        self.faults.fail(e)
-        if self.link.session is not None:
-            self.link.drop(e)
+        self.stats["sidecar_errors"] += 1
+        if s is not None and s is self.link.session:
+            self.link.retire(e)
+            self._ending_of(s)
+
+    def _detach_share(self) -> float:
+        """The part of save_timeout a waiting step keeps for the Detach."""
+        return min(1.0, 0.25 * self.save_timeout)
+
+    def _await_detach(self, s: Session, deadline: float) -> None:
+        """Wait, until deadline, for the sidecar to answer the Detach of
+        session s (sent by _save_failed). A step that waits for its stores
+        (wait_saves, settle_saves) does so because the next writes may reach
+        blocks vLLM freed without holding them (preemption, a sliding
+        window): once the reply came, no store of s can commit them."""
+        rec = self._ending_of(s)
+        if rec[4] or rec[1] is None:
+            return
+        try:
+            s.await_reply(rec[1], timeout=max(deadline - _monotonic(), 0.001))
+            rec[4] = True
+        except SIDECAR_ERRORS:
+            rec[4] = s.peer_gone
+
+    def _ending_of(self, s: Session) -> list:
+        """The _ending record of session s, made (and its Detach sent) if
+        there is none: also for a session dropped elsewhere (a load that
+        timed out), which can only be held until write_timeout."""
+        for rec in self._ending:
+            if rec[0] is s:
+                return rec
+        seq = s.begin_detach() if not s.closed else None
+        rec = [s, seq, _monotonic() + self.write_timeout, [], s.peer_gone]
+        self._ending.append(rec)
+        return rec
+
+    def _poll_ending(self) -> None:
+        """Release the requests of the sessions that ended on the sidecar
+        (never waits), or whose hold ran out."""
+        now = _monotonic()
+        still = []
+        saving = {id(e[0]) for e in self._saving}  # their stores join the record first (_finish_saves)
+        for rec in self._ending:
+            s, seq, until, rids, done = rec
+            done = rec[4] = done or s.detached(seq)
+            if id(s) in saving or (not done and now < until):
+                still.append(rec)
+                continue
+            if not done:
+                logger.warning("ringside: a session with stores unanswered not ended in %.0fs", self.write_timeout)
+            try:
+                s.abandon()
+            except Exception:  # noqa: BLE001 (closing must never raise)
+                pass
+            self._release(rids)
+        self._ending = still
 
     def shutdown(self) -> None:
         if self._saving:
             self._finish_saves()
+        for rec in self._ending:
+            rec[0].abandon()
+        self._ending = []
         self.stats_file.write(self.stats)
         self.link.close()
