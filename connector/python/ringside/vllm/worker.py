@@ -10,7 +10,8 @@ a batch of this worker's own and stored from it. No block is handed to
 another request while a store may read it: a request that finishes with a
 store unanswered is held by vLLM (request_finished returned True) until this
 worker reports it in finished_sending, once every store of its own that read
-its blocks has ended (answered OK or not, or past save_timeout); blocks
+its blocks has ended (answered OK or not; past save_timeout, once the
+sidecar ended the session, which discards its stores still copying); blocks
 freed without request_finished (preemption, sliding windows) are covered by
 waiting for the stores before the first write that can reach them:
 ``handle_preemptions`` when the scheduler says a step may reuse them (the V1
