@@ -264,12 +264,15 @@ def test_connector_stores_loads_and_reregisters(sim, start_sidecar, libcuda, mon
     # vLLM re-initialises its KV cache: new memory, an empty prefix cache.
     old = a.tensors
     new = [_SimTorch(sim).zeros(*t.shape, dtype=t.dtype) for t in old]
-    for t in old:
-        t.t.fill_(-7.0)  # the old memory, now another allocation's: never written again
     a.tensors = new
     a.kv = {name: new[i] for g in a.groups for i, name in enumerate(g.layer_names)}
     a.worker.register_kv_caches(a.kv)
     a.worker.connector_worker.store_event.stream = stream
+    # The old memory, now another allocation's: never copied into or out of
+    # again. (Written only now: the first turn's last stores may still be
+    # reading it until register_kv_caches, which waits for them.)
+    for t in old:
+        t.t.fill_(-7.0)
     assert a.sched.reset_prefix_cache()
     # The next turns find every block in the sidecar: loads land in the new
     # memory (the harness checks every block's bytes before each forward).
