@@ -514,6 +514,7 @@ def test_a_sticky_error_in_the_sidecar_leaves_the_engine_serving(sim, start_side
     except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
         pytest.fail("the sidecar did not exit after the sticky error:\n" + sc.logs())
     assert rc != 0, "the sidecar exited 0 after a sticky error:\n" + sc.logs()
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in sc.logs() and "exiting to be restarted" in sc.logs(), sc.logs()
     assert copy_calls(tmp_path, first_pid)[1] > 0, "the poisoned context was not refused anything"
     # No sidecar: the engine serves on, computing.
     eng.run([H.request("s1", H.prompt(6, 40), max_tokens=4)])
