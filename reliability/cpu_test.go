@@ -19,11 +19,11 @@ import (
 )
 
 func init() {
-	defect(Defect{Issue: 16, Point: 21, Title: "(found beyond the issue's list, same class as 8-10) a client that keeps bumping and waking the futex word its session loop parks on, publishing nothing, turns the loop into a busy loop",
+	defect(Defect{Issue: 16, Point: 21, Title: "(same class as the futex and wake-up floods above) a client that keeps bumping and waking the futex word its session loop parks on, publishing nothing, turns the loop into a busy loop",
 		Tests:  "TestFutexHammer",
 		Before: "with the guard removed (maxSpuriousWakes = 1<<30, same build otherwise): the sidecar spent 55 CPU ticks while the attacker spent 137 (3,194,540 wakes): ratio 0.40 > 0.1",
 		Fix:    "a wait woken early 32 times in a row with nothing to read sleeps without the futex for the rest of it (ring/wait.go): a hostile peer costs one check a park"})
-	defect(Defect{Issue: 16, Point: 22, Title: "(found beyond the issue's list) a client that writes on its attach socket after the handshake keeps a sidecar goroutine reading and discarding, and keeps its session",
+	defect(Defect{Issue: 16, Point: 22, Title: "a client that writes on its attach socket after the handshake keeps a sidecar goroutine reading and discarding, and keeps its session",
 		Tests:  "TestSocketChatter",
 		Before: "with the old read-and-discard loop: session 2 still attached after 5s",
 		Fix:    "anything written on the socket after the handshake ends the session (docs/protocol.md 4.1)"})

@@ -11,8 +11,8 @@ import (
 // that reproduces it and what that test reported on the code before the
 // fix (the test was committed first, so the history shows it failing).
 type Defect struct {
-	Issue  int    // the issue that listed it
-	Point  int    // its number in that issue
+	Issue  int    // the issue that listed it (orders the report; not printed)
+	Point  int    // its number in that issue (orders the report; not printed)
 	Title  string // one line: what was wrong
 	Tests  string // test names, comma-separated
 	Before string // the failure the test reported before the fix (commit and output)
@@ -49,7 +49,7 @@ func defectSection() string {
 	var b strings.Builder
 	b.WriteString("\n## Defects found by attack, and the tests that reproduce them\n\n")
 	b.WriteString("Each test was committed before its fix; \"before the fix\" is what it reported on that commit.\n\n")
-	b.WriteString("| issue | point | defect | tests | before the fix | fix |\n|---:|---:|---|---|---|---|\n")
+	b.WriteString("| defect | tests | before the fix | fix |\n|---|---|---|---|\n")
 	for _, d := range ds {
 		var tests []string
 		for _, t := range strings.Split(d.Tests, ",") {
@@ -61,7 +61,7 @@ func defectSection() string {
 		if fix == "" {
 			fix = "not fixed yet"
 		}
-		fmt.Fprintf(&b, "| #%d | %d | %s | %s | %s | %s |\n", d.Issue, d.Point, cell(d.Title), strings.Join(tests, ", "), cell(d.Before), cell(fix))
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", cell(d.Title), strings.Join(tests, ", "), cell(d.Before), cell(fix))
 	}
 	return b.String()
 }

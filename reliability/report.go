@@ -63,7 +63,7 @@ func WriteReport(w io.Writer, env Env, rows []Row) error {
 		fmt.Fprintf(&b, "| %s | `%s` | %s | %s | **%s** | %s |\n", r.Area, r.Test, cell(r.Attack), cell(r.Checks), r.Result, cell(r.Numbers))
 	}
 	b.WriteString("\n## Field-survey regressions\n\n")
-	b.WriteString("The failures other caches shipped (`../shared/notes/field-survey.md`, section 4) and the tests that show ringside does not have them:\n\n")
+	b.WriteString("The failures other KV caches shipped (from a survey of their issue trackers) and the tests that show ringside does not have them:\n\n")
 	b.WriteString("| pain point | tests | result |\n|---|---|---|\n")
 	bySurvey := map[string][]Row{}
 	var keys []string
