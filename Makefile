@@ -16,7 +16,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers
+.PHONY: all build run test check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers
 
 all: build
 
@@ -30,6 +30,18 @@ run: build
 	./$(BIN) serve --log.format=console $(ARGS)
 
 test: lint gotest vllm-venv sglang-venv pytest
+
+# The inner loop (minutes, not half an hour): lint, the Go tests in short
+# mode without the race detector (invariants on), and the Python tests that
+# need neither an engine venv nor a model. make test runs everything.
+check: lint gocheck pycheck
+
+gocheck:
+	$(GO) test -short -tags $(GOTAGS) -count=1 ./...
+
+PYCHECK_IGNORE := e2e test_vllm_connector.py test_vllm_groups.py test_vllm_events.py test_cuda_vllm.py test_sglang.py test_cuda_e2e.py
+pycheck: ruff
+	$(PYTHON) -m pytest -q connector/python/tests $(addprefix --ignore=connector/python/tests/,$(PYCHECK_IGNORE))
 
 # Go tests run with invariants on (internal/invariants: the race tag implies
 # them, the tag says so): internal checks, poisoned released ring records.
