@@ -57,9 +57,22 @@ func env(flag string) []string {
 	return []string{"RINGSIDE_" + strings.ToUpper(r.Replace(flag))}
 }
 
-// logger builds the logger from the global flags.
+// logger builds the logger from the log flags: serve's own, else those
+// given before the subcommand (`ringside --log.format=console serve`).
 func logger(c *cli.Context) (zerolog.Logger, error) {
-	return logx.New(c.App.ErrWriter, c.String("log.format"), c.String("log.level"))
+	return logx.New(c.App.ErrWriter, logSetting(c, "log.format"), logSetting(c, "log.level"))
+}
+
+// logSetting is the value of a log flag set on the nearest command that
+// defines it (the subcommand's, then the app's), else its default: a
+// subcommand's own log flags would otherwise hide those given before it.
+func logSetting(c *cli.Context, name string) string {
+	for _, x := range c.Lineage() {
+		if x.IsSet(name) {
+			return x.String(name)
+		}
+	}
+	return c.String(name)
 }
 
 // ParseBytes parses sizes like 4096, 64KiB, 1.5GiB, 16GB (powers of 1000)

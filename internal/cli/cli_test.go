@@ -2,8 +2,11 @@ package cli
 
 import (
 	"bytes"
+	"os"
 	"strings"
 	"testing"
+
+	"github.com/urfave/cli/v2"
 )
 
 func TestEveryFlagHasAnEnvVar(t *testing.T) {
@@ -51,5 +54,34 @@ func TestCheckConfig(t *testing.T) {
 	err := app.Run([]string{"ringside", "serve", "--check-config", "--dir", "/dev/shm/x", "--group-access", "true"})
 	if err == nil || !strings.Contains(err.Error(), "unexpected arguments") {
 		t.Fatalf("a stray positional argument: %v", err)
+	}
+}
+
+// The log flags count before the subcommand as on serve (serve's own win).
+func TestLogFlagsBeforeTheSubcommand(t *testing.T) {
+	t.Setenv("RINGSIDE_LOG_FORMAT", "") // restored after the test
+	os.Unsetenv("RINGSIDE_LOG_FORMAT")
+	for _, tc := range []struct {
+		args   []string
+		format string
+	}{
+		{[]string{"ringside", "serve"}, "json"},
+		{[]string{"ringside", "--log.format=console", "serve"}, "console"},
+		{[]string{"ringside", "serve", "--log.format=console"}, "console"},
+		{[]string{"ringside", "--log.format=console", "serve", "--log.format=json"}, "json"},
+	} {
+		app := App()
+		var got string
+		for _, cmd := range app.Commands {
+			if cmd.Name == "serve" {
+				cmd.Action = func(c *cli.Context) error { got = logSetting(c, "log.format"); return nil }
+			}
+		}
+		if err := app.Run(tc.args); err != nil {
+			t.Fatal(tc.args, err)
+		}
+		if got != tc.format {
+			t.Errorf("%q: log.format %q, want %q", tc.args, got, tc.format)
+		}
 	}
 }
