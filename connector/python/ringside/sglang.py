@@ -62,7 +62,8 @@ How it works
   methods (hybrid models: Mamba, SWA, DSA side pools) and ``clear``.
 
 The extra config keys are those of ringside.plugin.config (the table in
-README.md); an unknown or mistyped key fails the backend's construction.
+docs/configuration.md); an unknown or mistyped key fails the backend's
+construction. How to run it, and what is tested: docs/sglang.md.
 Counters are in ``backend.stats``.
 """
 

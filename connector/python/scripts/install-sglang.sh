@@ -20,7 +20,7 @@
 #     cuda-* wheels must be present (about 3 GB) even though no GPU is used.
 #   * Every package is pinned in sglang-cpu-lock.txt and installed with
 #     --no-deps, so pip never tries to resolve sglang's GPU requirements.
-#   * This venv cannot run an SGLang engine on CPU (see README, SGLang).
+#   * This venv cannot run an SGLang engine on CPU (see docs/sglang.md).
 #
 # Env: PYTHON (default python3, must be 3.11 for the lock as written).
 set -euo pipefail

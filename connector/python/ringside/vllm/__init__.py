@@ -11,10 +11,10 @@ or, once the package is installed, through its ``vllm.general_plugins`` entry
 point, which registers the name ``RingsideConnector`` with vLLM's connector
 factory (then ``kv_connector_module_path`` can be left out). The keys of
 ``kv_connector_extra_config`` are those of ringside.plugin.config (the table
-in README.md); an unknown or mistyped key fails the engine's start.
+in docs/configuration.md); an unknown or mistyped key fails the engine's start.
 
-What it does, and the local index of the cache, are described in
-docs/architecture.md. The parts:
+How to run it and what to expect: docs/vllm.md; how it works, and the local
+index of the cache: docs/architecture.md. The parts:
 
 - connector.py: the KVConnectorBase_V1 class, dispatching by role;
 - scheduler.py: the scheduler side (admission.py, index.py, loads.py, store_plan.py);

@@ -110,7 +110,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 logger.warning(
                     "ringside: this model is served without the cache: %s. "
-                    "Served kinds: full attention and sliding windows (see README.md)",
+                    "Served kinds: full attention and sliding windows (see docs/vllm.md, Model families)",
                     self.refused,
                 )
                 self.connector_scheduler = side  # type: ignore[assignment]

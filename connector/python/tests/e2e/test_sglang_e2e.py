@@ -5,11 +5,11 @@ prompts.
 
 Needs SGLang's engine and a device where SGLang's HiCache runs. Here (CPU
 only) SGLang 0.5.23 does generate greedy tokens with torch_native attention
-(given the engine's extra packages, see README), but its hierarchical cache
-does not start on a CPU device (SKIP_REASON), so the test is skipped unless
-RINGSIDE_SGLANG_E2E=1: run it on a CUDA machine with a full `pip install
-sglang`, RINGSIDE_SGLANG_PYTHON pointing at that python and
-RINGSIDE_SGLANG_DEVICE=cuda.
+(given the engine's extra packages; docs/sglang.md, "Not run end to end"),
+but its hierarchical cache does not start on a CPU device (SKIP_REASON), so
+the test is skipped unless RINGSIDE_SGLANG_E2E=1: run it on a CUDA machine
+with a full `pip install sglang`, RINGSIDE_SGLANG_PYTHON pointing at that
+python and RINGSIDE_SGLANG_DEVICE=cuda.
 """
 
 import json

@@ -218,7 +218,7 @@ def test_hybrid_state_space_model_is_refused(nemotron_dir, prompts_file, ringsid
     """NemotronH (Mamba-2 and attention layers): the connector refuses its
     mamba group, says why, never attaches, and the engine's tokens are its
     own. (vLLM's CPU backend runs such a model only with its prefix cache
-    off: README.md, "Model families".)"""
+    off: docs/vllm.md, "Model families".)"""
     tmp = str(tmp_path)
     flags = ["--no-prefix-caching"]
     base, _ = E.run_engine(nemotron_dir, prompts_file, tmp, "nemo-base", extra=flags)
