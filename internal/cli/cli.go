@@ -45,7 +45,7 @@ func App() *cli.App {
 // logFlags are accepted before the subcommand and on serve.
 func logFlags() []cli.Flag {
 	return []cli.Flag{
-		&cli.StringFlag{Name: "log.format", Value: "json", Usage: "log format: json or console", EnvVars: env("log.format")},
+		&cli.StringFlag{Name: "log.format", Value: "json", Usage: "log format: json (one object a line) or console (for people)", EnvVars: env("log.format")},
 		&cli.StringFlag{Name: "log.level", Value: "info", Usage: "log level: trace, debug, info, warn, error", EnvVars: env("log.level")},
 	}
 }

@@ -16,12 +16,12 @@ import (
 // environment variable the flags name.
 func l2Flags() []cli.Flag {
 	return []cli.Flag{
-		&cli.StringFlag{Name: "l2.redis.addrs", Usage: "shared tier: comma-separated host:port of a Redis node, or seed nodes of a Redis Cluster (empty: no tier)", EnvVars: env("l2.redis.addrs")},
+		&cli.StringFlag{Name: "l2.redis.addrs", Usage: "shared tier, one for every node's sidecar: comma-separated host:port of a Redis node, or seed nodes of a Redis Cluster (empty: no tier, and any other --l2 flag is an error; docs/architecture.md, \"The shared tier\")", EnvVars: env("l2.redis.addrs")},
 		&cli.StringFlag{Name: "l2.redis.mode", Value: "auto", Usage: "auto (ask the server whether it is a cluster), single or cluster", EnvVars: env("l2.redis.mode")},
 		&cli.StringFlag{Name: "l2.redis.username", Usage: "Redis ACL user (empty: the default user)", EnvVars: env("l2.redis.username")},
-		&cli.StringFlag{Name: "l2.redis.password-file", Usage: "file holding the Redis password (one line; a trailing newline is dropped)", EnvVars: env("l2.redis.password-file")},
-		&cli.StringFlag{Name: "l2.redis.password-env", Usage: "name of an environment variable holding the Redis password", EnvVars: env("l2.redis.password-env")},
-		&cli.BoolFlag{Name: "l2.redis.tls", Usage: "connect with TLS (implied by the tls-* files)", EnvVars: env("l2.redis.tls")},
+		&cli.StringFlag{Name: "l2.redis.password-file", Usage: "file holding the Redis password (one line; a trailing newline is dropped), read again for each new connection so that a rotated secret takes effect; the password itself is never a flag", EnvVars: env("l2.redis.password-file")},
+		&cli.StringFlag{Name: "l2.redis.password-env", Usage: "name of an environment variable holding the Redis password (the password itself is never a flag)", EnvVars: env("l2.redis.password-env")},
+		&cli.BoolFlag{Name: "l2.redis.tls", Usage: "connect with TLS (implied by --l2.redis.tls-ca-file, --l2.redis.tls-cert-file and --l2.redis.tls-key-file)", EnvVars: env("l2.redis.tls")},
 		&cli.StringFlag{Name: "l2.redis.tls-ca-file", Usage: "PEM file of the CA that signed the servers' certificates (default: the system's roots)", EnvVars: env("l2.redis.tls-ca-file")},
 		&cli.StringFlag{Name: "l2.redis.tls-cert-file", Usage: "PEM client certificate, for servers that authenticate clients (with --l2.redis.tls-key-file)", EnvVars: env("l2.redis.tls-cert-file")},
 		&cli.StringFlag{Name: "l2.redis.tls-key-file", Usage: "PEM key of the client certificate", EnvVars: env("l2.redis.tls-key-file")},
@@ -34,7 +34,7 @@ func l2Flags() []cli.Flag {
 		&cli.IntFlag{Name: "l2.redis.write-queue", Value: l2.DefaultQueue, Usage: "writes that may wait for a writer; past it a write is skipped (counted), never slowing a store", EnvVars: env("l2.redis.write-queue")},
 		&cli.IntFlag{Name: "l2.redis.pool-size", Value: l2.DefaultPoolSize, Usage: "connections per Redis node", EnvVars: env("l2.redis.pool-size")},
 		&cli.StringFlag{Name: "l2.policy", Value: "write-through", Usage: "when blocks go to the tier: write-through (when stored) or write-on-evict (the LRU's tail, written ahead of eviction)", EnvVars: env("l2.policy")},
-		&cli.IntFlag{Name: "l2.write-slots", Usage: "most pool slots writes to the tier may pin at once (0: a sixteenth of the pool); past it writes are skipped", EnvVars: env("l2.write-slots")},
+		&cli.IntFlag{Name: "l2.write-slots", Usage: "most pool slots writes to the tier may pin at once (0: a sixteenth of the pool); past it writes are skipped (counted), never slowing a store", EnvVars: env("l2.write-slots")},
 		&cli.IntFlag{Name: "l2.evict-ahead", Usage: "write-on-evict: blocks at the LRU's tail kept written (0: --l2.write-slots)", EnvVars: env("l2.evict-ahead")},
 		&cli.IntFlag{Name: "l2.max-lookup-blocks", Usage: "most blocks one lookup asks the tier about (0: 4096)", EnvVars: env("l2.max-lookup-blocks")},
 		&cli.IntFlag{Name: "l2.max-fetch-blocks", Usage: "most blocks one acquire fetches from the tier (0: 4096)", EnvVars: env("l2.max-fetch-blocks")},
