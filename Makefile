@@ -16,7 +16,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers
+.PHONY: all build run test docs check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers
 
 all: build
 
@@ -159,6 +159,13 @@ soak:
 
 reliability-report:
 	RINGSIDE_SOAK=$(SOAK) RINGSIDE_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md $(GO) test -count=1 -timeout 0 ./reliability/
+
+# docs/configuration.md's generated tables: the flags of `ringside serve`
+# (internal/cli) and the plugin keys (ringside.plugin.config); tests fail
+# when the page differs from them.
+docs:
+	$(GO) test -count=1 -run '^TestConfigurationDoc$$' ./internal/cli/ -update
+	PYTHONPATH=$(CURDIR)/connector/python $(PYTHON) -m ringside.plugin.config --update-doc docs/configuration.md
 
 # One benchmark; the others: ./bin/ringside-bench poll|delta|replay|copy|l2
 # (docs/benchmarks.md). ARGS adds flags, e.g. ARGS="--json".

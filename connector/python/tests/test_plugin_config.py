@@ -1,5 +1,5 @@
 """ringside.plugin.config: parsing, errors, and the documents generated from it
-(the README's table of keys, the deploy rules' list of keys)."""
+(docs/configuration.md's table of keys, the deploy rules' list of keys)."""
 
 import json
 import os
@@ -13,13 +13,15 @@ from ringside.plugin.config import (
     ConfigError,
     deploy_keys,
     deploy_keys_json,
+    doc_with_table,
     key_infos,
     keys_of,
+    main,
     markdown_table,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-README = os.path.join(REPO, "README.md")
+CONFIGURATION = os.path.join(REPO, "docs", "configuration.md")
 DEPLOY_KEYS = os.path.join(REPO, "deploy", "testdata", "connector-keys.json")
 BEGIN, END = (
     "<!-- config-keys: begin (generated: python -m ringside.plugin.config --markdown) -->",
@@ -90,14 +92,26 @@ def test_every_key_documented():
         assert info.plugins, name
 
 
-def test_readme_table_is_the_configuration():
-    text = open(README).read()
-    assert BEGIN in text and END in text, "README.md lacks the generated table of keys"
+def test_doc_table_is_the_configuration():
+    text = open(CONFIGURATION).read()
+    assert BEGIN in text and END in text, "docs/configuration.md lacks the generated table of keys"
     table = text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
     assert table == markdown_table(), (
-        "README.md's table of configuration keys differs from ringside.plugin.config: replace it with the "
-        "output of `python -m ringside.plugin.config --markdown`"
+        "docs/configuration.md's table of plugin keys differs from ringside.plugin.config: regenerate it with "
+        "`make docs` (or `PYTHONPATH=connector/python python3 -m ringside.plugin.config --update-doc "
+        "docs/configuration.md`)"
     )
+
+
+def test_update_doc_replaces_only_the_table(tmp_path):
+    stale = "# page\n\nbefore\n\n" + BEGIN + "\n| key |\n|---|\n| `old` |\n" + END + "\n\nafter\n"
+    page = tmp_path / "page.md"
+    page.write_text(stale)
+    assert main(["--update-doc", str(page)]) == 0
+    assert page.read_text() == "# page\n\nbefore\n\n" + BEGIN + "\n" + markdown_table() + END + "\n\nafter\n"
+    assert doc_with_table(page.read_text()) == page.read_text()
+    with pytest.raises(ValueError):
+        doc_with_table("# no markers\n")
 
 
 def test_deploy_rule_keys_are_the_configuration():

@@ -7,11 +7,14 @@ and the closest valid key, a bad value one that names the key, the value and
 what is allowed. A typo never silently becomes a default.
 
 Every key is a field of :class:`Config` with its type, default, unit, the
-plugins that read it, its allowed range and a one-line meaning. The README's
-table of keys and the deploy rules' list (deploy/testdata/connector-keys.json)
-are generated from it and checked against it by tests::
+plugins that read it, its allowed range and a one-line meaning. The table of
+keys in docs/configuration.md ("Plugin keys") and the deploy rules' list
+(deploy/testdata/connector-keys.json) are generated from it and checked
+against it by tests::
 
-    python -m ringside.plugin.config --markdown     # the README table
+    python -m ringside.plugin.config --markdown     # the table of keys
+    python -m ringside.plugin.config --update-doc docs/configuration.md
+                                                    # rewrite it in the page
     python -m ringside.plugin.config --deploy-keys  # the deploy rules' keys
 """
 
@@ -22,6 +25,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -410,8 +414,13 @@ _KIND_TEXT = {
 }
 
 
+# The table of keys lies between these lines in docs/configuration.md.
+DOC_BEGIN = "<!-- config-keys: begin (generated: python -m ringside.plugin.config --markdown) -->"
+DOC_END = "<!-- config-keys: end -->"
+
+
 def markdown_table() -> str:
-    """The README's table of keys (generated: see the module doc)."""
+    """The table of keys of docs/configuration.md (generated: see the module doc)."""
     names = {VLLM: "vLLM", SGLANG: "SGLang"}
     lines = ["| key | type | default | unit | read by | meaning |", "|---|---|---|---|---|---|"]
     for f in dataclasses.fields(Config):
@@ -424,7 +433,8 @@ def markdown_table() -> str:
                 _default_text(f.name, info, f.default),
                 info.unit or "—",
                 ", ".join(names[p] for p in info.plugins),
-                info.doc,
+                # The page is in docs/: the pages a meaning names are links.
+                re.sub(r"\bdocs/([a-z0-9-]+\.md)\b", r"[docs/\1](\1)", info.doc),
             )
         )
     return "\n".join(lines) + "\n"
@@ -451,13 +461,32 @@ def deploy_keys_json() -> str:
     return json.dumps(deploy_keys(), indent=2, sort_keys=True) + "\n"
 
 
+def doc_with_table(text: str) -> str:
+    """text (a page holding the DOC_BEGIN and DOC_END lines) with the table
+    between them replaced by markdown_table()."""
+    head, sep, rest = text.partition(DOC_BEGIN + "\n")
+    if not sep:
+        raise ValueError("no line %s" % DOC_BEGIN)
+    _, sep, tail = rest.partition(DOC_END)
+    if not sep:
+        raise ValueError("no line %s after %s" % (DOC_END, DOC_BEGIN))
+    return head + DOC_BEGIN + "\n" + markdown_table() + DOC_END + tail
+
+
 def main(argv: list) -> int:
     if argv == ["--markdown"]:
         sys.stdout.write(markdown_table())
     elif argv == ["--deploy-keys"]:
         sys.stdout.write(deploy_keys_json())
+    elif len(argv) == 2 and argv[0] == "--update-doc":
+        with open(argv[1]) as f:
+            text = f.read()
+        new = doc_with_table(text)
+        if new != text:
+            with open(argv[1], "w") as f:
+                f.write(new)
     else:
-        sys.stderr.write("usage: python -m ringside.plugin.config --markdown | --deploy-keys\n")
+        sys.stderr.write("usage: python -m ringside.plugin.config --markdown | --update-doc PAGE | --deploy-keys\n")
         return 2
     return 0
 
