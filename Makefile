@@ -194,5 +194,13 @@ bench-vllm-peers: peers-venv build
 	$(PEERS_VENV)/bin/python bench/vllm/bench_vllm.py --bin $(BIN) --python $(PEERS_VENV)/bin/python \
 		--connectors $(PEERS_CONNECTORS) $(ARGS)
 
+# The release artifacts, into dist/ (deploy/dist.sh): ringside and
+# ringside-bench for linux/amd64 with the CUDA backend built in (cgo, built
+# as deploy/Dockerfile.gpu builds), the connector's wheel without the test
+# and benchmark peers, and SHA256SUMS; all named with VERSION.
+.PHONY: dist
+dist:
+	VERSION='$(VERSION)' LDFLAGS='$(LDFLAGS)' BENCH_LDFLAGS='$(BENCH_LDFLAGS)' GO='$(GO)' PYTHON='$(PYTHON)' deploy/dist.sh
+
 clean:
 	rm -rf bin
