@@ -1,6 +1,7 @@
 # ringside — build, run, test.
 #   make build  bin/ringside (the product) and bin/ringside-bench (the benchmarks)
 #   make run    build and start the sidecar with defaults that work on any Linux box
+#   make demo   a sidecar hit in a real vLLM engine (CPU), end to end, in about a minute
 #   make test   lint, Go tests with the race detector and invariants, Python tests
 #   make fuzz   every fuzzer for FUZZTIME each
 #   make bench  build and run ringside-bench ring
@@ -28,6 +29,16 @@ build:
 
 run: build
 	./$(BIN) serve --log.format=console $(ARGS)
+
+# A sidecar hit in a real vLLM engine (CPU), for a first look: a real
+# `ringside serve` and vLLM with the connector on a small model made
+# locally (connector/python/scripts/demo.py); prints the time to first token
+# of a recompute and of a hit, whether their tokens are the same and what
+# the sidecar counted; fails without a hit or with different tokens. About a
+# minute once the vLLM venv exists. ARGS=--hold keeps the sidecar up after.
+.PHONY: demo
+demo: vllm-venv build
+	$(VLLM_VENV)/bin/python connector/python/scripts/demo.py --bin $(BIN) $(ARGS)
 
 test: lint gotest vllm-venv sglang-venv pytest
 
