@@ -25,49 +25,52 @@ GOOD = {
         "hit_blocks": 64,
         "hit_cached_tokens": 2048,
     },
-    "ttft": {
-        "prompt_tokens": N,
-        "recompute_ms": 600.0,
-        "hit_ms": 30.0,
-        "recompute_token": [7],
-        "hit_token": [7],
-        "recompute_hit_blocks": 0,
-        "hit_blocks": 64,
-        "recompute_cached_tokens": 0,
-        "hit_cached_tokens": 2048,
-    },
+    "ttft": [
+        {
+            "prompt_tokens": N,
+            "recompute_ms": 600.0 + i,
+            "hit_ms": 30.0,
+            "recompute_token": [7 + i],
+            "hit_token": [7 + i],
+            "recompute_hit_blocks": 0,
+            "hit_blocks": 64,
+            "recompute_cached_tokens": 0,
+            "hit_cached_tokens": 2048,
+        }
+        for i in (1, 0, -1)
+    ],
 }
 LINES = [
     "ringside_stores_total 129",
     "ringside_hit_blocks_total 128",
     "ringside_lookup_blocks_total 192",
-    'ringside_copy_bytes_total{direction="load"} %.7e' % (128 * demo.PAGE_BYTES),
-    'ringside_copy_bytes_total{direction="store"} %.7e' % (129 * demo.PAGE_BYTES),
+    'ringside_copy_bytes_total{direction="load"} %.7e' % (256 * demo.PAGE_BYTES),
+    'ringside_copy_bytes_total{direction="store"} %.7e' % (257 * demo.PAGE_BYTES),
 ]
 
 
-def verdict(change, capsys):
+def verdict(change, capsys, lines=LINES):
     res = copy.deepcopy(GOOD)
     change(res)
-    rc = demo.report(res, LINES, "sidecar epoch 1\n", "bin/ringside", "127.0.0.1:1")
+    rc = demo.report(res, lines, "sidecar epoch 1\n", "bin/ringside", "127.0.0.1:1")
     return rc, capsys.readouterr().out
 
 
 def test_hit_with_identical_tokens_passes(capsys):
     rc, out = verdict(lambda r: None, capsys)
     assert rc == 0, out
-    assert "20.0x sooner" in out and "identical" in out and "PASS" in out
-    assert "128 loaded" in out  # bytes loaded / bytes of a block
+    assert "20.0x sooner" in out and "identical" in out and "PASS" in out  # the median: 600 / 30
+    assert "256 loaded" in out  # bytes loaded / bytes of a block
 
 
 @pytest.mark.parametrize(
     "what,change",
     [
         ("no hit in the token check", lambda r: r["check"].update(hit_blocks=0)),
-        ("no hit in the TTFT pair", lambda r: r["ttft"].update(hit_blocks=0)),
+        ("no hit in one TTFT pair", lambda r: r["ttft"][1].update(hit_blocks=0)),
         ("different tokens", lambda r: r["check"]["hit_tokens"].__setitem__(5, 3)),
-        ("different first token", lambda r: r["ttft"].update(hit_token=[8])),
-        ("a first request that hit", lambda r: r["ttft"].update(recompute_hit_blocks=2)),
+        ("different first token", lambda r: r["ttft"][2].update(hit_token=[8])),
+        ("a first request that hit", lambda r: r["ttft"][0].update(recompute_hit_blocks=2)),
     ],
 )
 def test_fails(what, change, capsys):
@@ -76,6 +79,14 @@ def test_fails(what, change, capsys):
     assert "FAIL" in out and "PASS" not in out, what
 
 
+def test_fails_when_the_sidecar_copied_fewer_blocks_than_the_hits(capsys):
+    """A failed load: vLLM recomputes (the same tokens), the sidecar copied less."""
+    lines = [line for line in LINES if "load" not in line]
+    lines.append('ringside_copy_bytes_total{direction="load"} %.7e' % (255 * demo.PAGE_BYTES))
+    rc, out = verdict(lambda r: None, capsys, lines)
+    assert rc == 1 and "copied 255 blocks into the engine, which counted 256 hits" in out, out
+
+
 def test_metric_reads_prometheus_lines():
-    assert demo.metric(LINES, 'ringside_copy_bytes_total{direction="load"}') == 128 * demo.PAGE_BYTES
+    assert demo.metric(LINES, 'ringside_copy_bytes_total{direction="load"}') == 256 * demo.PAGE_BYTES
     assert demo.metric(LINES, "ringside_absent") == 0.0
