@@ -27,6 +27,7 @@ of its own, so that it and anything it starts can be stopped together.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -210,6 +211,17 @@ def on_signal(signum, frame):
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+@contextlib.contextmanager
+def signals_held():
+    """Signals wait while a process starts, so that every started one is
+    known to the cleanup in main."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
 def unblock_and_die_with_parent():
     """In the engine child before exec: signals as usual, and SIGKILL when
     the demo dies."""
@@ -293,19 +305,20 @@ def main() -> int:
     sc = p = None
     rc = 2
     try:
-        # Signals wait while a process starts, so that every started one is
-        # known to the cleanup below.
-        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-        sc = SidecarProcess(
-            a.bin,
-            pool="%dMiB" % (POOL_BYTES >> 20),
-            slot="%dKiB" % (PAGE_BYTES >> 10),
-            metrics=True,
-            log_level="warn",
-            log=os.path.join(work, "sidecar.log"),
-            prefix="ringside-demo-",
-        )
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        try:
+            with signals_held():
+                sc = SidecarProcess(
+                    a.bin,
+                    pool="%dMiB" % (POOL_BYTES >> 20),
+                    slot="%dKiB" % (PAGE_BYTES >> 10),
+                    metrics=True,
+                    log_level="warn",
+                    log=os.path.join(work, "sidecar.log"),
+                    prefix="ringside-demo-",
+                )
+        except AssertionError as e:  # it did not start; SidecarProcess stopped it
+            print("demo: %s" % e, file=sys.stderr)
+            return 2
         say("sidecar: %s serve --dir %s (pool %d MiB of %d KiB slots), metrics on %s" % (
             os.path.relpath(a.bin), sc.dir, POOL_BYTES >> 20, PAGE_BYTES >> 10, sc.metrics))  # fmt: skip
         r, w = os.pipe()
@@ -313,8 +326,7 @@ def main() -> int:
         env["PYTHONPATH"] = PYDIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, os.path.abspath(__file__), "--engine", "--fd", str(w)]
         cmd += ["--model", os.path.join(work, "model"), "--socket", sc.sock]
-        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-        with open(log_path, "wb") as log:
+        with signals_held(), open(log_path, "wb") as log:
             p = subprocess.Popen(
                 cmd,
                 env=env,
@@ -324,7 +336,6 @@ def main() -> int:
                 start_new_session=True,
                 preexec_fn=unblock_and_die_with_parent,
             )
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         os.close(w)
         with os.fdopen(r) as f:
             res = read_engine(f, p, say, t0 + a.timeout)
@@ -335,14 +346,14 @@ def main() -> int:
                 say("the engine did not exit within 60 s of its last request")
                 res = None
         if res is None or p.returncode != 0:
-            say("the engine failed (exit %s); its log, %s, ends:" % (p.returncode, log_path))
+            say("the engine failed (exit %s); the end of its log:" % p.returncode)
             print(tail(log_path), flush=True)
             return 2
         say("engine done (vLLM %s, started in %.1f s)" % (res["vllm"], res["start_s"]))
         try:
             lines = metrics_lines(sc.metrics)
         except OSError as e:
-            say("the sidecar's metrics cannot be read (%s); its log, %s, ends:" % (e, sc.log_path))
+            say("the sidecar's metrics cannot be read (%s); the end of its log:" % e)
             print(tail(sc.log_path), flush=True)
             return 2
         inspect = subprocess.run(
