@@ -369,6 +369,46 @@ def reset(eng, timeout=4.0):
         time.sleep(0.005)
 
 
+def test_a_store_unanswered_after_its_step_is_waited_for_before_its_request_ends(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+    # A store is let run on through one more forward pass (overlap_saves),
+    # not more: the scheduler holds a finished request's blocks only while
+    # its last store is recent (hold_steps), so a store still unanswered a
+    # step later must be waited for, even when no newer store followed it.
+    # Two full blocks, then a decode that fills no third: the prefill's store
+    # is the only one. Its event is held for 1 s while the request decodes.
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    ev = held
+    eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=16)
+    ws = eng.worker.connector_worker
+    finished, _ = observe(eng)
+    answered = {}
+    rf = eng.conn.request_finished_all_groups
+
+    def request_finished(request, block_ids):
+        answered[request.request_id] = ws.stats["stores"]
+        return rf(request, block_ids)
+
+    eng.conn.request_finished_all_groups = request_finished
+    ev.hold()
+    timer = threading.Timer(1.0, ev.release)
+    timer.start()
+    try:
+        eng.run([H.request("d0", H.prompt(12, 2 * H.BLOCK), max_tokens=H.BLOCK - 2)])
+    finally:
+        timer.cancel()
+        ev.release()
+    assert "d0" in finished and "d0" in answered, (finished, answered)
+    # Either its store had been answered when it finished, or vLLM was told
+    # to keep its blocks.
+    assert finished["d0"] or answered["d0"] >= 1, (
+        "request_finished freed the blocks of a request whose store was unanswered: %s, %s" % (finished, ws.stats)
+    )
+    reset(eng)
+    assert ws.stats["stored_blocks"] == 2 and ws.stats["store_errors"] == 0, ws.stats
+    eng.shutdown()
+
+
 @pytest.mark.parametrize("hold", ["event", "copy"])
 def test_a_finished_request_is_held_until_its_store_ended(sim, start_sidecar, held, libcuda, monkeypatch, hold):  # noqa: F811
     # The store is held by its event (FAKECUDA_EVENT_HOLD, in the engine) or
