@@ -369,7 +369,7 @@ def reset(eng, timeout=4.0):
         time.sleep(0.005)
 
 
-def test_a_store_unanswered_after_its_step_is_waited_for_before_its_request_ends(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+def test_a_store_unanswered_a_step_later_is_waited_for(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
     # A store is let run on through one more forward pass (overlap_saves),
     # not more: the scheduler holds a finished request's blocks only while
     # its last store is recent (hold_steps), so a store still unanswered a
@@ -576,8 +576,18 @@ def test_a_sticky_error_in_the_sidecar_leaves_the_engine_serving(sim, start_side
     eng.run([H.request("s0b", H.prompt(5, 40), max_tokens=2)])
     reset(eng)
     assert ws.stats["loaded_blocks"] == loaded and ws.stats["stored_blocks"] == stored + 2, ws.stats
-    # And what the new sidecar stored loads back byte-exact.
-    eng.run([H.request("s0c", H.prompt(5, 40), max_tokens=2)])
+    # And what the new sidecar stored loads back byte-exact, once the
+    # scheduler has attached to it: until its local index of the first
+    # sidecar goes stale (mirror_max_lag_ms after its last answered poll),
+    # lookups are answered from that index, as misses.
+    deadline = time.monotonic() + 5.0
+    n = 0
+    while ws.stats["loaded_blocks"] == loaded:
+        assert time.monotonic() < deadline, "no hit in the new sidecar: %s %s" % (eng.stats, ws.stats)
+        eng.run([H.request("s0c%d" % n, H.prompt(5, 40), max_tokens=2)])
+        reset(eng)
+        n += 1
+        time.sleep(0.05)
     assert ws.stats["loaded_blocks"] == loaded + 2 and ws.stats["load_error_blocks"] == 0, ws.stats
     eng.shutdown()
 

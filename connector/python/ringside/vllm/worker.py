@@ -72,7 +72,8 @@ class WorkerSide:
         # Stores sent by wait_for_save, awaited at the start of the next step
         # (handle_preemptions) instead of blocking the step that sent them;
         # synchronous where vLLM has no such hook, or with sync_saves.
-        self._saving: list = []  # (session, seqs, deadline, request ids, engine block ids)
+        self._saving: list = []  # (session, seqs, deadline, request ids, engine block ids, step sent)
+        self._step = 0  # steps begun (handle_preemptions): a store is let run on through one step, not more
         self._store_reqs: dict[str, int] = {}  # req id -> stores in _saving or _ending that read its blocks
         # Sessions given up on with stores unanswered: [session, Detach seq
         # or None, hold-until time, request ids of those stores, whether the
@@ -338,7 +339,7 @@ class WorkerSide:
         sr = self._store_reqs
         for rid in rids:
             sr[rid] = sr.get(rid, 0) + 1
-        self._saving.append((s, seqs, _monotonic() + self.save_timeout, rids, ids))
+        self._saving.append((s, seqs, _monotonic() + self.save_timeout, rids, ids, self._step))
         if failed is not None:
             # Stores already sent may be copying: they end with the session.
             self._save_failed(failed, s)
@@ -362,6 +363,7 @@ class WorkerSide:
         # settle_saves). Otherwise the copies go on through this step's
         # forward pass (overlap_saves) and are waited for at the next step at
         # the latest.
+        self._step += 1
         if self._saving:
             self._finish_saves(_ALL if not self.overlap_saves() or getattr(meta, "wait_saves", True) else _LAST)
 
@@ -407,20 +409,28 @@ class WorkerSide:
         the latest step's stores are only collected if answered (the rest
         stay pending one more step: the next call waits for them, as for
         everything older); _POLL waits for none (a store past its deadline
-        times out). A store that ended answered (OK or not) releases the
+        times out). "The latest step" is the step before the one that
+        calls this (handle_preemptions): a store sent earlier is waited for
+        even when no newer store followed it, since the scheduler holds a
+        finished request's blocks only while its last store is that recent
+        (hold_steps), unless every request it read is already held. A store that ended answered (OK or not) releases the
         requests whose blocks it read; one that timed out, or whose session
         failed, releases them only once that session has ended on the
         sidecar (_ending)."""
         pending, self._saving = self._saving, []
-        last = len(pending) - 1
-        for i, entry in enumerate(pending):
+        latest, held = self._step - 1, self._held
+        for entry in pending:
+            # _LAST: polled if sent in the latest step, or if every request
+            # whose blocks it read is held by vLLM (request_finished): those
+            # blocks stay until finished_sending, however long it takes.
+            unwaited = how == _LAST and (entry[5] >= latest or all(rid in held for rid in entry[3]))
             s, seqs, deadline = entry[0], entry[1], entry[2]
             left: list = []
             ended = False
             try:
                 if s is not self.link.session:
                     ended = True  # that session was given up on (_save_failed) or dropped
-                elif how == _POLL or (how == _LAST and i == last):
+                elif how == _POLL or unwaited:
                     if how == _LAST:
                         self.stats["saves_unwaited"] += 1
                     for seq in seqs:
@@ -442,7 +452,7 @@ class WorkerSide:
             except SIDECAR_ERRORS as e:
                 self._save_failed(e, s)
                 left, ended = [], True
-                if how == _ALL or (how == _LAST and i != last):
+                if how == _ALL or (how == _LAST and not unwaited):
                     self._await_detach(s, deadline)
             if left:
                 self._saving.append((s, left) + entry[2:])
