@@ -94,10 +94,11 @@ const (
 	phaseBefore = iota // baseline before the attack
 	phaseAttack
 	phaseAfter // baseline after the attack
+	phaseCPU   // the control: no attack, every CPU kept busy by another process (contend)
 	phases
 )
 
-var phaseNames = [phases]string{"before the attack", "under attack", "after the attack"}
+var phaseNames = [phases]string{"before the attack", "under attack", "after the attack", "with the CPUs busy"}
 
 var bystanders atomic.Int64
 
@@ -219,6 +220,48 @@ func (b *bystander) during(attack func()) {
 	}()
 	attack()
 }
+
+// contend runs n rounds of the control phase: no attack, while a child
+// process that never talks to the sidecar keeps every CPU busy (one
+// spinning thread per CPU). What it does to the bystander's latency is
+// what CPU sharing alone does; the report shows it beside the attack's.
+func (b *bystander) contend(n int) {
+	b.t.Helper()
+	cmd := child("spin", fmt.Sprintf("RS_SPIN_THREADS=%d", runtime.NumCPU()))
+	if err := cmd.Start(); err != nil {
+		b.t.Fatalf("spin: %v", err)
+	}
+	defer func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}()
+	time.Sleep(50 * time.Millisecond) // its threads running
+	for i := 0; i < n; i++ {
+		if !b.roundOnce(phaseCPU, true) {
+			return
+		}
+	}
+}
+
+// spinChild keeps RS_SPIN_THREADS threads busy until it is killed.
+func spinChild() int {
+	n := envInt("RS_SPIN_THREADS", 1)
+	runtime.GOMAXPROCS(n)
+	for i := 0; i < n; i++ {
+		go func() {
+			x := uint64(1)
+			for {
+				x = x*6364136223846793005 + 1442695040888963407
+				spinSink.Store(x)
+			}
+		}()
+	}
+	select {}
+}
+
+var spinSink atomic.Uint64
+
+func init() { childRoles["spin"] = spinChild }
 
 // waitRounds blocks (an attack calls it) until the bystander has run n
 // rounds under attack in all, or within has passed.
@@ -440,7 +483,11 @@ type bystanderReport struct {
 	// after together), Attack under attack.
 	Base, Attack map[string]opStats
 	Ratio        map[string]float64 // attack p50 / baseline p50, for the checked types
-	Bound        float64
+	// CPU is each checked type's p50 with every CPU kept busy by a process
+	// that never talks to the sidecar (contend; absent if not run), over
+	// its baseline p50: what CPU sharing alone does to the bystander.
+	CPU   map[string]float64
+	Bound float64
 	Slowest      string // the slowest call under attack (type and latency)
 }
 
@@ -458,7 +505,7 @@ func (b *bystander) check(t *testing.T, bound float64) bystanderReport {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	rep := bystanderReport{Rounds: b.rounds, Fails: b.fails, Wrong: b.wrong, Base: map[string]opStats{}, Attack: map[string]opStats{},
-		Ratio: map[string]float64{}, Bound: bound}
+		Ratio: map[string]float64{}, CPU: map[string]float64{}, Bound: bound}
 	for op := range b.lat[phaseBefore] {
 		rep.Base[op] = stats(append(slices.Clone(b.lat[phaseBefore][op]), b.lat[phaseAfter][op]...))
 	}
@@ -487,6 +534,11 @@ func (b *bystander) check(t *testing.T, bound float64) bystanderReport {
 		}
 		r := float64(att.P50) / float64(base.P50)
 		rep.Ratio[op] = r
+		// The control (contend), where run, is reported beside the ratio:
+		// it tells the sidecar's own queueing from CPU sharing.
+		if d := b.lat[phaseCPU][op]; len(d) > 0 {
+			rep.CPU[op] = float64(stats(d).P50) / float64(base.P50)
+		}
 		if r > bound {
 			t.Errorf("bystander median %s %v under attack vs %v without: ratio %.1f > %.0f (p99 %v vs %v)", op,
 				att.P50.Round(time.Microsecond), base.P50.Round(time.Microsecond), r, bound,
@@ -522,7 +574,11 @@ func (r bystanderReport) String() string {
 		}
 		fmt.Fprintf(&b, "; %s p50 %s → %s", op, us(base.P50), us(att.P50))
 		if ratio, ok := r.Ratio[op]; ok {
-			fmt.Fprintf(&b, " (×%.1f, bound %.0f)", ratio, r.Bound)
+			if c, ok := r.CPU[op]; ok {
+				fmt.Fprintf(&b, " (×%.1f, bound %.0f; busy CPUs alone ×%.1f)", ratio, r.Bound, c)
+			} else {
+				fmt.Fprintf(&b, " (×%.1f, bound %.0f)", ratio, r.Bound)
+			}
 		}
 		fmt.Fprintf(&b, ", p99 %s → %s", us(base.P99), us(att.P99))
 	}
