@@ -486,9 +486,9 @@ type bystanderReport struct {
 	// CPU is each checked type's p50 with every CPU kept busy by a process
 	// that never talks to the sidecar (contend; absent if not run), over
 	// its baseline p50: what CPU sharing alone does to the bystander.
-	CPU   map[string]float64
-	Bound float64
-	Slowest      string // the slowest call under attack (type and latency)
+	CPU     map[string]float64
+	Bound   float64
+	Slowest string // the slowest call under attack (type and latency)
 }
 
 // checkedOps are the request types whose median latency under attack is
