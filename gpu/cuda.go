@@ -132,10 +132,7 @@ type CUDA struct {
 	info    CUDAInfo
 	devInfo []cudaDevInfo
 
-	mu      sync.RWMutex
-	regions map[Handle]*cudaRegion
-	next    Handle
-	closed  bool
+	regions regionTable[*cudaRegion]
 
 	devMu      sync.Mutex
 	devs       map[int]*cudaDevice // by ordinal
@@ -261,7 +258,7 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 	}
 	e := &CUDA{
 		pool: pool, poolAddr: cuda.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
-		regions: map[Handle]*cudaRegion{}, devs: map[int]*cudaDevice{},
+		regions: newRegionTable[*cudaRegion](), devs: map[int]*cudaDevice{},
 		pinWait: opts.PinWait, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
 		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
 	}
@@ -432,10 +429,7 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 		return 0, fmt.Errorf("%w: GPU %s is not visible to the sidecar (it sees %s): give the sidecar the engine's GPU (NVIDIA_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES or a shared DRA claim)",
 			ErrUnsupported, cuda.UUID(r.IPC.GPU), strings.Join(visible, ", "))
 	}
-	e.mu.RLock()
-	closed := e.closed
-	e.mu.RUnlock()
-	if closed {
+	if e.regions.isClosed() {
 		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
 	}
 	d, err := e.device(*di)
@@ -460,21 +454,11 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	}); err != nil {
 		return 0, err
 	}
-	e.mu.Lock()
-	if e.closed {
-		e.mu.Unlock()
+	h, err := e.regions.add(reg)
+	if err != nil {
 		d.call(func() error { d.release(reg); return nil })
-		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
+		return 0, err
 	}
-	for {
-		e.next++
-		if _, used := e.regions[e.next]; e.next != 0 && !used {
-			break
-		}
-	}
-	h := e.next
-	e.regions[h] = reg
-	e.mu.Unlock()
 	return h, nil
 }
 
@@ -537,12 +521,9 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 // Unregister waits for the region's ops and releases its allocations'
 // mappings (each closed when no other region uses it) and its event.
 func (e *CUDA) Unregister(h Handle) error {
-	e.mu.Lock()
-	reg, ok := e.regions[h]
-	delete(e.regions, h)
-	e.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("%w: handle %d", ErrUnknownRegion, h)
+	reg, err := e.regions.remove(h)
+	if err != nil {
+		return err
 	}
 	reg.inflight.Wait()
 	// A device already stopped by Close closed its mappings itself.
@@ -555,57 +536,37 @@ func (e *CUDA) Unregister(h Handle) error {
 // both sides and within one allocation (localRanges), splits at pin chunk
 // boundaries, then queues it to the region's device.
 func (e *CUDA) Submit(op Op, done func(Result)) error {
-	fail := func(err error) error {
-		if ce, ok := err.(*CopyError); ok {
-			ce.Dir, ce.Region = op.Dir, op.Region
-			return ce
+	return e.regions.submit(op, done, func(reg *cudaRegion, now time.Time) error {
+		if err := reg.dev.failed(); err != nil {
+			return err
 		}
-		return &CopyError{Dir: op.Dir, Region: op.Region, Index: -1, Err: err}
-	}
-	if op.Dir != PoolToEngine && op.Dir != EngineToPool {
-		return fail(fmt.Errorf("%w: direction %d", ErrInvalidOp, uint8(op.Dir)))
-	}
-	if done == nil {
-		return fail(fmt.Errorf("%w: nil done callback", ErrInvalidOp))
-	}
-	now := time.Now()
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	if e.closed {
-		return fail(os.ErrClosed)
-	}
-	reg, ok := e.regions[op.Region]
-	if !ok {
-		return fail(ErrUnknownRegion)
-	}
-	if err := reg.dev.failed(); err != nil {
-		return fail(err)
-	}
-	if op.Fence.Raised() {
-		return fail(ErrFenced)
-	}
-	ranges, err := PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
-	if err != nil {
-		return fail(err)
-	}
-	ranges = splitRanges(localRanges(ranges, reg.segs), e.chunk, uint64(len(e.pool)))
-	j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, fence: op.Fence, submitted: now, done: done,
-		dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
-	for i, rg := range ranges {
-		host := e.poolAddr + rg.Pool
-		if op.Dir == PoolToEngine {
-			j.dst[i], j.src[i] = rg.Engine, host
-		} else {
-			j.dst[i], j.src[i] = host, rg.Engine
+		if op.Fence.Raised() {
+			return ErrFenced
 		}
-		j.lens[i] = rg.Len
-		j.bytes += int64(rg.Len)
-	}
-	reg.inflight.Add(1)
-	// Close takes the write lock before stopping devices, so the device
-	// is running while we hold the read lock; its loop never takes e.mu.
-	reg.dev.jobs <- j
-	return nil
+		ranges, err := PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
+		if err != nil {
+			return err
+		}
+		ranges = splitRanges(localRanges(ranges, reg.segs), e.chunk, uint64(len(e.pool)))
+		j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, fence: op.Fence, submitted: now, done: done,
+			dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
+		for i, rg := range ranges {
+			host := e.poolAddr + rg.Pool
+			if op.Dir == PoolToEngine {
+				j.dst[i], j.src[i] = rg.Engine, host
+			} else {
+				j.dst[i], j.src[i] = host, rg.Engine
+			}
+			j.lens[i] = rg.Len
+			j.bytes += int64(rg.Len)
+		}
+		reg.inflight.Add(1)
+		// Close closes the table before stopping devices, so the device is
+		// running while we hold the table's read lock; its loop never takes
+		// that lock.
+		reg.dev.jobs <- j
+		return nil
+	})
 }
 
 // localRanges translates planned ranges (PlanRanges' order: page-major,
@@ -669,9 +630,7 @@ func splitRanges(rs []Range, chunk, poolLen uint64) []Range {
 // mapping, unregisters the pool and releases the contexts.
 func (e *CUDA) Close() error {
 	e.closeOnce.Do(func() {
-		e.mu.Lock()
-		e.closed = true
-		e.mu.Unlock()
+		e.regions.close()
 		e.devMu.Lock()
 		e.devsClosed = true
 		pin := e.pin

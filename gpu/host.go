@@ -2,7 +2,6 @@ package gpu
 
 import (
 	"fmt"
-	"os"
 	"runtime"
 	"sync"
 	"time"
@@ -33,10 +32,7 @@ type HostOptions struct {
 type Host struct {
 	pool []byte
 
-	mu      sync.RWMutex
-	regions map[Handle]*hostRegion
-	next    Handle
-	closed  bool
+	regions regionTable[*hostRegion]
 	jobs    chan hostJob
 
 	workers  sync.WaitGroup
@@ -75,7 +71,7 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 	}
 	h := &Host{
 		pool:     pool,
-		regions:  make(map[Handle]*hostRegion),
+		regions:  newRegionTable[*hostRegion](),
 		jobs:     make(chan hostJob, opts.Queue),
 		perRange: opts.PerRange,
 		setup:    opts.ThreadSetup,
@@ -103,29 +99,14 @@ func (h *Host) Register(r Region) (Handle, error) {
 		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", ErrUnsupported, r.Kind)
 	}
 	r.Segments = append([]Segment(nil), r.Segments...) // caller may reuse theirs
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.closed {
-		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
-	}
-	for {
-		h.next++
-		if _, used := h.regions[h.next]; h.next != 0 && !used {
-			break
-		}
-	}
-	h.regions[h.next] = &hostRegion{r: r}
-	return h.next, nil
+	return h.regions.add(&hostRegion{r: r})
 }
 
 // Unregister removes the region and waits for its in-flight ops.
 func (h *Host) Unregister(hd Handle) error {
-	h.mu.Lock()
-	reg, ok := h.regions[hd]
-	delete(h.regions, hd)
-	h.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("%w: handle %d", ErrUnknownRegion, hd)
+	reg, err := h.regions.remove(hd)
+	if err != nil {
+		return err
 	}
 	reg.inflight.Wait()
 	return nil
@@ -133,52 +114,31 @@ func (h *Host) Unregister(hd Handle) error {
 
 // Submit bounds-checks and plans op, then queues it for a worker.
 func (h *Host) Submit(op Op, done func(Result)) error {
-	fail := func(err error) error {
-		if ce, ok := err.(*CopyError); ok {
-			ce.Dir, ce.Region = op.Dir, op.Region
-			return ce
+	return h.regions.submit(op, done, func(reg *hostRegion, now time.Time) error {
+		ranges, err := PlanRanges(nil, &reg.r, uint64(len(h.pool)), op.Pages, op.PoolOffsets)
+		if err != nil {
+			return err
 		}
-		return &CopyError{Dir: op.Dir, Region: op.Region, Index: -1, Err: err}
-	}
-	if op.Dir != PoolToEngine && op.Dir != EngineToPool {
-		return fail(fmt.Errorf("%w: direction %d", ErrInvalidOp, uint8(op.Dir)))
-	}
-	if done == nil {
-		return fail(fmt.Errorf("%w: nil done callback", ErrInvalidOp))
-	}
-	now := time.Now()
-	h.mu.RLock()
-	defer h.mu.RUnlock()
-	if h.closed {
-		return fail(os.ErrClosed)
-	}
-	reg, ok := h.regions[op.Region]
-	if !ok {
-		return fail(ErrUnknownRegion)
-	}
-	ranges, err := PlanRanges(nil, &reg.r, uint64(len(h.pool)), op.Pages, op.PoolOffsets)
-	if err != nil {
-		return fail(err)
-	}
-	if !h.noMerge {
-		ranges = MergeRanges(ranges)
-	}
-	reg.inflight.Add(1)
-	// Sending under the read lock keeps Close from closing the channel
-	// under us; workers never take the lock, so this cannot deadlock.
-	h.jobs <- hostJob{dir: op.Dir, h: op.Region, reg: reg, ranges: ranges, submitted: now, done: done}
-	return nil
+		if !h.noMerge {
+			ranges = MergeRanges(ranges)
+		}
+		reg.inflight.Add(1)
+		// Sending under the table's read lock keeps Close from closing the
+		// channel under us; workers never take the lock, so this cannot
+		// deadlock.
+		h.jobs <- hostJob{dir: op.Dir, h: op.Region, reg: reg, ranges: ranges, submitted: now, done: done}
+		return nil
+	})
 }
 
 // Close stops accepting ops, runs the accepted ones and waits for the
 // workers. It is idempotent.
 func (h *Host) Close() error {
-	h.mu.Lock()
-	if !h.closed {
-		h.closed = true
+	if h.regions.close() {
+		// No Submit is sending: they hold the read lock while they do, and
+		// every later one sees the table closed.
 		close(h.jobs)
 	}
-	h.mu.Unlock()
 	h.workers.Wait()
 	return nil
 }
