@@ -406,7 +406,8 @@ func print(cfg Config, rows []Row) error {
 	return nil
 }
 
-// Verdicts reads the rows against the targets; it reports, never fails.
+// Verdicts reads the rows against the targets (targets.go); it reports,
+// never fails.
 func Verdicts(rows []Row) []string {
 	var out []string
 	var delta []Row
@@ -422,8 +423,8 @@ func Verdicts(rows []Row) []string {
 	if len(delta) >= 2 {
 		lo, hi := delta[0], delta[len(delta)-1]
 		ratio := float64(hi.StepNs) / float64(lo.StepNs)
-		out = append(out, fmt.Sprintf("target delta cost at %d <= 1.5x at %d: %s (%s vs %s, %.2fx)",
-			hi.CachedBlocks, lo.CachedBlocks, met(ratio <= 1.5), dur(hi.StepNs), dur(lo.StepNs), ratio))
+		t := targetDeltaFlat.At(fmt.Sprintf("%d vs %d blocks", hi.CachedBlocks, lo.CachedBlocks))
+		out = append(out, t.Verdict(ratio, fmt.Sprintf("%s vs %s, %.2fx", dur(hi.StepNs), dur(lo.StepNs), ratio)))
 	}
 	for _, d := range delta {
 		if w, ok := walk[d.CachedBlocks]; ok && d.StepNs > 0 {
@@ -432,17 +433,11 @@ func Verdicts(rows []Row) []string {
 	}
 	for _, r := range rows {
 		if r.Bench == "memory" {
-			out = append(out, fmt.Sprintf("target memory <= 64 bytes/block at %d blocks: %s (%.2f)", r.CachedBlocks, met(r.BytesPerBlock <= 64), r.BytesPerBlock))
+			t := targetMemory.At(fmt.Sprintf("%d blocks", r.CachedBlocks))
+			out = append(out, t.Verdict(r.BytesPerBlock, fmt.Sprintf("%.2f", r.BytesPerBlock)))
 		}
 	}
 	return out
-}
-
-func met(ok bool) string {
-	if ok {
-		return "met"
-	}
-	return "MISSED"
 }
 
 // ParseSizes parses "10k,100k,1M,10M" (k = 1000, M = 1e6) into counts.

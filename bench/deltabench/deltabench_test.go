@@ -3,6 +3,7 @@ package deltabench
 import (
 	"bytes"
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 )
@@ -98,6 +99,27 @@ func TestParseSizes(t *testing.T) {
 	for _, bad := range []string{"", "x", "10x", "-5", "1.5M"} {
 		if _, err := ParseSizes(bad); err == nil {
 			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+// The verdicts read the largest size's delta against the smallest's and the
+// memory row against its bound.
+func TestVerdicts(t *testing.T) {
+	rows := []Row{
+		{Bench: "delta", Method: "delta", CachedBlocks: 10_000, StepNs: 2000},
+		{Bench: "delta", Method: "walk", CachedBlocks: 10_000, StepNs: 40_000},
+		{Bench: "delta", Method: "delta", CachedBlocks: 1_000_000, StepNs: 2600},
+		{Bench: "memory", CachedBlocks: 1_000_000, BytesPerBlock: 70.5},
+	}
+	got := strings.Join(Verdicts(rows), "\n")
+	for _, want := range []string{
+		"target delta cost at the most cached blocks <= 1.5x at the fewest (1000000 vs 10000 blocks): met (2.60 us vs 2.00 us, 1.30x)",
+		"walk/delta at 10000 blocks: 20x",
+		"target memory <= 64 bytes/block (1000000 blocks): MISSED (70.50)",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verdicts lack %q:\n%s", want, got)
 		}
 	}
 }

@@ -20,9 +20,9 @@ func JSONLines[T any](w io.Writer, rows []T) error {
 	return nil
 }
 
-// Verdicts prints a run's verdicts, one a line: after the table on out, or,
-// when the rows went out as JSON Lines, on log (and nowhere when quiet), so
-// that stdout stays machine-readable.
+// Verdicts prints a run's verdicts (its Targets' lines, and notes), one a
+// line: after the table on out, or, when the rows went out as JSON Lines, on
+// log (and nowhere when quiet), so that stdout stays machine-readable.
 func Verdicts(out, log io.Writer, jsonRows, quiet bool, verdicts []string) {
 	w := out
 	if jsonRows {

@@ -22,15 +22,15 @@ func TestJSONLines(t *testing.T) {
 }
 
 func TestVerdicts(t *testing.T) {
-	vs := []string{"target a: met", "target b: NOT met"}
+	vs := []string{"target a: met", "target b: MISSED"}
 	tests := []struct {
 		name            string
 		json, quiet     bool
 		wantOut, wantLg string
 	}{
-		{"table", false, false, "target a: met\ntarget b: NOT met\n", ""},
-		{"table, quiet", false, true, "target a: met\ntarget b: NOT met\n", ""},
-		{"json", true, false, "", "target a: met\ntarget b: NOT met\n"},
+		{"table", false, false, "target a: met\ntarget b: MISSED\n", ""},
+		{"table, quiet", false, true, "target a: met\ntarget b: MISSED\n", ""},
+		{"json", true, false, "", "target a: met\ntarget b: MISSED\n"},
 		{"json, quiet", true, true, "", ""},
 	}
 	for _, tt := range tests {

@@ -552,24 +552,35 @@ func parallel(g, n int, f func(i int) error) error {
 	return first
 }
 
+// verdicts reads the rows against the target (targets.go).
+func verdicts(rows []Row) []string {
+	if len(rows) == 0 {
+		return nil
+	}
+	worst := rows[0].Ratio
+	for _, r := range rows {
+		worst = min(worst, r.Ratio)
+	}
+	return []string{targetVsPlainLoop.Verdict(worst, fmt.Sprintf("lowest %.2fx", worst))}
+}
+
 func (c *Config) print(rows []Row) error {
 	if c.JSON {
-		return harness.JSONLines(c.Out, rows)
+		if err := harness.JSONLines(c.Out, rows); err != nil {
+			return err
+		}
+		harness.Verdicts(c.Out, c.Log, true, c.Quiet, verdicts(rows))
+		return nil
 	}
 	fmt.Fprintf(c.Out, "ringside bench l2: the shared tier through live sidecars against a plain go-redis loop (the ceiling), same server, same run\n")
 	fmt.Fprintf(c.Out, "%d CPUs, load average %s; median of %d repetitions; %d writers\n\n", runtime.NumCPU(), harness.LoadAvg(), c.Reps, c.Writers)
 	fmt.Fprintf(c.Out, "%-8s %-6s %10s %7s %12s %12s %7s\n", "topology", "op", "value", "blocks", "sidecar GB/s", "ceiling GB/s", "ratio")
-	worst := 1e9
 	for _, r := range rows {
 		fmt.Fprintf(c.Out, "%-8s %-6s %10s %7d %12.3f %12.3f %7.2f\n", r.Topology, r.Op, size(r.ValueBytes), r.Blocks, r.SidecarGBps, r.CeilingGBps, r.Ratio)
-		worst = min(worst, r.Ratio)
 	}
-	if len(rows) > 0 {
-		verdict := "met"
-		if worst < 0.8 {
-			verdict = "MISSED"
-		}
-		fmt.Fprintf(c.Out, "\ntarget sidecar >= 0.8x the plain loop, every row: %s (lowest %.2fx)\n", verdict, worst)
+	if v := verdicts(rows); len(v) > 0 {
+		fmt.Fprintln(c.Out)
+		harness.Verdicts(c.Out, c.Log, false, c.Quiet, v)
 	}
 	return nil
 }

@@ -116,7 +116,7 @@ func TestBenchPollText(t *testing.T) {
 		t.Fatalf("bench poll: %v\n%s\n%s", err, stdout.String(), stderr.String())
 	}
 	out := stdout.String()
-	for _, want := range []string{"transport", "106.39 us", "target go/ring p50 <= 1.00 us", "flat, p50 at 1024 <= 1.2x p50 at 64"} {
+	for _, want := range []string{"transport", "106.39 us", "target go/ring p50 <= 1 µs (every size)", "flat: p50 at the most hashes <= 1.2x p50 at the fewest (go/ring, 1024 vs 64 hashes)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}

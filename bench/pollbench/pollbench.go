@@ -455,7 +455,8 @@ func (b *bench) print(rows []Row) error {
 	return nil
 }
 
-// Verdicts reads the rows against the targets; it reports, never fails.
+// Verdicts reads the rows against the targets (targets.go); it reports,
+// never fails.
 func Verdicts(rows []Row) []string {
 	var out []string
 	type key struct{ client, transport string }
@@ -471,18 +472,9 @@ func Verdicts(rows []Row) []string {
 		}
 		by[k] = append(by[k], r)
 	}
-	limit := func(client string) (int64, bool) {
-		switch client {
-		case "go":
-			return 1000, true
-		case "python":
-			return 5000, true
-		}
-		return 0, false
-	}
 	for _, k := range order {
 		rs := by[k]
-		if lim, ok := limit(k.client); ok && k.transport == "ring" {
+		if t, ok := targetRingP50[k.client]; ok && k.transport == "ring" {
 			worst := rs[0]
 			var vals []string
 			for _, r := range rs {
@@ -491,7 +483,7 @@ func Verdicts(rows []Row) []string {
 				}
 				vals = append(vals, fmt.Sprintf("%d: %s", r.Hashes, us(r.P50Ns)))
 			}
-			out = append(out, fmt.Sprintf("target %s/ring p50 <= %s at every size: %s (%s)", k.client, us(lim), met(worst.P50Ns <= lim), strings.Join(vals, ", ")))
+			out = append(out, t.Verdict(float64(worst.P50Ns)/1e3, strings.Join(vals, ", ")))
 		}
 		lo, hi := rs[0], rs[0]
 		for _, r := range rs {
@@ -504,7 +496,8 @@ func Verdicts(rows []Row) []string {
 		}
 		if lo.Hashes != hi.Hashes && lo.P50Ns > 0 {
 			ratio := float64(hi.P50Ns) / float64(lo.P50Ns)
-			out = append(out, fmt.Sprintf("target %s/%s flat, p50 at %d <= 1.2x p50 at %d: %s (%.2fx)", k.client, k.transport, hi.Hashes, lo.Hashes, met(ratio <= 1.2), ratio))
+			t := targetFlat.At(fmt.Sprintf("%s/%s, %d vs %d hashes", k.client, k.transport, hi.Hashes, lo.Hashes))
+			out = append(out, t.Verdict(ratio, fmt.Sprintf("%.2fx", ratio)))
 		}
 	}
 	// The socket's own cost: the relay path minus the ring path.
@@ -523,18 +516,15 @@ func Verdicts(rows []Row) []string {
 		}
 	}
 	for _, r := range rows {
-		if r.Skipped != "" {
-			out = append(out, fmt.Sprintf("target %s/%s: not measured (%s)", r.Client, r.Transport, r.Skipped))
+		if r.Skipped == "" {
+			continue
 		}
+		if t, ok := targetRingP50[r.Client]; ok && r.Transport == "ring" {
+			out = append(out, t.NotMeasured(r.Skipped))
+		}
+		out = append(out, targetFlat.At(r.Client+"/"+r.Transport).NotMeasured(r.Skipped))
 	}
 	return out
-}
-
-func met(ok bool) string {
-	if ok {
-		return "met"
-	}
-	return "MISSED"
 }
 
 // ParseSizes parses "64,256,1024".

@@ -172,7 +172,7 @@ func TestBenchReplayText(t *testing.T) {
 	}
 	s := stdout.String()
 	for _, want := range []string{"hit ratio", "oracle", "step (delta)", "step (walk)", "p99.9",
-		"target lookup p99 < 20 us", "target acquire-and-poll p99 < 50 us", "target sidecar CPU < 25%",
+		"target lookup p99 < 20 µs", "target acquire-and-poll p99 < 50 µs", "target sidecar CPU < 25%",
 		"target hit rate equal to the offline LRU", "GiB equiv"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("output lacks %q:\n%s", want, s)

@@ -185,13 +185,6 @@ func (rep *Report) runsOf(transport string) []*RunResult {
 	return out
 }
 
-func met(ok bool) string {
-	if ok {
-		return "met"
-	}
-	return "MISSED"
-}
-
 func us(ns int64) string {
 	switch {
 	case ns >= 10e6:
@@ -216,18 +209,18 @@ func bytesStr(b float64) string {
 	return fmt.Sprintf("%.0f B", b)
 }
 
-// Verdicts reads the report against the targets of docs/benchmarks.md; it
-// reports, never fails.
+// verdicts reads the report against the targets (targets.go); it reports,
+// never fails.
 func (rep *Report) verdicts() []string {
 	c := &rep.Config
 	var out []string
 	ring := rep.merged("ring")
 	mode := fmt.Sprintf("%d engines, %s", c.Engines, map[bool]string{true: "sequential", false: "concurrent"}[c.Sequential])
 	if s := summarize(ring["lookup"]); s.Count > 0 {
-		out = append(out, fmt.Sprintf("target lookup p99 < 20 us (ring, %s, all capacities): %s (%s; p50 %s)", mode, met(s.P99 < 20e3), us(s.P99), us(s.P50)))
+		out = append(out, targetLookup.At(mode).Verdict(float64(s.P99)/1e3, fmt.Sprintf("%s; p50 %s", us(s.P99), us(s.P50))))
 	}
 	if s := summarize(ring["acquire"]); s.Count > 0 {
-		out = append(out, fmt.Sprintf("target acquire-and-poll p99 < 50 us (ring, %s, all capacities): %s (%s; p50 %s)", mode, met(s.P99 < 50e3), us(s.P99), us(s.P50)))
+		out = append(out, targetAcquire.At(mode).Verdict(float64(s.P99)/1e3, fmt.Sprintf("%s; p50 %s", us(s.P99), us(s.P50))))
 	}
 	if c.Engines != 2 {
 		out = append(out, fmt.Sprintf("note: the latency targets are stated for 2 engine instances; this run had %d", c.Engines))
@@ -249,15 +242,15 @@ func (rep *Report) verdicts() []string {
 			per = append(per, fmt.Sprintf("%d: %s p50, %.0f ns/change", r.CapacityPages, us(summarize(r.Hists[stepOp]).P50), pc))
 		}
 		if hi > 0 {
-			out = append(out, fmt.Sprintf("target per-step delta cost flat as the cache grows (ns per change, max <= 1.5x min over capacities): %s (%.2fx; %s)",
-				met(hi/lo <= 1.5), hi/lo, strings.Join(per, "; ")))
+			out = append(out, targetDeltaFlat.Verdict(hi/lo, fmt.Sprintf("%.2fx; %s", hi/lo, strings.Join(per, "; "))))
 		}
 		first, last := runs[0], runs[len(runs)-1]
 		wl, wh := summarize(first.Hists[walkOp]), summarize(last.Hists[walkOp])
 		dh := summarize(last.Hists[stepOp])
 		if wl.P50 > 0 && dh.P50 > 0 {
-			out = append(out, fmt.Sprintf("target walk baseline grows with the cache: %s (p50 %s at %d pages, %s at %d pages, %.1fx); walk/delta p50 at %d pages: %.2fx",
-				met(wh.P50 > 2*wl.P50), us(wl.P50), first.CapacityPages, us(wh.P50), last.CapacityPages, float64(wh.P50)/float64(wl.P50), last.CapacityPages, float64(wh.P50)/float64(dh.P50)))
+			f := float64(wh.P50) / float64(wl.P50)
+			out = append(out, targetWalkGrows.Verdict(f, fmt.Sprintf("p50 %s at %d pages, %s at %d pages, %.1fx; walk/delta p50 at %d pages: %.2fx",
+				us(wl.P50), first.CapacityPages, us(wh.P50), last.CapacityPages, f, last.CapacityPages, float64(wh.P50)/float64(dh.P50))))
 		}
 	}
 	worst := 0.0
@@ -274,8 +267,8 @@ func (rep *Report) verdicts() []string {
 		if c.Pace == 1 {
 			how = "measured at the trace's real pace"
 		}
-		out = append(out, fmt.Sprintf("target sidecar CPU < 25%% of one core at the trace's real pace: %s (%.1f%% at %d pages, %s; %s: %.1f s CPU over %.0f s of trace)",
-			met(worst < 0.25), worst*100, worstRun.CapacityPages, worstRun.Transport, how, worstRun.Sidecar.CPU.Seconds(), float64(rep.Workload.SpanMs)/1000))
+		out = append(out, targetCPU.Verdict(worst*100, fmt.Sprintf("%.1f%% at %d pages, %s; %s: %.1f s CPU over %.0f s of trace",
+			worst*100, worstRun.CapacityPages, worstRun.Transport, how, worstRun.Sidecar.CPU.Seconds(), float64(rep.Workload.SpanMs)/1000)))
 	}
 	all, maxDiff := true, 0.0
 	for _, r := range rep.Runs {
@@ -286,10 +279,10 @@ func (rep *Report) verdicts() []string {
 	}
 	if len(rep.Runs) > 0 {
 		if c.Sequential {
-			out = append(out, fmt.Sprintf("target hit rate equal to the offline LRU at every capacity (sequential, exact page counts): %s", met(all)))
+			out = append(out, targetOracle.At("sequential, exact page counts").Holds(all, ""))
 		} else {
-			out = append(out, fmt.Sprintf("target hit rate equal to the offline LRU at every capacity: not checkable exactly with concurrent engines (their calls interleave); largest difference %.3f points%s; --sequential checks it exactly",
-				maxDiff*100, map[bool]string{true: " (equal anyway)", false: ""}[all]))
+			out = append(out, targetOracle.NotMeasured(fmt.Sprintf("not checkable exactly with concurrent engines, whose calls interleave; largest difference %.3f points%s; --sequential checks it exactly",
+				maxDiff*100, map[bool]string{true: ", equal anyway", false: ""}[all])))
 		}
 	}
 	if tr := rep.runsOf("ring+l2"); len(tr) > 0 {
@@ -310,7 +303,7 @@ func (rep *Report) verdicts() []string {
 					ok = false
 				}
 			}
-			out = append(out, fmt.Sprintf("target pages fetched from the tier and loaded equal to the model's (sequential): %s", met(ok)))
+			out = append(out, targetFleet.Holds(ok, ""))
 		}
 	}
 	if u := rep.runsOf("uds"); len(u) > 0 {

@@ -632,8 +632,8 @@ func (b *bench) print(rows []Row) error {
 	return nil
 }
 
-// Verdicts compares the rows with the design targets, one line per target.
-// They report; they never fail a run.
+// Verdicts compares the rows with the design targets (targets.go), one line
+// per target. They report; they never fail a run.
 func Verdicts(rows []Row) []string {
 	find := func(client, transport, metric string, size int, wait string) *Row {
 		for i := range rows {
@@ -644,61 +644,52 @@ func Verdicts(rows []Row) []string {
 		}
 		return nil
 	}
-	verdict := func(ok bool) string {
-		if ok {
-			return "met"
-		}
-		return "NOT met"
-	}
 	var out []string
-	na := func(target string) { out = append(out, fmt.Sprintf("target %s: not measured", target)) }
-
 	pp := find("go", "pingpong", "rtt", PingPongBytes, "spin")
 	gs := find("go", "ring", "rtt", SmallPayload, "spin")
 	if gs != nil {
-		out = append(out, fmt.Sprintf("target Go->Go ring p50 <= 0.5 µs (16 B, spin): %s (%s µs)", verdict(gs.P50 <= 500), us(gs.P50)))
+		out = append(out, targetGoP50.Verdict(float64(gs.P50)/1e3, us(gs.P50)+" µs"))
 	} else {
-		na("Go->Go ring p50 <= 0.5 µs (16 B, spin)")
+		out = append(out, targetGoP50.NotMeasured(""))
 	}
 	if gs != nil && pp != nil {
-		out = append(out, fmt.Sprintf("target Go->Go ring p50 <= 2x bare ping-pong: %s (%s µs vs ping-pong %s µs, %.1fx)",
-			verdict(gs.P50 <= 2*pp.P50), us(gs.P50), us(pp.P50), float64(gs.P50)/float64(max(pp.P50, 1))))
+		f := float64(gs.P50) / float64(max(pp.P50, 1))
+		out = append(out, targetGoPingPong.Verdict(f, fmt.Sprintf("%s µs vs ping-pong %s µs, %.1fx", us(gs.P50), us(pp.P50), f)))
 	} else {
-		na("Go->Go ring p50 <= 2x bare ping-pong")
+		out = append(out, targetGoPingPong.NotMeasured(""))
 	}
 	for _, t := range []struct {
-		size  int
-		limit int64
-	}{{SmallPayload, 5000}, {LargePayload, 10000}} {
-		name := fmt.Sprintf("Python->Go ring p50 <= %s µs (%s, spin)", us(t.limit), sizeName(t.size))
+		size   int
+		target harness.Target
+	}{{SmallPayload, targetPythonSmall}, {LargePayload, targetPythonLarge}} {
 		if r := find("python", "ring", "rtt", t.size, "spin"); r != nil {
-			out = append(out, fmt.Sprintf("target %s: %s (%s µs)", name, verdict(r.P50 <= t.limit), us(r.P50)))
+			out = append(out, t.target.Verdict(float64(r.P50)/1e3, us(r.P50)+" µs"))
 		} else {
-			na(name)
+			out = append(out, t.target.NotMeasured(""))
 		}
 	}
 	for _, client := range []string{"go", "python"} {
 		for _, size := range []int{SmallPayload, LargePayload} {
-			name := fmt.Sprintf("ring >= 5x faster than socket at p50 (%s client, %s, spin)", client, sizeName(size))
+			t := targetVsSocket.At(fmt.Sprintf("%s client, %s, spin", client, sizeName(size)))
 			rr, ur := find(client, "ring", "rtt", size, "spin"), find(client, "uds", "rtt", size, "park")
 			if rr == nil || ur == nil {
-				na(name)
+				out = append(out, t.NotMeasured(""))
 				continue
 			}
 			f := float64(ur.P50) / float64(max(rr.P50, 1))
-			out = append(out, fmt.Sprintf("target %s: %s (ring %s µs, socket %s µs, %.1fx)", name, verdict(f >= 5), us(rr.P50), us(ur.P50), f))
+			out = append(out, t.Verdict(f, fmt.Sprintf("ring %s µs, socket %s µs, %.1fx", us(rr.P50), us(ur.P50), f)))
 		}
 	}
 	if r := find("go", "ring", "one-way", ThroughputBytes, "spin"); r != nil {
-		line := fmt.Sprintf("target Go->Go throughput >= 10 M 64-byte records/s: %s (%s/s", verdict(r.MsgsPerSec >= 10e6), rate(r.MsgsPerSec))
+		detail := rate(r.MsgsPerSec) + "/s"
 		if r.P50 > 0 {
 			// The median window shows the steady rate when a few windows
 			// stalled (a descheduled side on a shared machine).
-			line += fmt.Sprintf("; median window %s/s", rate(1e9/float64(r.P50)))
+			detail += fmt.Sprintf("; median window %s/s", rate(1e9/float64(r.P50)))
 		}
-		out = append(out, line+")")
+		out = append(out, targetThroughput.Verdict(r.MsgsPerSec/1e6, detail))
 	} else {
-		na("Go->Go throughput >= 10 M 64-byte records/s")
+		out = append(out, targetThroughput.NotMeasured(""))
 	}
 	return out
 }

@@ -371,25 +371,10 @@ func size(b uint64) string {
 	return fmt.Sprint(b)
 }
 
-// The GPU targets, each against the same run's ceiling (one plain copy of
-// the same bytes): per-layer ranges are a Llama-3-8B block's 32 KiB K or V
-// of one layer (64 ranges per 2 MiB block in FlashAttention's layout),
-// cross-layer blocks the whole 2 MiB block as one range; a 2,048-token
-// prefix of that model is 128 blocks, 256 MiB.
-const (
-	perLayerBytes   = 32 << 10
-	crossLayerBytes = 2 << 20
-	prefixBytes     = 256 << 20
-	perLayerTarget  = 0.6
-	crossTarget     = 0.9
-	prefixLoadLimit = 8 * time.Millisecond
-)
-
-// Verdicts states, for the CUDA backend, each target met or not: batched
-// 2 MiB pages at >= 0.9x and batched 32 KiB ranges at >= 0.6x of the
-// ceiling, in each direction, at the largest page count measured; and a
-// load of a 2,048-token prefix (256 MiB) in under 8 ms, as 32 KiB ranges
-// and as 2 MiB blocks. A target whose rows were not measured says so.
+// Verdicts states, for the CUDA backend, each target (targets.go) met or
+// not: batched copies against the ceiling in each direction at the largest
+// page count measured, and the load of a prefix as 32 KiB ranges and as
+// 2 MiB blocks. A target whose rows were not measured says so.
 func Verdicts(rows []Row) []string {
 	if !slices.ContainsFunc(rows, func(r Row) bool { return r.Backend == "cuda" }) {
 		return nil // the targets are for GPUs
@@ -412,10 +397,9 @@ func Verdicts(rows []Row) []string {
 		return best
 	}
 	for _, t := range []struct {
-		name   string
 		pb     uint64
-		target float64
-	}{{"cross-layer 2 MiB blocks", crossLayerBytes, crossTarget}, {"per-layer 32 KiB ranges", perLayerBytes, perLayerTarget}} {
+		target harness.Target
+	}{{crossLayerBytes, targetCrossLayer}, {perLayerBytes, targetPerLayer}} {
 		for _, dir := range []string{"h2d", "d2h"} {
 			b := find(dir, "batched", t.pb, 0)
 			var c *Row
@@ -423,30 +407,22 @@ func Verdicts(rows []Row) []string {
 				c = find(dir, "ceiling", 0, b.Bytes)
 			}
 			if b == nil || c == nil {
-				out = append(out, fmt.Sprintf("target %s %s batched >= %.1fx the ceiling: not measured (no batched and ceiling rows of that size)", dir, t.name, t.target))
+				out = append(out, t.target.At(dir).NotMeasured("no batched and ceiling rows of that size"))
 				continue
 			}
 			ratio := b.GBps / c.GBps
-			out = append(out, fmt.Sprintf("target %s %s batched >= %.1fx the ceiling (%d pages): %s (%.2f vs %.2f GB/s, %.2fx)",
-				dir, t.name, t.target, b.Pages, metOrNot(ratio >= t.target), b.GBps, c.GBps, ratio))
+			out = append(out, t.target.At(fmt.Sprintf("%s, %d pages", dir, b.Pages)).Verdict(ratio, fmt.Sprintf("%.2f vs %.2f GB/s, %.2fx", b.GBps, c.GBps, ratio)))
 		}
 	}
 	for _, pb := range []uint64{perLayerBytes, crossLayerBytes} {
+		t := targetPrefixLoad.At(size(pb) + " ranges")
 		b := find("h2d", "batched", pb, prefixBytes)
 		if b == nil {
-			out = append(out, fmt.Sprintf("target load of a 2,048-token prefix (256 MiB) as %s ranges < %v: not measured (no h2d batched row of %d pages)", size(pb), prefixLoadLimit, prefixBytes/pb))
+			out = append(out, t.NotMeasured(fmt.Sprintf("no h2d batched row of %d pages", prefixBytes/pb)))
 			continue
 		}
 		took := time.Duration(b.MeanUS * float64(time.Microsecond))
-		out = append(out, fmt.Sprintf("target load of a 2,048-token prefix (256 MiB) as %s ranges < %v: %s (%v, %d ranges)",
-			size(pb), prefixLoadLimit, metOrNot(took < prefixLoadLimit), took.Round(10*time.Microsecond), b.Ranges))
+		out = append(out, t.Verdict(took.Seconds()*1e3, fmt.Sprintf("%v, %d ranges", took.Round(10*time.Microsecond), b.Ranges)))
 	}
 	return out
-}
-
-func metOrNot(ok bool) string {
-	if ok {
-		return "met"
-	}
-	return "NOT met"
 }

@@ -1,5 +1,0 @@
-//go:build !(invariants || race)
-
-package sidecar
-
-const invariantsEnabled = false
