@@ -1,0 +1,84 @@
+package connector
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/ringside-kv/ringside/schema"
+)
+
+// fake is a transport that answers every request with the next canned
+// reply and records what it was sent.
+type fake struct {
+	replies [][]byte
+	sent    []uint16
+	seq     uint64
+	closed  bool
+}
+
+func (f *fake) Submit(typ uint16, _ []byte) (uint64, error) {
+	f.sent = append(f.sent, typ)
+	f.seq++
+	return f.seq, nil
+}
+
+func (f *fake) Await(uint64) ([]byte, error) {
+	if len(f.replies) == 0 {
+		return nil, errors.New("no reply")
+	}
+	b := f.replies[0]
+	f.replies = f.replies[1:]
+	return b, nil
+}
+
+func (f *fake) Send(uint16, []byte) error           { return nil }
+func (f *fake) QuietFailures() (int, schema.Status) { return 0, 0 }
+func (f *fake) Close() error                        { f.closed = true; return nil }
+func (f *fake) Abandon()                            {}
+
+// A typed request decodes its reply and turns a status into an
+// *schema.Error that carries the reply's message, with the decoded reply.
+func TestTypedRequestsOverATransport(t *testing.T) {
+	f := &fake{replies: [][]byte{
+		(&schema.Reply{Value: 5}).Append(nil),
+		(&schema.Reply{Status: schema.ErrCodeTooLarge, Message: "over the quota"}).Append(nil),
+		(&schema.LeaseReply{Status: schema.ErrCodeBadState, State: schema.StateMiss, Message: "gone"}).Append(nil),
+		(&schema.StoreReply{Stored: 2, Present: 1}).Append(nil),
+		(&schema.Reply{Status: schema.ErrCodeUnknownType, Message: "no snapshot here"}).Append(nil),
+		(&schema.Reply{}).Append(nil),
+	}}
+	c := New(f, 16)
+	if n, err := c.Lookup(schema.View{Batch: 1, Count: 5}); n != 5 || err != nil {
+		t.Fatalf("lookup: %d %v", n, err)
+	}
+	var se *schema.Error
+	if _, err := c.PutHashesLookup(1, make([]byte, 16)); !errors.As(err, &se) || se.Status != schema.ErrCodeTooLarge || se.Message != "over the quota" {
+		t.Fatalf("put hashes: %v", err)
+	}
+	if l, err := c.Poll(3); !errors.As(err, &se) || se.Status != schema.ErrCodeBadState || se.Message != "gone" || l.State != schema.StateMiss {
+		t.Fatalf("poll: %+v %v", l, err)
+	}
+	if r, err := c.Store(schema.View{Batch: 1, Count: 3}, 1, []uint32{0, 1, 2}); err != nil || r.Stored != 2 || r.Present != 1 {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	// A Snapshot refused with a common Reply (a sidecar without Snapshot)
+	// keeps the message.
+	if _, err := c.Snapshot(0, 0); !errors.As(err, &se) || se.Status != schema.ErrCodeUnknownType || se.Message != "no snapshot here" {
+		t.Fatalf("snapshot: %v", err)
+	}
+	if err := c.Close(); err != nil || !f.closed {
+		t.Fatalf("close: %v, transport closed %v", err, f.closed)
+	}
+	want := []uint16{schema.TypeLookup, schema.TypePutHashes, schema.TypePoll, schema.TypeStore, schema.TypeSnapshot, schema.TypeDetach}
+	if len(f.sent) != len(want) {
+		t.Fatalf("sent %v, want %v", f.sent, want)
+	}
+	for i := range want {
+		if f.sent[i] != want[i] {
+			t.Fatalf("sent %v, want %v", f.sent, want)
+		}
+	}
+	if c.Info() != (schema.AttachReply{}) || c.SocketFD() != -1 || c.MaxPayload() != 0 {
+		t.Fatal("ring accessors of a client without the ring transport")
+	}
+}
