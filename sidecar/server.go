@@ -16,6 +16,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/internal/invariants"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/ring"
@@ -166,9 +167,16 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare, ChunkBytes: cfg.CopyChunkBytes,
 		CUDAChunkBytes: cfg.CopyCUDAChunkBytes, RegionKind: s.sched.kind,
 	}
-	if invariantsEnabled {
+	if invariants.Enabled {
+		// A freed slot is poisoned: a load that read it after it was freed
+		// (or before a store wrote it) delivers invariants.Poison bytes,
+		// which every byte-checking test notices. On a sparse pool over a
+		// full mount a touch may fault: that slot then stays as it was
+		// (poisoning is a check, not a duty).
 		pool, sb := s.pool.Bytes(), cfg.SlotBytes
-		mcfg.PoisonSlot = func(slot uint32) { poison(pool[uint64(slot)*sb : uint64(slot+1)*sb]) }
+		mcfg.PoisonSlot = func(slot uint32) {
+			faultSafe(func() { invariants.Mangle(pool[uint64(slot)*sb : uint64(slot+1)*sb]) })
+		}
 	}
 	s.m, err = machine.New(mcfg, c)
 	if err != nil {

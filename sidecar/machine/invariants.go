@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ringside-kv/ringside/internal/invariants"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -13,7 +14,7 @@ import (
 // (an amortised cost of a few dozen steps a call): small states, as in
 // unit tests, are checked after every call.
 func (m *Machine) check() {
-	if !invariantsEnabled {
+	if !invariants.Enabled {
 		return
 	}
 	m.calls++
