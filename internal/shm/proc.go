@@ -1,12 +1,11 @@
 package shm
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
 	"os"
-	"strconv"
 	"sync"
+
+	"github.com/ringside-kv/ringside/internal/sys"
 )
 
 // Process identity: a pid alone is not enough to tell that the process that
@@ -19,22 +18,8 @@ func StartTime(pid int) (uint64, error) {
 	if pid <= 0 {
 		return 0, fmt.Errorf("shm: invalid pid %d", pid)
 	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	// The command name (field 2) is in parentheses and may hold spaces or
-	// parentheses itself: parse from the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, errors.New("shm: malformed /proc stat")
-	}
-	fields := bytes.Fields(b[i+1:])
-	// fields[0] is field 3 (state); field 22 is fields[19].
-	if len(fields) < 20 {
-		return 0, errors.New("shm: short /proc stat")
-	}
-	return strconv.ParseUint(string(fields[19]), 10, 64)
+	_, start, err := sys.ProcStat(pid)
+	return start, err
 }
 
 var self struct {
@@ -60,24 +45,9 @@ func Alive(pid int, start uint64) bool {
 	if pid == 0 {
 		return true
 	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
+	state, st, err := sys.ProcStat(pid)
+	if err != nil || state == 'Z' || state == 'X' {
 		return false
 	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return false
-	}
-	fields := bytes.Fields(b[i+1:])
-	if len(fields) < 20 {
-		return false
-	}
-	if len(fields[0]) == 1 && (fields[0][0] == 'Z' || fields[0][0] == 'X') {
-		return false
-	}
-	if start == 0 {
-		return true
-	}
-	st, err := strconv.ParseUint(string(fields[19]), 10, 64)
-	return err == nil && st == start
+	return start == 0 || st == start
 }

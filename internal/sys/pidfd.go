@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -65,7 +63,7 @@ func PeerPidfd(c *net.UnixConn, cred Cred, accepted time.Time) (*Pidfd, error) {
 	}
 	p := &Pidfd{pid: cred.PID}
 	p.fd.Store(int32(fd))
-	start, err := startTicks(cred.PID)
+	_, start, err := ProcStat(cred.PID)
 	if err != nil {
 		p.Close()
 		return nil, fmt.Errorf("pid %d: %w", cred.PID, err)
@@ -252,24 +250,6 @@ func ProbeMemory(pid int, addr uint64) error {
 		return fmt.Errorf("process_vm_readv: read %d bytes", n)
 	}
 	return nil
-}
-
-// startTicks is the start time of pid in clock ticks since boot.
-func startTicks(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, errors.New("malformed /proc stat")
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 {
-		return 0, errors.New("short /proc stat")
-	}
-	return strconv.ParseUint(f[19], 10, 64)
 }
 
 // userHZ is the unit of /proc's times (USER_HZ, 100 on every Linux ABI
