@@ -147,6 +147,25 @@ func (c *Cache) AcquireCharged(ns NamespaceID, rank int, digests []byte, owner S
 			return Lease{}, false, fmt.Errorf("%w: slot %d", ErrTooManyPins, h)
 		}
 	}
+	id := c.newLease(owner, ch.Key, false, heads, now, ttl)
+	slots := make([]uint32, len(heads))
+	for i, h := range heads {
+		c.pin(h, n.world)
+		slots[i] = c.member(h, rank)
+	}
+	if ch.Key != 0 {
+		c.chargePins(ch.Key, heads, n.world)
+	}
+	c.st.acquires++
+	c.st.acquiredBlocks += uint64(len(heads))
+	return Lease{ID: id, Blocks: len(heads), Slots: slots}, short, nil
+}
+
+// newLease takes a lease record (from the free list, or a new one) for
+// owner, holding heads (copied), charged to key, expiring ttl after now,
+// and puts it at the head of owner's leases. It returns the lease's ID.
+// The caller pins heads.
+func (c *Cache) newLease(owner SessionID, key uint32, open bool, heads []uint32, now int64, ttl time.Duration) uint64 {
 	var li int32
 	if c.leaseFree >= 0 {
 		li = c.leaseFree
@@ -157,16 +176,8 @@ func (c *Cache) AcquireCharged(ns NamespaceID, rank int, digests []byte, owner S
 	}
 	c.nextLeaseID++
 	r := &c.leases[li]
-	r.id, r.owner, r.key, r.prev, r.next = c.nextLeaseID, owner, ch.Key, -1, -1
+	r.id, r.owner, r.key, r.open, r.prev, r.next = c.nextLeaseID, owner, key, open, -1, -1
 	r.heads = append(r.heads[:0], heads...)
-	slots := make([]uint32, len(heads))
-	for i, h := range heads {
-		c.pin(h, n.world)
-		slots[i] = c.member(h, rank)
-	}
-	if ch.Key != 0 {
-		c.chargePins(ch.Key, heads, n.world)
-	}
 	r.heapIdx = int32(c.timerPush(addDeadline(now, ttl), timerLease, uint32(li)))
 	o := c.ownerGet(owner)
 	if o.leases >= 0 {
@@ -175,9 +186,7 @@ func (c *Cache) AcquireCharged(ns NamespaceID, rank int, digests []byte, owner S
 	}
 	o.leases = li
 	c.leaseByID[r.id] = li
-	c.st.acquires++
-	c.st.acquiredBlocks += uint64(len(heads))
-	return Lease{ID: r.id, Blocks: len(heads), Slots: slots}, short, nil
+	return r.id
 }
 
 func (c *Cache) chargePins(key uint32, heads []uint32, world int) {

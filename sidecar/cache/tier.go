@@ -47,27 +47,7 @@ func (c *Cache) AcquireOpen(ns NamespaceID, rank int, digests []byte, owner Sess
 	if err != nil || l.ID != 0 {
 		return l, short, err
 	}
-	var li int32
-	if c.leaseFree >= 0 {
-		li = c.leaseFree
-		c.leaseFree = c.leases[li].next
-	} else {
-		c.leases = append(c.leases, leaseRec{})
-		li = int32(len(c.leases) - 1)
-	}
-	c.nextLeaseID++
-	r := &c.leases[li]
-	r.id, r.owner, r.key, r.prev, r.next, r.open = c.nextLeaseID, owner, ch.Key, -1, -1, true
-	r.heads = r.heads[:0]
-	r.heapIdx = int32(c.timerPush(addDeadline(now, ttl), timerLease, uint32(li)))
-	o := c.ownerGet(owner)
-	if o.leases >= 0 {
-		c.leases[o.leases].prev = li
-		r.next = o.leases
-	}
-	o.leases = li
-	c.leaseByID[r.id] = li
-	return Lease{ID: r.id}, short, nil
+	return Lease{ID: c.newLease(owner, ch.Key, true, nil, now, ttl)}, short, nil
 }
 
 // ExtendLease pins, under lease id, the leading present blocks of digests
