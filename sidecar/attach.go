@@ -70,8 +70,8 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 	}
 	capacity := s.cfg.RingCapacity
 	if req.RingCapacity != 0 {
-		if req.RingCapacity < 64<<10 || req.RingCapacity > 64<<20 || req.RingCapacity&(req.RingCapacity-1) != 0 {
-			fail(schema.ErrCodeTooLarge, "ring capacity %d must be a power of two in [64 KiB, 64 MiB]", req.RingCapacity)
+		if !ringCapacityOK(uint64(req.RingCapacity), maxAskedRingCapacity) {
+			fail(schema.ErrCodeTooLarge, "ring capacity %d must be a power of two in [%d KiB, %d MiB]", req.RingCapacity, minRingCapacity>>10, maxAskedRingCapacity>>20)
 			return
 		}
 		capacity = uint64(req.RingCapacity)

@@ -150,6 +150,18 @@ const (
 	DefaultSnapshotScan = 1 << 14
 )
 
+// The ring capacities the sidecar takes, each a power of two: its own
+// (--ring.capacity) up to ring.MaxCapacity, and what a client asks for at
+// attach up to maxAskedRingCapacity.
+const (
+	minRingCapacity      = 64 << 10
+	maxAskedRingCapacity = 64 << 20
+)
+
+func ringCapacityOK(c, maxCap uint64) bool {
+	return c >= minRingCapacity && c <= maxCap && c&(c-1) == 0
+}
+
 // minPCIeBytesPerSecond is the slowest host-to-GPU link the CUDA copy
 // budget is checked against (PCIe 3.0 x16 moves about 12 GB/s).
 const minPCIeBytesPerSecond = 8e9
@@ -261,8 +273,8 @@ func (c *Config) Validate() error {
 	if c.WriteTimeout <= 0 {
 		bad("write-timeout", "%v must be positive", c.WriteTimeout)
 	}
-	if c.RingCapacity < 64<<10 || c.RingCapacity > ring.MaxCapacity || c.RingCapacity&(c.RingCapacity-1) != 0 {
-		bad("ring.capacity", "%d must be a power of two in [64 KiB, 1 GiB]", c.RingCapacity)
+	if !ringCapacityOK(c.RingCapacity, ring.MaxCapacity) {
+		bad("ring.capacity", "%d must be a power of two in [%d KiB, %d GiB]", c.RingCapacity, minRingCapacity>>10, ring.MaxCapacity>>30)
 	}
 	if c.Spin < 0 || c.Yield < 0 {
 		bad("ring.spin", "spin and yield budgets must not be negative")

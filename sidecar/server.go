@@ -16,6 +16,8 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
+	"github.com/ringside-kv/ringside/gpu/host"
 	"github.com/ringside-kv/ringside/internal/invariants"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
@@ -60,7 +62,7 @@ type Server struct {
 	// gpuMu guards gpuFailed: the GPUs whose CUDA context hit a sticky
 	// error, by UUID (deviceFailed).
 	gpuMu     sync.Mutex
-	gpuFailed map[string]gpu.DeviceFailure
+	gpuFailed map[string]cuda.DeviceFailure
 	gpus      []string // the UUIDs the CUDA backend sees; nil without it
 
 	ready    atomic.Bool
@@ -268,17 +270,17 @@ func (s *Server) memoryBudget(pool uint64) error {
 // scheduler keeps to cfg.CopyWorkers and cfg.CopyCUDAInflight unless some
 // are stalled). onFail is called when a GPU's context fails; gpus are the
 // UUIDs of the GPUs the CUDA backend sees.
-func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logger, onFail func(gpu.DeviceFailure)) (_ gpu.Engine, gpus []string, _ error) {
+func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logger, onFail func(cuda.DeviceFailure)) (_ gpu.Engine, gpus []string, _ error) {
 	// Copy threads run at a lower priority (nice +5): on a busy CPU the
 	// session loops, which answer every client, go before bulk copies.
-	host, err := gpu.NewHost(pool, gpu.HostOptions{Workers: workers, Queue: 2 * workers,
+	h, err := host.New(pool, host.Options{Workers: workers, Queue: 2 * workers,
 		ThreadSetup: func() { sys.NiceThread(5) }})
 	if err != nil || cfg.CopyBackend == "host" {
-		return host, nil, err
+		return h, nil, err
 	}
 	// A device's queue holds every copy the scheduler may have in flight
 	// on it, so that Submit never blocks.
-	onPinned := func(p gpu.PinInfo, err error) {
+	onPinned := func(p cuda.PinInfo, err error) {
 		if err != nil {
 			log.Error().Err(err).Uint64("pool_bytes", p.Bytes).Dur("took", p.Took).
 				Msg("CUDA: the pool could not be pinned at the first GPU registration: GPU regions are refused")
@@ -291,18 +293,18 @@ func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logg
 				Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")
 		}
 	}
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Queue: max(256, perDevice), OnPinned: onPinned, OnDeviceFailed: onFail})
+	c, err := cuda.New(pool, cuda.Options{Queue: max(256, perDevice), OnPinned: onPinned, OnDeviceFailed: onFail})
 	if err != nil {
 		if cfg.CopyBackend == "cuda" {
-			host.Close()
+			h.Close()
 			return nil, nil, fmt.Errorf("--copy.backend cuda: %w", err)
 		}
 		ev := log.Warn()
-		if errors.Is(err, gpu.ErrCUDAUnavailable) {
+		if errors.Is(err, cuda.ErrUnavailable) {
 			ev = log.Info()
 		}
 		ev.Err(err).Msg("copy backend auto: the CUDA backend is unavailable, using the host backend (GPU memory cannot be registered)")
-		return host, nil, nil
+		return h, nil, nil
 	}
 	in := c.Info()
 	for _, d := range in.Devices {
@@ -311,7 +313,7 @@ func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logg
 	log.Info().Int("cuda_driver", in.Driver).Interface("gpus", in.Devices).Bool("batched_copies", in.Batch).
 		Uint64("pool_bytes", uint64(len(pool))).
 		Msg("CUDA copy backend ready: no GPU context and no pinning until the first GPU registration")
-	return gpu.NewRouter(c, host), gpus, nil
+	return gpu.NewRouter(c, h), gpus, nil
 }
 
 // deviceFailDrain is how long a sidecar whose GPU failed keeps serving
@@ -327,10 +329,10 @@ var deviceFailDrain = time.Second
 // Serve returns an error wrapping gpu.ErrDeviceFailed, so the process
 // exits non-zero and is restarted with a fresh context (docs/architecture.md,
 // failure model, says why it does not reset the device instead).
-func (s *Server) deviceFailed(f gpu.DeviceFailure) {
+func (s *Server) deviceFailed(f cuda.DeviceFailure) {
 	s.gpuMu.Lock()
 	if s.gpuFailed == nil {
-		s.gpuFailed = map[string]gpu.DeviceFailure{}
+		s.gpuFailed = map[string]cuda.DeviceFailure{}
 	}
 	_, again := s.gpuFailed[f.UUID]
 	s.gpuFailed[f.UUID] = f
@@ -553,13 +555,19 @@ func (s *Server) apply(out *machine.Output) {
 				ss.probeAt.CompareAndSwap(0, rg.Region.Base)
 			}
 		}
-		o := s.outs.Get().(*machine.Output)
-		s.mu.Lock()
-		s.m.RegisterDone(monotonic(), rg.Session, rg.ID, h, err, o)
-		s.mu.Unlock()
-		s.apply(o)
-		s.outs.Put(o)
+		s.machineCall(func(o *machine.Output) { s.m.RegisterDone(monotonic(), rg.Session, rg.ID, h, err, o) })
 	}
+}
+
+// machineCall makes one call of the Machine under its lock and carries out
+// what it returns.
+func (s *Server) machineCall(call func(o *machine.Output)) {
+	o := s.outs.Get().(*machine.Output)
+	s.mu.Lock()
+	call(o)
+	s.mu.Unlock()
+	s.apply(o)
+	s.outs.Put(o)
 }
 
 // submitCopy hands a copy to the scheduler; its completion goes back to
@@ -572,12 +580,9 @@ func (s *Server) submitCopy(c machine.Copy) {
 	op := gpu.Op{Dir: c.Dir, Region: c.Region, Pages: c.Pages, PoolOffsets: c.PoolOffsets}
 	s.sched.submit(uint64(c.Session), c.UID, op, alive, func(res gpu.Result, exited bool) {
 		s.met.copied(c.Dir, res)
-		o := s.outs.Get().(*machine.Output)
-		s.mu.Lock()
-		s.m.CopyDone(monotonic(), c.ID, machine.CopyResult{Err: res.Err, Exited: exited, Bytes: res.Bytes}, o)
-		s.mu.Unlock()
-		s.apply(o)
-		s.outs.Put(o)
+		s.machineCall(func(o *machine.Output) {
+			s.m.CopyDone(monotonic(), c.ID, machine.CopyResult{Err: res.Err, Exited: exited, Bytes: res.Bytes}, o)
+		})
 	})
 }
 

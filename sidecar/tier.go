@@ -72,17 +72,6 @@ func (s *Server) applyL2(out *machine.Output) {
 	}
 }
 
-// machineCall makes one call of the Machine under its lock and carries out
-// what it returns.
-func (s *Server) machineCall(call func(o *machine.Output)) {
-	o := s.outs.Get().(*machine.Output)
-	s.mu.Lock()
-	call(o)
-	s.mu.Unlock()
-	s.apply(o)
-	s.outs.Put(o)
-}
-
 // L2State is the tier in /debug/state and `ringside inspect sidecar`.
 type L2State struct {
 	Mode      string             `json:"mode"` // single or cluster; empty while not connected
