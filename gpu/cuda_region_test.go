@@ -4,7 +4,6 @@ import (
 	"errors"
 	"strings"
 	"testing"
-	"time"
 )
 
 // perLayerCUDA is a CUDA IPC region laid out as vLLM's FlashAttention backend
@@ -35,7 +34,7 @@ func TestRegionCUDAAllocations(t *testing.T) {
 	if err := ok.Validate(); err != nil {
 		t.Fatalf("32 layers, K and V each: %v", err)
 	}
-	of, err := ok.segmentAllocations()
+	of, err := ok.SegmentAllocations()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,47 +95,5 @@ func TestRegionCUDAAllocations(t *testing.T) {
 	flat.IPC.Allocations[0].Size = 2048
 	if err := flat.Validate(); !errors.Is(err, ErrInvalidRegion) || !strings.Contains(err.Error(), "runs past the end of allocation 0") {
 		t.Errorf("flat region past its allocation: %v", err)
-	}
-}
-
-// Translation happens before merging, and merging stays inside one
-// allocation: ranges contiguous in the engine's address space but in two
-// allocations are two copies, and ranges contiguous only in the sidecar's
-// mappings of two allocations are not merged either.
-func TestLocalRanges(t *testing.T) {
-	// Two allocations adjacent in the engine at 0x1000 and 0x2000, mapped
-	// at 0x90000 and 0x50000 here.
-	segs := []cudaSeg{{alloc: 0, delta: 0x90000 - 0x1000}, {alloc: 1, delta: 0x50000 - 0x2000}}
-	got := localRanges([]Range{
-		{Pool: 0, Engine: 0x1f00, Len: 0x100},     // page 0, segment 0: end of allocation 0
-		{Pool: 0x100, Engine: 0x2000, Len: 0x100}, // page 0, segment 1: start of allocation 1
-	}, segs)
-	want := []Range{{0, 0x90f00, 0x100}, {0x100, 0x50000, 0x100}}
-	if len(got) != len(want) || got[0] != want[0] || got[1] != want[1] {
-		t.Fatalf("adjacent allocations: got %x, want %x", got, want)
-	}
-	// Within one allocation, contiguous pages merge.
-	flat := []cudaSeg{{alloc: 0, delta: 0x100000}}
-	got = localRanges([]Range{{0, 0x10, 8}, {8, 0x18, 8}, {32, 0x20, 8}}, flat)
-	if want := []Range{{0, 0x100010, 16}, {32, 0x100020, 8}}; len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
-		t.Fatalf("one allocation: got %x, want %x", got, want)
-	}
-	// Two allocations whose mappings here happen to be adjacent: still two.
-	segs = []cudaSeg{{alloc: 0, delta: 0x10000}, {alloc: 1, delta: 0x11000 - 0x5000}}
-	got = localRanges([]Range{{0, 0x0ff0, 0x10}, {0x10, 0x5000, 0x10}}, segs)
-	if len(got) != 2 || got[0].Engine+got[0].Len != got[1].Engine || got[0].Pool+got[0].Len != got[1].Pool {
-		t.Fatalf("adjacent mappings of two allocations: got %x", got)
-	}
-}
-
-// A completion is noticed within 50 µs of polling: the backoff between
-// polls never sleeps longer while ops are in flight.
-func TestPollSleepCapped(t *testing.T) {
-	d := pollMin
-	for range 100 {
-		if d > 50*time.Microsecond {
-			t.Fatalf("the poll sleeps %v", d)
-		}
-		d = nextPollSleep(d)
 	}
 }

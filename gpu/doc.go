@@ -1,9 +1,12 @@
 // Package gpu is ringside's copy engine: it moves KV bytes between blocks of
 // the sidecar's shared-memory pool and pages of memory that an inference
-// engine registered. Engine is the backend interface; Host is the CPU
-// backend, CUDA the GPU backend (CUDA IPC regions, cuMemcpyBatchAsync;
-// cuda.go), and Router combines them by region kind. docs/architecture.md
-// ("The copy path") has the ordering rules and the IPC pitfalls.
+// engine registered. This package holds the plain types (Region, Op,
+// Handle, Result, the errors), the Engine interface, PlanRanges and the
+// Router, and links no cgo and no system call: the state machine in
+// sidecar/machine takes its types from here. The backends are gpu/host
+// (CPU copies) and gpu/cuda (CUDA IPC regions, cuMemcpyBatchAsync); Router
+// combines them by region kind. docs/architecture.md ("The copy path") has
+// the ordering rules and the IPC pitfalls.
 //
 // # What every Engine promises
 //
@@ -33,34 +36,14 @@
 //     synchronous wrapper. Unregister waits for in-flight ops of the region;
 //     Close completes accepted ops.
 //
-// # What the host backend needs
-//
-// HostShared regions (another file mapped in the sidecar) are plain copy().
-// HostProcess regions are read and written with process_vm_readv(2) and
-// process_vm_writev(2) in the engine's address space (Region.PID is the pid as
-// seen from the sidecar's pid namespace). The kernel allows this
-// only with ptrace access mode PTRACE_MODE_ATTACH_REALCREDS to the target:
-// the same uid (and the target not made non-dumpable), or CAP_SYS_PTRACE,
-// and Yama's kernel.yama.ptrace_scope must permit it: 0 allows same-uid
-// peers, 1 only descendants (or a PR_SET_PTRACER exception set by the
-// engine), 2 requires CAP_SYS_PTRACE, 3 forbids it. A denied request fails
-// with EPERM.
-//
-// In Kubernetes this matters: the sidecar and the engine are separate
-// containers, so the pod needs shareProcessNamespace: true for the sidecar
-// to see the engine's pid at all, both containers must run as the same uid
-// (runAsUser), and since the sidecar is not the engine's ancestor, a node
-// with ptrace_scope=1 (the Ubuntu default) also needs either the engine to
-// call prctl(PR_SET_PTRACER, sidecar pid) or the sidecar to be granted
-// CAP_SYS_PTRACE, which baseline Pod Security rejects (it is not in the
-// allowed add list). Prefer HostShared regions where the engine can place
-// its KV in a shared file.
-//
 // # Layout
 //
-// All system calls and unsafe live in gpu/internal: procmem
-// (process_vm_*), cuda (the cgo shim over libcuda.so.1, loaded with
-// dlopen), hostmem (anonymous mappings for test and benchmark pools).
-// gpu/gputest holds the peer process and the conformance suite run against
-// every backend; gpu/copybench is `ringside-bench copy`.
+// gpu (this package) has the types and the interface; gpu/host and
+// gpu/cuda the backends. All system calls and unsafe live in gpu/internal:
+// procmem (process_vm_*), cuda (the cgo shim over libcuda.so.1, loaded with
+// dlopen), hostmem (anonymous mappings for test and benchmark pools), and
+// regions, the region table both backends keep. gpu/gputest holds the peer
+// process and the conformance suite run against every backend, and exports
+// what benchmarks need of the internal packages; bench/copybench is
+// `ringside-bench copy`.
 package gpu

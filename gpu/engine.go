@@ -226,17 +226,17 @@ func (r *Region) Validate() error {
 	if r.Kind == CUDAIPC && len(errs) == 0 {
 		// The allocation checks need sound geometry: segment spans that
 		// do not overflow.
-		_, err := r.segmentAllocations()
+		_, err := r.SegmentAllocations()
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
 
-// segmentSpans returns, per segment (one for a flat region), the bytes
+// SegmentSpans returns, per segment (one for a flat region), the bytes
 // every page of it touches in the exporter's address space:
 // [Base+Offset, Base+Offset+(PageCount-1)*Stride+Length). r must have
 // passed the geometry checks of Validate.
-func (r *Region) segmentSpans() [][2]uint64 {
+func (r *Region) SegmentSpans() [][2]uint64 {
 	last := uint64(r.PageCount - 1)
 	if len(r.Segments) == 0 {
 		return [][2]uint64{{r.Base, r.Base + uint64(r.PageCount)*r.PageSize}}
@@ -249,14 +249,14 @@ func (r *Region) segmentSpans() [][2]uint64 {
 	return out
 }
 
-// segmentAllocations checks a CUDAIPC region's allocations against its
+// SegmentAllocations checks a CUDAIPC region's allocations against its
 // segments (docs/protocol.md, RegisterRegion): at least one allocation,
 // each with a handle, a non-zero size and no overflow; no two overlap;
 // every segment span lies inside one allocation; every allocation holds at
 // least one segment; an event handle only with HasEvent. It returns the
 // allocation index of each segment (of the one span of a flat region), or
 // every problem found, each wrapping ErrInvalidRegion.
-func (r *Region) segmentAllocations() ([]int, error) {
+func (r *Region) SegmentAllocations() ([]int, error) {
 	var errs []error
 	bad := func(format string, args ...any) {
 		errs = append(errs, fmt.Errorf("%w: "+format, append([]any{ErrInvalidRegion}, args...)...))
@@ -295,7 +295,7 @@ func (r *Region) segmentAllocations() ([]int, error) {
 	if len(errs) > 0 {
 		return nil, errors.Join(errs...)
 	}
-	spans := r.segmentSpans()
+	spans := r.SegmentSpans()
 	of := make([]int, len(spans))
 	used := make([]bool, len(m.Allocations))
 	for i, sp := range spans {

@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
 )
 
 // TestSchedulerCancelFencesIssuedChunks: chunks handed to the engine carry
@@ -128,8 +129,8 @@ func TestDeviceFailedExits(t *testing.T) {
 		t.Fatalf("/healthz = %d before any failure", code)
 	}
 	ferr := fmt.Errorf("%w: GPU 0 (GPU-bad): cuda: CUDA_ERROR_ILLEGAL_ADDRESS (700)", gpu.ErrDeviceFailed)
-	srv.deviceFailed(gpu.DeviceFailure{Ordinal: 0, UUID: "GPU-bad", Code: 700, Err: ferr})
-	srv.deviceFailed(gpu.DeviceFailure{Ordinal: 0, UUID: "GPU-bad", Code: 700, Err: ferr}) // once is enough
+	srv.deviceFailed(cuda.DeviceFailure{Ordinal: 0, UUID: "GPU-bad", Code: 700, Err: ferr})
+	srv.deviceFailed(cuda.DeviceFailure{Ordinal: 0, UUID: "GPU-bad", Code: 700, Err: ferr}) // once is enough
 	for _, path := range []string{"/readyz", "/healthz"} {
 		code, body := get(t, base+path)
 		if code != http.StatusServiceUnavailable || !strings.Contains(body, "GPU-bad") || !strings.Contains(body, "(700)") {

@@ -16,8 +16,9 @@ import (
 
 	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
 	"github.com/ringside-kv/ringside/gpu/gputest"
-	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+	"github.com/ringside-kv/ringside/gpu/host"
 	"github.com/ringside-kv/ringside/gpu/internal/hostmem"
 )
 
@@ -66,7 +67,7 @@ var (
 
 type engineSet struct {
 	batched, perRange gpu.Engine // the same engine for cuda
-	cuda              *gpu.CUDA
+	cuda              *cuda.Engine
 	poolB, poolP      []byte // host: one pool per engine; cuda: poolB only
 	regB, regP        map[uint64]gpu.Handle
 }
@@ -152,16 +153,16 @@ func Run(cfg Config) ([]Row, error) {
 	batchReason := ""
 	switch cfg.Backend {
 	case "host":
-		if es.batched, err = gpu.NewHost(es.poolB, gpu.HostOptions{Workers: 1}); err != nil {
+		if es.batched, err = host.New(es.poolB, host.Options{Workers: 1}); err != nil {
 			return nil, err
 		}
-		if es.perRange, err = gpu.NewHost(es.poolP, gpu.HostOptions{Workers: 1, PerRange: true}); err != nil {
+		if es.perRange, err = host.New(es.poolP, host.Options{Workers: 1, PerRange: true}); err != nil {
 			return nil, err
 		}
 	case "cuda":
 		// The pool is pinned at the first registration (no context before):
 		// its figures are logged then.
-		c, err := gpu.NewCUDA(es.poolB, gpu.CUDAOptions{Copy: gpu.CopyPerRange, OnPinned: func(p gpu.PinInfo, err error) {
+		c, err := cuda.New(es.poolB, cuda.Options{Copy: cuda.CopyPerRange, OnPinned: func(p cuda.PinInfo, err error) {
 			logf("pinned %d bytes in %d chunk(s) in %v (err %v)", p.Bytes, p.Chunks, p.Took.Round(time.Millisecond), err)
 		}})
 		if err != nil {
@@ -170,7 +171,7 @@ func Run(cfg Config) ([]Row, error) {
 		in := c.Info()
 		logf("CUDA driver %d, %d GPU(s)", in.Driver, len(in.Devices))
 		es.cuda, es.perRange, es.regP = c, c, es.regB
-		if err := c.SetCopyMode(gpu.CopyBatched); err != nil {
+		if err := c.SetCopyMode(cuda.CopyBatched); err != nil {
 			batchReason = err.Error()
 			logf("batched rows skipped: %v", err)
 		} else {
@@ -238,7 +239,7 @@ func Run(cfg Config) ([]Row, error) {
 // checkBatched marks a batched CUDA row whose ops were not batched: the
 // engine switched to per-range copies during the row, or an op took more
 // calls than one cuMemcpyBatchAsync per cuda.MaxBatch ranges.
-func checkBatched(row *Row, c *gpu.CUDA, logf func(string, ...any)) {
+func checkBatched(row *Row, c *cuda.Engine, logf func(string, ...any)) {
 	want := (row.Ranges + cuda.MaxBatch - 1) / cuda.MaxBatch
 	switch err := c.BatchDisabled(); {
 	case err != nil:
@@ -290,9 +291,9 @@ func measure(row *Row, cfg Config, es *engineSet, exp gputest.Export, dir gpu.Di
 			e, regs = es.perRange, es.regP
 		}
 		if es.cuda != nil {
-			mode := gpu.CopyPerRange // ceiling: one range, one cuMemcpy*Async
+			mode := cuda.CopyPerRange // ceiling: one range, one cuMemcpy*Async
 			if row.Mode == "batched" {
-				mode = gpu.CopyBatched
+				mode = cuda.CopyBatched
 			}
 			if err := es.cuda.SetCopyMode(mode); err != nil {
 				return err

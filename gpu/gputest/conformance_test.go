@@ -13,6 +13,8 @@ import (
 	"testing"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
+	"github.com/ringside-kv/ringside/gpu/host"
 	"github.com/ringside-kv/ringside/gpu/internal/hostmem"
 )
 
@@ -158,10 +160,10 @@ const poolBytes = 64 << 20
 // backends returns every backend this machine can run: host (process and
 // shared regions, directly and behind a Router) and CUDA when present.
 func backends(t *testing.T) []func(t *testing.T) *backend {
-	host := func(name string, router, perRange bool) func(t *testing.T) *backend {
+	hostBackend := func(name string, router, perRange bool) func(t *testing.T) *backend {
 		return func(t *testing.T) *backend {
 			pool := mapPool(t, poolBytes)
-			h, err := gpu.NewHost(pool, gpu.HostOptions{PerRange: perRange})
+			h, err := host.New(pool, host.Options{PerRange: perRange})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -179,12 +181,12 @@ func backends(t *testing.T) []func(t *testing.T) *backend {
 			return &backend{name: name, engine: e, pool: pool, side: s}
 		}
 	}
-	cudaBackend := func(mode gpu.CopyMode) func(t *testing.T) *backend {
+	cudaBackend := func(mode cuda.CopyMode) func(t *testing.T) *backend {
 		return func(t *testing.T) *backend {
 			pool := mapPool(t, poolBytes)
-			c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Copy: mode, PinChunk: 16 << 20})
+			c, err := cuda.New(pool, cuda.Options{Copy: mode, PinChunk: 16 << 20})
 			if err != nil {
-				if errors.Is(err, gpu.ErrCUDAUnavailable) && !requireGPU() {
+				if errors.Is(err, cuda.ErrUnavailable) && !requireGPU() {
 					t.Skipf("no GPU: %v", err)
 				}
 				t.Fatalf("CUDA backend: %v", err)
@@ -192,7 +194,7 @@ func backends(t *testing.T) []func(t *testing.T) *backend {
 			info := c.Info()
 			t.Logf("CUDA driver %d, devices %+v, batch %v, pool pinned in %d chunks in %v", info.Driver, info.Devices, info.Batch, info.Pin.Chunks, info.Pin.Took)
 			// Behind the router, as the sidecar runs it.
-			h, err := gpu.NewHost(pool, gpu.HostOptions{})
+			h, err := host.New(pool, host.Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -207,12 +209,12 @@ func backends(t *testing.T) []func(t *testing.T) *backend {
 		}
 	}
 	return []func(t *testing.T) *backend{
-		host("host-process", false, false),
-		host("host-process-per-range", false, true),
-		host("host-shared", false, false),
-		host("host-process-router", true, false),
-		cudaBackend(gpu.CopyAuto),
-		cudaBackend(gpu.CopyPerRange),
+		hostBackend("host-process", false, false),
+		hostBackend("host-process-per-range", false, true),
+		hostBackend("host-shared", false, false),
+		hostBackend("host-process-router", true, false),
+		cudaBackend(cuda.CopyAuto),
+		cudaBackend(cuda.CopyPerRange),
 	}
 }
 
@@ -606,9 +608,9 @@ func TestCUDAFakeDriver(t *testing.T) {
 // TestCUDARegister checks what only the CUDA backend refuses.
 func TestCUDARegister(t *testing.T) {
 	pool := mapPool(t, 1<<20)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{})
+	c, err := cuda.New(pool, cuda.Options{})
 	if err != nil {
-		if errors.Is(err, gpu.ErrCUDAUnavailable) && !requireGPU() {
+		if errors.Is(err, cuda.ErrUnavailable) && !requireGPU() {
 			t.Skipf("no GPU: %v", err)
 		}
 		t.Fatal(err)

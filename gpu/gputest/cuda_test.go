@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
 )
 
 // underFake reports whether this process runs against testdata/fakecuda.c.
@@ -62,12 +63,12 @@ func (c *counters) get(i int) uint64 {
 	return binary.LittleEndian.Uint64(b[8*i:])
 }
 
-func newCUDA(t *testing.T, poolSize int, mode gpu.CopyMode) (*gpu.CUDA, []byte) {
+func newCUDA(t *testing.T, poolSize int, mode cuda.CopyMode) (*cuda.Engine, []byte) {
 	t.Helper()
 	pool := mapPool(t, poolSize)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Copy: mode})
+	c, err := cuda.New(pool, cuda.Options{Copy: mode})
 	if err != nil {
-		if errors.Is(err, gpu.ErrCUDAUnavailable) && !requireGPU() {
+		if errors.Is(err, cuda.ErrUnavailable) && !requireGPU() {
 			t.Skipf("no GPU: %v", err)
 		}
 		t.Fatal(err)
@@ -95,7 +96,7 @@ func startPeerEnv(t testing.TB, kind string, env ...string) *peerSide {
 // FlashAttention layout: two segments per layer), stores and loads
 // byte-exact through the peer, and a batched op is one cuMemcpyBatchAsync.
 func TestCUDALayers(t *testing.T) {
-	c, pool := newCUDA(t, 16<<20, gpu.CopyAuto)
+	c, pool := newCUDA(t, 16<<20, cuda.CopyAuto)
 	peer := startPeer(t, "cuda")
 	const layers, pages, pageLen = 32, 64, 2048 // a block is 32*2*2 KiB = 128 KiB
 	exps, err := peer.p.AllocN(layers, 2*pages*pageLen)
@@ -208,7 +209,7 @@ func TestCUDALayers(t *testing.T) {
 // that starts the next, contiguous in the engine and in the pool, are two
 // copies, and each lands from its own allocation.
 func TestCUDAAdjacentAllocations(t *testing.T) {
-	c, pool := newCUDA(t, 4<<20, gpu.CopyAuto)
+	c, pool := newCUDA(t, 4<<20, cuda.CopyAuto)
 	peer := startPeer(t, "cuda")
 	const pageLen, size = 4096, 32 << 10
 	exps, err := peer.p.AllocN(2, size)
@@ -258,7 +259,7 @@ func TestCUDAStoreEvent(t *testing.T) {
 	if !underFake() {
 		t.Skip("holding an event incomplete on purpose needs the fake driver (probe ipc-event checks a real one)")
 	}
-	c, pool := newCUDA(t, 4<<20, gpu.CopyAuto)
+	c, pool := newCUDA(t, 4<<20, cuda.CopyAuto)
 	hold := filepath.Join(t.TempDir(), "hold")
 	peer := startPeerEnv(t, "cuda", "FAKECUDA_EVENT_HOLD="+hold)
 	ev, err := peer.p.NewEvent()
@@ -354,7 +355,7 @@ func TestCUDAExport(t *testing.T) {
 	if !underFake() {
 		t.Skip("needs the fake driver's VMM allocations (probe vmm-export checks a real one)")
 	}
-	newCUDA(t, 1<<20, gpu.CopyAuto) // the same skip rules as the other CUDA tests
+	newCUDA(t, 1<<20, cuda.CopyAuto) // the same skip rules as the other CUDA tests
 	peer := startPeerEnv(t, "cuda", "FAKECUDA_VMM=1")
 	_, err := peer.p.Alloc(1<<20, 0)
 	if err == nil || !strings.Contains(err.Error(), "cuIpcGetMemHandle") || !strings.Contains(err.Error(), "CUDA_ERROR_INVALID_VALUE") ||

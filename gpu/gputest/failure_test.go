@@ -11,7 +11,8 @@ import (
 	"time"
 
 	"github.com/ringside-kv/ringside/gpu"
-	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+	"github.com/ringside-kv/ringside/gpu/cuda"
+	driver "github.com/ringside-kv/ringside/gpu/internal/cuda"
 )
 
 // More fake driver counters (enum counter in fakecuda.c, after cDeferred).
@@ -134,7 +135,7 @@ func result(t *testing.T, what string, ch <-chan gpu.Result) gpu.Result {
 	}
 }
 
-// TestCUDALazyContext: NewCUDA takes no context and pins nothing (an
+// TestCUDALazyContext: cuda.New takes no context and pins nothing (an
 // engine starting beside the sidecar profiles all of the GPU's free
 // memory); the first registration retains the device's primary context
 // and pins the pool, and later ones do neither again.
@@ -143,16 +144,16 @@ func TestCUDALazyContext(t *testing.T) {
 	retained, pinned := fc.get(cCtxRetain), fc.get(cHostReg)
 	pool := mapPool(t, 64<<20)
 	pins := make(chan error, 1)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{PinChunk: 4 << 20, OnPinned: func(_ gpu.PinInfo, err error) { pins <- err }})
+	c, err := cuda.New(pool, cuda.Options{PinChunk: 4 << 20, OnPinned: func(_ cuda.PinInfo, err error) { pins <- err }})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
 	if n := fc.get(cCtxRetain) - retained; n != 0 {
-		t.Fatalf("NewCUDA retained %d primary contexts, want none before a registration", n)
+		t.Fatalf("cuda.New retained %d primary contexts, want none before a registration", n)
 	}
 	if n := fc.get(cHostReg) - pinned; n != 0 {
-		t.Fatalf("NewCUDA made %d cuMemHostRegister calls, want none before a registration", n)
+		t.Fatalf("cuda.New made %d cuMemHostRegister calls, want none before a registration", n)
 	}
 	if p := c.Info().Pin; p.Chunks != 0 {
 		t.Fatalf("Info reports the pool pinned (%+v) before any registration", p)
@@ -206,9 +207,9 @@ func TestCUDAExclusiveProcess(t *testing.T) {
 	fc := needFake(t)
 	retained := fc.get(cCtxRetain)
 	pool := mapPool(t, 4<<20)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{})
+	c, err := cuda.New(pool, cuda.Options{})
 	if err != nil {
-		t.Fatalf("NewCUDA with an EXCLUSIVE_PROCESS GPU: %v (it takes no context, so it must start)", err)
+		t.Fatalf("cuda.New with an EXCLUSIVE_PROCESS GPU: %v (it takes no context, so it must start)", err)
 	}
 	defer c.Close()
 	peer := startPeer(t, "cuda")
@@ -232,13 +233,13 @@ func TestCUDAExclusiveProcess(t *testing.T) {
 func TestCUDASticky(t *testing.T) {
 	fc := needFake(t)
 	hold := getCopyHold(t)
-	mode := gpu.CopyAuto
+	mode := cuda.CopyAuto
 	if os.Getenv("RINGSIDE_GPUTEST_PER_RANGE") != "" {
-		mode = gpu.CopyPerRange
+		mode = cuda.CopyPerRange
 	}
 	pool := mapPool(t, 4<<20)
-	failures := make(chan gpu.DeviceFailure, 4)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{Copy: mode, OnDeviceFailed: func(f gpu.DeviceFailure) { failures <- f }})
+	failures := make(chan cuda.DeviceFailure, 4)
+	c, err := cuda.New(pool, cuda.Options{Copy: mode, OnDeviceFailed: func(f cuda.DeviceFailure) { failures <- f }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -292,7 +293,7 @@ func TestCUDASticky(t *testing.T) {
 			t.Fatalf("%s: %v, want a *CopyError for region %d wrapping ErrDeviceFailed", what, res.Err, h)
 		}
 		msg := res.Err.Error()
-		for _, want := range []string{"GPU 0", cuda.UUID(exp.IPC.GPU).String(), "CUDA_ERROR_ILLEGAL_ADDRESS (700)"} {
+		for _, want := range []string{"GPU 0", driver.UUID(exp.IPC.GPU).String(), "CUDA_ERROR_ILLEGAL_ADDRESS (700)"} {
 			if !strings.Contains(msg, want) {
 				t.Errorf("%s: %q does not name %q", what, msg, want)
 			}
@@ -308,7 +309,7 @@ func TestCUDASticky(t *testing.T) {
 	}
 	select {
 	case f := <-failures:
-		if f.Code != 700 || f.UUID != cuda.UUID(exp.IPC.GPU).String() || f.Ordinal != 0 || !errors.Is(f.Err, gpu.ErrDeviceFailed) {
+		if f.Code != 700 || f.UUID != driver.UUID(exp.IPC.GPU).String() || f.Ordinal != 0 || !errors.Is(f.Err, gpu.ErrDeviceFailed) {
 			t.Errorf("OnDeviceFailed got %+v", f)
 		}
 		t.Logf("device failure: %v", f.Err)
@@ -352,8 +353,8 @@ func TestCUDAExporterDeath(t *testing.T) {
 	fc := needFake(t)
 	hold := getCopyHold(t)
 	pool := mapPool(t, 4<<20)
-	failures := make(chan gpu.DeviceFailure, 4)
-	c, err := gpu.NewCUDA(pool, gpu.CUDAOptions{OnDeviceFailed: func(f gpu.DeviceFailure) { failures <- f }})
+	failures := make(chan cuda.DeviceFailure, 4)
+	c, err := cuda.New(pool, cuda.Options{OnDeviceFailed: func(f cuda.DeviceFailure) { failures <- f }})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package gpu
+package host
 
 import (
 	"fmt"
@@ -6,11 +6,13 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/internal/procmem"
+	"github.com/ringside-kv/ringside/gpu/internal/regions"
 )
 
-// HostOptions configures NewHost. The zero value is usable.
-type HostOptions struct {
+// Options configures New. The zero value is usable.
+type Options struct {
 	// Workers is the number of copy goroutines (default 2).
 	Workers int
 	// Queue is the number of accepted ops that may wait for a worker
@@ -25,14 +27,14 @@ type HostOptions struct {
 	ThreadSetup func()
 }
 
-// Host is the CPU backend: HostShared regions are copied with copy(),
-// HostProcess regions with process_vm_readv/process_vm_writev, batching all
-// ranges of one op into as few system calls as possible. CUDAIPC regions
-// are rejected with ErrUnsupported.
-type Host struct {
+// Engine is the CPU backend: gpu.HostShared regions are copied with
+// copy(), gpu.HostProcess regions with process_vm_readv/process_vm_writev,
+// batching all ranges of one op into as few system calls as possible.
+// gpu.CUDAIPC regions are rejected with gpu.ErrUnsupported.
+type Engine struct {
 	pool []byte
 
-	regions regionTable[*hostRegion]
+	regions regions.Table[*hostRegion]
 	jobs    chan hostJob
 
 	workers  sync.WaitGroup
@@ -41,27 +43,27 @@ type Host struct {
 	setup    func()
 }
 
-var _ Engine = (*Host)(nil)
+var _ gpu.Engine = (*Engine)(nil)
 
 type hostRegion struct {
-	r        Region
+	r        gpu.Region
 	inflight sync.WaitGroup
 }
 
 type hostJob struct {
-	dir       Direction
-	h         Handle
+	dir       gpu.Direction
+	h         gpu.Handle
 	reg       *hostRegion
-	ranges    []Range
+	ranges    []gpu.Range
 	submitted time.Time
-	done      func(Result)
+	done      func(gpu.Result)
 }
 
-// NewHost returns a host backend copying to and from pool (the sidecar's
+// New returns a host backend copying to and from pool (the sidecar's
 // mapping of the block pool). pool must stay mapped until Close returns.
-func NewHost(pool []byte, opts HostOptions) (*Host, error) {
+func New(pool []byte, opts Options) (*Engine, error) {
 	if len(pool) == 0 {
-		return nil, fmt.Errorf("%w: empty pool", ErrInvalidOp)
+		return nil, fmt.Errorf("%w: empty pool", gpu.ErrInvalidOp)
 	}
 	if opts.Workers <= 0 {
 		opts.Workers = 2
@@ -69,9 +71,9 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 	if opts.Queue <= 0 {
 		opts.Queue = 64
 	}
-	h := &Host{
+	h := &Engine{
 		pool:     pool,
-		regions:  newRegionTable[*hostRegion](),
+		regions:  regions.New[*hostRegion](),
 		jobs:     make(chan hostJob, opts.Queue),
 		perRange: opts.PerRange,
 		setup:    opts.ThreadSetup,
@@ -84,27 +86,27 @@ func NewHost(pool []byte, opts HostOptions) (*Host, error) {
 }
 
 // Name returns "host".
-func (h *Host) Name() string { return "host" }
+func (h *Engine) Name() string { return "host" }
 
-// Supports reports true for HostProcess and HostShared.
-func (h *Host) Supports(k Kind) bool { return k == HostProcess || k == HostShared }
+// Supports reports true for gpu.HostProcess and gpu.HostShared.
+func (h *Engine) Supports(k gpu.Kind) bool { return k == gpu.HostProcess || k == gpu.HostShared }
 
-// Register validates r and registers it. CUDAIPC regions fail with an error
-// wrapping ErrUnsupported.
-func (h *Host) Register(r Region) (Handle, error) {
+// Register validates r and registers it. gpu.CUDAIPC regions fail with an
+// error wrapping gpu.ErrUnsupported.
+func (h *Engine) Register(r gpu.Region) (gpu.Handle, error) {
 	if err := r.Validate(); err != nil {
 		return 0, err
 	}
-	if r.Kind == CUDAIPC {
-		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", ErrUnsupported, r.Kind)
+	if r.Kind == gpu.CUDAIPC {
+		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", gpu.ErrUnsupported, r.Kind)
 	}
-	r.Segments = append([]Segment(nil), r.Segments...) // caller may reuse theirs
-	return h.regions.add(&hostRegion{r: r})
+	r.Segments = append([]gpu.Segment(nil), r.Segments...) // caller may reuse theirs
+	return h.regions.Add(&hostRegion{r: r})
 }
 
 // Unregister removes the region and waits for its in-flight ops.
-func (h *Host) Unregister(hd Handle) error {
-	reg, err := h.regions.remove(hd)
+func (h *Engine) Unregister(hd gpu.Handle) error {
+	reg, err := h.regions.Remove(hd)
 	if err != nil {
 		return err
 	}
@@ -113,14 +115,14 @@ func (h *Host) Unregister(hd Handle) error {
 }
 
 // Submit bounds-checks and plans op, then queues it for a worker.
-func (h *Host) Submit(op Op, done func(Result)) error {
-	return h.regions.submit(op, done, func(reg *hostRegion, now time.Time) error {
-		ranges, err := PlanRanges(nil, &reg.r, uint64(len(h.pool)), op.Pages, op.PoolOffsets)
+func (h *Engine) Submit(op gpu.Op, done func(gpu.Result)) error {
+	return h.regions.Submit(op, done, func(reg *hostRegion, now time.Time) error {
+		ranges, err := gpu.PlanRanges(nil, &reg.r, uint64(len(h.pool)), op.Pages, op.PoolOffsets)
 		if err != nil {
 			return err
 		}
 		if !h.noMerge {
-			ranges = MergeRanges(ranges)
+			ranges = gpu.MergeRanges(ranges)
 		}
 		reg.inflight.Add(1)
 		// Sending under the table's read lock keeps Close from closing the
@@ -133,8 +135,8 @@ func (h *Host) Submit(op Op, done func(Result)) error {
 
 // Close stops accepting ops, runs the accepted ones and waits for the
 // workers. It is idempotent.
-func (h *Host) Close() error {
-	if h.regions.close() {
+func (h *Engine) Close() error {
+	if h.regions.Close() {
 		// No Submit is sending: they hold the read lock while they do, and
 		// every later one sees the table closed.
 		close(h.jobs)
@@ -143,7 +145,7 @@ func (h *Host) Close() error {
 	return nil
 }
 
-func (h *Host) worker() {
+func (h *Engine) worker() {
 	defer h.workers.Done()
 	if h.setup != nil {
 		runtime.LockOSThread()
@@ -163,29 +165,29 @@ func (h *Host) worker() {
 	}
 }
 
-func (h *Host) run(j hostJob) Result {
+func (h *Engine) run(j hostJob) gpu.Result {
 	r := &j.reg.r
 	switch r.Kind {
-	case HostShared:
+	case gpu.HostShared:
 		var n int64
 		for _, rg := range j.ranges {
 			p := h.pool[rg.Pool : rg.Pool+rg.Len]
 			e := r.Mapped[rg.Engine : rg.Engine+rg.Len]
-			if j.dir == PoolToEngine {
+			if j.dir == gpu.PoolToEngine {
 				copy(e, p)
 			} else {
 				copy(p, e)
 			}
 			n += int64(rg.Len)
 		}
-		return Result{Bytes: n, Calls: len(j.ranges)}
-	case HostProcess:
+		return gpu.Result{Bytes: n, Calls: len(j.ranges)}
+	case gpu.HostProcess:
 		prs := make([]procmem.Range, len(j.ranges))
 		for i, rg := range j.ranges {
 			prs[i] = procmem.Range{Local: rg.Pool, Remote: rg.Engine, Len: rg.Len}
 		}
 		xfer := procmem.Read
-		if j.dir == PoolToEngine {
+		if j.dir == gpu.PoolToEngine {
 			xfer = procmem.Write
 		}
 		var st procmem.Stats
@@ -203,12 +205,12 @@ func (h *Host) run(j hostJob) Result {
 		} else {
 			st, err = xfer(r.PID, h.pool, prs)
 		}
-		res := Result{Bytes: st.Bytes, Calls: st.Calls}
+		res := gpu.Result{Bytes: st.Bytes, Calls: st.Calls}
 		if err != nil {
-			res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: %w", ErrTransfer, err)}
+			res.Err = &gpu.CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: %w", gpu.ErrTransfer, err)}
 		}
 		return res
 	}
 	// Register rejects every other kind.
-	return Result{Err: &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: kind %v", ErrUnsupported, r.Kind)}}
+	return gpu.Result{Err: &gpu.CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: fmt.Errorf("%w: kind %v", gpu.ErrUnsupported, r.Kind)}}
 }

@@ -1,4 +1,4 @@
-package gpu
+package host
 
 import (
 	"fmt"
@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/internal/procmem"
 	"github.com/ringside-kv/ringside/internal/shm"
 )
@@ -24,12 +25,12 @@ func BenchmarkHostCopy(b *testing.B) {
 			fill(engine, 1, 0)
 			h := newHost(b, mmapAnon(b, total))
 			h.noMerge = bc.noMerge
-			hd, err := h.Register(Region{Kind: HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine),
+			hd, err := h.Register(gpu.Region{Kind: gpu.HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine),
 				Length: total, PageSize: page, PageCount: n})
 			if err != nil {
 				b.Fatal(err)
 			}
-			op := Op{Dir: EngineToPool, Region: hd, Pages: make([]uint32, n), PoolOffsets: make([]uint64, n)}
+			op := gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: make([]uint32, n), PoolOffsets: make([]uint64, n)}
 			for i := range n {
 				op.Pages[i], op.PoolOffsets[i] = uint32(i), uint64(i*page)
 			}
@@ -37,7 +38,7 @@ func BenchmarkHostCopy(b *testing.B) {
 			b.ReportAllocs()
 			var ranges int
 			for b.Loop() {
-				res, err := Do(h, op)
+				res, err := gpu.Do(h, op)
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -71,8 +72,8 @@ func BenchmarkHostCopyFirstTouch(b *testing.B) {
 			fill(engine, 1, 0)
 			path := filepath.Join(dir, fmt.Sprintf("ringside-bench-pool-%d", os.Getpid()))
 			var pool *shm.Mapping
-			var h *Host
-			var hd Handle
+			var h *Engine
+			var hd gpu.Handle
 			fresh := func() {
 				if pool != nil {
 					h.Close()
@@ -88,17 +89,17 @@ func BenchmarkHostCopyFirstTouch(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				if h, err = NewHost(pool.Bytes(), HostOptions{}); err != nil {
+				if h, err = New(pool.Bytes(), Options{}); err != nil {
 					b.Fatal(err)
 				}
-				if hd, err = h.Register(Region{Kind: HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine),
+				if hd, err = h.Register(gpu.Region{Kind: gpu.HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine),
 					Length: total, PageSize: page, PageCount: n}); err != nil {
 					b.Fatal(err)
 				}
 			}
 			fresh()
 			defer func() { h.Close(); pool.Close(); shm.Unlink(path) }()
-			op := Op{Dir: EngineToPool, Pages: make([]uint32, n), PoolOffsets: make([]uint64, n)}
+			op := gpu.Op{Dir: gpu.EngineToPool, Pages: make([]uint32, n), PoolOffsets: make([]uint64, n)}
 			b.SetBytes(total)
 			at := 0
 			for b.Loop() {
@@ -112,7 +113,7 @@ func BenchmarkHostCopyFirstTouch(b *testing.B) {
 				for i := range n {
 					op.Pages[i], op.PoolOffsets[i] = uint32(i), uint64(at+i*page)
 				}
-				if _, err := Do(h, op); err != nil {
+				if _, err := gpu.Do(h, op); err != nil {
 					b.Fatal(err)
 				}
 				at += total

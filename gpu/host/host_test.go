@@ -1,4 +1,4 @@
-package gpu
+package host
 
 import (
 	"bufio"
@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/internal/procmem"
 	"golang.org/x/sys/unix"
 )
@@ -53,9 +54,9 @@ func mmapAnon(t testing.TB, n int) []byte {
 	return b
 }
 
-func newHost(t testing.TB, pool []byte) *Host {
+func newHost(t testing.TB, pool []byte) *Engine {
 	t.Helper()
-	h, err := NewHost(pool, HostOptions{})
+	h, err := New(pool, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -63,11 +64,24 @@ func newHost(t testing.TB, pool []byte) *Host {
 	return h
 }
 
+// validShared is a gpu.HostShared region of 4 pages of 1 KiB.
+func validShared() gpu.Region {
+	return gpu.Region{Kind: gpu.HostShared, Base: 0, Length: 4096, PageSize: 1024, PageCount: 4, Mapped: make([]byte, 4096)}
+}
+
+// validCUDA is a flat CUDA IPC region of 4 pages of 1 KiB in one
+// allocation of 8 KiB.
+func validCUDA() gpu.Region {
+	r := gpu.Region{Kind: gpu.CUDAIPC, PID: 1, Base: 1 << 40, Length: 4096, PageSize: 1024, PageCount: 4}
+	r.IPC.Allocations = []gpu.IPCAllocation{{Handle: [64]byte{1}, Base: 1 << 40, Size: 8192}}
+	return r
+}
+
 // layered is a 2-segment layout over a buffer of 2*pages*seg bytes: segment
 // 0 ("K") of page p at p*seg, segment 1 ("V") at pages*seg + p*seg.
-func layered(base uint64, pages uint32, seg uint64) Region {
-	return Region{Base: base, Length: 2 * uint64(pages) * seg, PageSize: 2 * seg, PageCount: pages,
-		Segments: []Segment{{0, seg, seg}, {uint64(pages) * seg, seg, seg}}}
+func layered(base uint64, pages uint32, seg uint64) gpu.Region {
+	return gpu.Region{Base: base, Length: 2 * uint64(pages) * seg, PageSize: 2 * seg, PageCount: pages,
+		Segments: []gpu.Segment{{Offset: 0, Stride: seg, Length: seg}, {Offset: uint64(pages) * seg, Stride: seg, Length: seg}}}
 }
 
 // wantBlock is what the pool block of page p holds after a store from a
@@ -89,7 +103,7 @@ func TestHostSharedBothDirections(t *testing.T) {
 			if layout == "flat" {
 				r.Segments = nil
 			}
-			r.Kind, r.Mapped = HostShared, engine
+			r.Kind, r.Mapped = gpu.HostShared, engine
 			pool := make([]byte, 4*2*seg)
 			h := newHost(t, pool)
 			hd, err := h.Register(r)
@@ -97,7 +111,7 @@ func TestHostSharedBothDirections(t *testing.T) {
 				t.Fatal(err)
 			}
 			// Store pages 5, 2, 3 into pool blocks 0, 2, 3.
-			res, err := Do(h, Op{Dir: EngineToPool, Region: hd, Pages: []uint32{5, 2, 3}, PoolOffsets: []uint64{0, 1024, 1536}})
+			res, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{5, 2, 3}, PoolOffsets: []uint64{0, 1024, 1536}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -119,7 +133,7 @@ func TestHostSharedBothDirections(t *testing.T) {
 			// Load a new pattern from the pool into pages 0 and 7.
 			fill(pool, 9, 0)
 			before := append([]byte(nil), engine...)
-			if _, err := Do(h, Op{Dir: PoolToEngine, Region: hd, Pages: []uint32{0, 7}, PoolOffsets: []uint64{512, 0}}); err != nil {
+			if _, err := gpu.Do(h, gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{0, 7}, PoolOffsets: []uint64{512, 0}}); err != nil {
 				t.Fatal(err)
 			}
 			// Apply the same load to "before" by hand and compare everything.
@@ -152,22 +166,22 @@ func TestHostBoundsErrors(t *testing.T) {
 	copy(r.Mapped, sentinel)
 	tests := []struct {
 		name string
-		op   Op
+		op   gpu.Op
 		want error
 		idx  int
 	}{
-		{"unknown region", Op{Dir: EngineToPool, Region: hd + 1, Pages: []uint32{0}, PoolOffsets: []uint64{0}}, ErrUnknownRegion, -1},
-		{"bad direction", Op{Dir: 7, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}}, ErrInvalidOp, -1},
-		{"mismatched slices", Op{Dir: EngineToPool, Region: hd, Pages: []uint32{0, 1}, PoolOffsets: []uint64{0}}, ErrInvalidOp, -1},
-		{"page out of range", Op{Dir: PoolToEngine, Region: hd, Pages: []uint32{0, 4}, PoolOffsets: []uint64{0, 1024}}, ErrOutOfBounds, 1},
-		{"pool offset past end", Op{Dir: EngineToPool, Region: hd, Pages: []uint32{0, 1}, PoolOffsets: []uint64{0, 3500}}, ErrOutOfBounds, 1},
-		{"pool offset overflow", Op{Dir: EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{1<<64 - 1}}, ErrOutOfBounds, 0},
+		{"unknown region", gpu.Op{Dir: gpu.EngineToPool, Region: hd + 1, Pages: []uint32{0}, PoolOffsets: []uint64{0}}, gpu.ErrUnknownRegion, -1},
+		{"bad direction", gpu.Op{Dir: 7, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}}, gpu.ErrInvalidOp, -1},
+		{"mismatched slices", gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{0, 1}, PoolOffsets: []uint64{0}}, gpu.ErrInvalidOp, -1},
+		{"page out of range", gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{0, 4}, PoolOffsets: []uint64{0, 1024}}, gpu.ErrOutOfBounds, 1},
+		{"pool offset past end", gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{0, 1}, PoolOffsets: []uint64{0, 3500}}, gpu.ErrOutOfBounds, 1},
+		{"pool offset overflow", gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{1<<64 - 1}}, gpu.ErrOutOfBounds, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			called := false
-			err := h.Submit(tt.op, func(Result) { called = true })
-			var ce *CopyError
+			err := h.Submit(tt.op, func(gpu.Result) { called = true })
+			var ce *gpu.CopyError
 			if !errors.As(err, &ce) || !errors.Is(err, tt.want) || ce.Index != tt.idx {
 				t.Fatalf("Submit = %v, want *CopyError index %d wrapping %v", err, tt.idx, tt.want)
 			}
@@ -183,14 +197,14 @@ func TestHostBoundsErrors(t *testing.T) {
 }
 
 func TestHostLifecycle(t *testing.T) {
-	h, err := NewHost(make([]byte, 4096), HostOptions{Workers: 1})
+	h, err := New(make([]byte, 4096), Options{Workers: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Register(validCUDA()); !errors.Is(err, ErrUnsupported) {
+	if _, err := h.Register(validCUDA()); !errors.Is(err, gpu.ErrUnsupported) {
 		t.Errorf("Register(CUDAIPC) = %v, want ErrUnsupported", err)
 	}
-	if _, err := h.Register(Region{Kind: HostShared}); !errors.Is(err, ErrInvalidRegion) {
+	if _, err := h.Register(gpu.Region{Kind: gpu.HostShared}); !errors.Is(err, gpu.ErrInvalidRegion) {
 		t.Errorf("Register(invalid) = %v, want ErrInvalidRegion", err)
 	}
 	hd, err := h.Register(validShared())
@@ -203,7 +217,7 @@ func TestHostLifecycle(t *testing.T) {
 	done := 0
 	for range 100 {
 		wg.Add(1)
-		if err := h.Submit(Op{Dir: EngineToPool, Region: hd, Pages: []uint32{1}, PoolOffsets: []uint64{0}}, func(r Result) {
+		if err := h.Submit(gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{1}, PoolOffsets: []uint64{0}}, func(r gpu.Result) {
 			mu.Lock()
 			done++
 			mu.Unlock()
@@ -215,11 +229,11 @@ func TestHostLifecycle(t *testing.T) {
 	if err := h.Unregister(hd); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Unregister(hd); !errors.Is(err, ErrUnknownRegion) {
+	if err := h.Unregister(hd); !errors.Is(err, gpu.ErrUnknownRegion) {
 		t.Errorf("second Unregister = %v, want ErrUnknownRegion", err)
 	}
 	wg.Wait()
-	if _, err := Do(h, Op{Dir: EngineToPool, Region: hd}); !errors.Is(err, ErrUnknownRegion) {
+	if _, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd}); !errors.Is(err, gpu.ErrUnknownRegion) {
 		t.Errorf("Submit after Unregister = %v", err)
 	}
 	if err := h.Close(); err != nil {
@@ -228,7 +242,7 @@ func TestHostLifecycle(t *testing.T) {
 	if err := h.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Do(h, Op{Dir: EngineToPool, Region: 1}); !errors.Is(err, os.ErrClosed) {
+	if _, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: 1}); !errors.Is(err, os.ErrClosed) {
 		t.Errorf("Submit after Close = %v, want os.ErrClosed", err)
 	}
 	if done != 100 {
@@ -244,14 +258,14 @@ func TestHostProcessSelf(t *testing.T) {
 	pool := mmapAnon(t, 8*2*seg)
 	h := newHost(t, pool)
 	r := layered(procmem.Addr(engine), pages, seg)
-	r.Kind, r.PID = HostProcess, os.Getpid()
+	r.Kind, r.PID = gpu.HostProcess, os.Getpid()
 	hd, err := h.Register(r)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pg := []uint32{15, 0, 1, 2, 7}
 	offs := []uint64{0, 2048, 4096, 6144, 14336}
-	res, err := Do(h, Op{Dir: EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
+	res, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -264,7 +278,7 @@ func TestHostProcessSelf(t *testing.T) {
 		}
 	}
 	fill(pool, 4, 0)
-	if _, err := Do(h, Op{Dir: PoolToEngine, Region: hd, Pages: []uint32{3}, PoolOffsets: []uint64{2048}}); err != nil {
+	if _, err := gpu.Do(h, gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{3}, PoolOffsets: []uint64{2048}}); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(engine[3*seg:4*seg], pool[2048:2048+seg]) || !bytes.Equal(engine[(pages+3)*seg:(pages+4)*seg], pool[2048+seg:4096]) {
@@ -280,8 +294,8 @@ func TestHostProcessChunking(t *testing.T) {
 	pool := mmapAnon(t, n*sz)
 	h := newHost(t, pool)
 	// Every other 64-byte slot: engine side is never contiguous.
-	r := Region{Kind: HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine), Length: n * 2 * sz,
-		PageSize: sz, PageCount: n, Segments: []Segment{{0, 2 * sz, sz}}}
+	r := gpu.Region{Kind: gpu.HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine), Length: n * 2 * sz,
+		PageSize: sz, PageCount: n, Segments: []gpu.Segment{{Offset: 0, Stride: 2 * sz, Length: sz}}}
 	hd, err := h.Register(r)
 	if err != nil {
 		t.Fatal(err)
@@ -291,7 +305,7 @@ func TestHostProcessChunking(t *testing.T) {
 	for i := range pg {
 		pg[i], offs[i] = uint32(i), uint64(i)*sz
 	}
-	res, err := Do(h, Op{Dir: EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
+	res, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -304,12 +318,12 @@ func TestHostProcessChunking(t *testing.T) {
 		}
 	}
 	// Merged case: contiguous engine and pool collapse to one range.
-	r2 := Region{Kind: HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine), Length: n * sz, PageSize: sz, PageCount: n}
+	r2 := gpu.Region{Kind: gpu.HostProcess, PID: os.Getpid(), Base: procmem.Addr(engine), Length: n * sz, PageSize: sz, PageCount: n}
 	hd2, err := h.Register(r2)
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err = Do(h, Op{Dir: PoolToEngine, Region: hd2, Pages: pg, PoolOffsets: offs})
+	res, err = gpu.Do(h, gpu.Op{Dir: gpu.PoolToEngine, Region: hd2, Pages: pg, PoolOffsets: offs})
 	if err != nil || res.Ranges != 1 || res.Calls != 1 {
 		t.Errorf("merged: %+v, %v; want 1 range, 1 call", res, err)
 	}
@@ -329,13 +343,13 @@ func TestHostProcessFault(t *testing.T) {
 	h := newHost(t, pool)
 	base := procmem.Addr(engine)
 	// Pages of two OS pages: page 1 = OS pages 2 (ok) and 3 (PROT_NONE).
-	hd, err := h.Register(Region{Kind: HostProcess, PID: os.Getpid(), Base: base, Length: uint64(4 * ps), PageSize: uint64(2 * ps), PageCount: 2})
+	hd, err := h.Register(gpu.Region{Kind: gpu.HostProcess, PID: os.Getpid(), Base: base, Length: uint64(4 * ps), PageSize: uint64(2 * ps), PageCount: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, dir := range []Direction{EngineToPool, PoolToEngine} {
-		res, err := Do(h, Op{Dir: dir, Region: hd, Pages: []uint32{1}, PoolOffsets: []uint64{0}})
-		if !errors.Is(err, ErrTransfer) || !errors.Is(err, unix.EFAULT) {
+	for _, dir := range []gpu.Direction{gpu.EngineToPool, gpu.PoolToEngine} {
+		res, err := gpu.Do(h, gpu.Op{Dir: dir, Region: hd, Pages: []uint32{1}, PoolOffsets: []uint64{0}})
+		if !errors.Is(err, gpu.ErrTransfer) || !errors.Is(err, unix.EFAULT) {
 			t.Fatalf("%v: err = %v, want ErrTransfer wrapping EFAULT", dir, err)
 		}
 		if res.Bytes >= int64(2*ps) {
@@ -351,7 +365,7 @@ func TestHostProcessFault(t *testing.T) {
 		t.Logf("%v: %v (bytes %d, calls %d)", dir, err, res.Bytes, res.Calls)
 	}
 	// Page 0 is fine.
-	if _, err := Do(h, Op{Dir: EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}}); err != nil {
+	if _, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -364,12 +378,12 @@ func TestHostProcessDeadPID(t *testing.T) {
 	}
 	pid := cmd.Process.Pid // reaped: no longer exists
 	h := newHost(t, make([]byte, 4096))
-	hd, err := h.Register(Region{Kind: HostProcess, PID: pid, Base: 0x10000, Length: 4096, PageSize: 4096, PageCount: 1})
+	hd, err := h.Register(gpu.Region{Kind: gpu.HostProcess, PID: pid, Base: 0x10000, Length: 4096, PageSize: 4096, PageCount: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = Do(h, Op{Dir: EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}})
-	if !errors.Is(err, ErrTransfer) || !errors.Is(err, unix.ESRCH) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", pid)) {
+	_, err = gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: []uint32{0}, PoolOffsets: []uint64{0}})
+	if !errors.Is(err, gpu.ErrTransfer) || !errors.Is(err, unix.ESRCH) || !strings.Contains(err.Error(), fmt.Sprintf("pid %d", pid)) {
 		t.Fatalf("err = %v, want ErrTransfer/ESRCH naming pid %d", err, pid)
 	}
 }
@@ -461,14 +475,14 @@ func TestHostProcessCrossProcess(t *testing.T) {
 	pool := mmapAnon(t, 8*2*childSeg)
 	h := newHost(t, pool)
 	r := layered(addr, childPages, childSeg)
-	r.Kind, r.PID = HostProcess, pid
+	r.Kind, r.PID = gpu.HostProcess, pid
 	hd, err := h.Register(r)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pg := []uint32{0, 1, 2, 17, 31}
 	offs := []uint64{0, 2 * childSeg, 4 * childSeg, 6 * childSeg, 10 * childSeg}
-	res, err := Do(h, Op{Dir: EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
+	res, err := gpu.Do(h, gpu.Op{Dir: gpu.EngineToPool, Region: hd, Pages: pg, PoolOffsets: offs})
 	if errors.Is(err, unix.EPERM) {
 		scope, _ := os.ReadFile("/proc/sys/kernel/yama/ptrace_scope")
 		t.Skipf("process_vm_readv on child denied (need ptrace permission; yama ptrace_scope=%q): %v", strings.TrimSpace(string(scope)), err)
@@ -490,7 +504,7 @@ func TestHostProcessCrossProcess(t *testing.T) {
 		off  uint64
 	}{{5, 2 * childSeg}, {30, 8 * childSeg}} {
 		fill(pool[pp.off:pp.off+2*childSeg], 2, pp.off)
-		if _, err := Do(h, Op{Dir: PoolToEngine, Region: hd, Pages: []uint32{pp.page}, PoolOffsets: []uint64{pp.off}}); err != nil {
+		if _, err := gpu.Do(h, gpu.Op{Dir: gpu.PoolToEngine, Region: hd, Pages: []uint32{pp.page}, PoolOffsets: []uint64{pp.off}}); err != nil {
 			t.Fatal(err)
 		}
 		fmt.Fprintf(&verify, " %d:%d", pp.page, pp.off)

@@ -1,4 +1,8 @@
-package gpu
+// Package cuda is the copy engine's GPU backend (a gpu.Engine): CUDA IPC
+// regions copied with cuMemcpyBatchAsync through the cgo shim in
+// gpu/internal/cuda, which loads libcuda.so.1 with dlopen. docs/architecture.md
+// ("The copy path") has the ordering rules and the IPC pitfalls.
+package cuda
 
 import (
 	"errors"
@@ -10,13 +14,19 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ringside-kv/ringside/gpu/internal/cuda"
+	"github.com/ringside-kv/ringside/gpu"
+	driver "github.com/ringside-kv/ringside/gpu/internal/cuda"
+	"github.com/ringside-kv/ringside/gpu/internal/regions"
 )
 
-// ErrCUDAUnavailable: the CUDA backend cannot run here (no libcuda.so.1, no
-// device, a driver older than CUDA 12, or a build without cgo). NewCUDA's
+// ErrUnavailable: the CUDA backend cannot run here (no libcuda.so.1, no
+// device, a driver older than CUDA 12, or a build without cgo). New's
 // error wraps it in those cases.
-var ErrCUDAUnavailable = cuda.ErrUnavailable
+var ErrUnavailable = driver.ErrUnavailable
+
+// MaxBatch is the most ranges one cuMemcpyBatchAsync call carries: a
+// batched op of more ranges takes one call per MaxBatch of them.
+const MaxBatch = driver.MaxBatch
 
 // CopyMode chooses how the CUDA backend issues the ranges of one op.
 type CopyMode uint8
@@ -26,7 +36,7 @@ const (
 	// 12.8+) and one cuMemcpy{HtoD,DtoH}Async per range otherwise; a batch
 	// call the driver rejects switches the engine to per-range copies.
 	CopyAuto CopyMode = iota
-	// CopyBatched requires cuMemcpyBatchAsync (NewCUDA fails without it).
+	// CopyBatched requires cuMemcpyBatchAsync (New fails without it).
 	CopyBatched
 	// CopyPerRange always issues one async copy per range.
 	CopyPerRange
@@ -36,11 +46,11 @@ const (
 // registration of 512 GiB or more fails on recent drivers.
 const DefaultPinChunk = 64 << 30
 
-// maxPinChunk is the exclusive upper bound on CUDAOptions.PinChunk.
+// maxPinChunk is the exclusive upper bound on Options.PinChunk.
 const maxPinChunk = 512 << 30
 
-// CUDAOptions configures NewCUDA. The zero value is usable.
-type CUDAOptions struct {
+// Options configures New. The zero value is usable.
+type Options struct {
 	Copy CopyMode
 	// PinChunk is the bytes registered per cuMemHostRegister call
 	// (default DefaultPinChunk; must be below 512 GiB).
@@ -73,16 +83,16 @@ type DeviceFailure struct {
 	Err     error // wraps ErrDeviceFailed; every op on the GPU fails with it
 }
 
-// CUDAInfo describes a running CUDA backend, for the startup log.
-type CUDAInfo struct {
+// Info describes a running CUDA backend, for the startup log.
+type Info struct {
 	Driver  int  // driver's CUDA version, e.g. 12080
 	Batch   bool // cuMemcpyBatchAsync in use
-	Devices []CUDADevice
+	Devices []Device
 	Pin     PinInfo
 }
 
-// CUDADevice is one visible GPU.
-type CUDADevice struct {
+// Device is one visible GPU.
+type Device struct {
 	Ordinal int
 	Name    string
 	UUID    string
@@ -93,7 +103,7 @@ type PinInfo struct {
 	Bytes  uint64
 	Chunks int
 	Took   time.Duration
-	// RLIMIT_MEMLOCK of the process (cuda.Unlimited = ^0 = none). Whether
+	// RLIMIT_MEMLOCK of the process (driver.Unlimited = ^0 = none). Whether
 	// the driver's registration is charged against it is unverified; a
 	// limit below Bytes is worth a warning.
 	MemlockSoft, MemlockHard uint64
@@ -103,25 +113,25 @@ type PinInfo struct {
 // MemlockBelowPool reports whether a finite locked-memory limit is smaller
 // than the pinned pool.
 func (p PinInfo) MemlockBelowPool() bool {
-	return p.MemlockErr == nil && p.MemlockSoft != cuda.Unlimited && p.MemlockSoft < p.Bytes
+	return p.MemlockErr == nil && p.MemlockSoft != driver.Unlimited && p.MemlockSoft < p.Bytes
 }
 
-// CUDA is the GPU backend: CUDAIPC regions (device memory another process
-// exported with cudaIpcGetMemHandle) are copied to and from the pinned pool
-// with the CUDA copy engines. Every op is one submission on its device:
-// one cuMemcpyBatchAsync (or one async copy per range) on the direction's
-// stream, then an event; completion is found by polling that event from
-// the device's goroutine, which is locked to its OS thread and holds the
-// device's primary context. Loads (pool to engine) and stores have a stream
-// each, so that a load never queues behind stores issued before it on one
-// stream. (The streams are created with priorities, loads highest, but
-// CUDA documents that stream priorities have no effect on host-to-device
-// and device-to-host memory operations, cuStreamCreateWithPriority: they
-// order nothing here.) A region may carry an interprocess event: every
-// store on it first makes the store stream wait for the event's latest
-// record. Other region kinds are rejected with ErrUnsupported; use a
-// Router to combine it with Host.
-type CUDA struct {
+// Engine is the GPU backend: gpu.CUDAIPC regions (device memory another
+// process exported with cudaIpcGetMemHandle) are copied to and from the
+// pinned pool with the CUDA copy engines. Every op is one submission on its
+// device: one cuMemcpyBatchAsync (or one async copy per range) on the
+// direction's stream, then an event; completion is found by polling that
+// event from the device's goroutine, which is locked to its OS thread and
+// holds the device's primary context. Loads (pool to engine) and stores
+// have a stream each, so that a load never queues behind stores issued
+// before it on one stream. (The streams are created with priorities, loads
+// highest, but CUDA documents that stream priorities have no effect on
+// host-to-device and device-to-host memory operations,
+// cuStreamCreateWithPriority: they order nothing here.) A region may carry
+// an interprocess event: every store on it first makes the store stream
+// wait for the event's latest record. Other region kinds are rejected with
+// gpu.ErrUnsupported; a gpu.Router combines it with the host backend.
+type Engine struct {
 	pool     []byte
 	poolAddr uint64
 	chunk    uint64
@@ -129,10 +139,10 @@ type CUDA struct {
 	batch    atomic.Bool
 	batchErr atomic.Value // error: why batching was switched off
 
-	info    CUDAInfo
+	info    Info
 	devInfo []cudaDevInfo
 
-	regions regionTable[*cudaRegion]
+	regions regions.Table[*cudaRegion]
 
 	devMu      sync.Mutex
 	devs       map[int]*cudaDevice // by ordinal
@@ -155,24 +165,24 @@ type CUDA struct {
 	closeDone   chan struct{}
 }
 
-var _ Engine = (*CUDA)(nil)
+var _ gpu.Engine = (*Engine)(nil)
 
 type cudaDevInfo struct {
 	ordinal int
-	dev     cuda.Device
-	uuid    cuda.UUID
+	dev     driver.Device
+	uuid    driver.UUID
 	name    string
 }
 
 type cudaRegion struct {
-	r    Region
+	r    gpu.Region
 	dev  *cudaDevice
 	keys []ipcKey // one per allocation, each opened once by Register
 	// segs translates each segment (the one span of a flat region) from
 	// the exporter's addresses to this process's: local = engine + delta
 	// (mod 2^64), inside the mapping of allocation alloc.
 	segs     []cudaSeg
-	event    cuda.Event // opened store event, 0 without one
+	event    driver.Event // opened store event, 0 without one
 	eventKey ipcEventKey
 	inflight sync.WaitGroup
 }
@@ -184,30 +194,30 @@ type cudaSeg struct {
 
 type ipcKey struct {
 	pid    int
-	handle cuda.IPCHandle
+	handle driver.IPCHandle
 }
 
 type ipcEventKey struct {
 	pid    int
-	handle cuda.IPCEventHandle
+	handle driver.IPCEventHandle
 }
 
 type ipcEvent struct {
-	ev   cuda.Event
+	ev   driver.Event
 	refs int
 }
 
 type ipcMapping struct {
-	ptr  cuda.DevicePtr
+	ptr  driver.DevicePtr
 	size uint64
 	refs int
 }
 
 type cudaJob struct {
-	dir       Direction
-	h         Handle
+	dir       gpu.Direction
+	h         gpu.Handle
 	reg       *cudaRegion
-	fence     *Fence
+	fence     *gpu.Fence
 	fail      error // ended before it was issued (fenced, device failed): the op's whole error
 	dst, src  []uint64
 	lens      []uint64
@@ -216,17 +226,17 @@ type cudaJob struct {
 	started   time.Time
 	calls     int
 	err       error
-	ev        cuda.Event
-	done      func(Result)
+	ev        driver.Event
+	done      func(gpu.Result)
 }
 
 type cudaCompletion struct {
 	reg  *cudaRegion
-	res  Result
-	done func(Result)
+	res  gpu.Result
+	done func(gpu.Result)
 }
 
-// NewCUDA loads the CUDA driver, checks that a device is visible and
+// New loads the CUDA driver, checks that a device is visible and
 // returns the backend. It takes no GPU memory: no context is created here
 // (an engine that profiles free GPU memory at its start, as vLLM does,
 // must find all of it, and in EXCLUSIVE_PROCESS mode a context of ours
@@ -235,12 +245,12 @@ type cudaCompletion struct {
 // mapping of the block pool; it must be mmapped memory, not Go heap) is
 // registered as pinned host memory, in chunks, at the first registration
 // on any device, in the background; registrations wait for it (PinWait).
-// Without a usable driver or device the error wraps ErrCUDAUnavailable.
-func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
+// Without a usable driver or device the error wraps ErrUnavailable.
+func New(pool []byte, opts Options) (*Engine, error) {
 	if len(pool) == 0 {
-		return nil, fmt.Errorf("%w: empty pool", ErrInvalidOp)
+		return nil, fmt.Errorf("%w: empty pool", gpu.ErrInvalidOp)
 	}
-	if err := cuda.Init(); err != nil {
+	if err := driver.Init(); err != nil {
 		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
 	}
 	if opts.PinChunk == 0 {
@@ -248,7 +258,7 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 	}
 	ps := uint64(os.Getpagesize())
 	if opts.PinChunk >= maxPinChunk || opts.PinChunk < ps || opts.PinChunk%ps != 0 {
-		return nil, fmt.Errorf("%w: pin chunk %d bytes: want a multiple of the page size below 512 GiB", ErrInvalidOp, opts.PinChunk)
+		return nil, fmt.Errorf("%w: pin chunk %d bytes: want a multiple of the page size below 512 GiB", gpu.ErrInvalidOp, opts.PinChunk)
 	}
 	if opts.Queue <= 0 {
 		opts.Queue = 256
@@ -256,22 +266,22 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 	if opts.PinWait <= 0 {
 		opts.PinWait = DefaultPinWait
 	}
-	e := &CUDA{
-		pool: pool, poolAddr: cuda.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
-		regions: newRegionTable[*cudaRegion](), devs: map[int]*cudaDevice{},
+	e := &Engine{
+		pool: pool, poolAddr: driver.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
+		regions: regions.New[*cudaRegion](), devs: map[int]*cudaDevice{},
 		pinWait: opts.PinWait, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
 		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
 	}
 	var err error
-	if e.info.Driver, err = cuda.DriverVersion(); err != nil {
+	if e.info.Driver, err = driver.DriverVersion(); err != nil {
 		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
 	}
-	n, err := cuda.DeviceCount()
+	n, err := driver.DeviceCount()
 	if err != nil {
 		return nil, fmt.Errorf("gpu: CUDA backend: %w", err)
 	}
 	for i := range n {
-		d, err := cuda.DeviceGet(i)
+		d, err := driver.DeviceGet(i)
 		if err != nil {
 			return nil, fmt.Errorf("gpu: CUDA device %d: %w", i, err)
 		}
@@ -281,19 +291,19 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 		}
 		name, _ := d.Name()
 		e.devInfo = append(e.devInfo, cudaDevInfo{ordinal: i, dev: d, uuid: u, name: name})
-		e.info.Devices = append(e.info.Devices, CUDADevice{Ordinal: i, Name: name, UUID: u.String()})
+		e.info.Devices = append(e.info.Devices, Device{Ordinal: i, Name: name, UUID: u.String()})
 	}
 	switch opts.Copy {
 	case CopyAuto:
-		e.batch.Store(cuda.HasBatch())
+		e.batch.Store(driver.HasBatch())
 	case CopyBatched:
-		if !cuda.HasBatch() {
+		if !driver.HasBatch() {
 			return nil, fmt.Errorf("gpu: CUDA backend: the driver (CUDA %d.%d) has no cuMemcpyBatchAsync (needs 12.8)", e.info.Driver/1000, e.info.Driver%1000/10)
 		}
 		e.batch.Store(true)
 	case CopyPerRange:
 	default:
-		return nil, fmt.Errorf("%w: copy mode %d", ErrInvalidOp, opts.Copy)
+		return nil, fmt.Errorf("%w: copy mode %d", gpu.ErrInvalidOp, opts.Copy)
 	}
 	go e.completer()
 	e.info.Batch = e.batch.Load()
@@ -304,10 +314,10 @@ func NewCUDA(pool []byte, opts CUDAOptions) (*CUDA, error) {
 // thread of its own (the device's thread stays free to open handles);
 // PORTABLE makes it pinned for every context of this process. It runs
 // once, started by the first device, and ends by closing pinDone.
-func (e *CUDA) pinPool(d *cudaDevice) {
+func (e *Engine) pinPool(d *cudaDevice) {
 	runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
 	p := PinInfo{Bytes: uint64(len(e.pool))}
-	p.MemlockSoft, p.MemlockHard, p.MemlockErr = cuda.MemlockLimit()
+	p.MemlockSoft, p.MemlockHard, p.MemlockErr = driver.MemlockLimit()
 	t0 := time.Now()
 	err := d.ctx.SetCurrent()
 	if err != nil {
@@ -315,7 +325,7 @@ func (e *CUDA) pinPool(d *cudaDevice) {
 	}
 	for off := uint64(0); err == nil && off < uint64(len(e.pool)); off += e.chunk {
 		end := min(off+e.chunk, uint64(len(e.pool)))
-		if rerr := cuda.HostRegister(e.pool[off:end], cuda.HostRegisterPortable); rerr != nil {
+		if rerr := driver.HostRegister(e.pool[off:end], driver.HostRegisterPortable); rerr != nil {
 			msg := fmt.Sprintf("gpu: registering pool bytes [%d, %d) of %d as pinned memory: %v", off, end, len(e.pool), rerr)
 			if p.MemlockBelowPool() {
 				msg += fmt.Sprintf(" (RLIMIT_MEMLOCK is %d bytes; raise it, e.g. ulimit -l unlimited)", p.MemlockSoft)
@@ -335,44 +345,44 @@ func (e *CUDA) pinPool(d *cudaDevice) {
 }
 
 // waitPinned waits, up to PinWait, for the pool's pinning to end.
-func (e *CUDA) waitPinned() error {
+func (e *Engine) waitPinned() error {
 	t := time.NewTimer(e.pinWait)
 	defer t.Stop()
 	select {
 	case <-e.pinDone:
 		if e.pinErr != nil {
-			return fmt.Errorf("%w: the pool could not be pinned, so no GPU memory can be served: %w", ErrUnsupported, e.pinErr)
+			return fmt.Errorf("%w: the pool could not be pinned, so no GPU memory can be served: %w", gpu.ErrUnsupported, e.pinErr)
 		}
 		return nil
 	case <-t.C:
 		return fmt.Errorf("%w: the pool (%d bytes) is still being registered as pinned host memory after %v; register again later",
-			ErrUnsupported, len(e.pool), e.pinWait)
+			gpu.ErrUnsupported, len(e.pool), e.pinWait)
 	}
 }
 
 // SetCopyMode switches how later ops are issued (benchmarks compare
 // batched and per-range submission on one engine). CopyBatched fails
 // without cuMemcpyBatchAsync.
-func (e *CUDA) SetCopyMode(m CopyMode) error {
+func (e *Engine) SetCopyMode(m CopyMode) error {
 	switch m {
 	case CopyAuto:
-		e.batch.Store(cuda.HasBatch() && e.BatchDisabled() == nil)
+		e.batch.Store(driver.HasBatch() && e.BatchDisabled() == nil)
 	case CopyBatched:
-		if !cuda.HasBatch() {
-			return fmt.Errorf("%w: the driver has no cuMemcpyBatchAsync (needs CUDA 12.8)", ErrUnsupported)
+		if !driver.HasBatch() {
+			return fmt.Errorf("%w: the driver has no cuMemcpyBatchAsync (needs CUDA 12.8)", gpu.ErrUnsupported)
 		}
 		e.batch.Store(true)
 	case CopyPerRange:
 		e.batch.Store(false)
 	default:
-		return fmt.Errorf("%w: copy mode %d", ErrInvalidOp, m)
+		return fmt.Errorf("%w: copy mode %d", gpu.ErrInvalidOp, m)
 	}
 	return nil
 }
 
 // Info describes the backend: driver, devices, batching, and the pool's
 // pinning once it has ended (zero before the first registration).
-func (e *CUDA) Info() CUDAInfo {
+func (e *Engine) Info() Info {
 	i := e.info
 	i.Batch = e.batch.Load()
 	select {
@@ -385,16 +395,16 @@ func (e *CUDA) Info() CUDAInfo {
 
 // BatchDisabled returns why batched copies were switched off at run time
 // (nil if they were not).
-func (e *CUDA) BatchDisabled() error {
+func (e *Engine) BatchDisabled() error {
 	err, _ := e.batchErr.Load().(error)
 	return err
 }
 
 // Name returns "cuda".
-func (e *CUDA) Name() string { return "cuda" }
+func (e *Engine) Name() string { return "cuda" }
 
-// Supports reports true for CUDAIPC only.
-func (e *CUDA) Supports(k Kind) bool { return k == CUDAIPC }
+// Supports reports true for gpu.CUDAIPC only.
+func (e *Engine) Supports(k gpu.Kind) bool { return k == gpu.CUDAIPC }
 
 // Register opens the handle of each of the region's allocations in the
 // context of the GPU named by r.IPC.GPU (once per allocation and device:
@@ -405,15 +415,15 @@ func (e *CUDA) Supports(k Kind) bool { return k == CUDAIPC }
 // first registration on a GPU retains its primary context (a GPU in
 // EXCLUSIVE_PROCESS or PROHIBITED compute mode is refused), the first on
 // any GPU starts pinning the pool, and every registration waits for the
-// pinning (PinWait). A failed GPU (ErrDeviceFailed) refuses it.
-func (e *CUDA) Register(r Region) (Handle, error) {
-	if r.Kind != CUDAIPC {
-		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", ErrUnsupported, CUDAIPC, r.Kind)
+// pinning (PinWait). A failed GPU (gpu.ErrDeviceFailed) refuses it.
+func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
+	if r.Kind != gpu.CUDAIPC {
+		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", gpu.ErrUnsupported, gpu.CUDAIPC, r.Kind)
 	}
 	if err := r.Validate(); err != nil {
 		return 0, err
 	}
-	segAlloc, err := r.segmentAllocations()
+	segAlloc, err := r.SegmentAllocations()
 	if err != nil {
 		return 0, err
 	}
@@ -427,9 +437,9 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	}
 	if di == nil {
 		return 0, fmt.Errorf("%w: GPU %s is not visible to the sidecar (it sees %s): give the sidecar the engine's GPU (NVIDIA_VISIBLE_DEVICES, CUDA_VISIBLE_DEVICES or a shared DRA claim)",
-			ErrUnsupported, cuda.UUID(r.IPC.GPU), strings.Join(visible, ", "))
+			gpu.ErrUnsupported, driver.UUID(r.IPC.GPU), strings.Join(visible, ", "))
 	}
-	if e.regions.isClosed() {
+	if e.regions.IsClosed() {
 		return 0, fmt.Errorf("gpu: register: %w", os.ErrClosed)
 	}
 	d, err := e.device(*di)
@@ -439,22 +449,22 @@ func (e *CUDA) Register(r Region) (Handle, error) {
 	if err := e.waitPinned(); err != nil {
 		return 0, err
 	}
-	r.Segments = append([]Segment(nil), r.Segments...)
-	r.IPC.Allocations = append([]IPCAllocation(nil), r.IPC.Allocations...)
+	r.Segments = append([]gpu.Segment(nil), r.Segments...)
+	r.IPC.Allocations = append([]gpu.IPCAllocation(nil), r.IPC.Allocations...)
 	reg := &cudaRegion{r: r, dev: d}
 	if err := d.call(func() error {
 		if err := d.failed(); err != nil {
-			return fmt.Errorf("%w: %w", ErrUnsupported, err)
+			return fmt.Errorf("%w: %w", gpu.ErrUnsupported, err)
 		}
 		err := d.open(reg, segAlloc)
-		if cuda.Sticky(err) {
+		if driver.Sticky(err) {
 			d.markFailed(err)
 		}
 		return err
 	}); err != nil {
 		return 0, err
 	}
-	h, err := e.regions.add(reg)
+	h, err := e.regions.Add(reg)
 	if err != nil {
 		d.call(func() error { d.release(reg); return nil })
 		return 0, err
@@ -479,7 +489,7 @@ func (d *cudaDevice) open(reg *cudaRegion, segAlloc []int) error {
 		reg.keys = append(reg.keys, key)
 		local[i], mapped[i] = uint64(m.ptr), m.size
 	}
-	spans := r.segmentSpans()
+	spans := r.SegmentSpans()
 	reg.segs = make([]cudaSeg, len(spans))
 	for i, sp := range spans {
 		k := segAlloc[i]
@@ -490,7 +500,7 @@ func (d *cudaDevice) open(reg *cudaRegion, segAlloc []int) error {
 			d.release(reg)
 			return fmt.Errorf("%w: segment %d [%#x,%#x) runs past allocation %d: it is declared as %d bytes at %#x, but the sidecar's "+
 				"mapping of its handle holds %d (cuMemGetAddressRange of the opened pointer)",
-				ErrInvalidRegion, i, sp[0], sp[1], k, a.Size, a.Base, mapped[k])
+				gpu.ErrInvalidRegion, i, sp[0], sp[1], k, a.Size, a.Base, mapped[k])
 		}
 		reg.segs[i] = cudaSeg{alloc: k, delta: local[k] - a.Base}
 	}
@@ -520,8 +530,8 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 
 // Unregister waits for the region's ops and releases its allocations'
 // mappings (each closed when no other region uses it) and its event.
-func (e *CUDA) Unregister(h Handle) error {
-	reg, err := e.regions.remove(h)
+func (e *Engine) Unregister(h gpu.Handle) error {
+	reg, err := e.regions.Remove(h)
 	if err != nil {
 		return err
 	}
@@ -531,19 +541,19 @@ func (e *CUDA) Unregister(h Handle) error {
 	return nil
 }
 
-// Submit bounds-checks and plans op (PlanRanges), translates every range
+// Submit bounds-checks and plans op (gpu.PlanRanges), translates every range
 // to this process's device addresses, merges what is contiguous there on
 // both sides and within one allocation (localRanges), splits at pin chunk
 // boundaries, then queues it to the region's device.
-func (e *CUDA) Submit(op Op, done func(Result)) error {
-	return e.regions.submit(op, done, func(reg *cudaRegion, now time.Time) error {
+func (e *Engine) Submit(op gpu.Op, done func(gpu.Result)) error {
+	return e.regions.Submit(op, done, func(reg *cudaRegion, now time.Time) error {
 		if err := reg.dev.failed(); err != nil {
 			return err
 		}
 		if op.Fence.Raised() {
-			return ErrFenced
+			return gpu.ErrFenced
 		}
-		ranges, err := PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
+		ranges, err := gpu.PlanRanges(nil, &reg.r, uint64(len(e.pool)), op.Pages, op.PoolOffsets)
 		if err != nil {
 			return err
 		}
@@ -552,7 +562,7 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 			dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
 		for i, rg := range ranges {
 			host := e.poolAddr + rg.Pool
-			if op.Dir == PoolToEngine {
+			if op.Dir == gpu.PoolToEngine {
 				j.dst[i], j.src[i] = rg.Engine, host
 			} else {
 				j.dst[i], j.src[i] = host, rg.Engine
@@ -569,7 +579,7 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 	})
 }
 
-// localRanges translates planned ranges (PlanRanges' order: page-major,
+// localRanges translates planned ranges (gpu.PlanRanges' order: page-major,
 // one range per segment, or one per page of a flat region) to this
 // process's device addresses, in place: Engine becomes the local address.
 // It merges a range into the previous one only where both are contiguous
@@ -577,7 +587,7 @@ func (e *CUDA) Submit(op Op, done func(Result)) error {
 // allocations adjacent in the engine's address space are mapped wherever
 // cuIpcOpenMemHandle put them, and one copy never spans two mappings even
 // when they happen to be adjacent.
-func localRanges(rs []Range, segs []cudaSeg) []Range {
+func localRanges(rs []gpu.Range, segs []cudaSeg) []gpu.Range {
 	out := rs[:0]
 	lastAlloc := -1
 	for i, r := range rs {
@@ -599,11 +609,11 @@ func localRanges(rs []Range, segs []cudaSeg) []Range {
 // splitRanges cuts ranges at multiples of chunk in the pool, where one
 // cuMemHostRegister ends and the next begins: a copy never spans two
 // registrations.
-func splitRanges(rs []Range, chunk, poolLen uint64) []Range {
+func splitRanges(rs []gpu.Range, chunk, poolLen uint64) []gpu.Range {
 	if poolLen <= chunk {
 		return rs
 	}
-	var out []Range
+	var out []gpu.Range
 	for i, r := range rs {
 		if r.Pool/chunk == (r.Pool+r.Len-1)/chunk {
 			if out != nil {
@@ -612,11 +622,11 @@ func splitRanges(rs []Range, chunk, poolLen uint64) []Range {
 			continue
 		}
 		if out == nil {
-			out = append(make([]Range, 0, len(rs)+4), rs[:i]...)
+			out = append(make([]gpu.Range, 0, len(rs)+4), rs[:i]...)
 		}
 		for r.Len > 0 {
 			n := min(r.Len, (r.Pool/chunk+1)*chunk-r.Pool)
-			out = append(out, Range{Pool: r.Pool, Engine: r.Engine, Len: n})
+			out = append(out, gpu.Range{Pool: r.Pool, Engine: r.Engine, Len: n})
 			r.Pool, r.Engine, r.Len = r.Pool+n, r.Engine+n, r.Len-n
 		}
 	}
@@ -628,9 +638,9 @@ func splitRanges(rs []Range, chunk, poolLen uint64) []Range {
 
 // Close stops accepting ops, completes the accepted ones, closes every IPC
 // mapping, unregisters the pool and releases the contexts.
-func (e *CUDA) Close() error {
+func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
-		e.regions.close()
+		e.regions.Close()
 		e.devMu.Lock()
 		e.devsClosed = true
 		pin := e.pin
@@ -659,7 +669,7 @@ func (e *CUDA) Close() error {
 	return nil
 }
 
-func (e *CUDA) completer() {
+func (e *Engine) completer() {
 	defer close(e.compDone)
 	for c := range e.completions {
 		// The callback runs before the op stops counting as in flight, so
@@ -671,14 +681,14 @@ func (e *CUDA) completer() {
 
 // device returns the running device for di, starting it on first use
 // (the first device started also starts pinning the pool).
-func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
+func (e *Engine) device(di cudaDevInfo) (*cudaDevice, error) {
 	e.devMu.Lock()
 	defer e.devMu.Unlock()
 	if d := e.devs[di.ordinal]; d != nil {
 		if err := d.failed(); err != nil {
 			// The GPU cannot be served until the sidecar restarts: a
 			// configuration-like refusal for the registering engine.
-			return nil, fmt.Errorf("%w: %w", ErrUnsupported, err)
+			return nil, fmt.Errorf("%w: %w", gpu.ErrUnsupported, err)
 		}
 		return d, nil
 	}
@@ -687,15 +697,15 @@ func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 	}
 	// Before any context: in EXCLUSIVE_PROCESS mode one process may hold
 	// a context on the GPU, and the engine needs it.
-	switch mode, err := di.dev.Attribute(cuda.AttrComputeMode); {
+	switch mode, err := di.dev.Attribute(driver.AttrComputeMode); {
 	case err != nil:
-		return nil, fmt.Errorf("%w: GPU %d (%s): reading its compute mode (cuDeviceGetAttribute): %v", ErrUnsupported, di.ordinal, di.uuid, err)
-	case mode == cuda.ComputeExclusiveProcess:
+		return nil, fmt.Errorf("%w: GPU %d (%s): reading its compute mode (cuDeviceGetAttribute): %v", gpu.ErrUnsupported, di.ordinal, di.uuid, err)
+	case mode == driver.ComputeExclusiveProcess:
 		return nil, fmt.Errorf("%w: GPU %d (%s) is in EXCLUSIVE_PROCESS compute mode: only one process may hold a context on it, "+
 			"and the engine holds it, so the sidecar cannot map its memory; set the compute mode to DEFAULT "+
-			"(nvidia-smi -i %d -c DEFAULT, or the GPU operator's compute-mode setting) to use the GPU KV cache", ErrUnsupported, di.ordinal, di.uuid, di.ordinal)
-	case mode == cuda.ComputeProhibited:
-		return nil, fmt.Errorf("%w: GPU %d (%s) is in PROHIBITED compute mode: no process may create a context on it", ErrUnsupported, di.ordinal, di.uuid)
+			"(nvidia-smi -i %d -c DEFAULT, or the GPU operator's compute-mode setting) to use the GPU KV cache", gpu.ErrUnsupported, di.ordinal, di.uuid, di.ordinal)
+	case mode == driver.ComputeProhibited:
+		return nil, fmt.Errorf("%w: GPU %d (%s) is in PROHIBITED compute mode: no process may create a context on it", gpu.ErrUnsupported, di.ordinal, di.uuid)
 	}
 	d := &cudaDevice{e: e, info: di, jobs: make(chan *cudaJob, e.queue), calls: make(chan func()),
 		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}, ipcEvent: map[ipcEventKey]*ipcEvent{}}
@@ -716,11 +726,11 @@ func (e *CUDA) device(di cudaDevInfo) (*cudaDevice, error) {
 // locked to its OS thread with the device's primary context current. All
 // driver calls for the device run on it.
 type cudaDevice struct {
-	e           *CUDA
+	e           *Engine
 	info        cudaDevInfo
-	ctx         cuda.Context
-	load, store cuda.Stream
-	events      []cuda.Event
+	ctx         driver.Context
+	load, store driver.Stream
+	events      []driver.Event
 	jobs        chan *cudaJob
 	calls       chan func()
 	quit        chan struct{}
@@ -736,7 +746,7 @@ type cudaDevice struct {
 	loads, stores []*cudaJob // issued, in stream order
 }
 
-// failed returns the device's failure (wrapping ErrDeviceFailed), or nil.
+// failed returns the device's failure (wrapping gpu.ErrDeviceFailed), or nil.
 func (d *cudaDevice) failed() error {
 	if p := d.fault.Load(); p != nil {
 		return *p
@@ -752,9 +762,9 @@ func (d *cudaDevice) markFailed(cause error) {
 	if d.failed() != nil {
 		return
 	}
-	code := cuda.Code(cause)
+	code := driver.Code(cause)
 	err := fmt.Errorf("%w: GPU %d (%s): %w: the sidecar's CUDA context on this GPU is unusable (a sticky error); "+
-		"nothing more is issued on it and every copy on it fails until the sidecar restarts", ErrDeviceFailed, d.info.ordinal, d.info.uuid, code)
+		"nothing more is issued on it and every copy on it fails until the sidecar restarts", gpu.ErrDeviceFailed, d.info.ordinal, d.info.uuid, code)
 	d.fault.Store(&err)
 	for _, q := range []*[]*cudaJob{&d.loads, &d.stores} {
 		for _, j := range *q {
@@ -771,7 +781,7 @@ func (d *cudaDevice) markFailed(cause error) {
 
 // sticky fails j and the device if err carries a sticky code.
 func (d *cudaDevice) sticky(j *cudaJob, err error) bool {
-	if !cuda.Sticky(err) {
+	if !driver.Sticky(err) {
 		return false
 	}
 	d.markFailed(err)
@@ -879,7 +889,7 @@ func (d *cudaDevice) setup() error {
 	if err := d.ctx.SetCurrent(); err != nil {
 		return fmt.Errorf("cuCtxSetCurrent: %w", err)
 	}
-	least, greatest, err := cuda.StreamPriorityRange()
+	least, greatest, err := driver.StreamPriorityRange()
 	if err != nil {
 		return fmt.Errorf("stream priorities: %w", err)
 	}
@@ -888,10 +898,10 @@ func (d *cudaDevice) setup() error {
 	// priorities (loads highest) are kept for kernels a later version
 	// might launch; for copies CUDA documents they have no effect
 	// (cuStreamCreateWithPriority).
-	if d.load, err = cuda.NewStream(greatest); err != nil {
+	if d.load, err = driver.NewStream(greatest); err != nil {
 		return fmt.Errorf("load stream: %w", err)
 	}
-	if d.store, err = cuda.NewStream(least); err != nil {
+	if d.store, err = driver.NewStream(least); err != nil {
 		return fmt.Errorf("store stream: %w", err)
 	}
 	return nil
@@ -903,7 +913,7 @@ func (d *cudaDevice) teardown() {
 		return
 	}
 	for k, m := range d.ipc {
-		cuda.IPCClose(m.ptr)
+		driver.IPCClose(m.ptr)
 		delete(d.ipc, k)
 	}
 	for k, ev := range d.ipcEvent {
@@ -912,7 +922,7 @@ func (d *cudaDevice) teardown() {
 	}
 	if d == d.e.pin {
 		for _, b := range d.e.pinned {
-			cuda.HostUnregister(b)
+			driver.HostUnregister(b)
 		}
 		d.e.pinned = nil
 	}
@@ -935,14 +945,14 @@ func (d *cudaDevice) ipcOpen(key ipcKey) (*ipcMapping, error) {
 		m.refs++
 		return m, nil
 	}
-	p, err := cuda.IPCOpen(key.handle)
+	p, err := driver.IPCOpen(key.handle)
 	if err != nil {
 		return nil, ipcOpenError(key.pid, err)
 	}
-	base, size, err := cuda.AddressRange(p)
+	base, size, err := driver.AddressRange(p)
 	if err != nil || base != p {
-		cuda.IPCClose(p)
-		return nil, fmt.Errorf("%w: the opened allocation's range is unknown (base %#x, opened at %#x): %v", ErrUnsupported, base, p, err)
+		driver.IPCClose(p)
+		return nil, fmt.Errorf("%w: the opened allocation's range is unknown (base %#x, opened at %#x): %v", gpu.ErrUnsupported, base, p, err)
 	}
 	m := &ipcMapping{ptr: p, size: size, refs: 1}
 	d.ipc[key] = m
@@ -955,22 +965,22 @@ func (d *cudaDevice) ipcRelease(key ipcKey) {
 		return
 	}
 	if m.refs--; m.refs == 0 {
-		cuda.IPCClose(m.ptr)
+		driver.IPCClose(m.ptr)
 		delete(d.ipc, key)
 	}
 }
 
 // ipcEventOpen opens key's event once per context and counts its users.
-func (d *cudaDevice) ipcEventOpen(key ipcEventKey) (cuda.Event, error) {
+func (d *cudaDevice) ipcEventOpen(key ipcEventKey) (driver.Event, error) {
 	if ev := d.ipcEvent[key]; ev != nil {
 		ev.refs++
 		return ev.ev, nil
 	}
-	ev, err := cuda.IPCOpenEvent(key.handle)
+	ev, err := driver.IPCOpenEvent(key.handle)
 	if err != nil {
 		return 0, fmt.Errorf("%w: cuIpcOpenEventHandle of pid %d's store event failed: %v (the handle must come from "+
 			"cuIpcGetEventHandle of an event created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, and the event must still exist)",
-			ErrUnsupported, key.pid, err)
+			gpu.ErrUnsupported, key.pid, err)
 	}
 	d.ipcEvent[key] = &ipcEvent{ev: ev, refs: 1}
 	return ev, nil
@@ -991,30 +1001,30 @@ func (d *cudaDevice) ipcEventRelease(key ipcEventKey) {
 func ipcOpenError(pid int, err error) error {
 	var why string
 	switch {
-	case errors.Is(err, cuda.ErrorInvalidValue):
+	case errors.Is(err, driver.ErrorInvalidValue):
 		why = "the handle is not a valid cudaIpcMemHandle_t: corrupted, or stale (the exporter freed the allocation). " +
 			"Memory that legacy CUDA IPC cannot share (virtual-memory-management memory from cuMemCreate, PyTorch's " +
 			"expandable_segments:True or vLLM's sleep-mode allocator) fails earlier, in the engine's cuIpcGetMemHandle"
-	case errors.Is(err, cuda.ErrorInvalidContext):
+	case errors.Is(err, driver.ErrorInvalidContext):
 		why = "the exporter and the sidecar share a pid value in different PID namespaces, or the handle " +
 			"comes from this process (share the pod's PID namespace: shareProcessNamespace: true)"
-	case errors.Is(err, cuda.ErrorMapFailed), errors.Is(err, cuda.ErrorOutOfMemory):
+	case errors.Is(err, driver.ErrorMapFailed), errors.Is(err, driver.ErrorOutOfMemory):
 		why = "the driver could not map the allocation (out of resources, or the exporter has exited)"
-	case errors.Is(err, cuda.ErrorAlreadyMapped):
+	case errors.Is(err, driver.ErrorAlreadyMapped):
 		why = "the allocation is already mapped in this context"
 	default:
 		why = "unexpected driver error"
 	}
-	return fmt.Errorf("%w: cuIpcOpenMemHandle of pid %d's allocation failed: %w: %s", ErrUnsupported, pid, err, why)
+	return fmt.Errorf("%w: cuIpcOpenMemHandle of pid %d's allocation failed: %w: %s", gpu.ErrUnsupported, pid, err, why)
 }
 
-func (d *cudaDevice) event() (cuda.Event, error) {
+func (d *cudaDevice) event() (driver.Event, error) {
 	if n := len(d.events); n > 0 {
 		ev := d.events[n-1]
 		d.events = d.events[:n-1]
 		return ev, nil
 	}
-	return cuda.NewEvent()
+	return driver.NewEvent()
 }
 
 // start issues j's copies and its completion event, unless the device
@@ -1022,7 +1032,7 @@ func (d *cudaDevice) event() (cuda.Event, error) {
 func (d *cudaDevice) start(j *cudaJob) {
 	j.started = time.Now()
 	if j.fence.Raised() {
-		j.fail = fmt.Errorf("%w: CUDA device %d (%s)", ErrFenced, d.info.ordinal, d.info.uuid)
+		j.fail = fmt.Errorf("%w: CUDA device %d (%s)", gpu.ErrFenced, d.info.ordinal, d.info.uuid)
 		d.finish(j)
 		return
 	}
@@ -1031,11 +1041,11 @@ func (d *cudaDevice) start(j *cudaJob) {
 		d.finish(j)
 		return
 	}
-	stream, dir, q := d.store, cuda.DtoH, &d.stores
-	if j.dir == PoolToEngine {
-		stream, dir, q = d.load, cuda.HtoD, &d.loads
+	stream, dir, q := d.store, driver.DtoH, &d.stores
+	if j.dir == gpu.PoolToEngine {
+		stream, dir, q = d.load, driver.HtoD, &d.loads
 	}
-	if j.dir == EngineToPool && j.reg.event != 0 {
+	if j.dir == gpu.EngineToPool && j.reg.event != 0 {
 		// The engine recorded the event after writing the pages: the copies
 		// below read them only once that work is done. The wait is on the
 		// GPU; this thread does not block. Device-to-host copies read their
@@ -1052,7 +1062,7 @@ func (d *cudaDevice) start(j *cudaJob) {
 		j.calls++
 	}
 	batch := d.e.batch.Load()
-	calls, failed, err := cuda.CopyAsync(dir, batch, j.dst, j.src, j.lens, stream)
+	calls, failed, err := driver.CopyAsync(dir, batch, j.dst, j.src, j.lens, stream)
 	if err != nil && batch && batchRejected(err) {
 		// Known driver failures of cuMemcpyBatchAsync: switch to per-range
 		// copies from the first range not enqueued, for good.
@@ -1060,7 +1070,7 @@ func (d *cudaDevice) start(j *cudaJob) {
 			d.e.batchErr.Store(fmt.Errorf("cuMemcpyBatchAsync failed, using per-range copies: %w", err))
 		}
 		var c int
-		c, f, err2 := cuda.CopyAsync(dir, false, j.dst[failed:], j.src[failed:], j.lens[failed:], stream)
+		c, f, err2 := driver.CopyAsync(dir, false, j.dst[failed:], j.src[failed:], j.lens[failed:], stream)
 		calls, failed, err = calls+c, failed+f, err2
 	}
 	j.calls += calls
@@ -1093,7 +1103,7 @@ func (d *cudaDevice) start(j *cudaJob) {
 }
 
 func batchRejected(err error) bool {
-	return errors.Is(err, cuda.ErrorInvalidValue) || errors.Is(err, cuda.ErrorNotSupported) || errors.Is(err, cuda.ErrorNotLoaded)
+	return errors.Is(err, driver.ErrorInvalidValue) || errors.Is(err, driver.ErrorNotSupported) || errors.Is(err, driver.ErrorNotLoaded)
 }
 
 // poll completes the jobs at the head of q whose events have fired (a
@@ -1106,7 +1116,7 @@ func (d *cudaDevice) poll(q *[]*cudaJob) int {
 		if !fired {
 			break
 		}
-		if cuda.Sticky(err) {
+		if driver.Sticky(err) {
 			// Every op issued on the device fails with it, j first.
 			d.markFailed(err)
 			return n + 1
@@ -1127,14 +1137,14 @@ func (d *cudaDevice) poll(q *[]*cudaJob) int {
 }
 
 func (d *cudaDevice) finish(j *cudaJob) {
-	res := Result{Bytes: j.bytes, Ranges: len(j.lens), Calls: j.calls, Queued: j.started.Sub(j.submitted), Elapsed: time.Since(j.started)}
+	res := gpu.Result{Bytes: j.bytes, Ranges: len(j.lens), Calls: j.calls, Queued: j.started.Sub(j.submitted), Elapsed: time.Since(j.started)}
 	if j.fail != nil {
 		res.Bytes = 0
-		res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: j.fail}
+		res.Err = &gpu.CopyError{Dir: j.dir, Region: j.h, Index: -1, Err: j.fail}
 	} else if j.err != nil {
 		res.Bytes = 0
-		res.Err = &CopyError{Dir: j.dir, Region: j.h, Index: -1,
-			Err: fmt.Errorf("%w: CUDA device %d (%s): %w", ErrTransfer, d.info.ordinal, d.info.uuid, j.err)}
+		res.Err = &gpu.CopyError{Dir: j.dir, Region: j.h, Index: -1,
+			Err: fmt.Errorf("%w: CUDA device %d (%s): %w", gpu.ErrTransfer, d.info.ordinal, d.info.uuid, j.err)}
 	}
 	d.e.completions <- cudaCompletion{reg: j.reg, res: res, done: j.done}
 }
