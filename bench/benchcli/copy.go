@@ -8,7 +8,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"github.com/ringside-kv/ringside/gpu/copybench"
+	"github.com/ringside-kv/ringside/bench/copybench"
 	"github.com/ringside-kv/ringside/gpu/gputest"
 	"github.com/ringside-kv/ringside/internal/units"
 )

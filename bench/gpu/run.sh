@@ -96,7 +96,7 @@ if [ "$mode" = dry ]; then
 	# itself runs under the stand-in in gpu/gputest's TestCUDAFakeDriver.
 	conf_args="-test.short"
 else
-	# The targets' rows (gpu/copybench): 32 KiB per-layer ranges and 2 MiB
+	# The targets' rows (bench/copybench): 32 KiB per-layer ranges and 2 MiB
 	# cross-layer blocks up to a 2,048-token prefix of an 8B model (256 MiB:
 	# 8192 and 128 pages), 64 KiB and the 5 MiB slot beside them.
 	copy_args="--page-bytes 32KiB,64KiB,2MiB,5MiB --pages 1,16,128,1024,8192"

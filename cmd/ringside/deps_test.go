@@ -12,10 +12,9 @@ const module = "github.com/ringside-kv/ringside"
 // benchOnly are the trees of packages that only the benchmarks need; the
 // product binary links none of them (they were 35% of it).
 var benchOnly = []string{
-	module + "/bench",         // the drivers, their command line and harness
-	module + "/gpu/copybench", // the copy benchmark
-	module + "/gpu/gputest",   // the GPU test peer
-	"gonum.org",               // plotting, for replay's PNGs
+	module + "/bench",       // the drivers, their command line and harness
+	module + "/gpu/gputest", // the GPU test peer and the benchmarks' memory
+	"gonum.org",             // plotting, for replay's PNGs
 }
 
 // under reports whether package pkg is root or below it.

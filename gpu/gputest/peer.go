@@ -4,7 +4,8 @@
 // the host backend, device memory exported with cudaIpcGetMemHandle for the
 // CUDA backend), reports how to reach it, and fills or dumps it on request.
 // A peer is the test binary or the ringside-bench executable re-executed with
-// PeerEnv set; its entry point is PeerMain. The conformance suite that runs
+// PeerEnv set; its entry point is PeerMain. MapAnon gives benchmarks the
+// anonymous memory of gpu/internal/hostmem. The conformance suite that runs
 // against every backend lives in this package's tests.
 package gputest
 

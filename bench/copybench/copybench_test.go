@@ -74,7 +74,7 @@ func TestCUDABatchedRows(t *testing.T) {
 		t.Skip("no gcc to build the fake driver")
 	}
 	dir := t.TempDir()
-	build := exec.Command(gcc, "-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libcuda.so.1"), "../gputest/testdata/fakecuda.c")
+	build := exec.Command(gcc, "-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libcuda.so.1"), "../../gpu/gputest/testdata/fakecuda.c")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("building the fake driver: %v\n%s", err, out)
 	}

@@ -19,7 +19,6 @@ import (
 	"github.com/ringside-kv/ringside/gpu/cuda"
 	"github.com/ringside-kv/ringside/gpu/gputest"
 	"github.com/ringside-kv/ringside/gpu/host"
-	"github.com/ringside-kv/ringside/gpu/internal/hostmem"
 )
 
 // Config of a run. Zero fields take the defaults.
@@ -133,15 +132,15 @@ func Run(cfg Config) ([]Row, error) {
 	defer peer.Free(exp.ID)
 
 	es := &engineSet{regB: map[uint64]gpu.Handle{}, regP: map[uint64]gpu.Handle{}}
-	if es.poolB, err = hostmem.Map(int(need)); err != nil {
+	if es.poolB, err = gputest.MapAnon(int(need)); err != nil {
 		return nil, err
 	}
-	defer hostmem.Unmap(es.poolB)
+	defer gputest.UnmapAnon(es.poolB)
 	if cfg.Backend == "host" {
-		if es.poolP, err = hostmem.Map(int(need)); err != nil {
+		if es.poolP, err = gputest.MapAnon(int(need)); err != nil {
 			return nil, err
 		}
-		defer hostmem.Unmap(es.poolP)
+		defer gputest.UnmapAnon(es.poolP)
 	}
 	// Touch the pools so that first-touch faults stay out of the rows.
 	for _, p := range [][]byte{es.poolB, es.poolP} {
