@@ -146,18 +146,18 @@ func TestGPUOverlay(t *testing.T) {
 			for _, dt := range gpuDtypeBytes {
 				p := gpuPage(m.layers, m.kvHeads, m.headDim, tp, dt)
 				largest = max(largest, p)
-				if cfg.SlotBytes < p {
-					t.Errorf("--pool.slot-bytes %d is under the %d-byte page of %s at TP=%d with %d-byte KV: the sidecar refuses it", cfg.SlotBytes, p, m.name, tp, dt)
+				if cfg.Machine.SlotBytes < p {
+					t.Errorf("--pool.slot-bytes %d is under the %d-byte page of %s at TP=%d with %d-byte KV: the sidecar refuses it", cfg.Machine.SlotBytes, p, m.name, tp, dt)
 				}
 			}
 		}
 	}
-	if slots := cfg.PoolBytes / cfg.SlotBytes; slots < gpuMinSlots {
-		t.Errorf("--pool.bytes %d holds %d slots of %d bytes; want at least %d blocks", cfg.PoolBytes, slots, cfg.SlotBytes, gpuMinSlots)
+	if slots := cfg.PoolBytes / cfg.Machine.SlotBytes; slots < gpuMinSlots {
+		t.Errorf("--pool.bytes %d holds %d slots of %d bytes; want at least %d blocks", cfg.PoolBytes, slots, cfg.Machine.SlotBytes, gpuMinSlots)
 	}
 	// A slot much larger than every page wastes most of the pool.
-	if cfg.SlotBytes > 2*largest {
-		t.Errorf("--pool.slot-bytes %d is over twice the largest listed page (%d)", cfg.SlotBytes, largest)
+	if cfg.Machine.SlotBytes > 2*largest {
+		t.Errorf("--pool.slot-bytes %d is over twice the largest listed page (%d)", cfg.Machine.SlotBytes, largest)
 	}
 	if p := sc.StartupProbe; p == nil {
 		t.Errorf("the sidecar has no startup probe")

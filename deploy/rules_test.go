@@ -808,7 +808,7 @@ func (c *checker) checkKVConfig(p *podSpec, en *corev1.Container, cfg sidecar.Co
 // pool (tmpfs pages it writes are charged to it), its session rings, the
 // process and its per-slot index.
 func sidecarMemory(cfg sidecar.Config) int64 {
-	slots := cfg.PoolBytes / cfg.SlotBytes
+	slots := cfg.PoolBytes / cfg.Machine.SlotBytes
 	return int64(cfg.PoolBytes + ringBytes(cfg) + sidecarOverhead + perSlotOverhead*slots)
 }
 

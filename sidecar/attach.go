@@ -98,7 +98,7 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 	}
 	rep := &schema.AttachReply{
 		Status: schema.OK, Namespace: ss.ns, Session: uint64(ss.id), Epoch: s.epoch,
-		PoolSlots: uint64(s.cfg.PoolBytes / s.cfg.SlotBytes), SlotBytes: uint32(s.cfg.SlotBytes),
+		PoolSlots: uint64(s.cfg.PoolBytes / s.cfg.Machine.SlotBytes), SlotBytes: uint32(s.cfg.Machine.SlotBytes),
 		MaxPayload: uint32(ss.sub.MaxPayload()), SubmissionRing: ss.sub.Path(), CompletionRing: ss.cmp.Path(),
 	}
 	if err := reply(rep, []int{ss.sub.FD(), ss.cmp.FD()}); err != nil {

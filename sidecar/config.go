@@ -12,22 +12,24 @@ import (
 	"time"
 
 	"github.com/ringside-kv/ringside/ring"
+	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
 // Config configures a Server. The zero value of each field means its
 // default; EnsureDefaults fills them in and Validate reports every bad
-// setting at once.
+// setting at once, each naming its flag. The Machine's settings (slots,
+// budgets, leases, quotas, copy chunks) and the shared tier's are nested,
+// each defined and defaulted once, in the package that uses it.
 type Config struct {
 	// Dir holds the socket, the rings and the pool file.
 	Dir string
 	// Socket is the attach socket's path. Default Dir/ringside.sock.
 	Socket string
 	// PoolBytes is the size of the shared-memory block pool. Zero means
-	// auto: 1 GiB, or half of the free space in Dir if that is less.
+	// auto: DefaultPoolBytes, or half of the free space in Dir if that is
+	// less. Its slots are Machine.SlotBytes each.
 	PoolBytes uint64
-	// SlotBytes is the size of one pool slot: one rank's shard of one
-	// block. An engine page must not be larger.
-	SlotBytes uint64
 	// PoolReserve allocates and maps in every page of the pool at start
 	// (shm.Mapping.Reserve): the whole pool is charged to the sidecar's
 	// memory and the mount now, so a limit or a mount too small for it
@@ -35,18 +37,14 @@ type Config struct {
 	// takes a first-touch page fault. Off, the pool file is sparse. The
 	// zero value is off; `ringside serve` defaults to on (--pool.reserve).
 	PoolReserve bool
-	// Budget is the bytes an engine instance may have admitted for loading
-	// at once; queries over it wait in state Waiting.
-	Budget int64
-	// LeaseTTL is the default lease time-to-live; MaxLeaseTTL bounds what a
-	// client may ask for.
-	LeaseTTL    time.Duration
-	MaxLeaseTTL time.Duration
-	// WriteTimeout bounds how long a block may stay half-written.
+	// WriteTimeout bounds how long a block may stay half-written
+	// (cache.DefaultWriteTimeout).
 	WriteTimeout time.Duration
 	// RingCapacity is the data capacity of each session ring.
 	RingCapacity uint64
-	// Spin is the ring wait spin budget; Yield follows it.
+	// Spin is the ring wait spin budget; Yield follows it. Zero is no
+	// spinning (or yielding); `ringside serve` defaults to
+	// ring.DefaultWait's.
 	Spin  time.Duration
 	Yield time.Duration
 	// CopyBackend: "auto", "host" or "cuda".
@@ -55,29 +53,15 @@ type Config struct {
 	// host regions in flight.
 	CopyWorkers int
 	// MetricsAddr serves /metrics, /healthz, /readyz and /debug/state;
-	// empty disables it.
+	// empty disables it (`ringside serve` defaults to DefaultMetricsAddr).
 	MetricsAddr string
 	// AllowUIDs may attach besides the sidecar's own uid.
 	AllowUIDs []uint32
 	// GroupAccess makes rings and the pool group read-write (mode 0660).
 	GroupAccess bool
-	// MaxSessions bounds concurrent sessions.
-	MaxSessions int
-	// MaxBatches bounds the hash batches of one engine instance, and
-	// MaxBatchHashes the length of one batch.
-	MaxBatches     int
-	MaxBatchHashes int
-	// MaxHashBytes bounds the digest bytes all batches of one engine
-	// instance hold together (default 256 MiB).
-	MaxHashBytes int
-	// MaxLeases bounds the live leases (queries) of one session.
-	MaxLeases int
-	// DeltaLogSize is each namespace's change-log length (power of two).
+	// DeltaLogSize is each namespace's change-log length, a power of two
+	// (cache.DefaultDeltaLogSize).
 	DeltaLogSize int
-	// SnapshotScan bounds the pool slots one Snapshot page scans (under
-	// the sidecar's lock), default 16,384: a page of a large, sparse pool
-	// may then hold few digests, or none.
-	SnapshotScan int
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration
 	// PrefillBlocks fills the index with this many synthetic blocks of a
@@ -92,62 +76,46 @@ type Config struct {
 
 	// MemoryLimit is the memory the sidecar may use in all (0: its
 	// cgroup's limit, when it has one). With a limit, the Go heap's soft
-	// limit (GOMEMLIMIT, unless set in the environment) and the metadata
-	// and ring bounds below default to shares of what the pool leaves.
+	// limit (GOMEMLIMIT, unless set in the environment) and the Machine's
+	// MetaBytes and RingBytes default to shares of what the pool leaves.
 	MemoryLimit int64
-	// MetaBytes bounds the metadata of all clients together (hash batches,
-	// queries, regions, copies in flight, sessions, instances, namespaces,
-	// change logs); RingBytes the shared memory of all sessions' rings and
-	// reply queues. Zero: 30% and 25% of the memory the pool leaves under
-	// MemoryLimit, or 512 MiB and 1 GiB without a limit.
-	MetaBytes int64
-	RingBytes int64
-	// MaxNamespaces bounds namespaces; an idle one is reclaimed when the
-	// bound is reached.
-	MaxNamespaces int
-	// PinShare is the part of the pool the leases of one uid may pin
-	// (distinct blocks); PendingShare the part one uid may hold in blocks
-	// that some tensor-parallel ranks have not written yet or that fetches
-	// from the shared tier reserved; UIDShare and SessionShare the parts
-	// of MetaBytes (and of RingBytes and MaxSessions, for a uid) one uid
-	// and one session may hold. Zero: the defaults of sidecar/machine.
-	PinShare     float64
-	PendingShare float64
-	UIDShare     float64
-	SessionShare float64
-	// CopyChunkBytes is the largest piece a copy is split into for fair
-	// scheduling between sessions (default 4 MiB); CopyStall how long a
-	// piece may run before it counts as stuck (default 1 s): another
-	// worker then takes its turn, and its session's queued pieces are
-	// cancelled until it returns.
-	CopyChunkBytes uint64
-	CopyStall      time.Duration
-	// CopyCUDAChunkBytes and CopyCUDAInflight are the chunk size and the
-	// chunks in flight per GPU for the regions the CUDA backend serves
-	// (default 64 MiB and 8), in place of CopyChunkBytes and CopyWorkers:
-	// its copies are asynchronous DMA, which costs no CPU while it runs,
-	// so they need large pieces, many at a time, to keep the PCIe link
-	// busy. Each GPU's chunks have a budget of their own, apart from the
-	// host's: a slow host copy never takes a CUDA slot, nor the reverse.
-	// A GPU copies its chunks in flight one after another, so all of them
-	// must fit in CopyStall at PCIe speed, or the last count as stuck.
-	CopyCUDAChunkBytes uint64
-	CopyCUDAInflight   int
+	// CopyStall is how long a copy chunk may run before it counts as
+	// stuck: another worker then takes its turn, and its session's queued
+	// chunks are cancelled until it returns.
+	CopyStall time.Duration
+	// CopyCUDAInflight is the chunks (of Machine.CUDAChunkBytes) in flight
+	// per GPU for the regions the CUDA backend serves, in place of
+	// CopyWorkers: its copies are asynchronous DMA, which costs no CPU
+	// while it runs, so they need large pieces, many at a time, to keep
+	// the PCIe link busy. Each GPU's chunks have a budget of their own,
+	// apart from the host's: a slow host copy never takes a CUDA slot, nor
+	// the reverse. A GPU copies its chunks in flight one after another, so
+	// all of them must fit in CopyStall at PCIe speed, or the last count
+	// as stuck.
+	CopyCUDAInflight int
+
+	// Machine configures the protocol state machine: slot size, admission
+	// budget, leases, quotas and copy chunks. New sets its CUDAIPC,
+	// RegionKind and PoisonSlot. Its MetaBytes and RingBytes left zero
+	// are derived by New from MemoryLimit: 30% and 25% of the memory the
+	// pool leaves, or the Machine's defaults without a limit.
+	Machine machine.Config
 	// L2 is the shared tier (tier.go); nil: off.
 	L2 *L2Config
 }
 
-// Defaults.
+// Defaults of the sidecar's own settings; those of the Machine, the cache
+// and the shared tier are their packages'.
 const (
-	DefaultPoolBytes    = 1 << 30
-	DefaultSlotBytes    = 256 << 10
-	DefaultBudget       = 64 << 20
-	DefaultLeaseTTL     = 30 * time.Second
-	DefaultMaxLeaseTTL  = 5 * time.Minute
-	DefaultWriteTimeout = 30 * time.Second
-	DefaultRingCapacity = 1 << 20
-	DefaultMetricsAddr  = ":9477"
-	DefaultSnapshotScan = 1 << 14
+	DefaultPoolBytes        = 1 << 30
+	DefaultRingCapacity     = 1 << 20
+	DefaultMetricsAddr      = ":9477"
+	DefaultCopyBackend      = "auto"
+	DefaultCopyWorkers      = 2
+	DefaultCopyStall        = time.Second
+	DefaultCopyCUDAInflight = 8
+	DefaultReapInterval     = 100 * time.Millisecond
+	DefaultReplyTimeout     = 2 * time.Second
 )
 
 // The ring capacities the sidecar takes, each a power of two: its own
@@ -166,7 +134,9 @@ func ringCapacityOK(c, maxCap uint64) bool {
 // budget is checked against (PCIe 3.0 x16 moves about 12 GB/s).
 const minPCIeBytesPerSecond = 8e9
 
-// EnsureDefaults fills zero fields with defaults.
+// EnsureDefaults fills zero fields with defaults, the Machine's and the
+// tier's included, except those New derives at start: PoolBytes, and the
+// Machine's MetaBytes and RingBytes.
 func (c *Config) EnsureDefaults() {
 	if c.Dir == "" {
 		c.Dir = ring.DefaultDir
@@ -174,73 +144,76 @@ func (c *Config) EnsureDefaults() {
 	if c.Socket == "" {
 		c.Socket = filepath.Join(c.Dir, "ringside.sock")
 	}
-	if c.SlotBytes == 0 {
-		c.SlotBytes = DefaultSlotBytes
-	}
-	if c.Budget == 0 {
-		c.Budget = DefaultBudget
-	}
-	if c.LeaseTTL == 0 {
-		c.LeaseTTL = DefaultLeaseTTL
-	}
-	if c.MaxLeaseTTL == 0 {
-		c.MaxLeaseTTL = DefaultMaxLeaseTTL
-	}
 	if c.WriteTimeout == 0 {
-		c.WriteTimeout = DefaultWriteTimeout
+		c.WriteTimeout = cache.DefaultWriteTimeout
 	}
 	if c.RingCapacity == 0 {
 		c.RingCapacity = DefaultRingCapacity
 	}
 	if c.CopyBackend == "" {
-		c.CopyBackend = "auto"
+		c.CopyBackend = DefaultCopyBackend
 	}
 	if c.CopyWorkers == 0 {
-		c.CopyWorkers = 2
-	}
-	if c.MaxSessions == 0 {
-		c.MaxSessions = 256
-	}
-	if c.MaxBatches == 0 {
-		c.MaxBatches = 1 << 16
-	}
-	if c.MaxBatchHashes == 0 {
-		c.MaxBatchHashes = 1 << 20
-	}
-	if c.MaxHashBytes == 0 {
-		c.MaxHashBytes = 256 << 20
-	}
-	if c.MaxLeases == 0 {
-		c.MaxLeases = 1 << 16
+		c.CopyWorkers = DefaultCopyWorkers
 	}
 	if c.DeltaLogSize == 0 {
-		c.DeltaLogSize = 1 << 16
-	}
-	if c.SnapshotScan == 0 {
-		c.SnapshotScan = DefaultSnapshotScan
+		c.DeltaLogSize = cache.DefaultDeltaLogSize
 	}
 	if c.ReapInterval == 0 {
-		c.ReapInterval = 100 * time.Millisecond
+		c.ReapInterval = DefaultReapInterval
 	}
 	if c.ReplyTimeout == 0 {
-		c.ReplyTimeout = 2 * time.Second
+		c.ReplyTimeout = DefaultReplyTimeout
 	}
 	c.HTTP.ensureDefaults()
-	if c.MaxNamespaces == 0 {
-		c.MaxNamespaces = 1024
-	}
-	if c.CopyChunkBytes == 0 {
-		c.CopyChunkBytes = 4 << 20
-	}
 	if c.CopyStall == 0 {
-		c.CopyStall = time.Second
-	}
-	if c.CopyCUDAChunkBytes == 0 {
-		c.CopyCUDAChunkBytes = 64 << 20
+		c.CopyStall = DefaultCopyStall
 	}
 	if c.CopyCUDAInflight == 0 {
-		c.CopyCUDAInflight = 8
+		c.CopyCUDAInflight = DefaultCopyCUDAInflight
 	}
+	meta, rings := c.Machine.MetaBytes, c.Machine.RingBytes
+	c.Machine.EnsureDefaults()
+	c.Machine.MetaBytes, c.Machine.RingBytes = meta, rings // zero: New's (memoryBudget)
+	if c.L2 != nil {
+		c.L2.EnsureDefaults()
+	}
+}
+
+// machineFlags names the flag of each Machine field that has one, for the
+// Machine's FieldErrors.
+var machineFlags = map[string]string{
+	"SlotBytes": "pool.slot-bytes", "Budget": "budget", "LeaseTTL": "lease.ttl", "MaxLeaseTTL": "lease.max-ttl",
+	"SnapshotScan": "snapshot-scan", "ChunkBytes": "copy.chunk-bytes", "CUDAChunkBytes": "copy.cuda-chunk-bytes",
+	"MaxSessions": "max-sessions", "MetaBytes": "limits.metadata-bytes", "RingBytes": "limits.ring-bytes",
+	"MaxNamespaces": "limits.namespaces", "PinShare": "limits.pin-share", "PendingShare": "limits.pending-share",
+	"UIDShare": "limits.uid-share", "SessionShare": "limits.session-share",
+	// L2Config's
+	"Policy": "l2.policy", "WriteSlots": "l2.write-slots", "EvictAhead": "l2.evict-ahead",
+	"MaxLookupBlocks": "l2.max-lookup-blocks", "MaxFetchBlocks": "l2.max-fetch-blocks",
+}
+
+// flagErrors returns the errors err joins, each of the Machine's
+// FieldErrors as the flag's error.
+func flagErrors(err error) []error {
+	if err == nil {
+		return nil
+	}
+	errs := []error{err}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = j.Unwrap()
+	}
+	out := make([]error, 0, len(errs))
+	for _, e := range errs {
+		var fe *machine.FieldError
+		if errors.As(e, &fe) {
+			if flag, ok := machineFlags[fe.Field]; ok {
+				e = fmt.Errorf("--%s: %s", flag, fe.Problem)
+			}
+		}
+		out = append(out, e)
+	}
+	return out
 }
 
 // Validate reports every bad setting, each naming its flag.
@@ -255,20 +228,15 @@ func (c *Config) Validate() error {
 	if len(c.Socket) > 100 {
 		bad("socket", "path %q is longer than a Unix socket path may be", c.Socket)
 	}
-	if c.SlotBytes < 4096 || c.SlotBytes > 1<<30 || c.SlotBytes%64 != 0 {
-		bad("pool.slot-bytes", "%d must be a multiple of 64 in [4 KiB, 1 GiB]", c.SlotBytes)
+	slot := c.Machine.SlotBytes
+	if slot < 4096 || slot > 1<<30 || slot%64 != 0 {
+		bad("pool.slot-bytes", "%d must be a multiple of 64 in [4 KiB, 1 GiB]", slot)
 	}
-	if c.PoolBytes != 0 && c.SlotBytes > 0 && c.PoolBytes/max(c.SlotBytes, 1) < 16 {
-		bad("pool.bytes", "%d holds fewer than 16 slots of %d bytes", c.PoolBytes, c.SlotBytes)
+	if c.PoolBytes != 0 && slot > 0 && c.PoolBytes/max(slot, 1) < 16 {
+		bad("pool.bytes", "%d holds fewer than 16 slots of %d bytes", c.PoolBytes, slot)
 	}
 	if c.PoolBytes > 1<<40 {
 		bad("pool.bytes", "%d is over 1 TiB", c.PoolBytes)
-	}
-	if c.Budget <= 0 {
-		bad("budget", "%d must be positive", c.Budget)
-	}
-	if c.LeaseTTL <= 0 || c.LeaseTTL > c.MaxLeaseTTL {
-		bad("lease.ttl", "%v must be positive and at most --lease.max-ttl (%v)", c.LeaseTTL, c.MaxLeaseTTL)
 	}
 	if c.WriteTimeout <= 0 {
 		bad("write-timeout", "%v must be positive", c.WriteTimeout)
@@ -287,57 +255,42 @@ func (c *Config) Validate() error {
 	if c.CopyWorkers < 1 || c.CopyWorkers > 64 {
 		bad("copy.workers", "%d outside [1, 64]", c.CopyWorkers)
 	}
-	if c.MaxSessions < 1 {
-		bad("max-sessions", "%d must be positive", c.MaxSessions)
-	}
 	if c.DeltaLogSize <= 0 || c.DeltaLogSize&(c.DeltaLogSize-1) != 0 {
 		bad("delta-log-size", "%d must be a power of two", c.DeltaLogSize)
-	}
-	if c.SnapshotScan < 1 {
-		bad("snapshot-scan", "%d must be positive", c.SnapshotScan)
 	}
 	if c.ReapInterval <= 0 || c.ReplyTimeout <= 0 {
 		bad("reap-interval", "reap interval and reply timeout must be positive")
 	}
 	errs = append(errs, c.HTTP.validate()...)
-	if c.MemoryLimit < 0 || c.MetaBytes < 0 || c.RingBytes < 0 {
-		bad("limits.memory", "memory limits must not be negative")
+	if c.MemoryLimit < 0 {
+		bad("limits.memory", "%d must not be negative", c.MemoryLimit)
 	}
-	if c.MetaBytes != 0 && c.MetaBytes < 1<<20 {
-		bad("limits.metadata-bytes", "%d must be at least 1 MiB", c.MetaBytes)
+	m := c.Machine
+	if m.MetaBytes == 0 {
+		m.MetaBytes = machine.DefaultMetaBytes // derived at start (memoryBudget): at least 1 MiB
 	}
-	if c.RingBytes != 0 && c.RingBytes < 1<<20 {
-		bad("limits.ring-bytes", "%d must be at least 1 MiB", c.RingBytes)
+	if m.RingBytes == 0 {
+		m.RingBytes = machine.DefaultRingBytes
 	}
-	if c.MaxNamespaces < 1 || c.MaxNamespaces > 65535 {
-		bad("limits.namespaces", "%d outside [1, 65535]", c.MaxNamespaces)
-	}
-	for flag, v := range map[string]float64{"limits.pin-share": c.PinShare, "limits.pending-share": c.PendingShare,
-		"limits.uid-share": c.UIDShare, "limits.session-share": c.SessionShare} {
-		if v < 0 || v > 1 {
-			bad(flag, "%v must be in (0, 1] (0: default)", v)
-		}
-	}
-	if c.CopyChunkBytes < 4096 {
-		bad("copy.chunk-bytes", "%d must be at least 4 KiB", c.CopyChunkBytes)
+	errs = append(errs, flagErrors(m.Validate())...)
+	if m.ChunkBytes < 4096 {
+		bad("copy.chunk-bytes", "%d must be at least 4 KiB", m.ChunkBytes)
 	}
 	if c.CopyStall <= 0 {
 		bad("copy.stall", "%v must be positive", c.CopyStall)
 	}
-	if c.CopyCUDAChunkBytes < 4096 || c.CopyCUDAChunkBytes > 1<<30 {
-		bad("copy.cuda-chunk-bytes", "%d outside [4 KiB, 1 GiB]", c.CopyCUDAChunkBytes)
+	if m.CUDAChunkBytes < 4096 || m.CUDAChunkBytes > 1<<30 {
+		bad("copy.cuda-chunk-bytes", "%d outside [4 KiB, 1 GiB]", m.CUDAChunkBytes)
 	}
 	if c.CopyCUDAInflight < 1 || c.CopyCUDAInflight > 64 {
 		bad("copy.cuda-inflight", "%d outside [1, 64]", c.CopyCUDAInflight)
-	} else if queued := c.CopyCUDAChunkBytes * uint64(c.CopyCUDAInflight); c.CopyStall > 0 && float64(queued) > minPCIeBytesPerSecond*c.CopyStall.Seconds() {
+	} else if queued := m.CUDAChunkBytes * uint64(c.CopyCUDAInflight); c.CopyStall > 0 && float64(queued) > minPCIeBytesPerSecond*c.CopyStall.Seconds() {
 		// A GPU copies its chunks one after another (one stream per
 		// direction), so the last one in flight ends after all the others.
-		bad("copy.cuda-inflight", "%d chunks of --copy.cuda-chunk-bytes %d are %d bytes in flight per GPU, more than a PCIe link moves within --copy.stall (%v) at %g GB/s: the last ones would count as stuck", c.CopyCUDAInflight, c.CopyCUDAChunkBytes, queued, c.CopyStall, minPCIeBytesPerSecond/1e9)
+		bad("copy.cuda-inflight", "%d chunks of --copy.cuda-chunk-bytes %d are %d bytes in flight per GPU, more than a PCIe link moves within --copy.stall (%v) at %g GB/s: the last ones would count as stuck", c.CopyCUDAInflight, m.CUDAChunkBytes, queued, c.CopyStall, minPCIeBytesPerSecond/1e9)
 	}
 	if c.L2 != nil {
-		if err := c.L2.validate(); err != nil {
-			errs = append(errs, err)
-		}
+		errs = append(errs, c.L2.validate()...)
 	}
 	return errors.Join(errs...)
 }

@@ -4,10 +4,14 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ringside-kv/ringside/sidecar/l2"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
 func TestConfigValidateReportsEverything(t *testing.T) {
-	c := Config{Dir: "relative", PoolBytes: 10, SlotBytes: 100, Budget: -1, RingCapacity: 1000, CopyBackend: "gpu", CopyWorkers: -1, DeltaLogSize: 3, SnapshotScan: -1}
+	c := Config{Dir: "relative", PoolBytes: 10, RingCapacity: 1000, CopyBackend: "gpu", CopyWorkers: -1, DeltaLogSize: 3,
+		Machine: machine.Config{SlotBytes: 100, Budget: -1, SnapshotScan: -1}}
 	c.EnsureDefaults()
 	err := c.Validate()
 	if err == nil {
@@ -32,8 +36,8 @@ func TestConfigValidateReportsEverything(t *testing.T) {
 func TestConfigCUDACopyBudget(t *testing.T) {
 	def := Config{Dir: "/dev/shm/x"}
 	def.EnsureDefaults()
-	if def.CopyCUDAChunkBytes != 64<<20 || def.CopyCUDAInflight != 8 {
-		t.Fatalf("defaults %d bytes, %d in flight", def.CopyCUDAChunkBytes, def.CopyCUDAInflight)
+	if def.Machine.CUDAChunkBytes != 64<<20 || def.CopyCUDAInflight != 8 {
+		t.Fatalf("defaults %d bytes, %d in flight", def.Machine.CUDAChunkBytes, def.CopyCUDAInflight)
 	}
 	for _, tt := range []struct {
 		name     string
@@ -53,7 +57,7 @@ func TestConfigCUDACopyBudget(t *testing.T) {
 		{"too many in flight", 64 << 20, 65, 0, "--copy.cuda-inflight: 65 outside [1, 64]"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			c := Config{Dir: "/dev/shm/x", CopyCUDAChunkBytes: tt.chunk, CopyCUDAInflight: tt.inflight, CopyStall: tt.stall}
+			c := Config{Dir: "/dev/shm/x", Machine: machine.Config{CUDAChunkBytes: tt.chunk}, CopyCUDAInflight: tt.inflight, CopyStall: tt.stall}
 			c.EnsureDefaults()
 			err := c.Validate()
 			switch {
@@ -63,5 +67,28 @@ func TestConfigCUDACopyBudget(t *testing.T) {
 				t.Fatalf("got %v, want %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestConfigTier: the Machine's deadlines for the shared tier default to
+// the client's plus a margin, the rest to the Machine's defaults, and a bad
+// setting of either side is refused naming its flag.
+func TestConfigTier(t *testing.T) {
+	c := Config{Dir: "/dev/shm/x", L2: &L2Config{Redis: l2.Config{Addrs: []string{"redis:6379"}, LookupTimeout: time.Second}}}
+	c.EnsureDefaults()
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	tier := c.L2.Tier
+	if tier.Timeout != time.Second+l2LookupMargin || tier.FetchTimeout != l2.DefaultIOTimeout+l2FetchMargin ||
+		tier.MaxLookupBlocks != machine.DefaultL2MaxBlocks || tier.MaxFetchBlocks != machine.DefaultL2MaxBlocks || tier.WriteSlots != 0 {
+		t.Fatalf("tier defaults %+v", tier)
+	}
+	c.L2.Tier.WriteSlots, c.L2.Tier.MaxFetchBlocks, c.L2.Redis.Mode = -1, -2, "ring"
+	err := c.Validate()
+	for _, want := range []string{"--l2.write-slots: -1 must not be negative", "--l2.max-fetch-blocks: -2 must not be negative", "--l2.redis.mode"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("error lacks %q: %v", want, err)
+		}
 	}
 }

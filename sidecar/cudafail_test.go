@@ -22,6 +22,7 @@ import (
 	"github.com/ringside-kv/ringside/gpu/gputest"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
 const (
@@ -76,7 +77,7 @@ func TestCUDADeviceFailure(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, SlotBytes: slot, RingCapacity: 64 << 10,
+	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}, RingCapacity: 64 << 10,
 		CopyBackend: "cuda", MetricsAddr: addr}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)

@@ -108,7 +108,9 @@ func TestDeviceFailedExits(t *testing.T) {
 	deviceFailDrain = 200 * time.Millisecond
 	addr := freeAddr(t)
 	dir := filepath.Join(t.TempDir(), "d")
-	srv, err := New(Config{Dir: dir, PoolBytes: 64 * 4096, SlotBytes: 4096, CopyBackend: "host", MetricsAddr: addr}, zerolog.Nop())
+	cfg := Config{Dir: dir, PoolBytes: 64 * 4096, CopyBackend: "host", MetricsAddr: addr}
+	cfg.Machine.SlotBytes = 4096
+	srv, err := New(cfg, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
 func TestCheckDir(t *testing.T) {
@@ -70,7 +72,7 @@ func TestCheckDir(t *testing.T) {
 // the first has stopped, New succeeds again.
 func TestDirLockInProcess(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "d")
-	cfg := Config{Dir: dir, PoolBytes: 64 * 4096, SlotBytes: 4096, CopyBackend: "host"}
+	cfg := Config{Dir: dir, PoolBytes: 64 * 4096, Machine: machine.Config{SlotBytes: 4096}, CopyBackend: "host"}
 	first, err := New(cfg, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)

@@ -102,7 +102,7 @@ func newMetrics(s *Server) *metrics {
 	counter := func(name, help string, get func(v *view) float64) {
 		f(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { v := read(); return get(&v) }))
 	}
-	slot := float64(s.cfg.SlotBytes)
+	slot := float64(s.cfg.Machine.SlotBytes)
 	gauge("ringside_pool_slots", "Pool capacity in slots.", func(v *view) float64 { return float64(v.st.Capacity) })
 	gauge("ringside_pool_slots_free", "Free pool slots.", func(v *view) float64 { return float64(v.st.Free) })
 	gauge("ringside_pool_bytes_used", "Bytes of pool slots in use.", func(v *view) float64 { return float64(v.st.Used) * slot })
@@ -213,7 +213,7 @@ type SessionState struct {
 // State returns a snapshot of the sidecar's live state.
 func (s *Server) State() State {
 	s.mu.Lock()
-	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.SlotBytes,
+	st := State{Epoch: formatEpoch(s.epoch), Dir: s.cfg.Dir, Socket: s.cfg.Socket, Ready: s.ready.Load(), SlotBytes: s.cfg.Machine.SlotBytes,
 		Pool: s.m.Cache().Stats(), Usage: s.m.Usage()}
 	infos := s.m.Sessions()
 	l2c := s.m.L2Counters()

@@ -30,9 +30,9 @@ type realDriver struct {
 func (d *realDriver) Start(c scenario.Config) error {
 	d.h = newHarness(d.t, func(cfg *sidecar.Config) {
 		cfg.PoolBytes = uint64(c.Slots) * c.SlotBytes
-		cfg.SlotBytes = c.SlotBytes
-		cfg.Budget = c.Budget
-		cfg.CopyChunkBytes = c.ChunkBytes
+		cfg.Machine.SlotBytes = c.SlotBytes
+		cfg.Machine.Budget = c.Budget
+		cfg.Machine.ChunkBytes = c.ChunkBytes
 		cfg.RingCapacity = scenario.RingCapacity
 	})
 	return nil

@@ -98,11 +98,11 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	if cfg.PoolBytes == 0 {
 		cfg.PoolBytes = DefaultPoolBytes
 		if ferr == nil && free/2 < cfg.PoolBytes {
-			cfg.PoolBytes = free / 2 / cfg.SlotBytes * cfg.SlotBytes
+			cfg.PoolBytes = free / 2 / cfg.Machine.SlotBytes * cfg.Machine.SlotBytes
 			log.Warn().Uint64("free_bytes", free).Uint64("pool_bytes", cfg.PoolBytes).Msg("small shared-memory mount: pool sized to half of its free space (set --pool.bytes to choose)")
 		}
-		if cfg.PoolBytes/cfg.SlotBytes < 16 {
-			return nil, fmt.Errorf("--pool.bytes: %s has only %d bytes free, not enough for 16 slots of %d bytes", cfg.Dir, free, cfg.SlotBytes)
+		if cfg.PoolBytes/cfg.Machine.SlotBytes < 16 {
+			return nil, fmt.Errorf("--pool.bytes: %s has only %d bytes free, not enough for 16 slots of %d bytes", cfg.Dir, free, cfg.Machine.SlotBytes)
 		}
 	}
 	if ferr == nil && free < cfg.PoolBytes {
@@ -113,12 +113,12 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		sessions: map[machine.SessionID]*session{}, stop: make(chan struct{}), dirLock: lock,
 	}
 	s.outs.New = func() any { return new(machine.Output) }
-	slots := cfg.PoolBytes / cfg.SlotBytes
-	if err := s.memoryBudget(slots * cfg.SlotBytes); err != nil {
+	slots := cfg.PoolBytes / cfg.Machine.SlotBytes
+	if err := s.memoryBudget(slots * cfg.Machine.SlotBytes); err != nil {
 		return nil, err
 	}
 	c, err := cache.New(cache.Config{Capacity: int(slots), DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
-		Epoch: s.epoch, MaxLogBytes: s.cfg.MetaBytes / 4})
+		Epoch: s.epoch, MaxLogBytes: s.cfg.Machine.MetaBytes / 4})
 	if err != nil {
 		return nil, err
 	}
@@ -131,7 +131,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	if err := shm.Unlink(poolPath); err != nil {
 		return nil, err
 	}
-	s.pool, err = shm.Create(poolPath, int(slots*cfg.SlotBytes), cfg.fileMode())
+	s.pool, err = shm.Create(poolPath, int(slots*cfg.Machine.SlotBytes), cfg.fileMode())
 	if err != nil {
 		return nil, fmt.Errorf("pool: %w", err)
 	}
@@ -145,9 +145,9 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 			log.Warn().Str("dir", cfg.Dir).Msg("--pool.reserve: this file system cannot reserve the pool's pages ahead; the pool stays sparse")
 		case err != nil:
 			s.pool.Close()
-			return nil, fmt.Errorf("--pool.reserve: %w: the pool (%d bytes) does not fit; lower --pool.bytes or raise the shared-memory mount's size and the sidecar's memory limit", err, slots*cfg.SlotBytes)
+			return nil, fmt.Errorf("--pool.reserve: %w: the pool (%d bytes) does not fit; lower --pool.bytes or raise the shared-memory mount's size and the sidecar's memory limit", err, slots*cfg.Machine.SlotBytes)
 		default:
-			log.Info().Uint64("pool_bytes", slots*cfg.SlotBytes).Dur("took", time.Since(t0)).Msg("pool reserved")
+			log.Info().Uint64("pool_bytes", slots*cfg.Machine.SlotBytes).Dur("took", time.Since(t0)).Msg("pool reserved")
 		}
 	}
 	// Each budget runs its base number of chunks at once, more only while
@@ -160,22 +160,15 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		return nil, err
 	}
 	s.sched = newScheduler(s.copier, host, cuda, cfg.CopyStall)
-	mcfg := machine.Config{
-		SlotBytes: cfg.SlotBytes, Budget: cfg.Budget, LeaseTTL: cfg.LeaseTTL, MaxLeaseTTL: cfg.MaxLeaseTTL,
-		CUDAIPC: gpu.Supports(s.copier, gpu.CUDAIPC), SnapshotScan: cfg.SnapshotScan,
-		MaxBatches: cfg.MaxBatches, MaxBatchHashes: cfg.MaxBatchHashes, MaxHashBytes: cfg.MaxHashBytes,
-		MaxLeases: cfg.MaxLeases, MetaBytes: s.cfg.MetaBytes, RingBytes: s.cfg.RingBytes, MaxSessions: cfg.MaxSessions,
-		MaxNamespaces: cfg.MaxNamespaces, PinShare: cfg.PinShare, PendingShare: cfg.PendingShare,
-		UIDShare: cfg.UIDShare, SessionShare: cfg.SessionShare, ChunkBytes: cfg.CopyChunkBytes,
-		CUDAChunkBytes: cfg.CopyCUDAChunkBytes, RegionKind: s.sched.kind,
-	}
+	mcfg := s.cfg.Machine // with the memory bounds memoryBudget derived
+	mcfg.CUDAIPC, mcfg.RegionKind = gpu.Supports(s.copier, gpu.CUDAIPC), s.sched.kind
 	if invariants.Enabled {
 		// A freed slot is poisoned: a load that read it after it was freed
 		// (or before a store wrote it) delivers invariants.Poison bytes,
 		// which every byte-checking test notices. On a sparse pool over a
 		// full mount a touch may fault: that slot then stays as it was
 		// (poisoning is a check, not a duty).
-		pool, sb := s.pool.Bytes(), cfg.SlotBytes
+		pool, sb := s.pool.Bytes(), cfg.Machine.SlotBytes
 		mcfg.PoisonSlot = func(slot uint32) {
 			faultSafe(func() { invariants.Mangle(pool[uint64(slot)*sb : uint64(slot+1)*sb]) })
 		}
@@ -186,7 +179,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		return nil, err
 	}
 	if cfg.L2 != nil {
-		s.m.EnableL2(cfg.L2.machineL2())
+		s.m.EnableL2(cfg.L2.Tier)
 		if s.tier, err = l2.New(cfg.L2.Redis, s.pool.Bytes(), log); err != nil {
 			s.closeResources()
 			return nil, err
@@ -215,10 +208,10 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	}
 	os.Chmod(cfg.Socket, cfg.fileMode())
 	s.met = newMetrics(s)
-	log.Info().Str("dir", cfg.Dir).Str("socket", cfg.Socket).Uint64("pool_bytes", slots*cfg.SlotBytes).
-		Uint64("slot_bytes", cfg.SlotBytes).Uint64("slots", slots).Str("copy_backend", s.copier.Name()).
-		Float64("index_bytes_per_slot", c.BytesPerBlock()).Int64("metadata_limit", s.cfg.MetaBytes).
-		Int64("ring_limit", s.cfg.RingBytes).Msg("sidecar ready")
+	log.Info().Str("dir", cfg.Dir).Str("socket", cfg.Socket).Uint64("pool_bytes", slots*cfg.Machine.SlotBytes).
+		Uint64("slot_bytes", cfg.Machine.SlotBytes).Uint64("slots", slots).Str("copy_backend", s.copier.Name()).
+		Float64("index_bytes_per_slot", c.BytesPerBlock()).Int64("metadata_limit", s.cfg.Machine.MetaBytes).
+		Int64("ring_limit", s.cfg.Machine.RingBytes).Msg("sidecar ready")
 	return s, nil
 }
 
@@ -232,11 +225,11 @@ func (s *Server) memoryBudget(pool uint64) error {
 		}
 	}
 	if limit == 0 {
-		if s.cfg.MetaBytes == 0 {
-			s.cfg.MetaBytes = machine.DefaultMetaBytes
+		if s.cfg.Machine.MetaBytes == 0 {
+			s.cfg.Machine.MetaBytes = machine.DefaultMetaBytes
 		}
-		if s.cfg.RingBytes == 0 {
-			s.cfg.RingBytes = machine.DefaultRingBytes
+		if s.cfg.Machine.RingBytes == 0 {
+			s.cfg.Machine.RingBytes = machine.DefaultRingBytes
 		}
 		return nil
 	}
@@ -244,18 +237,18 @@ func (s *Server) memoryBudget(pool uint64) error {
 	if left < 64<<20 {
 		return fmt.Errorf("memory limit %d bytes (%s) leaves %d bytes beside the %d-byte pool: at least 64 MiB are needed (raise the limit or lower --pool.bytes)", limit, from, left, pool)
 	}
-	if s.cfg.MetaBytes == 0 {
-		s.cfg.MetaBytes = left * 3 / 10
+	if s.cfg.Machine.MetaBytes == 0 {
+		s.cfg.Machine.MetaBytes = left * 3 / 10
 	}
-	if s.cfg.RingBytes == 0 {
-		s.cfg.RingBytes = left / 4
+	if s.cfg.Machine.RingBytes == 0 {
+		s.cfg.Machine.RingBytes = left / 4
 	}
 	heap := left * 7 / 10
 	if os.Getenv("GOMEMLIMIT") == "" {
 		debug.SetMemoryLimit(heap)
 	}
 	s.log.Info().Int64("memory_limit", limit).Str("from", from).Int64("heap_soft_limit", heap).
-		Int64("metadata_limit", s.cfg.MetaBytes).Int64("ring_limit", s.cfg.RingBytes).Msg("memory budget")
+		Int64("metadata_limit", s.cfg.Machine.MetaBytes).Int64("ring_limit", s.cfg.Machine.RingBytes).Msg("memory budget")
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
 const slot = 4096
@@ -41,7 +42,7 @@ func newHarness(t testing.TB, mod func(*sidecar.Config)) *harness {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	cfg := sidecar.Config{Dir: dir, PoolBytes: 64 * slot, SlotBytes: slot, RingCapacity: 64 << 10, ReapInterval: 5 * time.Millisecond}
+	cfg := sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}, RingCapacity: 64 << 10, ReapInterval: 5 * time.Millisecond}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -134,7 +135,7 @@ func status(err error) schema.Status {
 
 func TestBudgetWaitingAndExpiry(t *testing.T) {
 	// Budget of 4 slots: a lease of 4 blocks fills it; the next waits.
-	h := newHarness(t, func(c *sidecar.Config) { c.Budget = 4 * slot })
+	h := newHarness(t, func(c *sidecar.Config) { c.Machine.Budget = 4 * slot })
 	c := h.dial(nil)
 	src := newRegion(1, 8)
 	c.RegisterRegion(src.reg)
@@ -191,7 +192,7 @@ func TestBudgetWaitingAndExpiry(t *testing.T) {
 // cursor equal to what Lookup answers when blocks are stored and evicted
 // between pages.
 func TestSnapshot(t *testing.T) {
-	h := newHarness(t, func(c *sidecar.Config) { c.SnapshotScan = 8 }) // 64 slots: 8 slots a page
+	h := newHarness(t, func(c *sidecar.Config) { c.Machine.SnapshotScan = 8 }) // 64 slots: 8 slots a page
 	c := h.dial(nil)
 	src := newRegion(1, 64)
 	if err := c.RegisterRegion(src.reg); err != nil {
@@ -452,7 +453,7 @@ func TestStaleRingsRemovedAtStart(t *testing.T) {
 	os.WriteFile(stale, bytes.Repeat([]byte{0xEE}, 8192), 0o600)
 	other := dir + "/notes.txt"
 	os.WriteFile(other, []byte("keep"), 0o600)
-	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, SlotBytes: slot}, zerolog.Nop())
+	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -482,7 +483,7 @@ func TestPrefillIsInvisibleToEngines(t *testing.T) {
 }
 
 func TestQuotas(t *testing.T) {
-	h := newHarness(t, func(c *sidecar.Config) { c.MaxLeases = 3; c.MaxHashBytes = 10 * 32 })
+	h := newHarness(t, func(c *sidecar.Config) { c.Machine.MaxLeases = 3; c.Machine.MaxHashBytes = 10 * 32 })
 	c := h.dial(nil)
 	other := h.dial(func(o *connector.Options) { o.Instance = "bystander" })
 	src := newRegion(1, 4)

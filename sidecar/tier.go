@@ -1,7 +1,6 @@
 package sidecar
 
 import (
-	"fmt"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -12,37 +11,42 @@ import (
 
 // L2Config turns on the shared tier (sidecar/l2, docs/architecture.md,
 // "The shared tier"): a Redis node or cluster every node's sidecar shares.
+// Redis configures the client, Tier the Machine's side: when blocks are
+// written, and the bounds of writes, lookups and fetches.
 type L2Config struct {
 	Redis l2.Config
-	// Policy: machine.WriteThrough (default) or machine.WriteOnEvict.
-	Policy machine.L2Policy
-	// WriteSlots bounds the pool slots that writes queued or running pin
-	// (0: a sixteenth of the pool); EvictAhead is how many blocks at the
-	// LRU's tail write-on-evict keeps written (0: WriteSlots).
-	WriteSlots, EvictAhead int
-	// MaxLookupBlocks and MaxFetchBlocks bound what one lookup asks and one
-	// acquire fetches (0: 4096).
-	MaxLookupBlocks, MaxFetchBlocks int
+	// Tier's Timeout and FetchTimeout left zero are the client's
+	// LookupTimeout and IOTimeout plus a margin, so that the client's own
+	// answer (with its counts) comes first and the Machine's deadlines are
+	// a backstop. New sets Enabled.
+	Tier machine.L2Config
 }
 
-func (c *L2Config) validate() error {
+// The margins of the Machine's deadlines over the client's.
+const (
+	l2LookupMargin = 50 * time.Millisecond
+	l2FetchMargin  = 100 * time.Millisecond
+)
+
+// EnsureDefaults fills zero fields: the client's, then the Machine's.
+func (c *L2Config) EnsureDefaults() {
 	c.Redis.EnsureDefaults()
-	if err := c.Redis.Validate(); err != nil {
-		return err
+	if c.Tier.Timeout == 0 {
+		c.Tier.Timeout = c.Redis.LookupTimeout + l2LookupMargin
 	}
-	if c.WriteSlots < 0 || c.EvictAhead < 0 || c.MaxLookupBlocks < 0 || c.MaxFetchBlocks < 0 {
-		return fmt.Errorf("--l2.write-slots, --l2.evict-ahead, --l2.max-lookup-blocks, --l2.max-fetch-blocks must not be negative")
+	if c.Tier.FetchTimeout == 0 {
+		c.Tier.FetchTimeout = c.Redis.IOTimeout + l2FetchMargin
 	}
-	return nil
+	c.Tier.EnsureDefaults()
 }
 
-// machineL2 is the Machine's side of c. Its deadlines are the client's
-// plus a margin, so that the client's own answer (with its counts) comes
-// first and the Machine's are a backstop.
-func (c *L2Config) machineL2() machine.L2Config {
-	return machine.L2Config{Enabled: true, Policy: c.Policy,
-		Timeout: c.Redis.LookupTimeout + 50*time.Millisecond, FetchTimeout: c.Redis.IOTimeout + 100*time.Millisecond,
-		WriteSlots: c.WriteSlots, EvictAhead: c.EvictAhead, MaxLookupBlocks: c.MaxLookupBlocks, MaxFetchBlocks: c.MaxFetchBlocks}
+// validate returns every bad setting of the tier, each naming its flag.
+func (c *L2Config) validate() []error {
+	var errs []error
+	if err := c.Redis.Validate(); err != nil {
+		errs = append(errs, err)
+	}
+	return append(errs, flagErrors(c.Tier.Validate())...)
 }
 
 // applyL2 carries out the tier's part of an Output: every lookup, fetch
@@ -94,7 +98,7 @@ func (s *Server) l2State(c machine.L2Counters, evictedUnmarked uint64) *L2State 
 	}
 	rc := s.tier.Config()
 	return &L2State{Mode: s.tier.Mode(), Connected: s.tier.Connected(), Addrs: rc.Addrs, TLS: s.cfg.L2.Redis.TLS != nil || s.cfg.L2.Redis.TLSFiles != nil, Prefix: rc.Prefix, TTL: rc.TTL.String(),
-		Policy: s.cfg.L2.Policy.String(), Machine: c, EvictedUnwritten: evictedUnmarked, Client: s.tier.Metrics().Snapshot()}
+		Policy: s.cfg.L2.Tier.Policy.String(), Machine: c, EvictedUnwritten: evictedUnmarked, Client: s.tier.Metrics().Snapshot()}
 }
 
 // l2Metrics registers the tier's series: the client's, and the Machine's

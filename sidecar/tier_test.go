@@ -31,7 +31,7 @@ func withTier(addrs []string, mod func(*sidecar.L2Config)) func(*sidecar.Config)
 		// behaviour, not what these tests check. The test of a slow tier sets
 		// its own (TestL2PausedAndUnreachable's mod).
 		c.L2 = &sidecar.L2Config{Redis: l2.Config{Addrs: addrs, Prefix: fmt.Sprintf("t%d:", time.Now().UnixNano()),
-			LookupTimeout: 10 * time.Second}, WriteSlots: 64}
+			LookupTimeout: 10 * time.Second}, Tier: machine.L2Config{WriteSlots: 64}}
 		if mod != nil {
 			mod(c.L2)
 		}
@@ -260,7 +260,7 @@ func TestL2PausedAndUnreachable(t *testing.T) {
 	srv := redistest.Single(t, redistest.Options{})
 	h := tierHarness(t, []string{srv.Addr}, func(c *sidecar.L2Config) {
 		c.Redis.LookupTimeout, c.Redis.IOTimeout, c.Redis.Writers, c.Redis.Queue = 50*time.Millisecond, 300*time.Millisecond, 1, 2
-		c.WriteSlots = 4
+		c.Tier.WriteSlots = 4
 	})
 	c := h.dial(nil)
 	other := h.dial(func(o *connector.Options) { o.Instance = "other" })
@@ -498,7 +498,7 @@ func TestL2MasterKilledMidReplay(t *testing.T) {
 func TestL2WriteOnEvict(t *testing.T) {
 	srv := redistest.Single(t, redistest.Options{})
 	a := tierHarness(t, []string{srv.Addr}, func(c *sidecar.L2Config) {
-		c.Policy, c.WriteSlots, c.EvictAhead = machine.WriteOnEvict, 4, 4
+		c.Tier.Policy, c.Tier.WriteSlots, c.Tier.EvictAhead = machine.WriteOnEvict, 4, 4
 	})
 	prefix := a.cfg.L2.Redis.Prefix
 	b := tierHarness(t, []string{srv.Addr}, func(c *sidecar.L2Config) { c.Redis.Prefix = prefix })

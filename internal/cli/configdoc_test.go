@@ -82,7 +82,7 @@ func TestServeFlagsMarkdownListsEveryFlag(t *testing.T) {
 		"| `--pool.reserve` | `RINGSIDE_POOL_RESERVE` | `true` | ",
 		"| `--lease.ttl` | `RINGSIDE_LEASE_TTL` | `30s` | ",
 		"| `--socket` | `RINGSIDE_SOCKET` | — | ",
-		"| `--limits.pin-share` | `RINGSIDE_LIMITS_PIN_SHARE` | `0` | ",
+		"| `--limits.pin-share` | `RINGSIDE_LIMITS_PIN_SHARE` | `0.5` | ",
 		"`--group-access`",                        // a flag named in a usage is code
 		"[docs/architecture.md](architecture.md)", // a page, a link
 		"### Shared tier\n",

@@ -14,8 +14,8 @@ func TestServeCUDACopyFlags(t *testing.T) {
 		args []string
 		want []string
 	}{
-		{nil, []string{"CopyCUDAChunkBytes:67108864 ", "CopyCUDAInflight:8 "}},
-		{[]string{"--copy.cuda-chunk-bytes", "128MiB", "--copy.cuda-inflight", "16"}, []string{"CopyCUDAChunkBytes:134217728 ", "CopyCUDAInflight:16 "}},
+		{nil, []string{"CUDAChunkBytes:67108864 ", "CopyCUDAInflight:8 "}},
+		{[]string{"--copy.cuda-chunk-bytes", "128MiB", "--copy.cuda-inflight", "16"}, []string{"CUDAChunkBytes:134217728 ", "CopyCUDAInflight:16 "}},
 	} {
 		app := App()
 		var out bytes.Buffer

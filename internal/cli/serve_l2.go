@@ -17,7 +17,7 @@ import (
 func l2Flags() []cli.Flag {
 	return []cli.Flag{
 		&cli.StringFlag{Name: "l2.redis.addrs", Usage: "shared tier, one for every node's sidecar: comma-separated host:port of a Redis node, or seed nodes of a Redis Cluster (empty: no tier, and any other --l2 flag is an error; docs/architecture.md, \"The shared tier\")", EnvVars: env("l2.redis.addrs")},
-		&cli.StringFlag{Name: "l2.redis.mode", Value: "auto", Usage: "auto (ask the server whether it is a cluster), single or cluster", EnvVars: env("l2.redis.mode")},
+		&cli.StringFlag{Name: "l2.redis.mode", Value: l2.DefaultMode, Usage: "auto (ask the server whether it is a cluster), single or cluster", EnvVars: env("l2.redis.mode")},
 		&cli.StringFlag{Name: "l2.redis.username", Usage: "Redis ACL user (empty: the default user)", EnvVars: env("l2.redis.username")},
 		&cli.StringFlag{Name: "l2.redis.password-file", Usage: "file holding the Redis password (one line; a trailing newline is dropped), read again for each new connection so that a rotated secret takes effect; the password itself is never a flag", EnvVars: env("l2.redis.password-file")},
 		&cli.StringFlag{Name: "l2.redis.password-env", Usage: "name of an environment variable holding the Redis password (the password itself is never a flag)", EnvVars: env("l2.redis.password-env")},
@@ -33,11 +33,11 @@ func l2Flags() []cli.Flag {
 		&cli.IntFlag{Name: "l2.redis.writers", Value: l2.DefaultWriters, Usage: "goroutines writing to the tier", EnvVars: env("l2.redis.writers")},
 		&cli.IntFlag{Name: "l2.redis.write-queue", Value: l2.DefaultQueue, Usage: "writes that may wait for a writer; past it a write is skipped (counted), never slowing a store", EnvVars: env("l2.redis.write-queue")},
 		&cli.IntFlag{Name: "l2.redis.pool-size", Value: l2.DefaultPoolSize, Usage: "connections per Redis node", EnvVars: env("l2.redis.pool-size")},
-		&cli.StringFlag{Name: "l2.policy", Value: "write-through", Usage: "when blocks go to the tier: write-through (when stored) or write-on-evict (the LRU's tail, written ahead of eviction)", EnvVars: env("l2.policy")},
+		&cli.StringFlag{Name: "l2.policy", Value: machine.WriteThrough.String(), Usage: "when blocks go to the tier: write-through (when stored) or write-on-evict (the LRU's tail, written ahead of eviction)", EnvVars: env("l2.policy")},
 		&cli.IntFlag{Name: "l2.write-slots", Usage: "most pool slots writes to the tier may pin at once (0: a sixteenth of the pool); past it writes are skipped (counted), never slowing a store", EnvVars: env("l2.write-slots")},
 		&cli.IntFlag{Name: "l2.evict-ahead", Usage: "write-on-evict: blocks at the LRU's tail kept written (0: --l2.write-slots)", EnvVars: env("l2.evict-ahead")},
-		&cli.IntFlag{Name: "l2.max-lookup-blocks", Usage: "most blocks one lookup asks the tier about (0: 4096)", EnvVars: env("l2.max-lookup-blocks")},
-		&cli.IntFlag{Name: "l2.max-fetch-blocks", Usage: "most blocks one acquire fetches from the tier (0: 4096)", EnvVars: env("l2.max-fetch-blocks")},
+		&cli.IntFlag{Name: "l2.max-lookup-blocks", Value: machine.DefaultL2MaxBlocks, Usage: "most blocks one lookup asks the tier about", EnvVars: env("l2.max-lookup-blocks")},
+		&cli.IntFlag{Name: "l2.max-fetch-blocks", Value: machine.DefaultL2MaxBlocks, Usage: "most blocks one acquire fetches from the tier", EnvVars: env("l2.max-fetch-blocks")},
 	}
 }
 
@@ -58,18 +58,18 @@ func l2Config(c *cli.Context, errs *[]string) *sidecar.L2Config {
 		Mode: c.String("l2.redis.mode"), Username: c.String("l2.redis.username"), Prefix: c.String("l2.redis.prefix"),
 		TTL: c.Duration("l2.redis.ttl"), LookupTimeout: c.Duration("l2.redis.lookup-timeout"), IOTimeout: c.Duration("l2.redis.io-timeout"),
 		Writers: c.Int("l2.redis.writers"), Queue: c.Int("l2.redis.write-queue"), PoolSize: c.Int("l2.redis.pool-size"),
-	}, WriteSlots: c.Int("l2.write-slots"), EvictAhead: c.Int("l2.evict-ahead"),
-		MaxLookupBlocks: c.Int("l2.max-lookup-blocks"), MaxFetchBlocks: c.Int("l2.max-fetch-blocks")}
+	}, Tier: machine.L2Config{WriteSlots: c.Int("l2.write-slots"), EvictAhead: c.Int("l2.evict-ahead"),
+		MaxLookupBlocks: c.Int("l2.max-lookup-blocks"), MaxFetchBlocks: c.Int("l2.max-fetch-blocks")}}
 	for _, a := range strings.Split(addrs, ",") {
 		if a = strings.TrimSpace(a); a != "" {
 			cfg.Redis.Addrs = append(cfg.Redis.Addrs, a)
 		}
 	}
 	switch p := c.String("l2.policy"); p {
-	case "write-through":
-		cfg.Policy = machine.WriteThrough
-	case "write-on-evict":
-		cfg.Policy = machine.WriteOnEvict
+	case machine.WriteThrough.String():
+		cfg.Tier.Policy = machine.WriteThrough
+	case machine.WriteOnEvict.String():
+		cfg.Tier.Policy = machine.WriteOnEvict
 	default:
 		bad("--l2.policy: %q: want write-through or write-on-evict", p)
 	}

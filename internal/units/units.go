@@ -37,3 +37,17 @@ func ParseBytes(s string) (uint64, error) {
 	}
 	return uint64(v), nil
 }
+
+// FormatBytes writes v as ParseBytes reads it, in the largest binary unit
+// that divides it (256KiB, 64MiB, 1GiB), or as plain bytes.
+func FormatBytes(v uint64) string {
+	for _, u := range []struct {
+		shift uint
+		name  string
+	}{{40, "TiB"}, {30, "GiB"}, {20, "MiB"}, {10, "KiB"}} {
+		if v != 0 && v%(1<<u.shift) == 0 {
+			return strconv.FormatUint(v>>u.shift, 10) + u.name
+		}
+	}
+	return strconv.FormatUint(v, 10)
+}

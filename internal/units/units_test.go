@@ -26,3 +26,19 @@ func TestParseBytes(t *testing.T) {
 		}
 	}
 }
+
+func TestFormatBytes(t *testing.T) {
+	for _, tt := range []struct {
+		in   uint64
+		want string
+	}{{0, "0"}, {100, "100"}, {4096, "4KiB"}, {256 << 10, "256KiB"}, {1 << 20, "1MiB"}, {64 << 20, "64MiB"},
+		{3 << 29, "1536MiB"}, {1 << 30, "1GiB"}, {2 << 40, "2TiB"}} {
+		got := FormatBytes(tt.in)
+		if got != tt.want {
+			t.Errorf("FormatBytes(%d) = %q, want %q", tt.in, got, tt.want)
+		}
+		if back, err := ParseBytes(got); err != nil || back != tt.in {
+			t.Errorf("ParseBytes(FormatBytes(%d)) = %d, %v", tt.in, back, err)
+		}
+	}
+}

@@ -74,6 +74,7 @@ type Config struct {
 
 // Defaults.
 const (
+	DefaultMode            = "auto"
 	DefaultPrefix          = "ringside:"
 	DefaultLookupTimeout   = 100 * time.Millisecond
 	DefaultIOTimeout       = 2 * time.Second
@@ -87,7 +88,7 @@ const (
 // EnsureDefaults fills zero fields.
 func (c *Config) EnsureDefaults() {
 	if c.Mode == "" {
-		c.Mode = "auto"
+		c.Mode = DefaultMode
 	}
 	if c.Prefix == "" {
 		c.Prefix = DefaultPrefix

@@ -9,10 +9,12 @@ import (
 )
 
 // Config configures a Machine. Zero fields take their defaults
-// (EnsureDefaults); Validate reports every bad field at once.
+// (EnsureDefaults, the Default* constants); Validate reports every bad
+// field at once. The sidecar's configuration holds one (sidecar.Config's
+// Machine): each of these settings is defined here only.
 type Config struct {
 	// SlotBytes is the size of one pool slot: a region's page size must
-	// not exceed it.
+	// not exceed it (DefaultSlotBytes).
 	SlotBytes uint64
 	// Budget is the bytes an engine instance may have admitted for loading
 	// at once (DefaultBudgetBytes).
@@ -21,7 +23,8 @@ type Config struct {
 	// an Acquire may ask for.
 	LeaseTTL    time.Duration
 	MaxLeaseTTL time.Duration
-	// CUDAIPC reports whether the copy engine serves CUDA IPC regions.
+	// CUDAIPC reports whether the copy engine serves CUDA IPC regions
+	// (the sidecar sets it from its copy engine).
 	CUDAIPC bool
 	// SnapshotScan bounds the pool slots one Snapshot page scans.
 	SnapshotScan int
@@ -37,7 +40,7 @@ type Config struct {
 	// RegionKind reports the kind of the region a registered handle names
 	// (the copy engine's handle, as RegisterDone received it); nil: every
 	// region is host memory. It is called under the caller's lock and must
-	// not call the Machine.
+	// not call the Machine. The sidecar sets it.
 	RegionKind func(gpu.Handle) gpu.Kind
 
 	// Per engine instance.
@@ -83,6 +86,7 @@ type Config struct {
 
 // Defaults.
 const (
+	DefaultSlotBytes      = 256 << 10
 	DefaultLeaseTTL       = 30 * time.Second
 	DefaultMaxLeaseTTL    = 5 * time.Minute
 	DefaultSnapshotScan   = 1 << 14
@@ -117,7 +121,7 @@ func (c *Config) EnsureDefaults() {
 		}
 	}
 	if c.SlotBytes == 0 {
-		c.SlotBytes = 256 << 10
+		c.SlotBytes = DefaultSlotBytes
 	}
 	if c.Budget == 0 {
 		c.Budget = DefaultBudgetBytes
@@ -155,38 +159,60 @@ func (c *Config) EnsureDefaults() {
 	setf(&c.SessionShare, DefaultSessionShare)
 }
 
-// Validate reports every bad field.
+// A FieldError is one bad field of a Config or an L2Config; Validate joins
+// one for each problem.
+type FieldError struct {
+	Field   string // the field's name in Config or L2Config, e.g. "MaxSessions"
+	Problem string // what is wrong with its value, e.g. "0 must be positive"
+}
+
+func (e *FieldError) Error() string { return "machine: " + e.Field + ": " + e.Problem }
+
+// problems collects FieldErrors.
+type problems []error
+
+func (p *problems) add(field, format string, args ...any) {
+	*p = append(*p, &FieldError{Field: field, Problem: fmt.Sprintf(format, args...)})
+}
+
+// Validate reports every bad field, each as a *FieldError.
 func (c *Config) Validate() error {
-	var errs []error
-	bad := func(format string, args ...any) { errs = append(errs, fmt.Errorf("machine: "+format, args...)) }
+	var p problems
 	if c.SlotBytes == 0 {
-		bad("slot bytes must be positive")
+		p.add("SlotBytes", "must be positive")
 	}
 	if c.Budget <= 0 {
-		bad("budget %d must be positive", c.Budget)
+		p.add("Budget", "%d must be positive", c.Budget)
 	}
 	if c.LeaseTTL <= 0 || c.LeaseTTL > c.MaxLeaseTTL {
-		bad("lease ttl %v must be positive and at most the max ttl %v", c.LeaseTTL, c.MaxLeaseTTL)
+		p.add("LeaseTTL", "%v must be positive and at most the longest lease, %v", c.LeaseTTL, c.MaxLeaseTTL)
 	}
-	for name, v := range map[string]int{"snapshot scan": c.SnapshotScan, "max batches": c.MaxBatches,
-		"max batch hashes": c.MaxBatchHashes, "max hash bytes": c.MaxHashBytes, "max leases": c.MaxLeases,
-		"max regions": c.MaxRegions, "max sessions": c.MaxSessions, "max namespaces": c.MaxNamespaces,
-		"world divisor": c.WorldDivisor} {
-		if v < 1 {
-			bad("%s %d must be positive", name, v)
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"SnapshotScan", c.SnapshotScan}, {"MaxBatches", c.MaxBatches}, {"MaxBatchHashes", c.MaxBatchHashes},
+		{"MaxHashBytes", c.MaxHashBytes}, {"MaxLeases", c.MaxLeases}, {"MaxRegions", c.MaxRegions},
+		{"MaxSessions", c.MaxSessions}, {"WorldDivisor", c.WorldDivisor}} {
+		if f.v < 1 {
+			p.add(f.name, "%d must be positive", f.v)
 		}
 	}
-	if c.MaxNamespaces > 65535 {
-		bad("max namespaces %d over 65535", c.MaxNamespaces)
+	if c.MaxNamespaces < 1 || c.MaxNamespaces > 65535 {
+		p.add("MaxNamespaces", "%d outside [1, 65535]", c.MaxNamespaces)
 	}
-	if c.MetaBytes < 1<<20 || c.RingBytes < 1<<20 {
-		bad("metadata bytes %d and ring bytes %d must be at least 1 MiB", c.MetaBytes, c.RingBytes)
+	if c.MetaBytes < 1<<20 {
+		p.add("MetaBytes", "%d must be at least 1 MiB", c.MetaBytes)
 	}
-	for name, v := range map[string]float64{"pin share": c.PinShare, "pending share": c.PendingShare,
-		"uid share": c.UIDShare, "session share": c.SessionShare} {
-		if !(v > 0 && v <= 1) {
-			bad("%s %v must be in (0, 1]", name, v)
+	if c.RingBytes < 1<<20 {
+		p.add("RingBytes", "%d must be at least 1 MiB", c.RingBytes)
+	}
+	for _, f := range []struct {
+		name string
+		v    float64
+	}{{"PinShare", c.PinShare}, {"PendingShare", c.PendingShare}, {"UIDShare", c.UIDShare}, {"SessionShare", c.SessionShare}} {
+		if !(f.v > 0 && f.v <= 1) {
+			p.add(f.name, "%v must be in (0, 1] (0: default)", f.v)
 		}
 	}
-	return errors.Join(errs...)
+	return errors.Join(p...)
 }

@@ -3,6 +3,7 @@ package machine
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"errors"
 	"slices"
 	"time"
 
@@ -52,13 +53,17 @@ func (p L2Policy) String() string {
 	return "write-through"
 }
 
-// L2Config configures the Machine's side of the shared tier. The zero
-// value is off.
+// L2Config configures the Machine's side of the shared tier. Zero fields
+// take their defaults (EnsureDefaults; WriteSlots and EvictAhead when
+// EnableL2 knows the pool's size); Validate reports every bad field.
 type L2Config struct {
+	// Enabled is set by EnableL2: L2Config reports the tier off without it.
 	Enabled bool
 	Policy  L2Policy
 	// Timeout bounds a lookup, FetchTimeout a fetch: one not answered by
 	// then is a miss of the tier (its slots stay reserved until it ends).
+	// Defaults DefaultL2Timeout and DefaultL2FetchTimeout; the sidecar
+	// derives them from its client's own deadlines.
 	Timeout, FetchTimeout time.Duration
 	// WriteSlots bounds the pool slots that writes queued or in flight pin
 	// (each write pins its block's every rank); past it, writes are
@@ -68,7 +73,7 @@ type L2Config struct {
 	// are kept written. Default: WriteSlots.
 	EvictAhead int
 	// MaxLookupBlocks bounds the blocks one lookup asks the tier about, and
-	// MaxFetchBlocks those one acquire fetches (default 4096 each).
+	// MaxFetchBlocks those one acquire fetches (DefaultL2MaxBlocks each).
 	MaxLookupBlocks int
 	MaxFetchBlocks  int
 }
@@ -80,18 +85,14 @@ const (
 	DefaultL2MaxBlocks    = 4096
 )
 
-func (c *L2Config) ensureDefaults(slots int) {
+// EnsureDefaults fills the zero fields whose default does not depend on
+// the pool's size.
+func (c *L2Config) EnsureDefaults() {
 	if c.Timeout == 0 {
 		c.Timeout = DefaultL2Timeout
 	}
 	if c.FetchTimeout == 0 {
 		c.FetchTimeout = DefaultL2FetchTimeout
-	}
-	if c.WriteSlots == 0 {
-		c.WriteSlots = max(slots/16, 1)
-	}
-	if c.EvictAhead == 0 {
-		c.EvictAhead = c.WriteSlots
 	}
 	if c.MaxLookupBlocks == 0 {
 		c.MaxLookupBlocks = DefaultL2MaxBlocks
@@ -99,6 +100,39 @@ func (c *L2Config) ensureDefaults(slots int) {
 	if c.MaxFetchBlocks == 0 {
 		c.MaxFetchBlocks = DefaultL2MaxBlocks
 	}
+}
+
+// ensureSlots fills WriteSlots and EvictAhead for a pool of slots.
+func (c *L2Config) ensureSlots(slots int) {
+	if c.WriteSlots == 0 {
+		c.WriteSlots = max(slots/16, 1)
+	}
+	if c.EvictAhead == 0 {
+		c.EvictAhead = c.WriteSlots
+	}
+}
+
+// Validate reports every bad field, each as a *FieldError.
+func (c *L2Config) Validate() error {
+	var p problems
+	if c.Policy != WriteThrough && c.Policy != WriteOnEvict {
+		p.add("Policy", "%d is no policy", c.Policy)
+	}
+	if c.Timeout < 0 {
+		p.add("Timeout", "%v must not be negative", c.Timeout)
+	}
+	if c.FetchTimeout < 0 {
+		p.add("FetchTimeout", "%v must not be negative", c.FetchTimeout)
+	}
+	for _, f := range []struct {
+		name string
+		v    int
+	}{{"WriteSlots", c.WriteSlots}, {"EvictAhead", c.EvictAhead}, {"MaxLookupBlocks", c.MaxLookupBlocks}, {"MaxFetchBlocks", c.MaxFetchBlocks}} {
+		if f.v < 0 {
+			p.add(f.name, "%d must not be negative", f.v)
+		}
+	}
+	return errors.Join(p...)
 }
 
 // L2Namespace names a namespace in the tier: what its keys and its values'
@@ -252,7 +286,8 @@ const (
 // EnableL2 turns the shared tier on (before any session attaches).
 func (m *Machine) EnableL2(c L2Config) {
 	c.Enabled = true
-	c.ensureDefaults(m.slots)
+	c.EnsureDefaults()
+	c.ensureSlots(m.slots)
 	m.l2 = &l2State{cfg: c, lookups: map[uint64]*l2Lookup{}, fetches: map[uint64]*l2Fetch{}, byLease: map[uint64]*l2Fetch{}, filling: map[string]*l2Fetch{}, stored: map[string]*storeWait{}, writes: map[uint64]*l2Write{}}
 }
 

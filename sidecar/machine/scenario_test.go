@@ -54,9 +54,10 @@ type pure struct {
 func (d *pure) Start(c scenario.Config) error {
 	// The sidecar's configuration with the scenario's settings, mapped to
 	// the Machine's and the cache's as sidecar.New maps them.
-	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes, SlotBytes: c.SlotBytes, Budget: c.Budget, CopyChunkBytes: c.ChunkBytes}
+	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes,
+		Machine: machine.Config{SlotBytes: c.SlotBytes, Budget: c.Budget, ChunkBytes: c.ChunkBytes}}
 	cfg.EnsureDefaults()
-	d.slotBytes, d.chunk = cfg.SlotBytes, cfg.CopyChunkBytes
+	d.slotBytes, d.chunk = cfg.Machine.SlotBytes, cfg.Machine.ChunkBytes
 	d.pool = make([]byte, c.Slots*int(c.SlotBytes))
 	for i := range d.pool {
 		d.pool[i] = poisonB
@@ -66,18 +67,13 @@ func (d *pure) Start(c scenario.Config) error {
 	if err != nil {
 		return err
 	}
-	mcfg := machine.Config{
-		SlotBytes: cfg.SlotBytes, Budget: cfg.Budget, LeaseTTL: cfg.LeaseTTL, MaxLeaseTTL: cfg.MaxLeaseTTL,
-		SnapshotScan: cfg.SnapshotScan, MaxBatches: cfg.MaxBatches, MaxBatchHashes: cfg.MaxBatchHashes,
-		MaxHashBytes: cfg.MaxHashBytes, MaxLeases: cfg.MaxLeases, MetaBytes: machine.DefaultMetaBytes,
-		RingBytes: machine.DefaultRingBytes, MaxSessions: cfg.MaxSessions, MaxNamespaces: cfg.MaxNamespaces,
-		ChunkBytes: cfg.CopyChunkBytes,
-		PoisonSlot: func(slot uint32) {
-			s := d.pool[uint64(slot)*d.slotBytes : uint64(slot+1)*d.slotBytes]
-			for i := range s {
-				s[i] = poisonB
-			}
-		},
+	mcfg := cfg.Machine
+	mcfg.MetaBytes, mcfg.RingBytes = machine.DefaultMetaBytes, machine.DefaultRingBytes
+	mcfg.PoisonSlot = func(slot uint32) {
+		s := d.pool[uint64(slot)*d.slotBytes : uint64(slot+1)*d.slotBytes]
+		for i := range s {
+			s[i] = poisonB
+		}
 	}
 	d.m, err = machine.New(mcfg, cc)
 	d.mem, d.regions, d.nextBase = map[uint64][]byte{}, map[gpu.Handle]gpu.Region{}, baseAddr
