@@ -127,18 +127,7 @@ func (c *Cache) AcquireCharged(ns NamespaceID, rank int, digests []byte, owner S
 	if err != nil {
 		return Lease{}, false, err
 	}
-	if ch.Key != 0 && ch.Limit > 0 {
-		have, room := c.pinKey[ch.Key], ch.Limit-c.pinByKey[ch.Key]
-		for i, h := range heads {
-			if have[h] == 0 {
-				if room < n.world {
-					heads, short = heads[:i], true
-					break
-				}
-				room -= n.world
-			}
-		}
-	}
+	heads, short = c.fitPins(ch.Key, ch.Limit, heads, n.world)
 	if len(heads) == 0 {
 		return Lease{}, short, nil
 	}
@@ -187,6 +176,25 @@ func (c *Cache) newLease(owner SessionID, key uint32, open bool, heads []uint32,
 	o.leases = li
 	c.leaseByID[r.id] = li
 	return r.id
+}
+
+// fitPins cuts heads before the first block whose pin would take key past
+// limit slots (key 0 or limit 0: no bound), a block key pins already costing
+// nothing and any other world slots; short reports a cut.
+func (c *Cache) fitPins(key uint32, limit int, heads []uint32, world int) (_ []uint32, short bool) {
+	if key == 0 || limit <= 0 {
+		return heads, false
+	}
+	have, room := c.pinKey[key], limit-c.pinByKey[key]
+	for i, h := range heads {
+		if have[h] == 0 {
+			if room < world {
+				return heads[:i], true
+			}
+			room -= world
+		}
+	}
+	return heads, false
 }
 
 func (c *Cache) chargePins(key uint32, heads []uint32, world int) {

@@ -90,19 +90,7 @@ func (c *Cache) ExtendLease(id uint64, ns NamespaceID, digests []byte, limit int
 	for _, h := range l.heads {
 		c.done[h] &^= doomedBit
 	}
-	heads := l.heads[start:]
-	if l.key != 0 && limit > 0 {
-		have, room := c.pinKey[l.key], limit-c.pinByKey[l.key]
-		for i, h := range heads {
-			if have[h] == 0 {
-				if room < n.world {
-					heads, short = heads[:i], true
-					break
-				}
-				room -= n.world
-			}
-		}
-	}
+	heads, short := c.fitPins(l.key, limit, l.heads[start:], n.world)
 	for _, h := range heads {
 		if c.aux[h] == math.MaxUint32 {
 			heads = nil
