@@ -110,53 +110,35 @@ const (
 
 // EnsureDefaults fills zero fields with their defaults.
 func (c *Config) EnsureDefaults() {
-	set := func(p *int, v int) {
-		if *p == 0 {
-			*p = v
-		}
+	orDefault(&c.SlotBytes, DefaultSlotBytes)
+	orDefault(&c.Budget, DefaultBudgetBytes)
+	orDefault(&c.LeaseTTL, DefaultLeaseTTL)
+	orDefault(&c.MaxLeaseTTL, DefaultMaxLeaseTTL)
+	orDefault(&c.SnapshotScan, DefaultSnapshotScan)
+	orDefault(&c.ChunkBytes, DefaultChunkBytes)
+	orDefault(&c.CUDAChunkBytes, DefaultCUDAChunkBytes)
+	orDefault(&c.MaxBatches, DefaultMaxBatches)
+	orDefault(&c.MaxBatchHashes, DefaultMaxBatchHashes)
+	orDefault(&c.MaxHashBytes, DefaultMaxHashBytes)
+	orDefault(&c.MaxLeases, DefaultMaxLeases)
+	orDefault(&c.MaxRegions, DefaultMaxRegions)
+	orDefault(&c.MetaBytes, DefaultMetaBytes)
+	orDefault(&c.RingBytes, DefaultRingBytes)
+	orDefault(&c.MaxSessions, DefaultMaxSessions)
+	orDefault(&c.MaxNamespaces, DefaultMaxNamespaces)
+	orDefault(&c.PinShare, DefaultPinShare)
+	orDefault(&c.PendingShare, DefaultPendingShare)
+	orDefault(&c.WorldDivisor, DefaultWorldDivisor)
+	orDefault(&c.UIDShare, DefaultUIDShare)
+	orDefault(&c.SessionShare, DefaultSessionShare)
+}
+
+// orDefault sets *p to def when it is zero.
+func orDefault[T comparable](p *T, def T) {
+	var zero T
+	if *p == zero {
+		*p = def
 	}
-	setf := func(p *float64, v float64) {
-		if *p == 0 {
-			*p = v
-		}
-	}
-	if c.SlotBytes == 0 {
-		c.SlotBytes = DefaultSlotBytes
-	}
-	if c.Budget == 0 {
-		c.Budget = DefaultBudgetBytes
-	}
-	if c.LeaseTTL == 0 {
-		c.LeaseTTL = DefaultLeaseTTL
-	}
-	if c.MaxLeaseTTL == 0 {
-		c.MaxLeaseTTL = DefaultMaxLeaseTTL
-	}
-	set(&c.SnapshotScan, DefaultSnapshotScan)
-	if c.ChunkBytes == 0 {
-		c.ChunkBytes = DefaultChunkBytes
-	}
-	if c.CUDAChunkBytes == 0 {
-		c.CUDAChunkBytes = DefaultCUDAChunkBytes
-	}
-	set(&c.MaxBatches, DefaultMaxBatches)
-	set(&c.MaxBatchHashes, DefaultMaxBatchHashes)
-	set(&c.MaxHashBytes, DefaultMaxHashBytes)
-	set(&c.MaxLeases, DefaultMaxLeases)
-	set(&c.MaxRegions, DefaultMaxRegions)
-	if c.MetaBytes == 0 {
-		c.MetaBytes = DefaultMetaBytes
-	}
-	if c.RingBytes == 0 {
-		c.RingBytes = DefaultRingBytes
-	}
-	set(&c.MaxSessions, DefaultMaxSessions)
-	set(&c.MaxNamespaces, DefaultMaxNamespaces)
-	setf(&c.PinShare, DefaultPinShare)
-	setf(&c.PendingShare, DefaultPendingShare)
-	set(&c.WorldDivisor, DefaultWorldDivisor)
-	setf(&c.UIDShare, DefaultUIDShare)
-	setf(&c.SessionShare, DefaultSessionShare)
 }
 
 // A FieldError is one bad field of a Config or an L2Config; Validate joins

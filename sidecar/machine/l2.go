@@ -88,28 +88,16 @@ const (
 // EnsureDefaults fills the zero fields whose default does not depend on
 // the pool's size.
 func (c *L2Config) EnsureDefaults() {
-	if c.Timeout == 0 {
-		c.Timeout = DefaultL2Timeout
-	}
-	if c.FetchTimeout == 0 {
-		c.FetchTimeout = DefaultL2FetchTimeout
-	}
-	if c.MaxLookupBlocks == 0 {
-		c.MaxLookupBlocks = DefaultL2MaxBlocks
-	}
-	if c.MaxFetchBlocks == 0 {
-		c.MaxFetchBlocks = DefaultL2MaxBlocks
-	}
+	orDefault(&c.Timeout, DefaultL2Timeout)
+	orDefault(&c.FetchTimeout, DefaultL2FetchTimeout)
+	orDefault(&c.MaxLookupBlocks, DefaultL2MaxBlocks)
+	orDefault(&c.MaxFetchBlocks, DefaultL2MaxBlocks)
 }
 
 // ensureSlots fills WriteSlots and EvictAhead for a pool of slots.
 func (c *L2Config) ensureSlots(slots int) {
-	if c.WriteSlots == 0 {
-		c.WriteSlots = max(slots/16, 1)
-	}
-	if c.EvictAhead == 0 {
-		c.EvictAhead = c.WriteSlots
-	}
+	orDefault(&c.WriteSlots, max(slots/16, 1))
+	orDefault(&c.EvictAhead, c.WriteSlots)
 }
 
 // Validate reports every bad field, each as a *FieldError.
