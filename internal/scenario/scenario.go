@@ -1,41 +1,64 @@
 // Package scenario runs the protocol scenarios of testdata/scenarios
 // (their language is documented in testdata/scenarios/README.md) against a
-// Driver: the pure state machine (sidecar/machine's tests) or a real sidecar
-// through the connector (sidecar's tests). The Python driver
+// Driver: the pure state machine (sidecar/machine's tests, over
+// sidecar/machine/machinetest) or real sidecars (sidecar's tests). Both
+// drive their sessions through connector.Client, the pure driver with a
+// transport over the Machine. The Python driver
 // (connector/python/tests/test_scenarios.py) implements the same language;
 // every driver must print exactly the expected output.
+//
+// Like etcd's raft interaction tests, the order of everything the sidecar
+// does on its own (copies, the shared tier's lookups, fetches and writes,
+// the passing of time) is a script line where a driver lets the script
+// order it (Orderer: the pure driver); a file that orders names the
+// drivers that run it.
 //
 // Test support only: nothing in the product imports it.
 package scenario
 
 import (
-	"bytes"
+	"bufio"
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cockroachdb/datadriven"
 
+	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/schema"
 )
 
 // RingCapacity is the data capacity of every session ring in scenarios.
 const RingCapacity = 64 << 10
 
-// Config is the sidecar a scenario runs against (its `sidecar` command).
+// Config is one sidecar (node) of a scenario: its `sidecar` command.
 type Config struct {
 	Slots      int
 	SlotBytes  uint64
 	Budget     int64  // 0: the sidecar's default
 	ChunkBytes uint64 // 0: the sidecar's default
+	// PinShare, PendingShare and SessionShare are the sidecar's --limits
+	// shares, and MetaBytes its metadata bound (0: the defaults).
+	PinShare, PendingShare, SessionShare float64
+	MetaBytes                            int64
+	// Tier is the shared tier, which every node of the scenario with one
+	// shares; nil: none.
+	Tier *TierConfig
+}
+
+// TierConfig is a node's shared tier.
+type TierConfig struct {
+	WriteOnEvict bool // the policy: write-on-evict, or write-through
+	// WriteSlots and EvictAhead are the sidecar's --l2 settings (0: its
+	// defaults).
+	WriteSlots, EvictAhead int
 }
 
 // AttachOptions are an attach request's fields.
@@ -43,11 +66,43 @@ type AttachOptions struct {
 	Instance, Model, Layout, Salt string
 	Role                          uint16
 	Rank, WorldSize, DigestWidth  int
+	// UID names another uid than the driver's own (the pure driver
+	// only); sessions given one name share that uid.
+	UID string
 }
 
 // Pool is what `pool` prints of the cache's counters.
 type Pool struct {
 	Blocks, Pending, Pinned, Leases, Loads, Writers, Used, Free int
+}
+
+// Counters is what `counters` prints: the cache's, the shared tier's (Tier
+// nil: no tier) and, from the pure driver only, the Machine's.
+type Counters struct {
+	StoredSlots                 int
+	Evictions, EvictedUnwritten uint64
+	Tier                        *TierCounters
+	Machine                     *MachineCounters
+}
+
+// TierCounters are a node's counts of the shared tier's traffic
+// (machine.L2Counters).
+type TierCounters struct {
+	Lookups, LookupBlocks, LookupHits, LookupTimeouts                       uint64
+	Fetches, FetchBlocks, Fetched, FetchMisses, FetchTimeouts, FetchNoSpace uint64
+	Writes, WritesSkipped, WritesRefused                                    uint64
+	WritingSlots, PendingLookups, PendingFetches                            int
+}
+
+// MachineCounters are the Machine's own counts (machine.Counters).
+type MachineCounters struct {
+	DiscardedEndedStores, DiscardedExitedStores, DoomedWrites uint64
+}
+
+// Usage is what `usage` prints: what the Machine holds against its limits.
+type Usage struct {
+	Sessions  int
+	MetaBytes int64
 }
 
 // Memory is client memory a region is registered over.
@@ -58,44 +113,55 @@ type Memory interface {
 
 // Driver runs scenarios against one implementation of the protocol.
 type Driver interface {
-	// Start starts the sidecar (once, before anything else).
-	Start(cfg Config) error
-	// Attach attaches a session; a refusal is a *schema.Error.
-	Attach(o AttachOptions) (Session, error)
+	// Name is the driver's name in a file's drivers directive.
+	Name() string
+	// Start starts one sidecar: a node (every `sidecar` command, before
+	// anything else, or the default one).
+	Start(cfg Config) (Node, error)
 	// PID is the process id sessions attach with.
 	PID() int
 	// Memory allocates n zeroed bytes of client memory.
 	Memory(n int) Memory
-	// Pool reports the cache's counters.
-	Pool() (Pool, error)
+	// TierValues is the number of values the shared tier holds.
+	TierValues() (int, error)
 }
 
-// Session is one attached session. Its request methods are those of
-// connector.Client: a refusal is a *schema.Error, anything else fails the
-// scenario.
+// Settler is a driver whose sidecars go on working after a command
+// returns (real ones: the shared tier's writes and fetches run on their
+// own): Settle returns once they are done, so that the next command sees
+// what a driver that carries everything out at once would.
+type Settler interface {
+	Settle() error
+}
+
+// Node is one sidecar.
+type Node interface {
+	// Attach attaches a session; a refusal is a *schema.Error.
+	Attach(o AttachOptions) (Session, error)
+	Pool() (Pool, error)
+	Counters() (Counters, error)
+	Usage() (Usage, error)
+}
+
+// Session is one attached session: requests go through its Client (a
+// refusal is a *schema.Error, anything else fails the scenario).
 type Session interface {
-	PutHashesFlags(batch uint64, digests []byte, flags uint32) (int, error)
-	DropHashes(batch uint64) error
-	Lookup(v schema.View) (int, error)
-	Acquire(v schema.View, ttl time.Duration) (schema.LeaseReply, error)
-	Poll(lease uint64) (schema.LeaseReply, error)
-	Release(lease uint64) error
-	RegisterRegion(r schema.RegisterRegion) error
-	Load(lease uint64, region, first uint32, pages []uint32) (int, error)
-	Store(v schema.View, region uint32, pages []uint32) (schema.StoreReply, error)
-	Changes(epoch, seq uint64, max uint32) (schema.ChangesReply, error)
-	Snapshot(from uint64, max uint32) (schema.SnapshotReply, error)
-	Ping(v uint64) error
-	// Call sends one request and returns its reply payload.
-	Call(typ uint16, payload []byte) ([]byte, error)
-	// Quiet sends one request with seq 0 and returns the status of the
-	// reply it got, if any (replied false: none, as a success gets none).
-	Quiet(typ uint16, payload []byte) (st schema.Status, replied bool, err error)
-	// Detach ends the session cleanly, Abandon as a crashed process: both
-	// return once the sidecar has forgotten the session.
+	Client() *connector.Client
+	// Detach ends the session cleanly (the Client's Close), Abandon as a
+	// crashed process: both return once the sidecar has forgotten it.
 	Detach() error
 	Abandon() error
 }
+
+// The drivers' names.
+const (
+	Pure   = "pure"
+	Go     = "go"
+	Python = "python"
+)
+
+// allDrivers run a file without a drivers directive.
+var allDrivers = []string{Pure, Go, Python}
 
 // Files lists the scenario files of dir.
 func Files(t *testing.T, dir string) []string {
@@ -108,7 +174,43 @@ func Files(t *testing.T, dir string) []string {
 	return files
 }
 
-// RunAll runs every scenario of dir as a subtest, each with a fresh driver.
+// Drivers returns the drivers that run a scenario file: those its
+// `# drivers: a, b` line names (among the comments before its first
+// command), or all of them.
+func Drivers(path string) ([]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" {
+			continue
+		}
+		if !strings.HasPrefix(line, "#") {
+			break
+		}
+		rest, ok := strings.CutPrefix(line, "# drivers:")
+		if !ok {
+			continue
+		}
+		var out []string
+		for _, d := range strings.Split(rest, ",") {
+			d = strings.TrimSpace(d)
+			if d != Pure && d != Go && d != Python {
+				return nil, fmt.Errorf("%s: drivers: unknown driver %q", path, d)
+			}
+			out = append(out, d)
+		}
+		return out, nil
+	}
+	return allDrivers, sc.Err()
+}
+
+// RunAll runs every scenario of dir that names d's driver as a subtest,
+// each with a fresh driver.
 func RunAll(t *testing.T, dir string, newDriver func(t *testing.T) Driver) {
 	for _, f := range Files(t, dir) {
 		t.Run(strings.TrimSuffix(filepath.Base(f), ".txt"), func(t *testing.T) {
@@ -117,10 +219,22 @@ func RunAll(t *testing.T, dir string, newDriver func(t *testing.T) Driver) {
 	}
 }
 
-// Run runs one scenario file against d.
+// Run runs one scenario file against d; a file that does not name d's
+// driver is skipped.
 func Run(t *testing.T, path string, d Driver) {
-	r := &runner{d: d, sessions: map[string]*sess{}, leases: map[string]uint64{}, cursors: map[string]cursor{},
-		names: map[string]string{}, contents: map[[32]byte]string{}, chains: map[string][][32]byte{}}
+	names, err := Drivers(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, n := range names {
+		found = found || n == d.Name()
+	}
+	if !found {
+		t.Skipf("drivers: %s", strings.Join(names, ", "))
+	}
+	r := &runner{d: d, nodes: map[string]*node{}, sessions: map[string]*sess{}, leases: map[string]uint64{},
+		cursors: map[string]cursor{}, names: map[string]string{}, contents: map[[32]byte]string{}, chains: map[string][][32]byte{}}
 	datadriven.RunTest(t, path, func(t *testing.T, td *datadriven.TestData) string {
 		out, err := r.exec(td)
 		if err != nil {
@@ -128,10 +242,21 @@ func Run(t *testing.T, path string, d Driver) {
 		}
 		return out
 	})
+	if len(r.parked) > 0 {
+		var what []string
+		for _, p := range r.parked {
+			what = append(what, p.line)
+		}
+		r.abandonParked()
+		t.Fatalf("requests still unanswered at the end: %s", strings.Join(what, "; "))
+	}
 }
 
 type sess struct {
+	name    string
 	s       Session
+	c       *connector.Client
+	node    *node
 	width   int
 	regions map[uint32]*region
 }
@@ -142,18 +267,26 @@ type region struct {
 	pages     int
 }
 
+type node struct {
+	name string
+	n    Node
+	cfg  Config
+}
+
 type cursor struct{ epoch, seq uint64 }
 
 type runner struct {
 	d        Driver
-	cfg      Config
-	started  bool
+	nodes    map[string]*node
+	first    *node // the node commands without node= name
 	sessions map[string]*sess
 	leases   map[string]uint64
 	cursors  map[string]cursor
 	names    map[string]string     // digest bytes (at any width) -> SEED#I
 	contents map[[32]byte]string   // sha256 of a page's content -> TAG#I
 	chains   map[string][][32]byte // SEED -> its digests so far
+	parked   []*parked             // requests waiting for a reply (order.go)
+	all      []*sess               // every session attached, ended ones too
 }
 
 // args is a command's arguments, each consumed once: an argument the
@@ -161,6 +294,7 @@ type runner struct {
 type args struct {
 	m    map[string]string
 	used map[string]bool
+	keys []string // in the order given
 }
 
 func newArgs(td *datadriven.TestData) (*args, error) {
@@ -177,6 +311,7 @@ func newArgs(td *datadriven.TestData) (*args, error) {
 			v = c.Vals[0]
 		}
 		a.m[c.Key] = v
+		a.keys = append(a.keys, c.Key)
 	}
 	return a, nil
 }
@@ -217,11 +352,33 @@ func (a *args) num(k string, def uint64) (uint64, error) {
 	return n, nil
 }
 
+func (a *args) float(k string) (float64, error) {
+	a.used[k] = true
+	v, ok := a.m[k]
+	if !ok {
+		return 0, nil
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f < 0 || f > 1 {
+		return 0, fmt.Errorf("argument %s=%s: not a number in [0, 1]", k, v)
+	}
+	return f, nil
+}
+
 func (a *args) needNum(k string) (uint64, error) {
 	if _, err := a.need(k); err != nil {
 		return 0, err
 	}
 	return a.num(k, 0)
+}
+
+// word returns the i-th argument if it is a bare word (no value), or "".
+func (a *args) word(i int) string {
+	if i >= len(a.keys) || a.m[a.keys[i]] != "" {
+		return ""
+	}
+	a.used[a.keys[i]] = true
+	return a.keys[i]
 }
 
 func (a *args) done() error {
@@ -252,18 +409,29 @@ func StatusString(st schema.Status) string {
 	return fmt.Sprintf("status %d (%s)", uint32(st), st)
 }
 
+// line is a command as written (for the replies of parked requests).
+func line(td *datadriven.TestData) string {
+	var b strings.Builder
+	b.WriteString(td.Cmd)
+	for _, c := range td.CmdArgs {
+		b.WriteString(" ")
+		b.WriteString(c.String())
+	}
+	return b.String()
+}
+
 func (r *runner) exec(td *datadriven.TestData) (string, error) {
 	a, err := newArgs(td)
 	if err != nil {
 		return "", err
 	}
 	if td.Cmd == "sidecar" {
-		if r.started {
-			return "", errors.New("sidecar must be the first command")
+		if len(r.sessions) > 0 || len(r.parked) > 0 || (r.first != nil && r.first.name == "") {
+			return "", errors.New("sidecar commands come first (and name their node when there are several)")
 		}
 		return r.start(a)
 	}
-	if !r.started {
+	if r.first == nil {
 		if _, err := r.start(&args{m: map[string]string{}, used: map[string]bool{}}); err != nil {
 			return "", err
 		}
@@ -272,8 +440,8 @@ func (r *runner) exec(td *datadriven.TestData) (string, error) {
 	switch td.Cmd {
 	case "attach":
 		out, err = r.attach(a)
-	case "pool":
-		out, err = r.pool()
+	case "pool", "counters", "usage", "tick", "copies", "tier":
+		out, err = r.nodeCommand(td.Cmd, a)
 	default:
 		out, err = r.request(td, a)
 	}
@@ -283,10 +451,32 @@ func (r *runner) exec(td *datadriven.TestData) (string, error) {
 	if err := a.done(); err != nil {
 		return "", err
 	}
+	if st, ok := r.d.(Settler); ok {
+		if err := st.Settle(); err != nil {
+			return "", err
+		}
+	}
+	woke, err := r.wake()
+	if err != nil {
+		return "", err
+	}
+	if woke != "" {
+		if out != "" && !strings.HasSuffix(out, "\n") {
+			out += "\n"
+		}
+		out += woke
+	}
 	return out, nil
 }
 
 func (r *runner) start(a *args) (string, error) {
+	name := a.str("node", "")
+	if _, dup := r.nodes[name]; dup {
+		return "", fmt.Errorf("node %q started twice", name)
+	}
+	if len(r.nodes) > 0 && name == "" {
+		return "", errors.New("several sidecars: each names its node (node=NAME)")
+	}
 	var c Config
 	slots, err := a.num("slots", 64)
 	if err != nil {
@@ -304,14 +494,75 @@ func (r *runner) start(a *args) (string, error) {
 	if c.ChunkBytes, err = a.num("chunk-bytes", 0); err != nil {
 		return "", err
 	}
+	if c.PinShare, err = a.float("pin-share"); err != nil {
+		return "", err
+	}
+	if c.PendingShare, err = a.float("pending-share"); err != nil {
+		return "", err
+	}
+	if c.SessionShare, err = a.float("session-share"); err != nil {
+		return "", err
+	}
+	mb, err := a.num("meta-bytes", 0)
+	if err != nil {
+		return "", err
+	}
+	c.MetaBytes = int64(mb)
+	switch a.str("tier", "off") {
+	case "off":
+		for _, k := range []string{"policy", "write-slots", "evict-ahead"} {
+			if a.has(k) {
+				return "", fmt.Errorf("%s= without tier=on", k)
+			}
+		}
+	case "on":
+		tc := &TierConfig{}
+		switch a.str("policy", "write-through") {
+		case "write-through":
+		case "write-on-evict":
+			tc.WriteOnEvict = true
+		default:
+			return "", errors.New("policy: write-through or write-on-evict")
+		}
+		ws, err := a.num("write-slots", 0)
+		if err != nil {
+			return "", err
+		}
+		ea, err := a.num("evict-ahead", 0)
+		if err != nil {
+			return "", err
+		}
+		tc.WriteSlots, tc.EvictAhead = int(ws), int(ea)
+		c.Tier = tc
+	default:
+		return "", errors.New("tier: on or off")
+	}
 	if err := a.done(); err != nil {
 		return "", err
 	}
-	if err := r.d.Start(c); err != nil {
+	n, err := r.d.Start(c)
+	if err != nil {
 		return "", err
 	}
-	r.cfg, r.started = c, true
+	nd := &node{name: name, n: n, cfg: c}
+	r.nodes[name] = nd
+	if r.first == nil {
+		r.first = nd
+	}
 	return "ok", nil
+}
+
+// nodeOf is the node a command names (node=NAME), or the first one.
+func (r *runner) nodeOf(a *args) (*node, error) {
+	if !a.has("node") {
+		return r.first, nil
+	}
+	name := a.str("node", "")
+	n := r.nodes[name]
+	if n == nil {
+		return nil, fmt.Errorf("no node %q", name)
+	}
+	return n, nil
 }
 
 var roles = map[string]uint16{"client": schema.RoleClient, "scheduler": schema.RoleScheduler, "worker": schema.RoleWorker}
@@ -324,8 +575,12 @@ func (r *runner) attach(a *args) (string, error) {
 	if _, dup := r.sessions[name]; dup {
 		return "", fmt.Errorf("session %s is attached already", name)
 	}
+	nd, err := r.nodeOf(a)
+	if err != nil {
+		return "", err
+	}
 	o := AttachOptions{Instance: a.str("instance", "engine-a"), Model: a.str("model", "llama"),
-		Layout: a.str("layout", "bf16/16/HND"), Salt: a.str("salt", "")}
+		Layout: a.str("layout", "bf16/16/HND"), Salt: a.str("salt", ""), UID: a.str("uid", "")}
 	role, ok := roles[a.str("role", "client")]
 	if !ok {
 		return "", fmt.Errorf("role %q: client, scheduler or worker", a.str("role", ""))
@@ -344,561 +599,14 @@ func (r *runner) attach(a *args) (string, error) {
 		return "", err
 	}
 	o.Rank, o.WorldSize, o.DigestWidth = int(rank), int(world), int(width)
-	s, err := r.d.Attach(o)
+	s, err := nd.n.Attach(o)
 	if err != nil {
 		return errStatus(err)
 	}
-	r.sessions[name] = &sess{s: s, width: o.DigestWidth, regions: map[uint32]*region{}}
+	ss := &sess{name: name, s: s, c: s.Client(), node: nd, width: o.DigestWidth, regions: map[uint32]*region{}}
+	r.sessions[name] = ss
+	r.all = append(r.all, ss)
 	return "ok", nil
-}
-
-func (r *runner) pool() (string, error) {
-	p, err := r.d.Pool()
-	if err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("blocks=%d pending=%d pinned=%d leases=%d loads=%d writers=%d used=%d free=%d",
-		p.Blocks, p.Pending, p.Pinned, p.Leases, p.Loads, p.Writers, p.Used, p.Free), nil
-}
-
-// sessionCommands are the commands of one session (s=NAME).
-var sessionCommands = map[string]bool{
-	"detach": true, "abandon": true, "put": true, "drop": true, "lookup": true, "acquire": true, "poll": true,
-	"release": true, "region": true, "fill": true, "check": true, "store": true, "load": true, "changes": true,
-	"snapshot": true, "ping": true, "raw": true, "send": true,
-}
-
-// request runs a command of one session.
-func (r *runner) request(td *datadriven.TestData, a *args) (string, error) {
-	if !sessionCommands[td.Cmd] {
-		return "", fmt.Errorf("unknown command %q", td.Cmd)
-	}
-	name, err := a.need("s")
-	if err != nil {
-		return "", err
-	}
-	s := r.sessions[name]
-	if s == nil {
-		return "", fmt.Errorf("no session %s", name)
-	}
-	switch td.Cmd {
-	case "detach", "abandon":
-		if td.Cmd == "detach" {
-			err = s.s.Detach()
-		} else {
-			err = s.s.Abandon()
-		}
-		if err != nil {
-			return "", err
-		}
-		delete(r.sessions, name)
-		return "ok", nil
-	case "put":
-		return r.put(s, a)
-	case "drop":
-		b, err := a.needNum("batch")
-		if err != nil {
-			return "", err
-		}
-		if a.has("quiet") {
-			return r.quiet(s, schema.TypeDropHashes, schema.IDRequest{ID: b}.Append(nil))
-		}
-		return okOr(s.s.DropHashes(b))
-	case "lookup":
-		v, err := view(a, true)
-		if err != nil {
-			return "", err
-		}
-		n, err := s.s.Lookup(v)
-		if err != nil {
-			return errStatus(err)
-		}
-		return fmt.Sprintf("hits=%d", n), nil
-	case "acquire":
-		return r.acquire(s, a)
-	case "poll":
-		id, err := r.lease(a)
-		if err != nil {
-			return "", err
-		}
-		l, err := s.s.Poll(id)
-		if err != nil {
-			return errStatus(err)
-		}
-		return fmt.Sprintf("%s blocks=%d", l.State, l.Blocks), nil
-	case "release":
-		id, err := r.lease(a)
-		if err != nil {
-			return "", err
-		}
-		if a.has("quiet") {
-			return r.quiet(s, schema.TypeRelease, schema.IDRequest{ID: id}.Append(nil))
-		}
-		return okOr(s.s.Release(id))
-	case "region":
-		return r.region(s, a)
-	case "fill":
-		return r.fill(s, a)
-	case "check":
-		return r.check(s, a)
-	case "store":
-		return r.store(s, a)
-	case "load":
-		return r.load(s, a)
-	case "changes":
-		return r.changes(s, a)
-	case "snapshot":
-		return r.snapshot(s, a)
-	case "ping":
-		v, err := a.num("v", 0)
-		if err != nil {
-			return "", err
-		}
-		if err := s.s.Ping(v); err != nil {
-			return errStatus(err)
-		}
-		return fmt.Sprintf("pong %d", v), nil
-	case "raw", "send":
-		typ, payload, err := rawRequest(td, a)
-		if err != nil {
-			return "", err
-		}
-		if td.Cmd == "send" {
-			return r.quiet(s, typ, payload)
-		}
-		b, err := s.s.Call(typ, payload)
-		if err != nil {
-			return "", err
-		}
-		if len(b) < 4 {
-			return "", fmt.Errorf("reply of %d bytes has no status", len(b))
-		}
-		return StatusString(schema.Status(binary.LittleEndian.Uint32(b))), nil
-	}
-	return "", fmt.Errorf("unknown command %q", td.Cmd)
-}
-
-func okOr(err error) (string, error) {
-	if err != nil {
-		return errStatus(err)
-	}
-	return "ok", nil
-}
-
-func (r *runner) quiet(s *sess, typ uint16, payload []byte) (string, error) {
-	st, replied, err := s.s.Quiet(typ, payload)
-	if err != nil {
-		return "", err
-	}
-	if !replied {
-		return "no reply", nil
-	}
-	return StatusString(st), nil
-}
-
-func (r *runner) put(s *sess, a *args) (string, error) {
-	b, err := a.needNum("batch")
-	if err != nil {
-		return "", err
-	}
-	spec, err := a.need("d")
-	if err != nil {
-		return "", err
-	}
-	d, err := r.digests(spec, s.width)
-	if err != nil {
-		return "", err
-	}
-	var flags uint32
-	for _, f := range []struct {
-		name string
-		flag uint32
-	}{{"append", schema.FlagAppend}, {"lookup", schema.FlagLookup}, {"replace", schema.FlagReplace}} {
-		if a.has(f.name) {
-			flags |= f.flag
-		}
-	}
-	if a.has("quiet") {
-		m := schema.PutHashes{Batch: b, Flags: flags, Digests: d}
-		return r.quiet(s, schema.TypePutHashes, m.Append(nil, s.width))
-	}
-	n, err := s.s.PutHashesFlags(b, d, flags)
-	if err != nil {
-		return errStatus(err)
-	}
-	if flags&schema.FlagLookup != 0 {
-		return fmt.Sprintf("hits=%d", n), nil
-	}
-	return fmt.Sprintf("len=%d", n), nil
-}
-
-func view(a *args, needCount bool) (schema.View, error) {
-	var v schema.View
-	var err error
-	if v.Batch, err = a.needNum("batch"); err != nil {
-		return v, err
-	}
-	start, err := a.num("start", 0)
-	if err != nil {
-		return v, err
-	}
-	v.Start = uint32(start)
-	if needCount {
-		c, err := a.needNum("count")
-		if err != nil {
-			return v, err
-		}
-		v.Count = uint32(c)
-	}
-	return v, nil
-}
-
-func (r *runner) lease(a *args) (uint64, error) {
-	l, err := a.need("lease")
-	if err != nil {
-		return 0, err
-	}
-	if n, err := strconv.ParseUint(l, 10, 64); err == nil {
-		return n, nil
-	}
-	id, ok := r.leases[l]
-	if !ok {
-		return 0, fmt.Errorf("no lease %s", l)
-	}
-	return id, nil
-}
-
-func (r *runner) acquire(s *sess, a *args) (string, error) {
-	v, err := view(a, true)
-	if err != nil {
-		return "", err
-	}
-	name, err := a.need("as")
-	if err != nil {
-		return "", err
-	}
-	if _, err := strconv.ParseUint(name, 10, 64); err == nil || name == "" {
-		return "", fmt.Errorf("lease name %q: a number names a lease id", name)
-	}
-	ttl, err := a.num("ttl", 0)
-	if err != nil {
-		return "", err
-	}
-	l, err := s.s.Acquire(v, time.Duration(ttl)*time.Second)
-	if err != nil {
-		return errStatus(err)
-	}
-	r.leases[name] = l.Lease
-	if (l.Lease == 0) != (l.State == schema.StateMiss) {
-		return "", fmt.Errorf("lease %d in state %s", l.Lease, l.State)
-	}
-	return fmt.Sprintf("%s blocks=%d", l.State, l.Blocks), nil
-}
-
-func (r *runner) region(s *sess, a *args) (string, error) {
-	id, err := a.needNum("id")
-	if err != nil {
-		return "", err
-	}
-	pages, err := a.needNum("pages")
-	if err != nil {
-		return "", err
-	}
-	pb, err := a.num("page-bytes", r.cfg.SlotBytes)
-	if err != nil {
-		return "", err
-	}
-	declared, err := a.num("declare-pages", pages)
-	if err != nil {
-		return "", err
-	}
-	if pages == 0 || pages > 1<<16 || pb == 0 || pb > 1<<20 {
-		return "", fmt.Errorf("region of %d pages of %d bytes: out of what scenarios allocate", pages, pb)
-	}
-	mem := r.d.Memory(int(pages * pb))
-	reg := schema.RegisterRegion{Region: uint32(id), Kind: schema.RegionHostProcess, PID: uint64(r.d.PID()),
-		Base: mem.Base(), Length: uint64(len(mem.Bytes())), PageSize: pb, PageCount: uint32(declared)}
-	switch a.str("pid", "") {
-	case "":
-	case "other":
-		reg.PID++
-	default:
-		return "", errors.New("pid=other is the only pid")
-	}
-	switch a.str("kind", "host") {
-	case "host":
-	case "cuda":
-		reg.Kind = schema.RegionCUDAIPC
-	default:
-		return "", errors.New("kind: host or cuda")
-	}
-	var st string
-	if a.has("quiet") {
-		st, err = r.quiet(s, schema.TypeRegisterRegion, reg.Append(nil))
-	} else {
-		st, err = okOr(s.s.RegisterRegion(reg))
-	}
-	if err != nil {
-		return "", err
-	}
-	if (st == "ok" || st == "no reply") && s.regions[uint32(id)] == nil {
-		s.regions[uint32(id)] = &region{mem: mem, pageBytes: int(pb), pages: int(pages)}
-	}
-	return st, nil
-}
-
-func (r *runner) memRegion(s *sess, a *args) (*region, error) {
-	id, err := a.needNum("region")
-	if err != nil {
-		return nil, err
-	}
-	rg := s.regions[uint32(id)]
-	if rg == nil {
-		return nil, fmt.Errorf("no region %d registered in this session", id)
-	}
-	return rg, nil
-}
-
-func (r *runner) fill(s *sess, a *args) (string, error) {
-	rg, err := r.memRegion(s, a)
-	if err != nil {
-		return "", err
-	}
-	tag, err := a.need("tag")
-	if err != nil {
-		return "", err
-	}
-	if tag == "" || strings.ContainsAny(tag, "#, ") || tag == "zero" || tag == "unknown" {
-		return "", fmt.Errorf("tag %q", tag)
-	}
-	spec, err := a.need("pages")
-	if err != nil {
-		return "", err
-	}
-	pages, err := PageList(spec)
-	if err != nil {
-		return "", err
-	}
-	for _, p := range pages {
-		if int(p) >= rg.pages {
-			return "", fmt.Errorf("page %d past the region's %d pages", p, rg.pages)
-		}
-		c := Content(tag, int(p), rg.pageBytes)
-		copy(rg.mem.Bytes()[int(p)*rg.pageBytes:], c)
-		r.contents[sha256.Sum256(c)] = fmt.Sprintf("%s#%d", tag, p)
-	}
-	return "ok", nil
-}
-
-func (r *runner) check(s *sess, a *args) (string, error) {
-	rg, err := r.memRegion(s, a)
-	if err != nil {
-		return "", err
-	}
-	var pages []uint32
-	if spec := a.str("pages", ""); a.has("pages") {
-		if pages, err = PageList(spec); err != nil {
-			return "", err
-		}
-	} else {
-		for p := 0; p < rg.pages; p++ {
-			pages = append(pages, uint32(p))
-		}
-	}
-	var b strings.Builder
-	zero := make([]byte, rg.pageBytes)
-	for _, p := range pages {
-		if int(p) >= rg.pages {
-			return "", fmt.Errorf("page %d past the region's %d pages", p, rg.pages)
-		}
-		pg := rg.mem.Bytes()[int(p)*rg.pageBytes : int(p+1)*rg.pageBytes]
-		name := "unknown"
-		if bytes.Equal(pg, zero) {
-			name = "zero"
-		} else if n, ok := r.contents[sha256.Sum256(pg)]; ok {
-			name = n
-		}
-		fmt.Fprintf(&b, "%d: %s\n", p, name)
-	}
-	return b.String(), nil
-}
-
-func (r *runner) store(s *sess, a *args) (string, error) {
-	v, err := view(a, false)
-	if err != nil {
-		return "", err
-	}
-	id, err := a.needNum("region")
-	if err != nil {
-		return "", err
-	}
-	spec, err := a.need("pages")
-	if err != nil {
-		return "", err
-	}
-	pages, err := PageList(spec)
-	if err != nil {
-		return "", err
-	}
-	v.Count = uint32(len(pages))
-	st, err := s.s.Store(v, uint32(id), pages)
-	if err != nil {
-		return errStatus(err)
-	}
-	return fmt.Sprintf("stored=%d present=%d skipped=%d", st.Stored, st.Present, st.Skipped), nil
-}
-
-func (r *runner) load(s *sess, a *args) (string, error) {
-	l, err := r.lease(a)
-	if err != nil {
-		return "", err
-	}
-	id, err := a.needNum("region")
-	if err != nil {
-		return "", err
-	}
-	first, err := a.num("first", 0)
-	if err != nil {
-		return "", err
-	}
-	spec, err := a.need("pages")
-	if err != nil {
-		return "", err
-	}
-	pages, err := PageList(spec)
-	if err != nil {
-		return "", err
-	}
-	n, err := s.s.Load(l, uint32(id), uint32(first), pages)
-	if err != nil {
-		return errStatus(err)
-	}
-	return fmt.Sprintf("loaded=%d", n), nil
-}
-
-func (r *runner) cursorArg(a *args, k string) (cursor, bool, error) {
-	name := a.str(k, "")
-	if !a.has(k) {
-		return cursor{}, false, nil
-	}
-	c, ok := r.cursors[name]
-	if !ok {
-		return c, false, fmt.Errorf("no cursor %s", name)
-	}
-	return c, true, nil
-}
-
-func (r *runner) digestName(d []byte) string {
-	if n, ok := r.names[string(d)]; ok {
-		return n
-	}
-	return "unknown"
-}
-
-func (r *runner) changes(s *sess, a *args) (string, error) {
-	from, _, err := r.cursorArg(a, "from")
-	if err != nil {
-		return "", err
-	}
-	if a.has("wrong-epoch") {
-		from.epoch++
-	}
-	max, err := a.num("max", 0)
-	if err != nil {
-		return "", err
-	}
-	as := a.str("as", "")
-	rep, err := s.s.Changes(from.epoch, from.seq, uint32(max))
-	if err != nil {
-		return errStatus(err)
-	}
-	if as != "" {
-		r.cursors[as] = cursor{rep.Epoch, rep.Next}
-	}
-	var b strings.Builder
-	if rep.Resync {
-		b.WriteString("resync ")
-	}
-	fmt.Fprintf(&b, "entries=%d\n", rep.Len())
-	for i := 0; i < rep.Len(); i++ {
-		op, d := rep.ChangeAt(i)
-		switch op {
-		case schema.OpStored:
-			fmt.Fprintf(&b, "stored %s\n", r.digestName(d))
-		case schema.OpEvicted:
-			fmt.Fprintf(&b, "evicted %s\n", r.digestName(d))
-		case schema.OpCleared:
-			b.WriteString("cleared\n")
-		default:
-			fmt.Fprintf(&b, "op(%d) %s\n", op, r.digestName(d))
-		}
-	}
-	return b.String(), nil
-}
-
-func (r *runner) snapshot(s *sess, a *args) (string, error) {
-	from, err := a.num("from", 0)
-	if err != nil {
-		return "", err
-	}
-	max, err := a.num("max", 0)
-	if err != nil {
-		return "", err
-	}
-	as := a.str("as", "")
-	rep, err := s.s.Snapshot(from, uint32(max))
-	if err != nil {
-		return errStatus(err)
-	}
-	if as != "" {
-		r.cursors[as] = cursor{rep.Epoch, rep.Seq}
-	}
-	var b strings.Builder
-	state := "more"
-	if rep.Done {
-		state = "done"
-	}
-	fmt.Fprintf(&b, "%s next=%d entries=%d\n", state, rep.Next, rep.Len())
-	for i := 0; i < rep.Len(); i++ {
-		fmt.Fprintf(&b, "%s\n", r.digestName(rep.DigestAt(i)))
-	}
-	return b.String(), nil
-}
-
-var typeNames = map[string]uint16{
-	"put": schema.TypePutHashes, "drop": schema.TypeDropHashes, "lookup": schema.TypeLookup,
-	"acquire": schema.TypeAcquire, "poll": schema.TypePoll, "release": schema.TypeRelease,
-	"region": schema.TypeRegisterRegion, "load": schema.TypeLoad, "store": schema.TypeStore,
-	"changes": schema.TypeChanges, "detach": schema.TypeDetach, "ping": schema.TypePing,
-	"snapshot": schema.TypeSnapshot,
-}
-
-func rawRequest(td *datadriven.TestData, a *args) (uint16, []byte, error) {
-	ts, err := a.need("type")
-	if err != nil {
-		return 0, nil, err
-	}
-	typ, ok := typeNames[ts]
-	if !ok {
-		n, err := strconv.ParseUint(ts, 0, 16)
-		if err != nil {
-			return 0, nil, fmt.Errorf("type %q: a number or a request name", ts)
-		}
-		typ = uint16(n)
-	}
-	h := a.str("payload", "")
-	if td.Input != "" {
-		if a.has("payload") {
-			return 0, nil, errors.New("payload both as argument and input")
-		}
-		h = td.Input
-	}
-	h = strings.Join(strings.Fields(h), "")
-	p, err := hex.DecodeString(h)
-	if err != nil {
-		return 0, nil, fmt.Errorf("payload: %v", err)
-	}
-	return typ, p, nil
 }
 
 // PageList parses a page list: comma-separated indices and inclusive
@@ -973,6 +681,47 @@ func (r *runner) chain(seed string, n int) [][32]byte {
 	return c
 }
 
+func (r *runner) digestName(d []byte) string {
+	if n, ok := r.names[string(d)]; ok {
+		return n
+	}
+	return "unknown"
+}
+
+// digestNames prints digests (flat, width bytes each) as a digest list,
+// runs of one seed as ranges: "p#0-5,q#0".
+func (r *runner) digestNames(flat []byte, width int) string {
+	var items []string
+	seed, lo, hi := "", -1, -1
+	flush := func() {
+		switch {
+		case lo < 0:
+		case lo == hi:
+			items = append(items, fmt.Sprintf("%s#%d", seed, lo))
+		default:
+			items = append(items, fmt.Sprintf("%s#%d-%d", seed, lo, hi))
+		}
+	}
+	for off := 0; off+width <= len(flat); off += width {
+		name := r.digestName(flat[off : off+width])
+		s, is, ok := strings.Cut(name, "#")
+		i, err := strconv.Atoi(is)
+		if ok && err == nil && s == seed && i == hi+1 && lo >= 0 {
+			hi = i
+			continue
+		}
+		flush()
+		if !ok || err != nil {
+			items = append(items, name)
+			seed, lo, hi = "", -1, -1
+			continue
+		}
+		seed, lo, hi = s, i, i
+	}
+	flush()
+	return strings.Join(items, ",")
+}
+
 // Content is the content named TAG#I of a page of n bytes.
 func Content(tag string, i, n int) []byte {
 	seed := sha256.Sum256([]byte(fmt.Sprintf("%s#%d", tag, i)))
@@ -984,4 +733,22 @@ func Content(tag string, i, n int) []byte {
 		out = append(out, h[:]...)
 	}
 	return out[:n]
+}
+
+// pageName is the name of a page's content: its TAG#I, zero, or unknown.
+func (r *runner) pageName(pg []byte) string {
+	zero := true
+	for _, c := range pg {
+		if c != 0 {
+			zero = false
+			break
+		}
+	}
+	if zero {
+		return "zero"
+	}
+	if n, ok := r.contents[sha256.Sum256(pg)]; ok {
+		return n
+	}
+	return "unknown"
 }

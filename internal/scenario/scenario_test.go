@@ -3,6 +3,8 @@ package scenario
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 )
@@ -56,5 +58,55 @@ func TestLists(t *testing.T) {
 	}
 	if d, err := r.digests("a-b#1-2,c#0", 16); err != nil || len(d) != 48 || r.names[string(d[16:32])] != "a-b#2" {
 		t.Errorf("a-b#1-2,c#0: %d bytes, %v", len(d), err)
+	}
+}
+
+func TestDriversDirective(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		text string
+		want []string
+		ok   bool
+	}{
+		{"# a comment\n\nattach s=a\n----\nok\n", []string{Pure, Go, Python}, true},
+		{"# a comment\n# drivers: pure, go\n\nattach s=a\n", []string{Pure, Go}, true},
+		{"# drivers: pure\n", []string{Pure}, true},
+		{"attach s=a\n----\nok\n\n# drivers: pure\n", []string{Pure, Go, Python}, true}, // after the first command: a comment
+		{"# drivers: pure, rust\n", nil, false},
+	} {
+		got, err := Drivers(write("x.txt", tc.text))
+		if (err == nil) != tc.ok || !slices.Equal(got, tc.want) {
+			t.Errorf("%q: %v %v, want %v", tc.text, got, err, tc.want)
+		}
+	}
+}
+
+func TestNamesPrinted(t *testing.T) {
+	r := &runner{names: map[string]string{}, chains: map[string][][32]byte{}}
+	d, err := r.digests("p#0-3,q#1,p#5,p#7-8,p#4", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d = append(d, make([]byte, 16)...) // a digest no command sent
+	if got := r.digestNames(d, 16); got != "p#0-3,q#1,p#5,p#7-8,p#4,unknown" {
+		t.Errorf("digest names %q", got)
+	}
+	for _, tc := range []struct {
+		pages []uint32
+		want  string
+	}{{nil, ""}, {[]uint32{3}, "3"}, {[]uint32{0, 1, 2, 7, 5, 6}, "0-2,7,5-6"}} {
+		if got := pageSpec(tc.pages); got != tc.want {
+			t.Errorf("pageSpec(%v) = %q, want %q", tc.pages, got, tc.want)
+		}
+		if back, err := PageList(pageSpec(tc.pages)); err != nil || !slices.Equal(back, tc.pages) && len(tc.pages) > 0 {
+			t.Errorf("PageList(pageSpec(%v)) = %v %v", tc.pages, back, err)
+		}
 	}
 }

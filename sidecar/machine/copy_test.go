@@ -9,11 +9,13 @@ import (
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
 	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/machine/machinetest"
 )
 
 // TestChunksByRegionKind: a region whose handle RegionKind reports as CUDA
 // IPC is copied in chunks of CUDAChunkBytes, a host region in chunks of
-// ChunkBytes; either way every page gets its own block's bytes.
+// ChunkBytes; either way every page gets its own block's bytes (the Env
+// fails the test on a copy larger than its region kind's chunk).
 func TestChunksByRegionKind(t *testing.T) {
 	const (
 		page  = 4096
@@ -21,36 +23,28 @@ func TestChunksByRegionKind(t *testing.T) {
 		host  = 2 * page // 8 host chunks of 16 pages
 		cuda  = 8 * page // 2 CUDA chunks
 	)
-	d := &pure{t: t}
-	if err := d.Start(scenario.Config{Slots: 64, SlotBytes: page, ChunkBytes: host}); err != nil {
-		t.Fatal(err)
-	}
-	// The same Machine with a CUDA chunk size and a RegionKind that says
-	// which of the driver's regions are "device memory" (the pure driver
-	// copies them like any other).
+	// A Machine with a CUDA chunk size and a RegionKind that says which
+	// of the test's regions are "device memory" (the Env copies them like
+	// any other).
 	cudaBase := map[uint64]bool{}
-	cfg := d.m.Config()
-	cfg.CUDAChunkBytes = cuda
-	cfg.RegionKind = func(h gpu.Handle) gpu.Kind {
-		if cudaBase[d.regions[h].Base] {
-			return gpu.CUDAIPC
-		}
-		return gpu.HostProcess
-	}
-	cc, err := cache.New(cache.Config{Capacity: 64, DeltaLogSize: 1 << 10, WriteTimeout: cfg.LeaseTTL, Epoch: 1, MaxLogBytes: 1 << 20})
+	d := newPure(t)
+	var env *machinetest.Env
+	env = machinetest.New(t, machinetest.Config{
+		Cache: cache.Config{Capacity: 64, DeltaLogSize: 1 << 10, WriteTimeout: machine.DefaultLeaseTTL, Epoch: 1, MaxLogBytes: 1 << 20},
+		Machine: machine.Config{SlotBytes: page, ChunkBytes: host, CUDAChunkBytes: cuda, RegionKind: func(h gpu.Handle) gpu.Kind {
+			if cudaBase[env.Region(h).Base] {
+				return gpu.CUDAIPC
+			}
+			return gpu.HostProcess
+		}},
+		Host: d.host,
+	})
+	n := d.node(env)
+	ss, err := n.Attach(scenario.AttachOptions{Instance: "e", Model: "m", Layout: "l", Role: schema.RoleClient, WorldSize: 1, DigestWidth: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d.m, err = machine.New(cfg, cc); err != nil {
-		t.Fatal(err)
-	}
-	d.chunk = cuda // the driver's bound on one copy
-
-	ss, err := d.Attach(scenario.AttachOptions{Instance: "e", Model: "m", Layout: "l", Role: schema.RoleClient, WorldSize: 1, DigestWidth: 16})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := ss.(*pureSession)
+	s := ss.Client()
 	mem := map[uint32]scenario.Memory{}
 	for id := uint32(1); id <= 4; id++ {
 		m := d.Memory(pages * page)
@@ -71,11 +65,11 @@ func TestChunksByRegionKind(t *testing.T) {
 	}
 	copies := func(t *testing.T, what string, want uint64, f func() error) {
 		t.Helper()
-		before := d.m.Counters().CopiesStarted
+		before := env.M.Counters().CopiesStarted
 		if err := f(); err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
-		if got := d.m.Counters().CopiesStarted - before; got != want {
+		if got := env.M.Counters().CopiesStarted - before; got != want {
 			t.Fatalf("%s: %d chunks, want %d", what, got, want)
 		}
 	}

@@ -2,11 +2,11 @@ package machine_test
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/internal/scenario"
 	"github.com/ringside-kv/ringside/ring"
@@ -14,78 +14,42 @@ import (
 	"github.com/ringside-kv/ringside/sidecar"
 	"github.com/ringside-kv/ringside/sidecar/cache"
 	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/machine/machinetest"
 )
 
 // TestScenarios runs the protocol scenarios (testdata/scenarios) against
-// the Machine alone. The copy engine is emulated: a copy moves the bytes
-// between an in-memory pool and the in-memory buffers regions are
-// registered over, so a `check` after a load proves that the Machine's slot
-// bookkeeping hands back exactly what a store put in. The pool starts
-// filled with poison, and freed slots are poisoned again: a load of a slot
-// nobody wrote, or one freed under it, shows as "unknown".
+// the Machine alone, each node a machinetest.Env (the nodes of a scenario
+// share one emulated tier and one emulated host memory). Sessions are
+// connector.Clients whose transport hands records to the Machine. The copy
+// engine is emulated: a copy moves the bytes between the in-memory pool and
+// the in-memory buffers regions are registered over, so a `check` after a
+// load proves that the Machine's slot bookkeeping hands back exactly what a
+// store put in. The pool starts filled with poison, and freed slots are
+// poisoned again: a load of a slot nobody wrote, or one freed under it,
+// shows as "unknown".
 func TestScenarios(t *testing.T) {
-	scenario.RunAll(t, "../../testdata/scenarios", func(t *testing.T) scenario.Driver { return &pure{t: t} })
+	scenario.RunAll(t, "../../testdata/scenarios", func(t *testing.T) scenario.Driver { return newPure(t) })
 }
 
 const (
-	pureUID  = 1000
-	purePID  = 4242
-	poisonB  = 0xDB
-	baseAddr = 1 << 32 // the emulated address space's first region
+	pureUID = 1000
+	purePID = 4242
 )
 
-// pure drives a Machine directly, as the sidecar's session loop and copy
-// scheduler would, but synchronously: every copy and registration the
-// Machine asks for runs before the call returns.
+// pure is the scenario driver of the Machine alone.
 type pure struct {
-	t         *testing.T
-	m         *machine.Machine
-	pool      []byte
-	slotBytes uint64
-	chunk     uint64 // the most one copy may move
-	now       int64
-
-	mem      map[uint64][]byte // client memory by base address
-	nextBase uint64
-	regions  map[gpu.Handle]gpu.Region
-	nextH    gpu.Handle
+	t     *testing.T
+	tier  *machinetest.Tier
+	host  *machinetest.Host
+	nodes []*pureNode
+	uids  map[string]uint32 // uid names (attach uid=NAME) -> uids
 }
 
-func (d *pure) Start(c scenario.Config) error {
-	// The sidecar's configuration with the scenario's settings, mapped to
-	// the Machine's and the cache's as sidecar.New maps them.
-	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes,
-		Machine: machine.Config{SlotBytes: c.SlotBytes, Budget: c.Budget, ChunkBytes: c.ChunkBytes}}
-	cfg.EnsureDefaults()
-	d.slotBytes, d.chunk = cfg.Machine.SlotBytes, cfg.Machine.ChunkBytes
-	d.pool = make([]byte, c.Slots*int(c.SlotBytes))
-	for i := range d.pool {
-		d.pool[i] = poisonB
-	}
-	cc, err := cache.New(cache.Config{Capacity: c.Slots, DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
-		Epoch: 0x5CE7A210, MaxLogBytes: machine.DefaultMetaBytes / 4})
-	if err != nil {
-		return err
-	}
-	mcfg := cfg.Machine
-	mcfg.MetaBytes, mcfg.RingBytes = machine.DefaultMetaBytes, machine.DefaultRingBytes
-	mcfg.PoisonSlot = func(slot uint32) {
-		s := d.pool[uint64(slot)*d.slotBytes : uint64(slot+1)*d.slotBytes]
-		for i := range s {
-			s[i] = poisonB
-		}
-	}
-	d.m, err = machine.New(mcfg, cc)
-	d.mem, d.regions, d.nextBase = map[uint64][]byte{}, map[gpu.Handle]gpu.Region{}, baseAddr
-	return err
+func newPure(t *testing.T) *pure {
+	return &pure{t: t, tier: machinetest.NewTier(), host: machinetest.NewHost(), uids: map[string]uint32{"": pureUID}}
 }
 
-// tick is the Machine's clock: a microsecond a call, so that nothing
-// expires during a scenario.
-func (d *pure) tick() int64 {
-	d.now += int64(time.Microsecond)
-	return d.now
-}
+func (d *pure) Name() string { return scenario.Pure }
 
 func (d *pure) PID() int { return purePID }
 
@@ -98,333 +62,359 @@ func (m pureMem) Bytes() []byte { return m.b }
 func (m pureMem) Base() uint64  { return m.base }
 
 func (d *pure) Memory(n int) scenario.Memory {
-	m := pureMem{b: make([]byte, n), base: d.nextBase}
-	d.mem[m.base] = m.b
-	d.nextBase += (uint64(n) + 1<<20) &^ (1<<20 - 1) // a gap after each
-	return m
+	b, base := d.host.Alloc(n)
+	return pureMem{b: b, base: base}
 }
 
-func (d *pure) Pool() (scenario.Pool, error) {
-	st := d.m.Cache().Stats()
-	return scenario.Pool{Blocks: st.Blocks, Pending: st.PendingBlocks, Pinned: st.PinnedBlocks, Leases: st.Leases,
-		Loads: st.Loads, Writers: st.Writers, Used: st.Used, Free: st.Free}, nil
+func (d *pure) TierValues() (int, error) { return d.tier.Len(), nil }
+
+// Tick moves every node's clock on.
+func (d *pure) Tick(dur time.Duration) error {
+	for _, n := range d.nodes {
+		n.env.Tick(dur)
+	}
+	return nil
 }
 
-func (d *pure) Attach(o scenario.AttachOptions) (scenario.Session, error) {
+// envConfig is the Machine, cache and tier configuration of a scenario's
+// sidecar, mapped from the sidecar's configuration as sidecar.New maps it.
+func envConfig(c scenario.Config) machinetest.Config {
+	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes, Machine: machine.Config{SlotBytes: c.SlotBytes,
+		Budget: c.Budget, ChunkBytes: c.ChunkBytes, PinShare: c.PinShare, PendingShare: c.PendingShare,
+		SessionShare: c.SessionShare, MetaBytes: c.MetaBytes}}
+	cfg.EnsureDefaults()
+	mc := machinetest.Config{Machine: cfg.Machine}
+	if mc.Machine.MetaBytes == 0 { // sidecar.New's, without a memory limit
+		mc.Machine.MetaBytes = machine.DefaultMetaBytes
+	}
+	if mc.Machine.RingBytes == 0 {
+		mc.Machine.RingBytes = machine.DefaultRingBytes
+	}
+	mc.Cache = cache.Config{Capacity: c.Slots, DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
+		Epoch: 0x5CE7A210, MaxLogBytes: mc.Machine.MetaBytes / 4}
+	if t := c.Tier; t != nil {
+		mc.L2 = machine.L2Config{Enabled: true, WriteSlots: t.WriteSlots, EvictAhead: t.EvictAhead}
+		if t.WriteOnEvict {
+			mc.L2.Policy = machine.WriteOnEvict
+		}
+	}
+	return mc
+}
+
+func (d *pure) Start(c scenario.Config) (scenario.Node, error) {
+	cfg := envConfig(c)
+	cfg.Tier, cfg.Host = d.tier, d.host
+	return d.node(machinetest.New(d.t, cfg)), nil
+}
+
+// node makes env a node of the driver: its replies go to their sessions.
+func (d *pure) node(env *machinetest.Env) *pureNode {
+	n := &pureNode{d: d, env: env, sessions: map[machine.SessionID]*pureTransport{}}
+	n.env.Reply = func(r machine.Reply) {
+		s := n.sessions[r.Session]
+		if s == nil {
+			d.t.Fatalf("a reply to session %d, which this driver never attached", r.Session)
+		}
+		s.deliver(r)
+	}
+	d.nodes = append(d.nodes, n)
+	return n
+}
+
+// pureNode is one sidecar: a machinetest.Env.
+type pureNode struct {
+	d        *pure
+	env      *machinetest.Env
+	sessions map[machine.SessionID]*pureTransport
+}
+
+func (n *pureNode) Attach(o scenario.AttachOptions) (scenario.Session, error) {
 	req := &schema.AttachRequest{Version: schema.Version, Role: o.Role, Rank: uint32(o.Rank), WorldSize: uint32(o.WorldSize),
 		DigestWidth: uint8(o.DigestWidth), Instance: o.Instance, Model: o.Model, Layout: o.Layout, Salt: o.Salt}
 	if err := req.Validate(); err != nil {
 		return nil, err
 	}
+	uid, ok := n.d.uids[o.UID]
+	if !ok {
+		uid = pureUID + 1000*uint32(len(n.d.uids))
+		n.d.uids[o.UID] = uid
+	}
 	// What the sidecar charges and grants for rings of RingCapacity
 	// (sidecar/attach.go).
 	const c = scenario.RingCapacity
 	ringBytes := int64(2*(ring.HeaderSize+c)) + min(c, 4<<20)
-	att, serr := d.m.Attach(d.tick(), machine.AttachArgs{UID: pureUID, PID: purePID, Req: req, RingBytes: ringBytes,
-		MaxPayload: int(ring.DefaultMaxRecord(c)) - ring.RecordHeaderSize})
+	maxPayload := int(ring.DefaultMaxRecord(c)) - ring.RecordHeaderSize
+	att, serr := n.env.Attach(machine.AttachArgs{UID: uid, PID: purePID, Req: req, RingBytes: ringBytes, MaxPayload: maxPayload})
 	if serr != nil {
 		return nil, serr
 	}
-	return &pureSession{d: d, id: att.Session, width: o.DigestWidth}, nil
+	t := &pureTransport{n: n, id: att.Session, maxPayload: maxPayload, asked: map[uint64]uint16{}, replies: map[uint64][]byte{}}
+	n.sessions[att.Session] = t
+	t.sess = &pureSession{c: connector.New(t, o.DigestWidth), t: t}
+	return t.sess, nil
 }
 
-// run makes one call of the Machine and carries out everything it asks
-// for (and everything those completions ask for), in the order the sidecar
-// does: replies, copies, unregistrations, registrations. It returns the
-// replies and whether the session asked to end.
-func (d *pure) run(call func(out *machine.Output)) (replies []machine.Reply, end bool) {
-	out := new(machine.Output)
-	call(out)
-	d.drain(out, &replies, &end)
-	return replies, end
+func (n *pureNode) Pool() (scenario.Pool, error) {
+	st := n.env.M.Cache().Stats()
+	return scenario.Pool{Blocks: st.Blocks, Pending: st.PendingBlocks, Pinned: st.PinnedBlocks, Leases: st.Leases,
+		Loads: st.Loads, Writers: st.Writers, Used: st.Used, Free: st.Free}, nil
 }
 
-func (d *pure) drain(out *machine.Output, replies *[]machine.Reply, end *bool) {
-	// The Output is reused by the next call: take everything out first.
-	for _, r := range out.Replies {
-		r.Payload = append([]byte(nil), r.Payload...)
-		*replies = append(*replies, r)
+func (n *pureNode) Counters() (scenario.Counters, error) {
+	st := n.env.M.Cache().Stats()
+	mc := n.env.M.Counters()
+	c := scenario.Counters{StoredSlots: st.Stored, Evictions: st.Evictions, EvictedUnwritten: st.EvictedUnmarked,
+		Machine: &scenario.MachineCounters{DiscardedEndedStores: mc.DiscardedEndedStores,
+			DiscardedExitedStores: mc.DiscardedExitedStores, DoomedWrites: mc.DoomedWrites}}
+	if n.env.M.L2Config().Enabled {
+		c.Tier = tierCounters(n.env.M.L2Counters())
 	}
-	*end = *end || out.End
-	copies := append([]machine.Copy(nil), out.Copies...)
-	unreg := append([]gpu.Handle(nil), out.Unregister...)
-	regs := append([]machine.Register(nil), out.Registers...)
-	for _, c := range copies {
-		res := d.copy(c)
-		o := new(machine.Output)
-		d.m.CopyDone(d.tick(), c.ID, res, o)
-		d.drain(o, replies, end)
+	return c, nil
+}
+
+func tierCounters(l machine.L2Counters) *scenario.TierCounters {
+	return &scenario.TierCounters{Lookups: l.Lookups, LookupBlocks: l.LookupBlocks, LookupHits: l.LookupHitBlocks,
+		LookupTimeouts: l.LookupTimeouts, Fetches: l.Fetches, FetchBlocks: l.FetchBlocks, Fetched: l.FetchedBlocks,
+		FetchMisses: l.FetchMisses, FetchTimeouts: l.FetchTimeouts, FetchNoSpace: l.FetchNoSpace, Writes: l.Writes,
+		WritesSkipped: l.WritesSkipped, WritesRefused: l.WritesNotTaken, WritingSlots: l.WritingSlots,
+		PendingLookups: l.PendingLookups, PendingFetches: l.PendingFetches}
+}
+
+func (n *pureNode) Usage() (scenario.Usage, error) {
+	u := n.env.M.Usage()
+	return scenario.Usage{Sessions: u.Sessions, MetaBytes: u.MetaBytes}, nil
+}
+
+// --- ordering (scenario.NodeOrderer) ---
+
+func (n *pureNode) HoldCopies(hold bool) { n.env.HoldCopies = hold }
+
+func (n *pureNode) Holding() bool { return n.env.HoldCopies || n.env.HoldTier }
+
+func (n *pureNode) copyInfo(c machine.Copy) scenario.CopyInfo {
+	var s scenario.Session
+	if t := n.sessions[c.Session]; t != nil {
+		s = t.sess
 	}
-	for _, h := range unreg {
-		if _, ok := d.regions[h]; !ok {
-			d.t.Fatalf("the machine unregistered handle %d, which is not registered", h)
+	return scenario.CopyInfo{Session: s, Store: c.Dir == gpu.EngineToPool, Pages: append([]uint32(nil), c.Pages...)}
+}
+
+func (n *pureNode) Copies() []scenario.CopyInfo {
+	var out []scenario.CopyInfo
+	for _, c := range n.env.Copies {
+		out = append(out, n.copyInfo(c))
+	}
+	return out
+}
+
+func (n *pureNode) EndCopies(k int, fail bool) []scenario.CopyInfo {
+	var out []scenario.CopyInfo
+	for range k {
+		out = append(out, n.copyInfo(n.env.Copies[0]))
+		var err error
+		if fail {
+			err = machinetest.ErrCopy
 		}
-		delete(d.regions, h)
+		n.env.EndCopy(0, err, false)
 	}
-	for _, rg := range regs {
-		h, err := d.register(rg.Region)
-		o := new(machine.Output)
-		d.m.RegisterDone(d.tick(), rg.Session, rg.ID, h, err, o)
-		d.drain(o, replies, end)
-	}
+	return out
 }
 
-// register is the host copy engine's Register: it validates the region.
-func (d *pure) register(r gpu.Region) (gpu.Handle, error) {
-	if err := r.Validate(); err != nil {
-		return 0, err
-	}
-	if r.Kind != gpu.HostProcess {
-		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", gpu.ErrUnsupported, r.Kind)
-	}
-	if len(r.Segments) > 0 {
-		d.t.Fatalf("scenarios register no segmented regions")
-	}
-	if r.PID != purePID {
-		d.t.Fatalf("the machine registered a region of pid %d, not the attached process", r.PID)
-	}
-	d.nextH++
-	d.regions[d.nextH] = r
-	return d.nextH, nil
+func (n *pureNode) HoldTier() { n.env.HoldTier = true }
+
+func lookupItem(lk machine.L2Lookup) scenario.TierItem {
+	return scenario.TierItem{Digests: lk.Digests, Width: lk.NS.Width, World: lk.NS.World}
 }
 
-// copy is the copy engine: every byte of every page, between the region's
-// buffer and the pool. A copy outside the region, the pool or a slot is a
-// bug of the Machine and fails the test.
-func (d *pure) copy(c machine.Copy) machine.CopyResult {
-	r, ok := d.regions[c.Region]
-	if !ok {
-		d.t.Fatalf("copy %d on handle %d, which is not registered", c.ID, c.Region)
+func fetchItem(f machine.L2Fetch) scenario.TierItem {
+	it := scenario.TierItem{Width: f.NS.Width, World: f.NS.World}
+	for _, b := range f.Blocks {
+		it.Digests = append(it.Digests, b.Digest...)
 	}
-	buf, ok := d.mem[r.Base]
-	if !ok || uint64(len(buf)) < r.Length {
-		d.t.Fatalf("region at %#x (%d bytes) is no memory the scenario allocated", r.Base, r.Length)
-	}
-	if c.PageBytes != r.PageSize || c.PageBytes > d.slotBytes || len(c.Pages) != len(c.PoolOffsets) || len(c.Pages) == 0 {
-		d.t.Fatalf("copy %d: %d pages of %d bytes, %d pool offsets, region pages of %d bytes", c.ID, len(c.Pages), c.PageBytes, len(c.PoolOffsets), r.PageSize)
-	}
-	if uint64(len(c.Pages))*c.PageBytes > max(d.chunk, c.PageBytes) {
-		d.t.Fatalf("copy %d of %d pages of %d bytes: more than a piece (%d bytes)", c.ID, len(c.Pages), c.PageBytes, d.chunk)
-	}
-	slots := map[uint64]bool{}
-	var n int64
-	for i, p := range c.Pages {
-		off := c.PoolOffsets[i]
-		if p >= r.PageCount || off%d.slotBytes != 0 || off+c.PageBytes > uint64(len(d.pool)) {
-			d.t.Fatalf("copy %d: page %d of %d, pool offset %d of %d", c.ID, p, r.PageCount, off, len(d.pool))
-		}
-		if slots[off] {
-			d.t.Fatalf("copy %d names slot %d twice", c.ID, off/d.slotBytes)
-		}
-		slots[off] = true
-		page := buf[uint64(p)*r.PageSize : uint64(p+1)*r.PageSize]
-		slot := d.pool[off : off+c.PageBytes]
-		switch c.Dir {
-		case gpu.PoolToEngine:
-			copy(page, slot)
-		case gpu.EngineToPool:
-			copy(slot, page)
-		default:
-			d.t.Fatalf("copy %d: direction %v", c.ID, c.Dir)
-		}
-		n += int64(c.PageBytes)
-	}
-	return machine.CopyResult{Bytes: n}
+	return it
 }
 
-// pureSession is a client of the pure driver: it encodes requests and
-// decodes replies as connector.Client does.
+func writeItem(w machine.L2Write) scenario.TierItem {
+	return scenario.TierItem{Digests: w.Digest, Width: w.NS.Width, World: len(w.PoolOffsets)}
+}
+
+func (n *pureNode) Tier() scenario.TierWork {
+	var w scenario.TierWork
+	for _, lk := range n.env.Lookups {
+		w.Lookups = append(w.Lookups, lookupItem(lk))
+	}
+	for _, f := range n.env.Fetches {
+		w.Fetches = append(w.Fetches, fetchItem(f))
+	}
+	for _, wr := range n.env.Writes {
+		w.Writes = append(w.Writes, writeItem(wr))
+	}
+	return w
+}
+
+func (n *pureNode) DeliverLookups(k int, fail bool) []scenario.TierItem {
+	var out []scenario.TierItem
+	for range k {
+		it := lookupItem(n.env.Lookups[0])
+		it.Found, it.Failed = n.env.DeliverLookup(0, fail), fail
+		out = append(out, it)
+	}
+	return out
+}
+
+func (n *pureNode) DeliverFetches(k int, fail func(int) bool) []scenario.TierItem {
+	var out []scenario.TierItem
+	for range k {
+		it := fetchItem(n.env.Fetches[0])
+		for _, o := range n.env.DeliverFetch(0, fail) {
+			it.Outcomes = append(it.Outcomes, map[machinetest.FetchOutcome]string{
+				machinetest.Fetched: "fetched", machinetest.Missing: "missing", machinetest.Spoiled: "failed"}[o])
+		}
+		out = append(out, it)
+	}
+	return out
+}
+
+func (n *pureNode) DeliverWrites(k int, fail bool) []scenario.TierItem {
+	var out []scenario.TierItem
+	for range k {
+		it := writeItem(n.env.Writes[0])
+		it.Failed = fail
+		n.env.DeliverWrite(0, fail)
+		out = append(out, it)
+	}
+	return out
+}
+
+// --- sessions ---
+
+// pureSession is a connector.Client over a pureTransport.
 type pureSession struct {
-	d     *pure
-	id    machine.SessionID
-	width int
-	seq   uint64
-	ended bool
+	c *connector.Client
+	t *pureTransport
 }
 
-// handle runs one request and returns its replies.
-func (s *pureSession) handle(typ uint16, seq uint64, payload []byte) ([]machine.Reply, error) {
-	if s.ended {
-		return nil, errors.New("the session ended")
-	}
-	replies, end := s.d.run(func(out *machine.Output) { s.d.m.Handle(s.d.tick(), s.id, typ, seq, payload, out) })
-	for _, r := range replies {
-		if r.Session != s.id {
-			s.d.t.Fatalf("request %s of session %d was answered to session %d", schema.TypeName(typ), s.id, r.Session)
-		}
-		if r.Type != schema.ReplyType(typ) {
-			s.d.t.Fatalf("request %s answered with record type %#x", schema.TypeName(typ), r.Type)
-		}
-		if r.Seq != seq {
-			s.d.t.Fatalf("request %d answered with seq %d", seq, r.Seq)
-		}
-		if len(r.Payload) < 4 {
-			s.d.t.Fatalf("reply of %d bytes", len(r.Payload))
-		}
-	}
-	if len(replies) > 1 {
-		s.d.t.Fatalf("request %s got %d replies", schema.TypeName(typ), len(replies))
-	}
-	if end {
-		s.ended = true
-		s.d.run(func(out *machine.Output) { s.d.m.Detach(s.d.tick(), s.id, out) })
-	}
-	return replies, nil
-}
+func (s *pureSession) Client() *connector.Client { return s.c }
 
-func (s *pureSession) Call(typ uint16, payload []byte) ([]byte, error) {
-	s.seq++
-	replies, err := s.handle(typ, s.seq, payload)
-	if err != nil {
-		return nil, err
-	}
-	if len(replies) == 0 {
-		return nil, fmt.Errorf("no reply to %s", schema.TypeName(typ))
-	}
-	return replies[0].Payload, nil
-}
-
-func (s *pureSession) Quiet(typ uint16, payload []byte) (schema.Status, bool, error) {
-	replies, err := s.handle(typ, 0, payload)
-	if err != nil || len(replies) == 0 {
-		return 0, false, err
-	}
-	return schema.Status(binary.LittleEndian.Uint32(replies[0].Payload)), true, nil
-}
-
-func (s *pureSession) Detach() error {
-	b, err := s.Call(schema.TypeDetach, nil)
-	if err != nil {
-		return err
-	}
-	var r schema.Reply
-	if err := r.Decode(b); err != nil || r.Status != schema.OK || !s.ended {
-		return fmt.Errorf("detach: %+v %v, ended %v", r, err, s.ended)
-	}
-	return nil
-}
+// Detach is the Client's Close: its transport checks that the Machine
+// ended the session at the Detach.
+func (s *pureSession) Detach() error { return s.c.Close() }
 
 func (s *pureSession) Abandon() error {
-	s.ended = true
-	s.d.run(func(out *machine.Output) { s.d.m.Detach(s.d.tick(), s.id, out) })
+	s.c.Abandon()
 	return nil
 }
 
-func (s *pureSession) simple(typ uint16, payload []byte) (uint64, error) {
-	b, err := s.Call(typ, payload)
-	if err != nil {
+func (s *pureSession) Park(park func(seq uint64) ([]byte, error)) { s.t.park = park }
+
+func (s *pureSession) Ended() bool { return s.t.ended }
+
+func (s *pureSession) Arrived(seq uint64) ([]byte, bool) {
+	b, ok := s.t.replies[seq]
+	delete(s.t.replies, seq)
+	return b, ok
+}
+
+// pureTransport is a connector.Transport that hands each record to the
+// Machine (through the node's Env) and collects the replies the Machine
+// gives its session: a request's reply comes at once, or later (a copy or
+// the tier held), or for a quiet request only if it failed.
+type pureTransport struct {
+	n          *pureNode
+	sess       *pureSession
+	id         machine.SessionID
+	maxPayload int // the most a record of the session's submission ring carries
+	seq        uint64
+	asked      map[uint64]uint16 // requests not answered yet: their types
+	replies    map[uint64][]byte // replies not collected yet
+	quietTyp   uint16            // the type of the last quiet request
+	quiet      int
+	last       schema.Status
+	ended      bool
+	park       func(seq uint64) ([]byte, error)
+}
+
+// deliver takes a reply the Machine gave the session.
+func (t *pureTransport) deliver(r machine.Reply) {
+	tt := t.n.d.t
+	if r.Seq == 0 {
+		if r.Type != schema.ReplyType(t.quietTyp) {
+			tt.Fatalf("quiet request %s answered with record type %#x", schema.TypeName(t.quietTyp), r.Type)
+		}
+		if st := schema.Status(binary.LittleEndian.Uint32(r.Payload)); st != schema.OK {
+			t.quiet++
+			t.last = st
+		}
+		return
+	}
+	typ, ok := t.asked[r.Seq]
+	if !ok {
+		tt.Fatalf("session %d got a reply (type %#x) to request %d, which it did not send or had an answer to", t.id, r.Type, r.Seq)
+	}
+	if r.Type != schema.ReplyType(typ) {
+		tt.Fatalf("request %s answered with record type %#x", schema.TypeName(typ), r.Type)
+	}
+	delete(t.asked, r.Seq)
+	t.replies[r.Seq] = r.Payload
+}
+
+// check refuses what the ring transport would not send.
+func (t *pureTransport) check(payload []byte) error {
+	if t.ended {
+		return fmt.Errorf("session %d ended", t.id)
+	}
+	if len(payload) > t.maxPayload {
+		return fmt.Errorf("a payload of %d bytes, the ring's records carry %d: %w", len(payload), t.maxPayload, ring.ErrTooLarge)
+	}
+	return nil
+}
+
+func (t *pureTransport) Submit(typ uint16, payload []byte) (uint64, error) {
+	if err := t.check(payload); err != nil {
 		return 0, err
 	}
-	var r schema.Reply
-	if err := r.Decode(b); err != nil {
-		return 0, err
+	t.seq++
+	t.asked[t.seq] = typ
+	if t.n.env.Handle(t.id, typ, t.seq, payload) {
+		t.ended = true
 	}
-	return r.Value, r.Err()
+	return t.seq, nil
 }
 
-func (s *pureSession) PutHashesFlags(batch uint64, digests []byte, flags uint32) (int, error) {
-	m := schema.PutHashes{Batch: batch, Flags: flags, Digests: digests}
-	n, err := s.simple(schema.TypePutHashes, m.Append(nil, s.width))
-	return int(n), err
+func (t *pureTransport) Await(seq uint64) ([]byte, error) {
+	if b, ok := t.replies[seq]; ok {
+		delete(t.replies, seq)
+		return b, nil
+	}
+	if t.park != nil {
+		return t.park(seq)
+	}
+	return nil, fmt.Errorf("no reply to request %d (%s) of session %d", seq, schema.TypeName(t.asked[seq]), t.id)
 }
 
-func (s *pureSession) DropHashes(batch uint64) error {
-	_, err := s.simple(schema.TypeDropHashes, schema.IDRequest{ID: batch}.Append(nil))
-	return err
+func (t *pureTransport) Send(typ uint16, payload []byte) error {
+	if err := t.check(payload); err != nil {
+		return err
+	}
+	t.quietTyp = typ
+	if t.n.env.Handle(t.id, typ, 0, payload) {
+		t.ended = true
+	}
+	return nil
 }
 
-func (s *pureSession) Lookup(v schema.View) (int, error) {
-	n, err := s.simple(schema.TypeLookup, (&schema.Lookup{View: v}).Append(nil))
-	return int(n), err
+func (t *pureTransport) QuietFailures() (int, schema.Status) { return t.quiet, t.last }
+
+func (t *pureTransport) Close() error {
+	if !t.ended {
+		return fmt.Errorf("session %d: the Machine did not end it at its Detach", t.id)
+	}
+	return nil
 }
 
-func (s *pureSession) lease(typ uint16, payload []byte) (schema.LeaseReply, error) {
-	var r schema.LeaseReply
-	b, err := s.Call(typ, payload)
-	if err != nil {
-		return r, err
+func (t *pureTransport) Abandon() {
+	if !t.ended {
+		t.ended = true
+		t.n.env.Detach(t.id)
 	}
-	if err := r.Decode(b); err != nil {
-		return r, err
-	}
-	if r.Status != schema.OK {
-		return r, &schema.Error{Status: r.Status, Message: r.Message}
-	}
-	return r, nil
-}
-
-func (s *pureSession) Acquire(v schema.View, ttl time.Duration) (schema.LeaseReply, error) {
-	return s.lease(schema.TypeAcquire, (&schema.Acquire{View: v, TTLms: uint32(ttl / time.Millisecond)}).Append(nil))
-}
-
-func (s *pureSession) Poll(lease uint64) (schema.LeaseReply, error) {
-	return s.lease(schema.TypePoll, schema.IDRequest{ID: lease}.Append(nil))
-}
-
-func (s *pureSession) Release(lease uint64) error {
-	_, err := s.simple(schema.TypeRelease, schema.IDRequest{ID: lease}.Append(nil))
-	return err
-}
-
-func (s *pureSession) RegisterRegion(r schema.RegisterRegion) error {
-	_, err := s.simple(schema.TypeRegisterRegion, r.Append(nil))
-	return err
-}
-
-func (s *pureSession) Load(lease uint64, region, first uint32, pages []uint32) (int, error) {
-	n, err := s.simple(schema.TypeLoad, (&schema.Load{Lease: lease, Region: region, First: first, Pages: pages}).Append(nil))
-	return int(n), err
-}
-
-func (s *pureSession) Store(v schema.View, region uint32, pages []uint32) (schema.StoreReply, error) {
-	var r schema.StoreReply
-	b, err := s.Call(schema.TypeStore, (&schema.Store{View: v, Region: region, Pages: pages}).Append(nil))
-	if err != nil {
-		return r, err
-	}
-	if err := r.Decode(b); err != nil {
-		return r, err
-	}
-	if r.Status != schema.OK {
-		return r, &schema.Error{Status: r.Status, Message: r.Message}
-	}
-	return r, nil
-}
-
-func (s *pureSession) Changes(epoch, seq uint64, max uint32) (schema.ChangesReply, error) {
-	var r schema.ChangesReply
-	b, err := s.Call(schema.TypeChanges, (&schema.Changes{Epoch: epoch, Seq: seq, Max: max}).Append(nil))
-	if err != nil {
-		return r, err
-	}
-	if err := r.Decode(b); err != nil {
-		return r, err
-	}
-	if r.Status != schema.OK {
-		return r, &schema.Error{Status: r.Status}
-	}
-	return r, nil
-}
-
-func (s *pureSession) Snapshot(from uint64, max uint32) (schema.SnapshotReply, error) {
-	var r schema.SnapshotReply
-	b, err := s.Call(schema.TypeSnapshot, (&schema.Snapshot{From: from, Max: max}).Append(nil))
-	if err != nil {
-		return r, err
-	}
-	if err := r.Decode(b); err != nil {
-		return r, err
-	}
-	if r.Status != schema.OK {
-		return r, &schema.Error{Status: r.Status}
-	}
-	return r, nil
-}
-
-func (s *pureSession) Ping(v uint64) error {
-	got, err := s.simple(schema.TypePing, schema.IDRequest{ID: v}.Append(nil))
-	if err == nil && got != v {
-		err = fmt.Errorf("ping answered %d, want %d", got, v)
-	}
-	return err
 }

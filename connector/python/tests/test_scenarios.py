@@ -3,9 +3,12 @@ against a real `ringside serve` process.
 
 The Python driver of the scenario language documented in
 testdata/scenarios/README.md; the Go drivers (internal/scenario) run the
-same files against the state machine alone and against an in-process
-sidecar. Every driver must print exactly the expected output. This one never
-rewrites a file: it fails on the first difference and prints a diff.
+same files against the state machine alone and against in-process
+sidecars. Every driver must print exactly the expected output. This one never
+rewrites a file: it fails on the first difference and prints a diff. It runs
+one sidecar without the shared tier, so it skips the files whose drivers
+line does not name it (those that order copies and the tier's work, or
+need several sidecars, a tier or another uid).
 """
 
 import ctypes
@@ -222,6 +225,9 @@ TYPES = {
     "detach": S.TYPE_DETACH,
     "ping": S.TYPE_PING,
     "snapshot": S.TYPE_SNAPSHOT,
+    "describe": S.TYPE_DESCRIBE,
+    "events": S.TYPE_EVENTS,
+    "event-snapshot": S.TYPE_EVENT_SNAPSHOT,
 }
 ROLES = {"client": S.ROLE_CLIENT, "scheduler": S.ROLE_SCHEDULER, "worker": S.ROLE_WORKER}
 
@@ -253,7 +259,7 @@ class Sidecar:
     """`ringside serve` on a fresh directory, with its metrics endpoint (for
     the pool's counters and the list of sessions)."""
 
-    def __init__(self, binary, slots, slot_bytes, budget, chunk_bytes):
+    def __init__(self, binary, slots, slot_bytes, budget, chunk_bytes, shares=(0, 0, 0), meta_bytes=0):
         self.dir = tempfile.mkdtemp(prefix="rs-scen-", dir=BASE)
         self.sock = os.path.join(self.dir, "ringside.sock")
         self.metrics = "127.0.0.1:%d" % free_port()
@@ -275,6 +281,11 @@ class Sidecar:
             args += ["--budget", str(budget)]
         if chunk_bytes:
             args += ["--copy.chunk-bytes", str(chunk_bytes)]
+        for flag, share in zip(("pin-share", "pending-share", "session-share"), shares):
+            if share:
+                args += ["--limits." + flag, repr(share)]
+        if meta_bytes:
+            args += ["--limits.metadata-bytes", str(meta_bytes)]
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 10
@@ -397,6 +408,17 @@ class Runner:
                 raise ScenarioError("argument %s=%s: not a number" % (k, v))
             return n
 
+        def share(self, k):
+            self.used.add(k)
+            v = self.m.get(k, "0")
+            try:
+                f = float(v)
+            except ValueError:
+                raise ScenarioError("argument %s=%s: not a number in [0, 1]" % (k, v)) from None
+            if not 0 <= f <= 1:
+                raise ScenarioError("argument %s=%s: not a number in [0, 1]" % (k, v))
+            return f
+
         def need_num(self, k):
             self.need(k)
             return self.num(k)
@@ -436,6 +458,13 @@ class Runner:
             out = self.attach(a)
         elif d.cmd == "pool":
             out = self.pool()
+        elif d.cmd == "usage":
+            u = self.sidecar.state()["usage"]
+            out = "sessions=%d meta-bytes=%d" % (u["Sessions"], u["MetaBytes"])
+        elif d.cmd == "counters":
+            out = self.counters(a)
+        elif d.cmd in ("tick", "copies", "tier"):
+            raise ScenarioError("%s: only the pure driver lets scripts order time, copies and the tier" % d.cmd)
         else:
             out = self.request(d, a)
         a.done()
@@ -446,14 +475,26 @@ class Runner:
         self.slot_bytes = a.num("slot-bytes", 4096)
         budget = a.num("budget", 0)
         chunk = a.num("chunk-bytes", 0)
+        shares = tuple(a.share(k) for k in ("pin-share", "pending-share", "session-share"))
+        meta = a.num("meta-bytes", 0)
+        if a.has("node") or a.str("tier", "off") != "off":
+            raise ScenarioError("this driver runs one sidecar, without the shared tier")
         a.done()
-        self.sidecar = Sidecar(self.binary, slots, self.slot_bytes, budget, chunk)
+        self.sidecar = Sidecar(self.binary, slots, self.slot_bytes, budget, chunk, shares, meta)
         return "ok"
+
+    def counters(self, a):
+        if a.has("machine"):
+            raise ScenarioError("counters machine: only the pure driver sees the Machine's counters")
+        p = self.sidecar.state()["pool"]
+        return "stored-slots=%d evictions=%d evicted-unwritten=%d" % (p["Stored"], p["Evictions"], p["EvictedUnmarked"])
 
     def attach(self, a):
         name = a.need("s")
         if name in self.sessions:
             raise ScenarioError("session %s is attached already" % name)
+        if a.has("node") or a.has("uid"):
+            raise ScenarioError("this driver runs one sidecar, and attaches with its own uid")
         role = a.str("role", "client")
         if role not in ROLES:
             raise ScenarioError("role %r: client, scheduler or worker" % role)
@@ -543,6 +584,9 @@ class Runner:
             "ping",
             "raw",
             "send",
+            "describe",
+            "events",
+            "event-snapshot",
         }
     )
 
@@ -625,6 +669,10 @@ class Runner:
             return self.changes(ss, a)
         if cmd == "snapshot":
             return self.snapshot(ss, a)
+        if cmd == "describe":
+            return self.describe(ss, a)
+        if cmd in ("events", "event-snapshot"):
+            return self.events(ss, cmd, a)
         if cmd == "ping":
             v = a.num("v", 0)
             return "pong %d" % s.ping(v)
@@ -632,10 +680,19 @@ class Runner:
             typ, payload = self.raw_request(d, a)
             if cmd == "send":
                 return self.quiet(ss, typ, payload)
+            layout = a.str("reply", "")
             b = s.await_reply(s.submit(typ, payload))
             if len(b) < 4:
                 raise AssertionError("reply of %d bytes has no status" % len(b))
-            return status_string(S.reply_status(b))
+            st = status_string(S.reply_status(b))
+            if layout == "":
+                return st
+            if layout == "common":
+                return "%s value=%d" % (st, S.decode_reply(b).value)
+            if layout == "events":
+                r = S.decode_events_reply(b)
+                return "%s width=%d events=%d" % (st, r.width, r.count)
+            raise ScenarioError("reply: common or events")
         raise ScenarioError("unknown command %r" % cmd)
 
     def put(self, ss, a):
@@ -766,6 +823,58 @@ class Runner:
         out += ["%s\n" % self.name_of(dg) for dg in r.digests()]
         return "".join(out)
 
+    def describe(self, ss, a):
+        """A Describe of one run: the blocks d, each of tokens-per-block
+        consecutive token ids from first-token on."""
+        dg = self.digests(a.need("d"), ss.width)
+        parent = None
+        if a.str("parent", ""):
+            parent = self.digests(a.str("parent"), ss.width)
+            if len(parent) != ss.width:
+                raise ScenarioError("parent=%s: one digest" % a.str("parent"))
+        tpb = a.num("tokens-per-block", 1)
+        first = a.num("first-token", 0)
+        n = len(dg) // ss.width * tpb
+        if tpb == 0 or tpb > 0xFFFF or n > 1 << 24:
+            raise ScenarioError("tokens-per-block=%d" % tpb)
+        tokens = struct.pack("<%dI" % n, *range(first, first + n))
+        extra = a.str("extra", "").encode()
+        return "described=%d" % ss.s.describe([S.DescribeRun(parent, dg, tpb, tokens, extra)])
+
+    def events(self, ss, cmd, a):
+        mx = a.num("max", 0)
+        as_ = a.str("as", "")
+        if cmd == "events":
+            epoch, seq = self.cursor(a, "from")
+            if a.has("wrong-epoch"):
+                epoch += 1
+            r = ss.s.events(epoch, seq, mx)
+            out = ["%sevents=%d\n" % ("resync " if r.resync else "", r.count)]
+        else:
+            r = ss.s.event_snapshot(a.num("from", 0), mx)
+            out = ["%s next=%d events=%d\n" % ("done" if r.done else "more", r.next, r.count)]
+        if as_:
+            self.cursors[as_] = (r.epoch, r.seq)
+        for e in r.events():
+            out.append(self.event_line(e))
+        return "".join(out)
+
+    def event_line(self, e):
+        """stored NAME [parent=NAME] [tokens=A-B] [extra=TEXT], or removed NAME."""
+        op = {S.EVENT_STORED: "stored", S.EVENT_REMOVED: "removed"}.get(e.op, "op(%d)" % e.op)
+        line = "%s %s" % (op, self.name_of(e.digest))
+        if e.parent is not None:
+            line += " parent=%s" % self.name_of(e.parent)
+        ts = e.token_ids()
+        if ts:
+            if all(ts[i] == ts[i - 1] + 1 for i in range(1, len(ts))):
+                line += " tokens=%d-%d" % (ts[0], ts[-1])
+            else:
+                line += " tokens=%s" % ",".join(str(t) for t in ts)
+        if e.extra:
+            line += " extra=%s" % bytes(e.extra).decode()
+        return line + "\n"
+
     def raw_request(self, d, a):
         ts = a.need("type")
         if ts in TYPES:
@@ -818,10 +927,35 @@ class Runner:
         return c
 
 
+DRIVERS = ("pure", "go", "python")
+
+
+def drivers(path):
+    """The drivers that run a scenario file: those its `# drivers: a, b` line
+    (among the comments before its first command) names, or all of them."""
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            if not line.startswith("#"):
+                break
+            if line.startswith("# drivers:"):
+                names = [n.strip() for n in line[len("# drivers:") :].split(",")]
+                for n in names:
+                    if n not in DRIVERS:
+                        raise ScenarioError("%s: drivers: unknown driver %r" % (path, n))
+                return names
+    return list(DRIVERS)
+
+
 @pytest.mark.parametrize(
     "path", sorted(glob.glob(os.path.join(SCENARIOS, "*.txt"))), ids=lambda p: os.path.basename(p)[:-4]
 )
 def test_scenario(path, ringside_bin):
+    names = drivers(path)
+    if "python" not in names:
+        pytest.skip("drivers: " + ", ".join(names))
     r = Runner(ringside_bin)
     try:
         r.run(path)

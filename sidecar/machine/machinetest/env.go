@@ -579,6 +579,5 @@ func (t *Tier) Put(w machine.L2Write, pool []byte) {
 	}
 }
 
-// ErrCopy is the error copies ended with a failure get from tests that
-// need one.
+// ErrCopy is a copy's failure, for tests that end copies failed.
 var ErrCopy = errors.New("machinetest: the copy failed")
