@@ -110,7 +110,10 @@ const (
 	offConsState     = 768
 )
 
-// Header is the static part of a ring header.
+// Header is the static part of a ring header: offsets 0 to 80 of the
+// header page (the package doc's table), reserved words included.
+//
+//wire:struct Header "<QIIQIIQIIIIQIIQ" magic version header_size capacity align max_record epoch flags _ producer_pid _ producer_start consumer_pid _ consumer_start
 type Header struct {
 	Magic         uint64
 	Version       uint32
@@ -224,7 +227,10 @@ func (h *Header) Validate(fileSize int64) error {
 	return nil
 }
 
-// RecordHeader is the 16-byte frame in front of every record.
+// RecordHeader is the 16-byte frame in front of every record: u32 len,
+// u16 type, u16 flags, u64 seq (the package doc's diagram).
+//
+//wire:struct RecordHeader "<IHHQ" len type flags seq size=RecordHeaderSize
 type RecordHeader struct {
 	Len   uint32
 	Type  uint16

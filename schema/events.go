@@ -23,6 +23,8 @@ const (
 
 // DescribeRunHeaderSize is the size of a Describe run's header: u32 blocks,
 // u16 tokens per block, u16 extra length, u8 flags, u8[7] zero.
+//
+//wire:struct DescribeRun "<IHHB7x" blocks tokens_per_block extra_len flags size=DescribeRunHeaderSize
 const DescribeRunHeaderSize = 16
 
 // DescribeFlagParent is a Describe run's (and an event entry's) flags bit
@@ -37,6 +39,8 @@ const (
 
 // EventHeaderSize is the size of an event entry before its digest: u8 op,
 // u8 flags, u16 tokens, u16 extra length, u16 zero.
+//
+//wire:struct EventHeader "<BBHH2x" op flags tokens extra_len size=EventHeaderSize
 const EventHeaderSize = 8
 
 // Event operations.
@@ -73,6 +77,8 @@ func (r *DescribeRun) Blocks(width int) int {
 //	  8 u8 flags (bit 0: parent)   9 u8[7] zero
 //	 16 parent (width bytes, with flag bit 0)   n × width digests
 //	    n × t × u32 token ids   e extra bytes
+//
+//wire:struct Describe "<II" count(runs) _
 type Describe struct {
 	Runs []DescribeRun
 }
@@ -206,6 +212,8 @@ func AppendEvent(dst []byte, e *Event) []byte {
 //	24 u64 next (EventSnapshot: the from of the next page; Events: 0)
 //	32 u32 count   36 u8 digest width   37 u8[3] zero
 //	40 count × entry (see AppendEvent)
+//
+//wire:struct EventsReply "<IIQQQIB3x" status ~flags epoch seq next count(entries) width size=EventsReplyHeaderSize
 type EventsReply struct {
 	Status  Status
 	Resync  bool

@@ -39,7 +39,7 @@ type goldenFileT struct {
 	Version uint16         `json:"version"`
 	Vectors []goldenVector `json:"vectors"`
 	// Every wire constant of the package (internal/wiregen's list, the
-	// same that _wire.py is generated from), with the Go String of the
+	// same that _wire_schema.py is generated from), with the Go String of the
 	// typed ones, and what the decoders accept where Go has no constant:
 	// connector/python/tests/test_wire.py checks the Python client
 	// against them.
@@ -50,7 +50,7 @@ type goldenFileT struct {
 
 type goldenConst struct {
 	Name   string `json:"name"`             // Go name
-	Python string `json:"python"`           // name in _wire.py
+	Python string `json:"python"`           // public Python name (ringside.schema)
 	Type   string `json:"type"`             // Go type
 	Value  uint64 `json:"value"`            //
 	String string `json:"string,omitempty"` // Status.String, State.String, TypeName (record types)
@@ -59,12 +59,12 @@ type goldenConst struct {
 // goldenConstants lists the package's wire constants with their Go names.
 func goldenConstants(t *testing.T) []goldenConst {
 	t.Helper()
-	cs, err := wiregen.Load(".")
+	m, err := wiregen.Load(".")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out []goldenConst
-	for _, c := range cs {
+	for _, c := range m.Consts {
 		g := goldenConst{Name: c.Name, Python: c.Python, Type: c.Type, Value: c.Value}
 		switch {
 		case c.Type == "Status":
@@ -222,7 +222,7 @@ func buildGoldenVectors(t *testing.T) goldenFileT {
 			"fields: snake_case field values, byte strings as lowercase hex; hex: the exact payload bytes " +
 			"(attach messages: the socket message; others: the ring record payload, without the 16-byte record header). " +
 			"PutHashes and Describe are encoded with digest_width. constants: every wire constant of package schema " +
-			"(python: its name in ringside/_wire.py; string: Status.String, State.String or TypeName); " +
+			"(python: its public name in ringside.schema; string: Status.String, State.String or TypeName); " +
 			"digest_widths and region_kinds: what the Go validation and decoder accept.",
 		Version:      schema.Version,
 		Constants:    goldenConstants(t),

@@ -25,6 +25,8 @@ const (
 //	17 u8[3] zero          20 u32 ring capacity (0 = sidecar default)
 //	24 u16 len(instance)   26 u16 len(model)  28 u16 len(layout) 30 u16 len(salt)
 //	32 instance, model, layout, salt (UTF-8, back to back)
+//
+//wire:struct AttachRequest "<IHHIIB3xIHHHH" AttachMagic version role rank world_size digest_width ring_capacity len(instance) len(model) len(layout) len(salt)
 type AttachRequest struct {
 	Version      uint16
 	Role         uint16
@@ -115,6 +117,8 @@ func (m *AttachRequest) Decode(b []byte) error {
 //	48 u16 len(submission ring path)  50 u16 len(completion ring path)
 //	52 u16 len(pool path)             54 u16 len(message)
 //	56 the strings, back to back
+//
+//wire:struct AttachReply "<IHHIIQQQIIHHHH" AttachReplyMagic version _ status namespace session epoch pool_slots slot_bytes max_payload len(submission_ring) len(completion_ring) len(pool_path) len(message)
 type AttachReply struct {
 	Version        uint16
 	Status         Status
@@ -205,6 +209,8 @@ func (v *View) read(r *reader) {
 // appends to an existing batch (FlagAppend).
 //
 //	0 u64 batch id   8 u32 count   12 u32 flags   16 count × width digest bytes
+//
+//wire:struct PutHashes "<QII" batch count(digests) flags
 type PutHashes struct {
 	Batch   uint64
 	Flags   uint32
@@ -262,6 +268,8 @@ func (m *PutHashes) Decode(b []byte, width int) error {
 // IDRequest is the payload of DropHashes, Poll and Release: one id.
 //
 //	0 u64 id
+//
+//wire:struct IDRequest "<Q" id
 type IDRequest struct{ ID uint64 }
 
 // Append encodes m.
@@ -277,6 +285,8 @@ func (m *IDRequest) Decode(b []byte) error {
 // Lookup counts the leading blocks of a view that the namespace holds.
 //
 //	0 view
+//
+//wire:struct Lookup "<QII" batch start count size=ViewSize
 type Lookup struct{ View View }
 
 // Append encodes m.
@@ -296,6 +306,8 @@ func (m *Lookup) Decode(b []byte) error {
 // Acquire pins the leading present blocks of a view under a new lease.
 //
 //	0 view   16 u32 ttl in milliseconds (0 = sidecar default)   20 u32 flags (zero)
+//
+//wire:struct Acquire "<QIIII" batch start count ttl_ms _
 type Acquire struct {
 	View  View
 	TTLms uint32
@@ -325,6 +337,8 @@ func (m *Acquire) Decode(b []byte) error {
 type Segment struct{ Offset, Stride, Length uint64 }
 
 // SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
+//
+//wire:struct Segment "<QQQ" offset stride length size=SegmentSize
 const SegmentSize = 24
 
 // The extra bytes of a RegionCUDAIPC region (protocol version 3): the GPU,
@@ -334,6 +348,9 @@ const SegmentSize = 24
 //	 0 u8[16] GPU UUID   16 u32 flags   20 u32 allocation count n
 //	24 u8[64] cudaIpcEventHandle_t (zero without CUDAExtraFlagEvent)
 //	88 n × (u8[64] cudaIpcMemHandle_t, u64 base, u64 size)
+//
+//wire:struct CUDAExtra "<16sII64s" gpu flags count(allocations) event size=CUDAExtraHeaderSize
+//wire:struct CUDAAllocation "<64sQQ" handle base size size=CUDAAllocationSize
 const (
 	CUDAExtraHeaderSize        = 88
 	CUDAAllocationSize         = 80
@@ -420,6 +437,8 @@ const (
 //	40 u32 page count                 44 u32 segment count
 //	48 segments: u64 offset, u64 stride, u64 length each
 //	.. kind-specific bytes to the end (CUDA IPC: CUDAExtra)
+//
+//wire:struct RegisterRegion "<IB3xQQQQII" region kind pid base length page_size page_count count(segments)
 type RegisterRegion struct {
 	Region    uint32
 	Kind      uint8
@@ -486,6 +505,8 @@ func (m *RegisterRegion) Decode(b []byte) error {
 //
 //	 0 u64 lease id   8 u32 region id   12 u32 count   16 u32 first   20 u32 zero
 //	24 count × u32 page index
+//
+//wire:struct Load "<QIIII" lease region count(pages) first _
 type Load struct {
 	Lease  uint64
 	Region uint32
@@ -535,6 +556,8 @@ func readPages(r *reader, n uint32, buf []uint32) []uint32 {
 //
 //	 0 view   16 u32 region id   20 u32 count (= view count)
 //	24 count × u32 page index
+//
+//wire:struct Store "<QIIII" batch start count region count(pages)
 type Store struct {
 	View   View
 	Region uint32
@@ -569,6 +592,8 @@ func (m *Store) Decode(b []byte) error {
 // Changes reads the namespace's change log from a cursor.
 //
 //	0 u64 epoch   8 u64 next sequence   16 u32 max entries   20 u32 zero
+//
+//wire:struct Changes "<QQII" epoch seq max _
 type Changes struct {
 	Epoch uint64
 	Seq   uint64
@@ -600,6 +625,8 @@ func (m *Changes) Decode(b []byte) error {
 // snapshot, each later page sends the previous reply's Next.
 //
 //	0 u64 from   8 u32 max entries (0: the sidecar's bound)   12 u32 zero
+//
+//wire:struct Snapshot "<QII" from max _
 type Snapshot struct {
 	From uint64
 	Max  uint32
@@ -630,6 +657,8 @@ func (m *Snapshot) Decode(b []byte) error {
 // Value is: PutHashes, the batch length after the call; Lookup, the number
 // of leading present blocks; Load, the number of blocks copied; Ping, the
 // echoed value; otherwise zero.
+//
+//wire:struct Reply "<IIQ" status _ value
 type Reply struct {
 	Status  Status
 	Value   uint64
@@ -668,6 +697,8 @@ func (m *Reply) Err() error {
 //
 //	0 u32 status   4 u32 state   8 u64 lease id   16 u32 blocks pinned   20 u32 zero
 //	24 message (UTF-8, to the end)
+//
+//wire:struct LeaseReply "<IIQII" status state lease blocks _
 type LeaseReply struct {
 	Status  Status
 	State   State
@@ -704,6 +735,8 @@ func (m *LeaseReply) Decode(b []byte) error {
 //
 //	0 u32 status   4 u32 stored   8 u32 already present   12 u32 not stored (no space)
 //	16 message (UTF-8, to the end)
+//
+//wire:struct StoreReply "<IIII" status stored present skipped
 type StoreReply struct {
 	Status  Status
 	Stored  uint32
@@ -740,6 +773,8 @@ const ChangesFlagResync uint32 = 1
 
 // ChangeHeaderSize is the size of a change entry before its digest: u8 op,
 // u8[7] zero.
+//
+//wire:struct ChangeHeader "<B7x" op size=ChangeHeaderSize
 const ChangeHeaderSize = 8
 
 // Change operations in the log.
@@ -754,6 +789,8 @@ const (
 //	 0 u32 status   4 u32 flags (bit 0: resynchronise from a snapshot)
 //	 8 u64 epoch   16 u64 next sequence   24 u32 count   28 u8 digest width   29 u8[3] zero
 //	32 count × entry: u8 op, u8[7] zero, digest (width bytes)
+//
+//wire:struct ChangesReply "<IIQQIB3x" status ~flags epoch next count(entries) width
 type ChangesReply struct {
 	Status  Status
 	Resync  bool
@@ -835,6 +872,8 @@ const SnapshotFlagDone uint32 = 1
 //	 0 u32 status   4 u32 flags (bit 0: done)   8 u64 epoch   16 u64 seq
 //	24 u64 next   32 u32 count   36 u8 digest width   37 u8[3] zero
 //	40 count × digest (width bytes)
+//
+//wire:struct SnapshotReply "<IIQQQIB3x" status ~flags epoch seq next count(entries) width
 type SnapshotReply struct {
 	Status  Status
 	Done    bool

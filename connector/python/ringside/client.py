@@ -111,33 +111,9 @@ class RingsideTimeout(RingsideError, TimeoutError):
         return "ringside: timeout: " + self.message
 
 
-# Precompiled reply layouts (shared with schema.py, so they cannot drift).
-_REPLY = _schema._REPLY  # status, zero, value
-_LEASE_REPLY = _schema._LEASE_REPLY  # status, state, lease, blocks, zero
-_STORE_REPLY = _schema._STORE_REPLY  # status, stored, present, skipped
-_REPLY_UNPACK = _REPLY.unpack_from
-_LEASE_UNPACK = _LEASE_REPLY.unpack_from
-_ID_PACK = _schema._ID.pack
-_VIEW_PACK = _schema._VIEW.pack
-
-_T_PUT = _schema.TYPE_PUT_HASHES
-_T_DROP = _schema.TYPE_DROP_HASHES
-_T_LOOKUP = _schema.TYPE_LOOKUP
-_T_ACQUIRE = _schema.TYPE_ACQUIRE
-_T_POLL = _schema.TYPE_POLL
-_T_RELEASE = _schema.TYPE_RELEASE
-_T_REGION = _schema.TYPE_REGISTER_REGION
-_T_LOAD = _schema.TYPE_LOAD
-_T_STORE = _schema.TYPE_STORE
-_T_CHANGES = _schema.TYPE_CHANGES
-_T_DETACH = _schema.TYPE_DETACH
-_T_PING = _schema.TYPE_PING
-_T_SNAPSHOT = _schema.TYPE_SNAPSHOT
-
 _MAX_PENDING = 1 << 16  # unclaimed out-of-order replies kept (as Go)
 _MAX_ABANDONED = 1 << 12  # seqs of timed-out calls whose late replies are dropped
 _U32_MAX = 0xFFFFFFFF
-_monotonic = time.monotonic
 
 _UNAVAILABLE = (_ring.RingPeerDead, _ring.RingPeerClosed, _ring.RingCorrupt, _ring.RingClosed, _ring.RingBadHeader)
 
@@ -156,7 +132,7 @@ def _malformed(e: Exception) -> RingsideError:
 
 def _dec_value(mv) -> int:
     try:
-        status, _z, value = _REPLY_UNPACK(mv, 0)
+        status, _z, value = _schema.REPLY.unpack_from(mv, 0)
     except struct.error as e:
         raise _malformed(e) from None
     if status:
@@ -166,7 +142,7 @@ def _dec_value(mv) -> int:
 
 def _dec_lease(mv) -> LeaseReply:
     try:
-        status, state, lease, blocks, _z = _LEASE_UNPACK(mv, 0)
+        status, state, lease, blocks, _z = _schema.LEASE_REPLY.unpack_from(mv, 0)
     except struct.error as e:
         raise _malformed(e) from None
     msg = _msg(mv, 24) if len(mv) > 24 else ""
@@ -289,15 +265,15 @@ class Session:
         )
         _schema.validate_attach_request(req)
         msg = _schema.encode_attach_request(*req)
-        deadline = _monotonic() + timeout
+        deadline = time.monotonic() + timeout
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)  # close-on-exec by default
         try:
             try:
                 sock.settimeout(timeout)
                 sock.connect(socket_path)
-                sock.settimeout(max(deadline - _monotonic(), 1e-3))
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 sock.send(msg)
-                sock.settimeout(max(deadline - _monotonic(), 1e-3))
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 # Protocol version 2: a successful reply carries the two
                 # rings as descriptors (submission first).
                 b, fds, _, _ = _socket.recv_fds(sock, 8192, 2)
@@ -351,7 +327,7 @@ class Session:
         try:
             if self._dead is None:
                 try:
-                    self._call(_T_DETACH, b"", _dec_bytes, min(self.timeout, 1.0))
+                    self._call(_schema.TYPE_DETACH, b"", _dec_bytes, min(self.timeout, 1.0))
                 except Exception:  # noqa: BLE001 (closing must never raise)
                     pass
         finally:
@@ -367,8 +343,8 @@ class Session:
             return None
         self._seq = seq = self._seq + 1
         try:
-            if not self._prod.put(b"", _T_DETACH, seq, True):
-                self._prod.write(b"", _T_DETACH, 0, seq, _monotonic(), wake=True)
+            if not self._prod.put(b"", _schema.TYPE_DETACH, seq, True):
+                self._prod.write(b"", _schema.TYPE_DETACH, 0, seq, time.monotonic(), wake=True)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             self._fail(e)
             return None
@@ -470,7 +446,7 @@ class Session:
         prod = self._prod
         try:
             if not prod.put(payload, type, seq, wake):
-                prod.write(payload, type, 0, seq, _monotonic() + self.timeout, wake=wake)
+                prod.write(payload, type, 0, seq, time.monotonic() + self.timeout, wake=wake)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
         if not wake:
@@ -529,7 +505,7 @@ class Session:
         prod = self._prod
         try:
             if not prod.put(payload, type, 0, wake):
-                prod.write(payload, type, 0, 0, _monotonic() + self.timeout, wake=wake)
+                prod.write(payload, type, 0, 0, time.monotonic() + self.timeout, wake=wake)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
         if not wake:
@@ -586,7 +562,7 @@ class Session:
             raise self._fail(e) from None
 
     def _await(self, seq: int, decode, timeout: float, keep: bool = False):
-        deadline = _monotonic() + timeout
+        deadline = time.monotonic() + timeout
         cons = self._cons
         try:
             while True:
@@ -645,7 +621,7 @@ class Session:
         self._seq = seq = self._seq + 1
         t = self.timeout if timeout is None else timeout
         try:
-            self._prod.write(payload, typ, 0, seq, _monotonic() + t)
+            self._prod.write(payload, typ, 0, seq, time.monotonic() + t)
         except _UNAVAILABLE + (_ring.RingTimeout,) as e:
             raise self._fail(e) from None
         self._unwoken = False  # the write woke the loop: it handles earlier records first
@@ -657,19 +633,19 @@ class Session:
         """Register digests (joined bytes, a multiple of the digest width) as
         batch, or append them to it; returns the batch length in hashes."""
         p = _schema.encode_put_hashes(batch, digests, self._width, _schema.FLAG_APPEND if append else 0)
-        return self._call(_T_PUT, p, _dec_value)
+        return self._call(_schema.TYPE_PUT_HASHES, p, _dec_value)
 
     def drop_hashes(self, batch: int) -> None:
         """Forget a batch."""
-        self._call(_T_DROP, _schema.encode_id(batch), _dec_value)
+        self._call(_schema.TYPE_DROP_HASHES, _schema.encode_id(batch), _dec_value)
 
     def lookup(self, batch: int, start: int = 0, count: int = 0) -> int:
         """Number of leading blocks of the view that the sidecar holds."""
         try:
-            p = _VIEW_PACK(batch, start, count)
+            p = _schema.LOOKUP.pack(batch, start, count)
         except struct.error:
             p = _schema.encode_lookup(batch, start, count)  # raises SchemaError
-        return self._call(_T_LOOKUP, p, _dec_value)
+        return self._call(_schema.TYPE_LOOKUP, p, _dec_value)
 
     def acquire(self, batch: int, start: int, count: int, ttl: Optional[float] = None) -> LeaseReply:
         """Pin the leading present blocks of the view under a lease. ttl in
@@ -678,19 +654,19 @@ class Session:
         ttl_ms = 0
         if ttl is not None and ttl > 0:
             ttl_ms = min(max(int(ttl * 1000), 1), _U32_MAX)
-        return self._call(_T_ACQUIRE, _schema.encode_acquire(batch, start, count, ttl_ms), _dec_lease)
+        return self._call(_schema.TYPE_ACQUIRE, _schema.encode_acquire(batch, start, count, ttl_ms), _dec_lease)
 
     def poll(self, lease: int) -> LeaseReply:
         """A lease's current state."""
         try:
-            p = _ID_PACK(lease)
+            p = _schema.ID_REQUEST.pack(lease)
         except struct.error:
             p = _schema.encode_poll(lease)
-        return self._call(_T_POLL, p, _dec_lease)
+        return self._call(_schema.TYPE_POLL, p, _dec_lease)
 
     def release(self, lease: int) -> None:
         """End a lease (in any state)."""
-        self._call(_T_RELEASE, _schema.encode_release(lease), _dec_value)
+        self._call(_schema.TYPE_RELEASE, _schema.encode_release(lease), _dec_value)
 
     def register_region(
         self,
@@ -708,23 +684,23 @@ class Session:
         p = _schema.encode_register_region(
             region_id, kind, os.getpid() if pid is None else pid, base, length, page_size, page_count, segments, extra
         )
-        self._call(_T_REGION, p, _dec_value)
+        self._call(_schema.TYPE_REGISTER_REGION, p, _dec_value)
 
     def load(self, lease: int, region: int, first: int, pages) -> int:
         """Copy lease blocks first.. into the given pages of a region and wait
         for the copy; returns the blocks copied."""
-        return self._call(_T_LOAD, _schema.encode_load(lease, region, first, pages), _dec_value)
+        return self._call(_schema.TYPE_LOAD, _schema.encode_load(lease, region, first, pages), _dec_value)
 
     def store(self, batch: int, start: int, count: int, region: int, pages) -> StoreReply:
         """Copy pages of a region into the pool as blocks start..start+count
         of a batch (len(pages) == count) and wait for the copy."""
-        return self._call(_T_STORE, _schema.encode_store(batch, start, count, region, pages), _dec_store)
+        return self._call(_schema.TYPE_STORE, _schema.encode_store(batch, start, count, region, pages), _dec_store)
 
     def changes(self, epoch: int = 0, seq: int = 0, max: int = 0) -> ChangesReply:  # noqa: A002
         """Read the change log from a cursor (zero cursor: start at the head,
         resync set). Iterate ``reply.changes()`` for (op, digest) pairs; the
         next cursor is (reply.epoch, reply.next)."""
-        return self._call(_T_CHANGES, _schema.encode_changes(epoch, seq, max), _dec_changes)
+        return self._call(_schema.TYPE_CHANGES, _schema.encode_changes(epoch, seq, max), _dec_changes)
 
     def snapshot(self, from_pos: int = 0, max: int = 0) -> SnapshotReply:  # noqa: A002
         """One page of the digests of the namespace's present blocks, from
@@ -737,7 +713,7 @@ class Session:
         resync, start the snapshot again. A worker session is refused
         (status NOT_PERMITTED); a sidecar without Snapshot answers
         UNKNOWN_TYPE."""
-        return self._call(_T_SNAPSHOT, _schema.encode_snapshot(from_pos, max), _dec_snapshot)
+        return self._call(_schema.TYPE_SNAPSHOT, _schema.encode_snapshot(from_pos, max), _dec_snapshot)
 
     def describe(self, runs) -> int:
         """Describe blocks for KV events (docs/protocol.md section 5.11): runs
@@ -763,7 +739,7 @@ class Session:
 
     def ping(self, v: int = 0) -> int:
         """Round trip; returns the echoed value."""
-        got = self._call(_T_PING, _schema.encode_id(v), _dec_value)
+        got = self._call(_schema.TYPE_PING, _schema.encode_id(v), _dec_value)
         if got != v:
             raise RingsideError(Status.INTERNAL, "ping answered %d, want %d" % (got, v))
         return got
@@ -794,7 +770,7 @@ class Link:
     def get(self) -> Optional[Session]:
         if self.session is not None:
             return self.session
-        now = _monotonic()
+        now = time.monotonic()
         if now < self._next_try:
             return None
         self._next_try = now + self.reattach

@@ -32,8 +32,8 @@ logger = logging.getLogger("ringside.events")
 
 _monotonic = time.monotonic
 _clock_ns = time.perf_counter_ns
-_HEAD = _s._EVENTS_REPLY
-_EV = _s._EVENT_HEAD
+_HEAD = _s.EVENTS_REPLY
+_EV = _s.EVENT_HEADER
 
 # Entries asked for per Events poll; a reply with fewer has caught up.
 EVENTS_PER_POLL = 1024

@@ -26,7 +26,7 @@ logger = logging.getLogger("ringside.mirror")
 _monotonic = time.monotonic
 # The ChangesReply layout (protocol.md 6.4): status, flags, epoch, next, count,
 # width; then count entries of an 8-byte change header and the digest.
-_CHANGES_REPLY = _s._CHANGES_REPLY
+_CHANGES_REPLY = _s.CHANGES_REPLY
 _HEAD = _CHANGES_REPLY.size
 _clock_ns = time.perf_counter_ns
 

@@ -64,50 +64,16 @@ import mmap
 import os
 import platform
 import stat as _stat
-import struct
 import sys
 import threading
 import time
 from collections import namedtuple
 
-from . import _wire as _w
-
-# ---------------------------------------------------------------------------
-# Layout constants (frozen for layout version 1). Every value comes from the
-# generated module _wire (the Go package ring's constants, see
-# internal/wiregen); tests/test_wire.py checks that every one has its name
-# here.
-
-MAGIC = _w.RING_MAGIC  # "RSRING01" little-endian
-VERSION = _w.RING_VERSION
-HEADER_SIZE = _w.RING_HEADER_SIZE
-ALIGN = _w.RING_ALIGN
-RECORD_HEADER_SIZE = _w.RING_RECORD_HEADER_SIZE
-MIN_CAPACITY = _w.RING_MIN_CAPACITY
-MAX_CAPACITY = _w.RING_MAX_CAPACITY
-TYPE_PAD = _w.RING_TYPE_PAD
-FLAG_CREATOR_PRODUCER = _w.RING_FLAG_CREATOR_PRODUCER
-
-OFF_MAGIC = _w.RING_OFF_MAGIC
-OFF_VERSION = _w.RING_OFF_VERSION
-OFF_HEADER_SIZE = _w.RING_OFF_HEADER_SIZE
-OFF_CAPACITY = _w.RING_OFF_CAPACITY
-OFF_ALIGN = _w.RING_OFF_ALIGN
-OFF_MAX_RECORD = _w.RING_OFF_MAX_RECORD
-OFF_EPOCH = _w.RING_OFF_EPOCH
-OFF_FLAGS = _w.RING_OFF_FLAGS
-OFF_PRODUCER_PID = _w.RING_OFF_PRODUCER_PID
-OFF_PRODUCER_START = _w.RING_OFF_PRODUCER_START
-OFF_CONSUMER_PID = _w.RING_OFF_CONSUMER_PID
-OFF_CONSUMER_START = _w.RING_OFF_CONSUMER_START
-OFF_TAIL = _w.RING_OFF_TAIL
-OFF_HEAD = _w.RING_OFF_HEAD
-OFF_CONS_PARKED = _w.RING_OFF_CONS_PARKED
-OFF_CONS_FUTEX = _w.RING_OFF_CONS_FUTEX
-OFF_PROD_PARKED = _w.RING_OFF_PROD_PARKED
-OFF_PROD_FUTEX = _w.RING_OFF_PROD_FUTEX
-OFF_PROD_STATE = _w.RING_OFF_PROD_STATE
-OFF_CONS_STATE = _w.RING_OFF_CONS_STATE
+# The layout of the Go package ring, generated from it (internal/wiregen):
+# every constant under its public name (MAGIC, OFF_TAIL, ...), and the
+# static header (HEADER) and record header (RECORD_HEADER) as struct.Structs.
+# tests/test_wire.py checks them against the Go golden vectors.
+from ._wire_ring import *  # noqa: F403
 
 # Indexes into the cast('Q') and cast('I') views of the whole mapping.
 _Q_MAGIC = OFF_MAGIC // 8
@@ -124,9 +90,6 @@ _I_PROD_FUTEX = OFF_PROD_FUTEX // 4
 _I_PROD_STATE = OFF_PROD_STATE // 4
 _I_CONS_STATE = OFF_CONS_STATE // 4
 
-# Static header fields, offsets 0..80, reserved words included.
-_HEADER = struct.Struct("<QIIQIIQIIIIQIIQ")
-_RECORD_HEADER = struct.Struct("<IHHQ")
 _U64_MAX = (1 << 64) - 1
 
 if sys.byteorder != "little":  # pragma: no cover - every supported target
@@ -329,7 +292,7 @@ Header = namedtuple(
 
 def encode_header(buf, h: Header) -> None:
     """Write the static header fields of h (magic included) into buf[:80]."""
-    _HEADER.pack_into(
+    HEADER.pack_into(
         buf,
         0,
         h.magic,
@@ -378,7 +341,7 @@ def decode_header(buf, file_size: int = -1) -> Header:
     if len(buf) < HEADER_SIZE:
         raise RingBadHeader(f"{len(buf)} bytes, want at least {HEADER_SIZE}")
     (magic, version, hsize, cap, align, maxrec, epoch, flags, _r0, ppid, _r1, pstart, cpid, _r2, cstart) = (
-        _HEADER.unpack_from(buf, 0)
+        HEADER.unpack_from(buf, 0)
     )
     h = Header(magic, version, hsize, cap, align, maxrec, epoch, flags, ppid, pstart, cpid, cstart)
     validate_header(h, file_size)
@@ -386,7 +349,7 @@ def decode_header(buf, file_size: int = -1) -> Header:
 
 
 def encode_record_header(buf, off: int, length: int, typ: int, flags: int, seq: int) -> None:
-    _RECORD_HEADER.pack_into(buf, off, length, typ, flags, seq)
+    RECORD_HEADER.pack_into(buf, off, length, typ, flags, seq)
 
 
 def encode_record(payload: bytes, typ: int, flags: int = 0, seq: int = 0) -> bytes:
@@ -403,7 +366,7 @@ def decode_record_header(buf, off: int, avail: int, max_record: int):
     and max_record.  Returns (length, type, flags, seq); raises RingCorrupt."""
     if avail < RECORD_HEADER_SIZE or len(buf) - off < RECORD_HEADER_SIZE:
         raise RingCorrupt(f"{min(avail, len(buf) - off)} bytes published, less than a record header")
-    length, typ, flags, seq = _RECORD_HEADER.unpack_from(buf, off)
+    length, typ, flags, seq = RECORD_HEADER.unpack_from(buf, off)
     _check_record(length, typ, avail if avail < len(buf) - off else len(buf) - off, max_record, -1)
     return length, typ, flags, seq
 

@@ -22,61 +22,21 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from enum import IntEnum
-from typing import Iterator, NamedTuple, Optional, Sequence, Tuple
+from typing import Generator, Iterator, NamedTuple, Optional, Sequence, Tuple
 
-from . import _wire as _w
+# The wire of the Go package schema, generated from it (internal/wiregen):
+# every constant under its public name (TYPE_*, MAX_*, FLAG_*, ...), the
+# Status and State enums and the name tables (STATUS_NAMES, STATE_NAMES,
+# TYPE_NAMES) with Go's text, and each record's fixed header as a
+# struct.Struct (PUT_HASHES, REPLY, EVENTS_REPLY, ...) beside its offset
+# diagram. tests/test_wire.py checks them against the Go golden vectors.
+from ._wire_schema import *  # noqa: F403
 
-# --------------------------------------------------------------------------
-# Constants. Every value comes from the generated module _wire (the Go
-# package schema's constants, see internal/wiregen): none is written here.
-# This block gives them their public Python names, which other modules and
-# users import; tests/test_wire.py checks that every Go constant has one.
+DIGEST_WIDTHS = (8, 16, 32)  # Go checks these as literals; test_wire.py checks them against Go's validation
 
-VERSION = _w.SCHEMA_VERSION
-MIN_VERSION = _w.SCHEMA_MIN_VERSION  # the oldest version a sidecar still attaches
-
-TYPE_PUT_HASHES = _w.SCHEMA_TYPE_PUT_HASHES
-TYPE_DROP_HASHES = _w.SCHEMA_TYPE_DROP_HASHES
-TYPE_LOOKUP = _w.SCHEMA_TYPE_LOOKUP
-TYPE_ACQUIRE = _w.SCHEMA_TYPE_ACQUIRE
-TYPE_POLL = _w.SCHEMA_TYPE_POLL
-TYPE_RELEASE = _w.SCHEMA_TYPE_RELEASE
-TYPE_REGISTER_REGION = _w.SCHEMA_TYPE_REGISTER_REGION
-TYPE_LOAD = _w.SCHEMA_TYPE_LOAD
-TYPE_STORE = _w.SCHEMA_TYPE_STORE
-TYPE_CHANGES = _w.SCHEMA_TYPE_CHANGES
-TYPE_DETACH = _w.SCHEMA_TYPE_DETACH
-TYPE_PING = _w.SCHEMA_TYPE_PING
-TYPE_SNAPSHOT = _w.SCHEMA_TYPE_SNAPSHOT
-TYPE_DESCRIBE = _w.SCHEMA_TYPE_DESCRIBE  # KV events: describe stored blocks (parent, token ids)
-TYPE_EVENTS = _w.SCHEMA_TYPE_EVENTS  # KV events: read the event log (a Changes payload)
-TYPE_EVENT_SNAPSHOT = _w.SCHEMA_TYPE_EVENT_SNAPSHOT  # KV events: a page of described blocks (a Snapshot payload)
-
-REPLY_BIT = _w.SCHEMA_REPLY_BIT
-# Never a request type: its reply type would be the ring's pad type. The
-# sidecar answers it with status 2 under record type RESERVED_REPLY_TYPE.
-RESERVED_TYPE = _w.SCHEMA_RESERVED_TYPE
-RESERVED_REPLY_TYPE = _w.SCHEMA_RESERVED_REPLY_TYPE
-
-TYPE_NAMES = {
-    TYPE_PUT_HASHES: "PutHashes",
-    TYPE_DROP_HASHES: "DropHashes",
-    TYPE_LOOKUP: "Lookup",
-    TYPE_ACQUIRE: "Acquire",
-    TYPE_POLL: "Poll",
-    TYPE_RELEASE: "Release",
-    TYPE_REGISTER_REGION: "RegisterRegion",
-    TYPE_LOAD: "Load",
-    TYPE_STORE: "Store",
-    TYPE_CHANGES: "Changes",
-    TYPE_DETACH: "Detach",
-    TYPE_PING: "Ping",
-    TYPE_SNAPSHOT: "Snapshot",
-    TYPE_DESCRIBE: "Describe",
-    TYPE_EVENTS: "Events",
-    TYPE_EVENT_SNAPSHOT: "EventSnapshot",
-}
+# Whether u32 arrays in native order are in wire order (little-endian):
+# array("I") and memoryview.cast("I") then read and write the wire directly.
+NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def type_name(t: int) -> str:
@@ -87,137 +47,16 @@ def type_name(t: int) -> str:
     return n + "Reply" if t & REPLY_BIT else n
 
 
-class Status(IntEnum):
-    """Reply status codes. ``str(Status.X)`` is the Go name ("unknown lease")."""
-
-    OK = _w.SCHEMA_OK
-    MALFORMED = _w.SCHEMA_ERR_CODE_MALFORMED
-    UNKNOWN_TYPE = _w.SCHEMA_ERR_CODE_UNKNOWN_TYPE
-    UNKNOWN_BATCH = _w.SCHEMA_ERR_CODE_UNKNOWN_BATCH
-    UNKNOWN_LEASE = _w.SCHEMA_ERR_CODE_UNKNOWN_LEASE
-    UNKNOWN_REGION = _w.SCHEMA_ERR_CODE_UNKNOWN_REGION
-    OUT_OF_RANGE = _w.SCHEMA_ERR_CODE_OUT_OF_RANGE
-    TOO_LARGE = _w.SCHEMA_ERR_CODE_TOO_LARGE
-    NO_SPACE = _w.SCHEMA_ERR_CODE_NO_SPACE
-    EXPIRED = _w.SCHEMA_ERR_CODE_EXPIRED
-    DUPLICATE = _w.SCHEMA_ERR_CODE_DUPLICATE
-    COPY_FAILED = _w.SCHEMA_ERR_CODE_COPY_FAILED
-    NOT_PERMITTED = _w.SCHEMA_ERR_CODE_NOT_PERMITTED
-    INTERNAL = _w.SCHEMA_ERR_CODE_INTERNAL
-    SHUTTING_DOWN = _w.SCHEMA_ERR_CODE_SHUTTING_DOWN
-    BAD_VERSION = _w.SCHEMA_ERR_CODE_BAD_VERSION
-    BAD_STATE = _w.SCHEMA_ERR_CODE_BAD_STATE
-    MISMATCH = _w.SCHEMA_ERR_CODE_MISMATCH
-
-    def __str__(self) -> str:
-        return STATUS_NAMES[self.value]
-
-
-# Go's Status.String, indexed by code.
-STATUS_NAMES = (
-    "ok",
-    "malformed record",
-    "unknown record type",
-    "unknown hash batch",
-    "unknown lease",
-    "unknown region",
-    "out of range",
-    "too large",
-    "no space",
-    "expired",
-    "duplicate id",
-    "copy failed",
-    "not permitted",
-    "internal error",
-    "shutting down",
-    "unsupported protocol version",
-    "bad state",
-    "mismatch",
-)
-
-
 def status_name(s: int) -> str:
     """Go's Status.String: the name, or "status(N)" for an unknown code."""
-    if 0 <= s < len(STATUS_NAMES):
-        return STATUS_NAMES[s]
-    return "status(%d)" % s
-
-
-class State(IntEnum):
-    """Query (lease) states reported by Acquire and Poll."""
-
-    WAITING = _w.SCHEMA_STATE_WAITING  # admitted, blocks pinned, waiting for load budget ("Loading" to users)
-    READY = _w.SCHEMA_STATE_READY  # budget granted: Load may run
-    LOADING = _w.SCHEMA_STATE_LOADING  # a Load is copying
-    LOADED = _w.SCHEMA_STATE_LOADED  # the last Load completed
-    MISS = _w.SCHEMA_STATE_MISS  # resolved as a miss (deadline passed, error, nothing pinned): recompute
-    RELEASED = _w.SCHEMA_STATE_RELEASED
-
-    def __str__(self) -> str:
-        return self.name.lower()
+    n = STATUS_NAMES.get(s)
+    return "status(%d)" % s if n is None else n
 
 
 def state_name(s: int) -> str:
     """Go's State.String: "waiting" ... "released", or "state(N)"."""
-    try:
-        return str(State(s))
-    except ValueError:
-        return "state(%d)" % s
-
-
-ROLE_SCHEDULER = _w.SCHEMA_ROLE_SCHEDULER  # lookups, leases, the change log
-ROLE_WORKER = _w.SCHEMA_ROLE_WORKER  # a tensor-parallel worker: memory, loads, stores
-ROLE_CLIENT = _w.SCHEMA_ROLE_CLIENT  # tools and benchmarks: everything
-
-ATTACH_MAGIC = _w.SCHEMA_ATTACH_MAGIC  # "RSAT"
-ATTACH_REPLY_MAGIC = _w.SCHEMA_ATTACH_REPLY_MAGIC  # "RSAK"
-
-REGION_HOST_PROCESS = _w.SCHEMA_REGION_HOST_PROCESS  # host memory of the engine process, by pid and address
-REGION_CUDA_IPC = _w.SCHEMA_REGION_CUDAIPC  # GPU memory exported with a CUDA IPC handle
-
-FLAG_APPEND = _w.SCHEMA_FLAG_APPEND  # PutHashes: append to an existing batch
-FLAG_LOOKUP = _w.SCHEMA_FLAG_LOOKUP  # PutHashes: reply with a Lookup of the whole batch (leading hits), not its length
-FLAG_REPLACE = (
-    _w.SCHEMA_FLAG_REPLACE
-)  # PutHashes: register the id even if it is registered (its digests are replaced); not with FLAG_APPEND
-
-OP_STORED = _w.SCHEMA_OP_STORED
-OP_EVICTED = _w.SCHEMA_OP_EVICTED
-OP_CLEARED = _w.SCHEMA_OP_CLEARED  # the whole namespace was cleared; digest is zero
-
-CHANGES_FLAG_RESYNC = _w.SCHEMA_CHANGES_FLAG_RESYNC  # ChangesReply: resynchronise from a snapshot
-SNAPSHOT_FLAG_DONE = _w.SCHEMA_SNAPSHOT_FLAG_DONE  # SnapshotReply: the scan reached the end, no more pages
-
-DIGEST_WIDTHS = (8, 16, 32)  # Go checks these as literals; test_wire.py checks them against Go's validation
-
-MAX_HASHES_PER_RECORD = _w.SCHEMA_MAX_HASHES_PER_RECORD
-MAX_PAGES_PER_RECORD = _w.SCHEMA_MAX_PAGES_PER_RECORD
-MAX_SEGMENTS = _w.SCHEMA_MAX_SEGMENTS
-MAX_STRING_LEN = _w.SCHEMA_MAX_STRING_LEN
-MAX_CHANGES_PER_REPLY = _w.SCHEMA_MAX_CHANGES_PER_REPLY
-MAX_SNAPSHOT_PER_REPLY = _w.SCHEMA_MAX_SNAPSHOT_PER_REPLY
-MAX_WORLD_SIZE = _w.SCHEMA_MAX_WORLD_SIZE
-MAX_DESCRIBE_BLOCKS = _w.SCHEMA_MAX_DESCRIBE_BLOCKS  # blocks of all runs of one Describe
-MAX_DESCRIBE_TOKENS = _w.SCHEMA_MAX_DESCRIBE_TOKENS  # token ids of one block
-MAX_DESCRIBE_EXTRA = _w.SCHEMA_MAX_DESCRIBE_EXTRA  # engine-defined bytes of one run
-MAX_EVENTS_PER_REPLY = _w.SCHEMA_MAX_EVENTS_PER_REPLY
-
-DESCRIBE_RUN_HEADER_SIZE = _w.SCHEMA_DESCRIBE_RUN_HEADER_SIZE  # u32 blocks, u16 tokens, u16 extra, u8 flags, u8[7]
-DESCRIBE_FLAG_PARENT = _w.SCHEMA_DESCRIBE_FLAG_PARENT  # a Describe run's or an event's parent digest follows
-EVENTS_FLAG_RESYNC = _w.SCHEMA_EVENTS_FLAG_RESYNC  # EventsReply: rebuild from EventSnapshot
-EVENTS_FLAG_DONE = _w.SCHEMA_EVENTS_FLAG_DONE  # EventsReply (EventSnapshot): no more pages
-EVENT_HEADER_SIZE = _w.SCHEMA_EVENT_HEADER_SIZE  # u8 op, u8 flags, u16 tokens, u16 extra, u16 zero
-EVENT_STORED = _w.SCHEMA_EVENT_STORED  # the block is present and described
-EVENT_REMOVED = _w.SCHEMA_EVENT_REMOVED  # an announced block left the pool
-EVENTS_REPLY_HEADER_SIZE = _w.SCHEMA_EVENTS_REPLY_HEADER_SIZE
-
-VIEW_SIZE = _w.SCHEMA_VIEW_SIZE
-SEGMENT_SIZE = _w.SCHEMA_SEGMENT_SIZE
-CHANGE_HEADER_SIZE = _w.SCHEMA_CHANGE_HEADER_SIZE  # u8 op, u8[7] zero, then the digest
-CUDA_EXTRA_HEADER_SIZE = _w.SCHEMA_CUDA_EXTRA_HEADER_SIZE  # GPU UUID, flags, allocation count, event handle
-CUDA_ALLOCATION_SIZE = _w.SCHEMA_CUDA_ALLOCATION_SIZE  # 64-byte handle, u64 base, u64 size
-CUDA_EXTRA_FLAG_EVENT = _w.SCHEMA_CUDA_EXTRA_FLAG_EVENT  # the event handle is set
-MAX_ALLOCATIONS = _w.SCHEMA_MAX_ALLOCATIONS
+    n = STATE_NAMES.get(s)
+    return "state(%d)" % s if n is None else n
 
 
 class SchemaError(ValueError):
@@ -244,41 +83,16 @@ def _err(status: int, message: str) -> Optional[RingsideError]:
 
 
 # --------------------------------------------------------------------------
-# Precompiled layouts
+# Codecs. Each record's fixed header is its generated layout (PUT_HASHES,
+# LOAD, ...); what follows it is packed here.
 
-_ATTACH_REQ = struct.Struct("<IHHIIB3xIHHHH")  # 32 bytes, strings follow
-_ATTACH_REP = struct.Struct("<IHHIIQQQIIHHHH")  # 56 bytes, strings follow
-_PUT_HASHES = struct.Struct("<QII")  # 16: batch, count, flags
-_ID = struct.Struct("<Q")  # 8
 _U32 = struct.Struct("<I")
-_VIEW = struct.Struct("<QII")  # 16: batch, start, count
-_ACQUIRE = struct.Struct("<QIIII")  # 24: view, ttl, flags
-_REGION = struct.Struct("<IB3xQQQQII")  # 48
-_SEGMENT = struct.Struct("<QQQ")  # 24
-_LOAD = struct.Struct("<QIIII")  # 24: lease, region, count, first, zero
-_STORE = struct.Struct("<QIIII")  # 24: view, region, count
-_CHANGES = struct.Struct("<QQII")  # 24
-_SNAPSHOT = struct.Struct("<QII")  # 16: from, max, zero
-_REPLY = struct.Struct("<IIQ")  # 16
-_LEASE_REPLY = struct.Struct("<IIQII")  # 24
-_STORE_REPLY = struct.Struct("<IIII")  # 16
-_CHANGES_REPLY = struct.Struct("<IIQQIB3x")  # 32
-_CHANGE_HEAD = struct.Struct("<B7x")  # 8
-_SNAPSHOT_REPLY = struct.Struct("<IIQQQIB3x")  # 40
-_CUDA_EXTRA = struct.Struct("<16sII64s")  # 88: GPU UUID, flags, allocation count, event handle
-_CUDA_ALLOCATION = struct.Struct("<64sQQ")  # 80: handle, base, size
-_DESCRIBE = struct.Struct("<II")  # 8: runs, flags
-_DESCRIBE_RUN = struct.Struct("<IHHB7x")  # 16: blocks, tokens per block, extra length, flags
-_EVENTS_REPLY = struct.Struct("<IIQQQIB3x")  # 40
-_EVENT_HEAD = struct.Struct("<BBHH2x")  # 8: op, flags, tokens, extra length
-
-_NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def _pack_pages(pages) -> bytes:
     """u32 page indices, little-endian."""
     try:
-        if _NATIVE_U32:
+        if NATIVE_U32:
             if isinstance(pages, array) and pages.typecode == "I":
                 return pages.tobytes()
             return array("I", pages).tobytes()
@@ -371,7 +185,7 @@ def encode_attach_request(
     """The attach request (socket message). Does not validate: see validate_attach_request."""
     strs = [_enc_str(s, "attach request") for s in (instance, model, layout, salt)]
     try:
-        head = _ATTACH_REQ.pack(
+        head = ATTACH_REQUEST.pack(
             ATTACH_MAGIC, version, role, rank, world_size, digest_width, ring_capacity, *(len(s) for s in strs)
         )
     except struct.error as e:
@@ -386,9 +200,9 @@ def decode_attach_request(b) -> AttachRequest:
     magic = _U32.unpack_from(b, 0)[0]
     if magic != ATTACH_MAGIC:
         raise SchemaError("%s: magic %#x" % (what, magic))
-    _need(what, b, 4, _ATTACH_REQ.size - 4)
-    magic, version, role, rank, world, width, cap, n1, n2, n3, n4 = _ATTACH_REQ.unpack_from(b, 0)
-    off = _ATTACH_REQ.size
+    _need(what, b, 4, ATTACH_REQUEST.size - 4)
+    magic, version, role, rank, world, width, cap, n1, n2, n3, n4 = ATTACH_REQUEST.unpack_from(b, 0)
+    off = ATTACH_REQUEST.size
     _need(what, b, off, n1 + n2 + n3 + n4)
     mv = _view(b)
     strs = []
@@ -435,7 +249,7 @@ def encode_attach_reply(
 ) -> bytes:
     strs = [_enc_str(s, "attach reply") for s in (submission_ring, completion_ring, pool_path, message)]
     try:
-        head = _ATTACH_REP.pack(
+        head = ATTACH_REPLY.pack(
             ATTACH_REPLY_MAGIC,
             version,
             0,
@@ -459,11 +273,11 @@ def decode_attach_reply(b) -> AttachReply:
     magic = _U32.unpack_from(b, 0)[0]
     if magic != ATTACH_REPLY_MAGIC:
         raise SchemaError("%s: magic %#x" % (what, magic))
-    _need(what, b, 4, _ATTACH_REP.size - 4)
+    _need(what, b, 4, ATTACH_REPLY.size - 4)
     (magic, version, _zero, status, ns, session, epoch, slots, slot_bytes, max_payload, n1, n2, n3, n4) = (
-        _ATTACH_REP.unpack_from(b, 0)
+        ATTACH_REPLY.unpack_from(b, 0)
     )
-    off = _ATTACH_REP.size
+    off = ATTACH_REPLY.size
     _need(what, b, off, n1 + n2 + n3 + n4)
     mv = _view(b)
     strs = []
@@ -495,7 +309,7 @@ def encode_put_hashes(batch: int, digests, width: int, flags: int = 0) -> bytes:
     if n > MAX_HASHES_PER_RECORD:
         raise SchemaError("PutHashes: %d hashes, at most %d per record" % (n, MAX_HASHES_PER_RECORD))
     try:
-        return _PUT_HASHES.pack(batch, n, flags) + digests
+        return PUT_HASHES.pack(batch, n, flags) + digests
     except struct.error as e:
         raise SchemaError("PutHashes: %s" % e) from None
 
@@ -506,7 +320,7 @@ def decode_put_hashes(b, width: int) -> PutHashes:
     if width not in DIGEST_WIDTHS:
         raise SchemaError("%s: digest width %d, want 8, 16 or 32" % (what, width))
     _need(what, b, 0, 16)
-    batch, n, flags = _PUT_HASHES.unpack_from(b, 0)
+    batch, n, flags = PUT_HASHES.unpack_from(b, 0)
     if n > MAX_HASHES_PER_RECORD:
         raise SchemaError("%s: %d hashes, at most %d per record" % (what, n, MAX_HASHES_PER_RECORD))
     if flags & ~(FLAG_APPEND | FLAG_LOOKUP | FLAG_REPLACE):
@@ -521,7 +335,7 @@ def decode_put_hashes(b, width: int) -> PutHashes:
 def encode_id(id_: int) -> bytes:
     """Payload of DropHashes (batch id), Poll and Release (lease id)."""
     try:
-        return _ID.pack(id_)
+        return ID_REQUEST.pack(id_)
     except struct.error as e:
         raise SchemaError("id request: %s" % e) from None
 
@@ -535,7 +349,7 @@ def decode_id(b) -> int:
     what = "id request"
     _need(what, b, 0, 8)
     _done(what, b, 8)
-    return _ID.unpack_from(b, 0)[0]
+    return ID_REQUEST.unpack_from(b, 0)[0]
 
 
 class View(NamedTuple):
@@ -551,7 +365,7 @@ Lookup = View
 
 def encode_lookup(batch: int, start: int, count: int) -> bytes:
     try:
-        return _VIEW.pack(batch, start, count)
+        return LOOKUP.pack(batch, start, count)
     except struct.error as e:
         raise SchemaError("Lookup: %s" % e) from None
 
@@ -560,7 +374,7 @@ def decode_lookup(b) -> View:
     what = "Lookup"
     _need(what, b, 0, 16)
     _done(what, b, 16)
-    return View._make(_VIEW.unpack_from(b, 0))
+    return View._make(LOOKUP.unpack_from(b, 0))
 
 
 class Acquire(NamedTuple):
@@ -572,7 +386,7 @@ class Acquire(NamedTuple):
 
 def encode_acquire(batch: int, start: int, count: int, ttl_ms: int = 0) -> bytes:
     try:
-        return _ACQUIRE.pack(batch, start, count, ttl_ms, 0)
+        return ACQUIRE.pack(batch, start, count, ttl_ms, 0)
     except struct.error as e:
         raise SchemaError("Acquire: %s" % e) from None
 
@@ -580,7 +394,7 @@ def encode_acquire(batch: int, start: int, count: int, ttl_ms: int = 0) -> bytes
 def decode_acquire(b) -> Acquire:
     what = "Acquire"
     _need(what, b, 0, 24)
-    batch, start, count, ttl, flags = _ACQUIRE.unpack_from(b, 0)
+    batch, start, count, ttl, flags = ACQUIRE.unpack_from(b, 0)
     if flags:
         raise SchemaError("%s: unknown flags %#x" % (what, flags))
     _done(what, b, 24)
@@ -621,8 +435,8 @@ def encode_register_region(
     if len(segments) > MAX_SEGMENTS:
         raise SchemaError("RegisterRegion: %d segments, at most %d" % (len(segments), MAX_SEGMENTS))
     try:
-        parts = [_REGION.pack(region, kind, pid, base, length, page_size, page_count, len(segments))]
-        parts.extend(_SEGMENT.pack(*s) for s in segments)
+        parts = [REGISTER_REGION.pack(region, kind, pid, base, length, page_size, page_count, len(segments))]
+        parts.extend(SEGMENT.pack(*s) for s in segments)
     except (struct.error, TypeError) as e:
         raise SchemaError("RegisterRegion: %s" % e) from None
     parts.append(bytes(extra))
@@ -632,14 +446,14 @@ def encode_register_region(
 def decode_register_region(b) -> RegisterRegion:
     what = "RegisterRegion"
     _need(what, b, 0, 48)
-    region, kind, pid, base, length, page_size, page_count, n = _REGION.unpack_from(b, 0)
+    region, kind, pid, base, length, page_size, page_count, n = REGISTER_REGION.unpack_from(b, 0)
     if n > MAX_SEGMENTS:
         raise SchemaError("%s: %d segments, at most %d" % (what, n, MAX_SEGMENTS))
     if kind not in (REGION_HOST_PROCESS, REGION_CUDA_IPC):
         raise SchemaError("%s: unknown region kind %d" % (what, kind))
     _need(what, b, 48, n * SEGMENT_SIZE)
     off = 48 + n * SEGMENT_SIZE
-    segs = tuple(Segment._make(s) for s in _SEGMENT.iter_unpack(_view(b)[48:off]))
+    segs = tuple(Segment._make(s) for s in SEGMENT.iter_unpack(_view(b)[48:off]))
     return RegisterRegion(region, kind, pid, base, length, page_size, page_count, segs, bytes(_view(b)[off:]))
 
 
@@ -670,20 +484,20 @@ def encode_cuda_extra(
     if not 1 <= len(allocations) <= MAX_ALLOCATIONS:
         raise SchemaError("%s: %d allocations, want 1 to %d" % (what, len(allocations), MAX_ALLOCATIONS))
     flags = CUDA_EXTRA_FLAG_EVENT if event is not None else 0
-    parts = [_CUDA_EXTRA.pack(bytes(gpu_uuid), flags, len(allocations), bytes(event or bytes(64)))]
+    parts = [CUDA_EXTRA.pack(bytes(gpu_uuid), flags, len(allocations), bytes(event or bytes(64)))]
     for i, (handle, base, size) in enumerate(allocations):
         if len(handle) != 64:
             raise SchemaError("%s: allocation %d: handle of %d bytes, want 64" % (what, i, len(handle)))
         if size <= 0 or base < 0 or base + size >= 1 << 64:
             raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
-        parts.append(_CUDA_ALLOCATION.pack(bytes(handle), base, size))
+        parts.append(CUDA_ALLOCATION.pack(bytes(handle), base, size))
     return b"".join(parts)
 
 
 def decode_cuda_extra(b) -> CUDAExtra:
     what = "CUDA IPC extra"
     _need(what, b, 0, CUDA_EXTRA_HEADER_SIZE)
-    gpu, flags, n, event = _CUDA_EXTRA.unpack_from(b, 0)
+    gpu, flags, n, event = CUDA_EXTRA.unpack_from(b, 0)
     if flags & ~CUDA_EXTRA_FLAG_EVENT:
         raise SchemaError("%s: unknown flags %#x" % (what, flags))
     if not 1 <= n <= MAX_ALLOCATIONS:
@@ -695,7 +509,7 @@ def decode_cuda_extra(b) -> CUDAExtra:
     if len(b) != end:
         raise SchemaError("%s: %d trailing bytes" % (what, len(b) - end))
     allocs = []
-    for i, (h, base, size) in enumerate(_CUDA_ALLOCATION.iter_unpack(_view(b)[CUDA_EXTRA_HEADER_SIZE:end])):
+    for i, (h, base, size) in enumerate(CUDA_ALLOCATION.iter_unpack(_view(b)[CUDA_EXTRA_HEADER_SIZE:end])):
         if size == 0 or base + size >= 1 << 64:
             raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
         allocs.append(CUDAAllocation(h, base, size))
@@ -715,7 +529,7 @@ def encode_load(lease: int, region: int, first: int, pages) -> bytes:
     if n > MAX_PAGES_PER_RECORD:
         raise SchemaError("Load: %d pages, at most %d per record" % (n, MAX_PAGES_PER_RECORD))
     try:
-        return _LOAD.pack(lease, region, n, first, 0) + _pack_pages(pages)
+        return LOAD.pack(lease, region, n, first, 0) + _pack_pages(pages)
     except struct.error as e:
         raise SchemaError("Load: %s" % e) from None
 
@@ -723,7 +537,7 @@ def encode_load(lease: int, region: int, first: int, pages) -> bytes:
 def decode_load(b) -> Load:
     what = "Load"
     _need(what, b, 0, 24)
-    lease, region, n, first, _zero = _LOAD.unpack_from(b, 0)
+    lease, region, n, first, _zero = LOAD.unpack_from(b, 0)
     if n > MAX_PAGES_PER_RECORD:
         raise SchemaError("%s: %d pages, at most %d per record" % (what, n, MAX_PAGES_PER_RECORD))
     _need(what, b, 24, 4 * n)
@@ -747,7 +561,7 @@ def encode_store(batch: int, start: int, count: int, region: int, pages) -> byte
     if n > MAX_PAGES_PER_RECORD:
         raise SchemaError("Store: %d pages, at most %d per record" % (n, MAX_PAGES_PER_RECORD))
     try:
-        return _STORE.pack(batch, start, count, region, n) + _pack_pages(pages)
+        return STORE.pack(batch, start, count, region, n) + _pack_pages(pages)
     except struct.error as e:
         raise SchemaError("Store: %s" % e) from None
 
@@ -755,7 +569,7 @@ def encode_store(batch: int, start: int, count: int, region: int, pages) -> byte
 def decode_store(b) -> Store:
     what = "Store"
     _need(what, b, 0, 24)
-    batch, start, count, region, n = _STORE.unpack_from(b, 0)
+    batch, start, count, region, n = STORE.unpack_from(b, 0)
     if n > MAX_PAGES_PER_RECORD:
         raise SchemaError("%s: %d pages, at most %d per record" % (what, n, MAX_PAGES_PER_RECORD))
     _need(what, b, 24, 4 * n)
@@ -773,7 +587,7 @@ class Changes(NamedTuple):
 
 def encode_changes(epoch: int, seq: int, max: int) -> bytes:  # noqa: A002 (mirrors the Go field)
     try:
-        return _CHANGES.pack(epoch, seq, max, 0)
+        return CHANGES.pack(epoch, seq, max, 0)
     except struct.error as e:
         raise SchemaError("Changes: %s" % e) from None
 
@@ -782,7 +596,7 @@ def decode_changes(b) -> Changes:
     what = "Changes"
     _need(what, b, 0, 24)
     _done(what, b, 24)
-    epoch, seq, mx, _zero = _CHANGES.unpack_from(b, 0)
+    epoch, seq, mx, _zero = CHANGES.unpack_from(b, 0)
     return Changes(epoch, seq, mx)
 
 
@@ -793,7 +607,7 @@ class Snapshot(NamedTuple):
 
 def encode_snapshot(from_pos: int, max: int = 0) -> bytes:  # noqa: A002 (mirrors the Go field)
     try:
-        return _SNAPSHOT.pack(from_pos, max, 0)
+        return SNAPSHOT.pack(from_pos, max, 0)
     except struct.error as e:
         raise SchemaError("Snapshot: %s" % e) from None
 
@@ -802,7 +616,7 @@ def decode_snapshot(b) -> Snapshot:
     what = "Snapshot"
     _need(what, b, 0, 16)
     _done(what, b, 16)
-    from_pos, mx, _zero = _SNAPSHOT.unpack_from(b, 0)
+    from_pos, mx, _zero = SNAPSHOT.unpack_from(b, 0)
     return Snapshot(from_pos, mx)
 
 
@@ -825,14 +639,14 @@ class Reply(NamedTuple):
 
 def encode_reply(status: int, value: int = 0, message: str = "") -> bytes:
     try:
-        return _REPLY.pack(status, 0, value) + _enc_str(message, "reply")
+        return REPLY.pack(status, 0, value) + _enc_str(message, "reply")
     except struct.error as e:
         raise SchemaError("reply: %s" % e) from None
 
 
 def decode_reply(b) -> Reply:
     _need("reply", b, 0, 16)
-    status, _zero, value = _REPLY.unpack_from(b, 0)
+    status, _zero, value = REPLY.unpack_from(b, 0)
     return Reply(status, value, _dec_str(_view(b)[16:]))
 
 
@@ -851,14 +665,14 @@ class LeaseReply(NamedTuple):
 
 def encode_lease_reply(status: int, state: int, lease: int, blocks: int, message: str = "") -> bytes:
     try:
-        return _LEASE_REPLY.pack(status, state, lease, blocks, 0) + _enc_str(message, "lease reply")
+        return LEASE_REPLY.pack(status, state, lease, blocks, 0) + _enc_str(message, "lease reply")
     except struct.error as e:
         raise SchemaError("lease reply: %s" % e) from None
 
 
 def decode_lease_reply(b) -> LeaseReply:
     _need("lease reply", b, 0, 24)
-    status, state, lease, blocks, _zero = _LEASE_REPLY.unpack_from(b, 0)
+    status, state, lease, blocks, _zero = LEASE_REPLY.unpack_from(b, 0)
     return LeaseReply(status, state, lease, blocks, _dec_str(_view(b)[24:]))
 
 
@@ -877,14 +691,14 @@ class StoreReply(NamedTuple):
 
 def encode_store_reply(status: int, stored: int, present: int, skipped: int, message: str = "") -> bytes:
     try:
-        return _STORE_REPLY.pack(status, stored, present, skipped) + _enc_str(message, "store reply")
+        return STORE_REPLY.pack(status, stored, present, skipped) + _enc_str(message, "store reply")
     except struct.error as e:
         raise SchemaError("store reply: %s" % e) from None
 
 
 def decode_store_reply(b) -> StoreReply:
     _need("store reply", b, 0, 16)
-    status, stored, present, skipped = _STORE_REPLY.unpack_from(b, 0)
+    status, stored, present, skipped = STORE_REPLY.unpack_from(b, 0)
     return StoreReply(status, stored, present, skipped, _dec_str(_view(b)[16:]))
 
 
@@ -917,15 +731,35 @@ class ChangesReply(NamedTuple):
         return Change(self.entries[i * es], self.entries[i * es + 8 : (i + 1) * es])
 
     def changes(self) -> Iterator[Change]:
-        es = 8 + self.width
-        e = self.entries
-        for off in range(0, self.n_entries * es, es):
-            yield Change(e[off], e[off + 8 : off + es])
+        for op, digest in iter_changes(self.entries, self.n_entries, self.width, 0):
+            yield Change(op, digest)
+
+
+def iter_changes(b, n: int, width: int, off: int = CHANGES_REPLY.size) -> Iterator[Tuple[int, bytes]]:
+    """The n change-log entries of width-byte digests at b[off:], which must
+    end there: (op, digest) pairs, each digest copied out as bytes. b is a
+    ChangesReply payload (its header unpacked with CHANGES_REPLY), or its
+    entries alone (off 0). Raises SchemaError, before the first pair, when
+    the entries do not fill b or are more than MAX_CHANGES_PER_REPLY.
+
+    The one reader of change entries (ChangesReply.changes() and the local
+    index's follower read through it). The iterator is a zip over the ops
+    (one strided slice) and the digests (one list), so that reading it
+    costs what a loop over the bytes would."""
+    es = CHANGE_HEADER_SIZE + width
+    end = off + n * es
+    if n > MAX_CHANGES_PER_REPLY or len(b) != end or width not in DIGEST_WIDTHS:
+        raise SchemaError(
+            "changes reply: %d entries of %d-byte digests in %d bytes from offset %d" % (n, width, len(b), off)
+        )
+    if n <= 1:  # a poll of a quiet log: no list to build
+        return iter(((b[off], b[end - width : end]),) if n else ())
+    return zip(b[off:end:es], [b[d : d + width] for d in range(off + CHANGE_HEADER_SIZE, end, es)])
 
 
 def encode_change(op: int, digest) -> bytes:
     """One change-log entry (op, 7 zero bytes, digest)."""
-    return _CHANGE_HEAD.pack(op) + bytes(digest)
+    return CHANGE_HEADER.pack(op) + bytes(digest)
 
 
 def encode_changes_reply(
@@ -942,7 +776,7 @@ def encode_changes_reply(
     if rem:
         raise SchemaError("changes reply: %d entry bytes is not a multiple of %d" % (len(entries), es))
     try:
-        return _CHANGES_REPLY.pack(status, CHANGES_FLAG_RESYNC if resync else 0, epoch, next, n, width) + bytes(entries)
+        return CHANGES_REPLY.pack(status, CHANGES_FLAG_RESYNC if resync else 0, epoch, next, n, width) + bytes(entries)
     except struct.error as e:
         raise SchemaError("changes reply: %s" % e) from None
 
@@ -950,7 +784,7 @@ def encode_changes_reply(
 def decode_changes_reply(b) -> ChangesReply:
     what = "changes reply"
     _need(what, b, 0, 32)
-    status, flags, epoch, nxt, n, width = _CHANGES_REPLY.unpack_from(b, 0)
+    status, flags, epoch, nxt, n, width = CHANGES_REPLY.unpack_from(b, 0)
     if width not in DIGEST_WIDTHS:
         raise SchemaError("%s: digest width %d" % (what, width))
     if n > MAX_CHANGES_PER_REPLY:
@@ -1011,7 +845,7 @@ def encode_snapshot_reply(
     if rem:
         raise SchemaError("snapshot reply: %d digest bytes is not a multiple of width %d" % (len(entries), width))
     try:
-        head = _SNAPSHOT_REPLY.pack(status, SNAPSHOT_FLAG_DONE if done else 0, epoch, seq, next, n, width)
+        head = SNAPSHOT_REPLY.pack(status, SNAPSHOT_FLAG_DONE if done else 0, epoch, seq, next, n, width)
         return head + bytes(entries)
     except struct.error as e:
         raise SchemaError("snapshot reply: %s" % e) from None
@@ -1020,7 +854,7 @@ def encode_snapshot_reply(
 def decode_snapshot_reply(b) -> SnapshotReply:
     what = "snapshot reply"
     _need(what, b, 0, 40)
-    status, flags, epoch, seq, nxt, n, width = _SNAPSHOT_REPLY.unpack_from(b, 0)
+    status, flags, epoch, seq, nxt, n, width = SNAPSHOT_REPLY.unpack_from(b, 0)
     if width not in DIGEST_WIDTHS:
         raise SchemaError("%s: digest width %d" % (what, width))
     if n > MAX_SNAPSHOT_PER_REPLY:
@@ -1053,14 +887,14 @@ def describe_run_header(blocks: int, tokens_per_block: int, extra_len: int, pare
     """The 16-byte header of one Describe run (the hot path builds runs from
     it and the run's bytes, without DescribeRun objects)."""
     try:
-        return _DESCRIBE_RUN.pack(blocks, tokens_per_block, extra_len, DESCRIBE_FLAG_PARENT if parent else 0)
+        return DESCRIBE_RUN.pack(blocks, tokens_per_block, extra_len, DESCRIBE_FLAG_PARENT if parent else 0)
     except struct.error as e:
         raise SchemaError("Describe: %s" % e) from None
 
 
 def describe_header(runs: int) -> bytes:
     """The 8-byte header of a Describe of that many runs."""
-    return _DESCRIBE.pack(runs, 0)
+    return DESCRIBE.pack(runs, 0)
 
 
 def encode_describe(runs: Sequence[DescribeRun], width: int) -> bytes:
@@ -1094,7 +928,7 @@ def decode_describe(b, width: int) -> Tuple[DescribeRun, ...]:
     if width not in DIGEST_WIDTHS:
         raise SchemaError("%s: digest width %d" % (what, width))
     _need(what, b, 0, 8)
-    n, flags = _DESCRIBE.unpack_from(b, 0)
+    n, flags = DESCRIBE.unpack_from(b, 0)
     if flags:
         raise SchemaError("%s: flags %#x" % (what, flags))
     if n > MAX_DESCRIBE_BLOCKS:
@@ -1103,7 +937,7 @@ def decode_describe(b, width: int) -> Tuple[DescribeRun, ...]:
     off, total, runs = 8, 0, []
     for i in range(n):
         _need(what, b, off, 16)
-        blocks, t, e, f = _DESCRIBE_RUN.unpack_from(b, off)
+        blocks, t, e, f = DESCRIBE_RUN.unpack_from(b, off)
         off += 16
         if blocks == 0:
             raise SchemaError("%s: run %d has no blocks" % (what, i))
@@ -1149,7 +983,7 @@ class Event(NamedTuple):
 
 
 def _tokens_list(b) -> list[int]:
-    if _NATIVE_U32:
+    if NATIVE_U32:
         return memoryview(b).cast("I").tolist() if len(b) else []
     return list(struct.unpack("<%dI" % (len(b) // 4), b))
 
@@ -1157,7 +991,7 @@ def _tokens_list(b) -> list[int]:
 def encode_event(op: int, digest, parent=None, tokens=b"", extra=b"") -> bytes:
     """One EventsReply entry."""
     return (
-        _EVENT_HEAD.pack(op, DESCRIBE_FLAG_PARENT if parent is not None else 0, len(tokens) // 4, len(extra))
+        EVENT_HEADER.pack(op, DESCRIBE_FLAG_PARENT if parent is not None else 0, len(tokens) // 4, len(extra))
         + bytes(digest)
         + (bytes(parent) if parent is not None else b"")
         + bytes(tokens)
@@ -1185,25 +1019,84 @@ class EventsReply(NamedTuple):
         return _err(self.status, "")
 
     def events(self) -> Iterator[Event]:
-        yield from _iter_events(self.entries, 0, self.count, self.width)
+        """The entries, each copied out (an Event of bytes)."""
+        for op, digest, parent, tokens, extra, _ in iter_events(self.entries, self.count, self.width, 0):
+            yield Event(op, digest, parent, b"" if tokens is None else bytes(tokens), extra)
 
 
-def _iter_events(b, off: int, n: int, width: int) -> Iterator[Event]:
-    mv = _view(b)
+# One EventsReply entry as iter_events reads it: (op, digest, parent,
+# tokens, extra, tokens per block).
+EventEntry = Tuple[int, bytes, Optional[bytes], Optional[memoryview], bytes, int]
+
+
+def iter_events(b, n: int, width: int, off: int = EVENTS_REPLY_HEADER_SIZE) -> Generator[EventEntry, None, int]:
+    """The n EventsReply entries of width-byte digests at b[off:], which
+    must end there, each checked as Go's decoder checks it:
+    (op, digest, parent, tokens, extra, t). op is EVENT_STORED (parent: the
+    block's parent, None for a chain's first block; tokens: a memoryview of
+    its t u32 token ids; extra: its extra bytes) or EVENT_REMOVED (the
+    digest alone: parent and tokens None, extra b"", t 0).
+
+    Digests, parents and extra bytes are copied out as bytes; tokens alias
+    b (valid while b is). A malformed or truncated entry, or bytes past the
+    last, raise SchemaError once the entries before it were read.
+
+    The one reader of event entries: EventsReply.events() copies each out,
+    check_events() walks them, and the KV events feed (ringside.events)
+    announces them as they are read."""
+    return _events(b, off, n, width, True)
+
+
+def _events(b, off: int, n: int, width: int, whole: bool) -> Generator[EventEntry, None, int]:
+    """iter_events; whole: the entries must end b. Returns the offset past
+    them."""
+    size = len(b)
+    mv = memoryview(b)
+    unpack = EVENT_HEADER.unpack_from
+    head = EVENT_HEADER_SIZE
+    stored_op, removed_op = EVENT_STORED, EVENT_REMOVED
+    max_t, max_x = MAX_DESCRIBE_TOKENS, MAX_DESCRIBE_EXTRA
     for _ in range(n):
-        op, f, t, x = _EVENT_HEAD.unpack_from(b, off)
-        off += 8
-        d = bytes(mv[off : off + width])
-        off += width
-        p = None
-        if f & DESCRIBE_FLAG_PARENT:
-            p = bytes(mv[off : off + width])
-            off += width
-        tk = bytes(mv[off : off + 4 * t])
-        off += 4 * t
-        ex = bytes(mv[off : off + x])
-        off += x
-        yield Event(op, d, p, tk, ex)
+        if off + head > size:
+            raise SchemaError("events reply: " + _event_error(b, off, width))
+        op, f, t, x = unpack(b, off)
+        end = off + head + width + (width if f else 0) + 4 * t + x
+        if end > size or f > 1 or t > max_t or x > max_x:
+            raise SchemaError("events reply: " + _event_error(b, off, width))
+        p = off + head + width
+        if op == stored_op:
+            if f:
+                e = p + width + 4 * t
+                yield op, b[p - width : p], b[p : p + width], mv[p + width : e], b[e:end] if x else b"", t
+            else:
+                e = p + 4 * t
+                yield op, b[p - width : p], None, mv[p:e], b[e:end] if x else b"", t
+        elif op == removed_op and not (f or t or x):
+            yield op, b[p - width : p], None, None, b"", 0
+        else:
+            raise SchemaError("events reply: " + _event_error(b, off, width))
+        off = end
+    if whole and off != size:
+        raise SchemaError("events reply: %d trailing bytes" % (size - off))
+    return off
+
+
+def _event_error(b, off: int, width: int) -> str:
+    """What is wrong with the event entry at b[off:] (_events found it
+    malformed)."""
+    if off + EVENT_HEADER_SIZE > len(b):
+        return "need %d bytes at offset %d, have %d" % (EVENT_HEADER_SIZE, off, len(b))
+    op, f, t, x = EVENT_HEADER.unpack_from(b, off)
+    if op != EVENT_STORED and op != EVENT_REMOVED:
+        return "event op %d" % op
+    if f & ~DESCRIBE_FLAG_PARENT:
+        return "event flags %#x" % f
+    if t > MAX_DESCRIBE_TOKENS or x > MAX_DESCRIBE_EXTRA:
+        return "event with %d tokens and %d extra bytes" % (t, x)
+    if op == EVENT_REMOVED and (f or t or x):
+        return "a removed event carries its digest alone"
+    n = EVENT_HEADER_SIZE + width + (width if f else 0) + 4 * t + x
+    return "need %d bytes at offset %d, have %d" % (n, off, len(b))
 
 
 def encode_events_reply(
@@ -1219,7 +1112,7 @@ def encode_events_reply(
 ) -> bytes:
     flags = (EVENTS_FLAG_RESYNC if resync else 0) | (EVENTS_FLAG_DONE if done else 0)
     try:
-        return _EVENTS_REPLY.pack(status, flags, epoch, seq, next, count, width) + bytes(entries)
+        return EVENTS_REPLY.pack(status, flags, epoch, seq, next, count, width) + bytes(entries)
     except struct.error as e:
         raise SchemaError("events reply: %s" % e) from None
 
@@ -1227,33 +1120,23 @@ def encode_events_reply(
 def check_events(b, off: int, n: int, width: int) -> int:
     """Check n entries of width-byte digests from offset off; returns the
     offset past them (raises SchemaError as the Go decoder fails)."""
-    what = "events reply"
-    for _ in range(n):
-        _need(what, b, off, 8)
-        op, f, t, x = _EVENT_HEAD.unpack_from(b, off)
-        if op not in (EVENT_STORED, EVENT_REMOVED):
-            raise SchemaError("%s: event op %d" % (what, op))
-        if f & ~DESCRIBE_FLAG_PARENT:
-            raise SchemaError("%s: event flags %#x" % (what, f))
-        if t > MAX_DESCRIBE_TOKENS or x > MAX_DESCRIBE_EXTRA:
-            raise SchemaError("%s: event with %d tokens and %d extra bytes" % (what, t, x))
-        if op == EVENT_REMOVED and (f or t or x):
-            raise SchemaError("%s: a removed event carries its digest alone" % what)
-        size = 8 + width + (width if f else 0) + 4 * t + x
-        _need(what, b, off, size)
-        off += size
-    return off
+    entries = _events(b, off, n, width, False)
+    while True:
+        try:
+            next(entries)
+        except StopIteration as stop:
+            return stop.value
 
 
 def decode_events_reply(b) -> EventsReply:
     what = "events reply"
     _need(what, b, 0, 40)
-    status, flags, epoch, seq, nxt, n, width = _EVENTS_REPLY.unpack_from(b, 0)
+    status, flags, epoch, seq, nxt, n, width = EVENTS_REPLY.unpack_from(b, 0)
     if width not in DIGEST_WIDTHS:
         raise SchemaError("%s: digest width %d" % (what, width))
     if n > MAX_EVENTS_PER_REPLY:
         raise SchemaError("%s: %d entries, at most %d" % (what, n, MAX_EVENTS_PER_REPLY))
-    end = check_events(b, 40, n, width)
+    end = check_events(b, EVENTS_REPLY.size, n, width)
     _done(what, b, end)
     return EventsReply(
         status,
@@ -1305,8 +1188,8 @@ __all__ = [
         "struct",
         "sys",
         "array",
-        "IntEnum",
         "Iterator",
+        "Generator",
         "NamedTuple",
         "Optional",
         "Sequence",

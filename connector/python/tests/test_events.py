@@ -177,7 +177,7 @@ def test_descriptions_are_bounded(start_sidecar):
 
 def _entry(op, d, parent=None, tokens=b"", extra=b""):
     return (
-        S._EVENT_HEAD.pack(op, 1 if parent else 0, len(tokens) // 4, len(extra)) + d + (parent or b"") + tokens + extra
+        S.EVENT_HEADER.pack(op, 1 if parent else 0, len(tokens) // 4, len(extra)) + d + (parent or b"") + tokens + extra
     )
 
 
@@ -225,7 +225,7 @@ def test_a_malformed_entry_emits_the_run_before_it():
     # stays, and the next poll reads them again without a second event.
     d = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
     good = _entry(S.EVENT_STORED, d[0], None, toks(0)) + _entry(S.EVENT_STORED, d[1], d[0], toks(1))
-    bad = S._EVENT_HEAD.pack(S.EVENT_STORED, 2, 0, 0) + d[2]
+    bad = S.EVENT_HEADER.pack(S.EVENT_STORED, 2, 0, 0) + d[2]
     rec = Recorder()
     feed = _live_feed(rec)
     try:

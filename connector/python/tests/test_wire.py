@@ -1,26 +1,28 @@
-"""The Python client's wire constants are the Go ones, and the Python client
-handles every one of them.
+"""The Python client's wire is the Go one, and the Python client handles
+every part of it.
 
 Three sources are compared:
 
-* the Go source itself: ``go run ./internal/wiregen/gen -o -`` prints what
-  ringside/_wire.py must be now (skipped without a Go toolchain), so a Go
-  constant changed without ``go generate ./schema/`` fails here as well as in
-  Go's internal/wiregen test;
+* the Go source itself: ``go run ./internal/wiregen/gen -print PKG`` prints
+  what ringside/_wire_PKG.py must be now (skipped without a Go toolchain),
+  so a Go constant, String or record directive changed without
+  ``go generate ./schema/`` fails here as well as in Go's internal/wiregen
+  test;
 * the golden vectors (testdata/golden/schema/vectors.json and
   testdata/golden/ring/vectors.json, written by the Go golden tests with
-  ``-update``), which list every wire constant with its Go name, value and
-  Go String, and what the Go decoders accept where Go has no constant;
-* ringside._wire (generated) and the public names of ringside.schema and
-  ringside.ring.
+  ``-update``), which list every wire constant with its Go name, public
+  Python name, value and Go String, what the Go decoders accept where Go has
+  no constant, and the bytes of every message;
+* the generated modules (ringside._wire_schema and ringside._wire_ring) as
+  ringside.schema and ringside.ring re-export them.
 
 "Handled" means more than an equal value: every Go constant has its public
 Python name, every Go status, state and record type has its enum member,
 name and reply decoder, every Go limit is enforced by the Python decoders
-and encoders at exactly the Go value, and every Go size and offset is the
-size and offset the Python codecs write. A Go constant that is added or
-changed and regenerated, but not followed in Python, fails one of these
-tests.
+and encoders at exactly the Go value, every record layout unpacks the golden
+bytes to the golden values, and every Go size and offset is the size and
+offset the Python codecs write. A Go constant that is added or changed and
+regenerated, but not followed in Python, fails one of these tests.
 """
 
 import json
@@ -32,11 +34,13 @@ import subprocess
 import pytest
 from conftest import REPO_ROOT
 
-from ringside import _wire as W
+from ringside import _wire_ring, _wire_schema
 from ringside import ring as R
 from ringside import schema as S
 
 GOLDEN = os.path.join(REPO_ROOT, "testdata", "golden")
+GENERATED = {"schema": _wire_schema, "ring": _wire_ring}
+PUBLIC = {"schema": S, "ring": R}
 
 
 def _load(name):
@@ -60,23 +64,32 @@ def go(pkg, name):
         raise AssertionError(f"{pkg}.{name} is not in the golden vectors: was it renamed in Go?") from None
 
 
+def lookup(module, dotted):
+    """module.A.B for dotted "A.B" (an enum member), or None."""
+    v = module
+    for part in dotted.split("."):
+        v = getattr(v, part, None)
+    return v
+
+
 # --------------------------------------------------------------------------
-# The generated module is what Go says, now and in the vectors.
+# The generated modules are what Go says, now and in the vectors.
 
 
-def test_wire_module_is_current_with_the_go_source():
+@pytest.mark.parametrize("pkg", sorted(GENERATED))
+def test_wire_module_is_current_with_the_go_source(pkg):
     gobin = shutil.which("go")
     if gobin is None:
         pytest.skip("the Go toolchain (go) is not on PATH: cannot read the Go constants")
     r = subprocess.run(
-        [gobin, "run", "./internal/wiregen/gen", "-root", ".", "-o", "-"],
+        [gobin, "run", "./internal/wiregen/gen", "-root", ".", "-print", pkg],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    with open(W.__file__) as f:
+    with open(GENERATED[pkg].__file__) as f:
         committed = f.read()
     if committed != r.stdout:
         diff = [
@@ -85,40 +98,28 @@ def test_wire_module_is_current_with_the_go_source():
             if a != b
         ]
         pytest.fail(
-            "ringside/_wire.py differs from the Go constants: run `go generate ./schema/`, then "
+            f"ringside/_wire_{pkg}.py differs from the Go source: run `go generate ./schema/`, then "
             "`go test ./schema ./ring -run Golden -update`, and commit both\n" + "\n".join(diff[:10])
         )
 
 
-def test_wire_module_matches_the_vectors():
-    want = {c["python"]: c["value"] for c in SCHEMA_CONSTS + RING_CONSTS}
-    have = {n: getattr(W, n) for n in dir(W) if n.isupper()}
+@pytest.mark.parametrize("pkg,consts", [("schema", SCHEMA_CONSTS), ("ring", RING_CONSTS)])
+def test_wire_module_matches_the_vectors(pkg, consts):
+    gen = GENERATED[pkg]
+    want = {c["python"]: c["value"] for c in consts}
+    have = {n: lookup(gen, n) for n in want}
     assert have == want, (
-        "ringside/_wire.py and the golden vectors disagree: regenerate both "
+        f"ringside/_wire_{pkg}.py and the golden vectors disagree: regenerate both "
         "(go generate ./schema/; go test ./schema ./ring -run Golden -update)"
     )
+    # And no constant of the module is missing from the vectors.
+    tables = {"LAYOUTS", "STATUS_NAMES", "STATE_NAMES", "TYPE_NAMES"}
+    plain = {n for n in gen.__all__ if isinstance(getattr(gen, n), int) and n not in tables}
+    assert plain <= set(want), "constants of _wire_%s.py the vectors lack: %s" % (pkg, sorted(plain - set(want)))
 
 
 # --------------------------------------------------------------------------
 # Every Go constant has its public Python name.
-
-# Where the public name is not the mechanical one (Go's acronym runs).
-_SCHEMA_RENAMED = {"RegionCUDAIPC": "REGION_CUDA_IPC"}
-
-
-def public(pkg, c):
-    """(description, value) of the public Python name of Go constant c."""
-    short = c["python"].split("_", 1)[1]  # SCHEMA_X -> X
-    if pkg == "ring":
-        return f"ringside.ring.{short}", getattr(R, short, None)
-    if c["type"] == "Status":
-        member = "OK" if c["name"] == "OK" else short.removeprefix("ERR_CODE_")
-        return f"Status.{member}", getattr(S.Status, member, None)
-    if c["type"] == "State":
-        member = short.removeprefix("STATE_")
-        return f"State.{member}", getattr(S.State, member, None)
-    name = _SCHEMA_RENAMED.get(c["name"], short)
-    return f"ringside.schema.{name}", getattr(S, name, None)
 
 
 @pytest.mark.parametrize(
@@ -127,8 +128,9 @@ def public(pkg, c):
     ids=lambda v: v["name"] if isinstance(v, dict) else v,
 )
 def test_every_go_constant_has_its_public_name(pkg, c):
-    where, value = public(pkg, c)
-    assert value is not None, f"Go's {pkg}.{c['name']} has no Python name {where}: add it to {pkg}.py"
+    value = lookup(PUBLIC[pkg], c["python"])
+    where = f"ringside.{pkg}.{c['python']}"
+    assert value is not None, f"Go's {pkg}.{c['name']} has no Python name {where}: regenerate (go generate ./schema/)"
     assert value == c["value"], f"{where} is {value}, Go's {pkg}.{c['name']} is {c['value']}"
 
 
@@ -170,6 +172,72 @@ def test_record_types_have_names_and_reply_decoders():
 
 
 # --------------------------------------------------------------------------
+# Every record layout reads the golden bytes as the golden values.
+
+
+def _golden_messages():
+    """(package, message, name, fields, bytes, digest width) of every golden
+    vector with a record header: schema's messages, the ring's header page
+    and records."""
+    out = [
+        ("schema", v["message"], v["name"], v["fields"], bytes.fromhex(v["hex"]), v.get("digest_width", 0))
+        for v in SCHEMA["vectors"]
+    ]
+    with open(os.path.join(GOLDEN, "ring", RING["header_file"])) as f:
+        out.append(("ring", "Header", "header", RING["header"], bytes.fromhex("".join(f.read().split())), 0))
+    out += [("ring", "RecordHeader", r["name"], r, bytes.fromhex(r["hex"]), 0) for r in RING["records"]]
+    return out
+
+
+def _want(pkg, field, fields, width):
+    """The value a header field must have in a vector (the rules of
+    internal/wiregen's package doc, as its Go test applies them), or
+    None for a derived field (~F)."""
+    if field == "_":
+        return 0
+    if field.startswith("~"):
+        return None
+    if field[0].isupper():
+        return go(pkg, field)
+    fn, _, arg = field.rstrip(")").partition("(")
+    if arg:
+        x = fields[arg]
+        if fn == "len":
+            return len(x.encode("utf-8"))
+        assert fn == "count", field
+        return len(x) if isinstance(x, list) else len(x) // 2 // width
+    x = fields[field]
+    if isinstance(x, str):
+        return bytes.fromhex(x)
+    return int(x)
+
+
+def test_record_layouts_read_the_golden_vectors():
+    vectors = _golden_messages()
+    for pkg, gen in GENERATED.items():
+        for msg, (layout, fields, size) in gen.LAYOUTS.items():
+            assert isinstance(layout, struct.Struct) and len(fields) == len(layout.unpack(bytes(layout.size)))
+            if size is not None:
+                assert layout.size == getattr(gen, size), f"{msg}: {layout.format} is not {size}"
+            checked = 0
+            for vpkg, vmsg, name, vfields, b, width in vectors:
+                if (vpkg, vmsg) != (pkg, msg):
+                    continue
+                got = layout.unpack_from(b, 0)
+                for f, v in zip(fields, got):
+                    w = _want(pkg, f, vfields, width)
+                    if w is None:
+                        continue
+                    if f == "_" and isinstance(v, bytes):
+                        v = int.from_bytes(v, "little")
+                    assert v == w, f"{pkg} {name}: {msg} {layout.format} field {f} is {v!r}, the vector says {w!r}"
+                    checked += 1
+            assert checked or size is not None, f"{pkg}.{msg}: no golden vector checks it and it has no size constant"
+    # The public names are the generated layouts.
+    assert S.PUT_HASHES is _wire_schema.PUT_HASHES and R.RECORD_HEADER is _wire_ring.RECORD_HEADER
+
+
+# --------------------------------------------------------------------------
 # What the Go decoders accept without a constant of their own.
 
 
@@ -202,7 +270,7 @@ def test_digest_widths_are_the_go_ones():
     want = SCHEMA["digest_widths"]
     assert list(S.DIGEST_WIDTHS) == want
     assert [w for w in range(256) if _accepts(lambda w=w: S.validate_attach_request(_attach(digest_width=w)))] == want
-    assert [w for w in range(256) if _accepts(lambda w=w: S.decode_put_hashes(S._PUT_HASHES.pack(1, 0, 0), w))] == want
+    assert [w for w in range(256) if _accepts(lambda w=w: S.decode_put_hashes(S.PUT_HASHES.pack(1, 0, 0), w))] == want
     assert [
         w
         for w in range(256)
@@ -498,7 +566,7 @@ def test_ring_header_offsets_are_where_python_writes():
     ring.close()
     checked = set(fields) | {"offTail", "offHead", "offProdState", "offConsState"}
     # The parked flags and futex words are read and written through the
-    # same _wire offsets (public names checked above); their behaviour is
+    # same generated offsets (public names checked above); their behaviour is
     # tested by the cross-process wake-up tests.
     checked |= {"offConsParked", "offConsFutex", "offProdParked", "offProdFutex"}
     offsets = {c["name"] for c in RING_CONSTS if c["name"].startswith("off")}

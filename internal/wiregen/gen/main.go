@@ -1,10 +1,11 @@
-// Command gen writes connector/python/ringside/_wire.py from the Go wire
-// constants (package wiregen). It runs from `go generate ./schema/`:
+// Command gen writes the Python wire modules (connector/python/ringside/
+// _wire_schema.py and _wire_ring.py) from the Go packages schema and ring
+// (package wiregen). It runs from `go generate ./schema/`:
 //
 //	go run ../internal/wiregen/gen -root ..
 //
-// With -o - it prints the module instead (tests/test_wire.py compares that
-// with the committed file).
+// With -print PKG it prints package PKG's module instead
+// (tests/test_wire.py compares that with the committed file).
 package main
 
 import (
@@ -12,26 +13,38 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 
 	"github.com/ringside-kv/ringside/internal/wiregen"
 )
 
 func main() {
 	root := flag.String("root", ".", "module root")
-	out := flag.String("o", "", "output file (default: ROOT/"+wiregen.Output+"; - for stdout)")
+	only := flag.String("print", "", "print this package's module (schema, ring) instead of writing the files")
 	flag.Parse()
-	b, err := wiregen.Generate(*root)
+	mods, err := wiregen.Generate(*root)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	switch *out {
-	case "-":
+	if *only != "" {
+		b, ok := mods[wiregen.Output(*only)]
+		if !ok {
+			fmt.Fprintf(os.Stderr, "gen: no package %q (of %v)\n", *only, wiregen.Sources)
+			os.Exit(2)
+		}
 		_, err = os.Stdout.Write(b)
-	case "":
-		err = os.WriteFile(filepath.Join(*root, wiregen.Output), b, 0o644)
-	default:
-		err = os.WriteFile(*out, b, 0o644)
+	} else {
+		paths := make([]string, 0, len(mods))
+		for p := range mods {
+			paths = append(paths, p)
+		}
+		sort.Strings(paths)
+		for _, p := range paths {
+			if err = os.WriteFile(filepath.Join(*root, p), mods[p], 0o644); err != nil {
+				break
+			}
+		}
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -29,12 +29,9 @@ from .state import ReqState, StepBudget
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
-_monotonic = time.monotonic
-# Hot-path record layouts (PutHashes and Reply of protocol.md), used here
-# without schema.py's argument checks: the values are built by this module.
-_PUT_HASHES = _s._PUT_HASHES  # batch, count, flags; the digests follow
-_REPLY = _s._REPLY  # status, zero, value; a message may follow
-_LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
+# A PutHashes that registers a batch in place of what its id held and looks
+# it up in the same record (the reply is the number of leading hits).
+LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
 # Finished requests' batch ids kept for reuse (FlagReplace) at most; more are
 # dropped.
 MAX_FREE_BATCHES = 4096
@@ -152,7 +149,9 @@ class Admission:
                 # One record: register the blocks it may load and look them
                 # up (FlagLookup: the reply is the number of leading hits;
                 # FlagReplace: the id may be a finished request's).
-                p = _PUT_HASHES.pack(r.batch, usable, _LOOKUP_REPLACE) + b"".join(hashes[:usable])
+                # The record layout packed without schema.py's argument
+                # checks: the values are built here.
+                p = _s.PUT_HASHES.pack(r.batch, usable, LOOKUP_REPLACE) + b"".join(hashes[:usable])
                 # The first arrival of a step wakes the sidecar (if parked),
                 # so that it answers while vLLM goes on to schedule; later
                 # ones in the same step do not (a futex wake is a system
@@ -162,7 +161,7 @@ class Admission:
                 wake = not self.woke
                 r.lookup_seq = s.submit(_s.TYPE_PUT_HASHES, p, wake=wake)
                 self.woke = True
-                r.lookup_t = _monotonic()
+                r.lookup_t = time.monotonic()
                 r.registered = r.lookup_count = usable
         except SIDECAR_ERRORS as e:
             self.faults.fail(e)
@@ -183,7 +182,7 @@ class Admission:
             if seq:
                 payload = self.budget.reply(s, seq)
                 if payload is None:
-                    if _monotonic() - r.lookup_t < self.timeout:
+                    if time.monotonic() - r.lookup_t < self.timeout:
                         self.stats["deferred_lookups"] += 1
                         return None, False  # not answered yet: vLLM asks again next step
                     r.lookup_seq = 0
@@ -192,7 +191,7 @@ class Admission:
                 r.lookup_seq = 0
                 if len(payload) < 16:
                     raise _s.SchemaError("Reply: %d bytes, want at least 16" % len(payload))
-                status, _, value = _REPLY.unpack_from(payload, 0)
+                status, _, value = _s.REPLY.unpack_from(payload, 0)
                 if status:
                     rep = _s.decode_reply(payload)
                     raise RingsideError(rep.status, rep.message)

@@ -40,16 +40,11 @@ from typing import Any, Optional
 from .. import schema as _s
 from ..events import EventFeed
 from ..plugin.faults import SIDECAR_ERRORS
+from ..schema import DESCRIBE, DESCRIBE_FLAG_PARENT, DESCRIBE_RUN, NATIVE_U32, TYPE_DESCRIBE
 
 logger = logging.getLogger("ringside.vllm")
 
-_monotonic = time.monotonic
 _I64 = struct.Struct("<q")
-_RUN = _s._DESCRIBE_RUN
-_DESC = _s._DESCRIBE
-_PARENT = _s.DESCRIBE_FLAG_PARENT
-_TYPE_DESCRIBE = _s.TYPE_DESCRIBE
-_NATIVE = _s._NATIVE_U32
 # Store runs noted before a Describe is sent at once (else once a poll).
 MAX_NOTED = 2048
 # How long a described block is not described again (note()).
@@ -128,7 +123,7 @@ class KVEvents:
         self.flush_t = 0.0
         self.recent: set = set()  # the last blocks of runs described lately (see note)
         self.recent_old: set = set()
-        self.recent_t = _monotonic()
+        self.recent_t = time.monotonic()
         self.feed = EventFeed(self._stored, self._removed, 32, cfg.mirror_max_blocks, cfg.timeout)
         self._lora: dict = {}  # extra bytes -> (lora_id, lora_name)
 
@@ -177,18 +172,18 @@ class KVEvents:
             extra = lora_extra(req) if req.lora_request is not None else b""
             rsize = 16 + 32 * (n + (a > 0)) + 4 * bs * n + len(extra)
             if nruns and (size + rsize > max_payload or blocks + n > _s.MAX_DESCRIBE_BLOCKS):
-                parts[0] = _DESC.pack(nruns, 0)
-                send(_TYPE_DESCRIBE, b"".join(parts), wake=False)
+                parts[0] = DESCRIBE.pack(nruns, 0)
+                send(TYPE_DESCRIBE, b"".join(parts), wake=False)
                 parts, nruns, blocks, size = [], 0, 0, 8
             if not parts:
                 parts.append(b"")
             tk = toks[a * bs : b * bs]
-            tb = array("I", tk).tobytes() if _NATIVE else struct.pack("<%dI" % len(tk), *tk)
+            tb = array("I", tk).tobytes() if NATIVE_U32 else struct.pack("<%dI" % len(tk), *tk)
             if a > 0:
-                parts.append(_RUN.pack(n, bs, len(extra), _PARENT))
+                parts.append(DESCRIBE_RUN.pack(n, bs, len(extra), DESCRIBE_FLAG_PARENT))
                 parts.append(hashes[a - 1])
             else:
-                parts.append(_RUN.pack(n, bs, len(extra), 0))
+                parts.append(DESCRIBE_RUN.pack(n, bs, len(extra), 0))
             parts.append(hashes[a] if n == 1 else b"".join(hashes[a:b]))
             parts.append(tb)
             if extra:
@@ -197,8 +192,8 @@ class KVEvents:
             blocks += n
             size += rsize
         if nruns:
-            parts[0] = _DESC.pack(nruns, 0)
-            send(_TYPE_DESCRIBE, b"".join(parts), wake=False)
+            parts[0] = DESCRIBE.pack(nruns, 0)
+            send(TYPE_DESCRIBE, b"".join(parts), wake=False)
             self.stats["described_blocks"] += blocks
 
     # -- the stream -------------------------------------------------------------
@@ -253,7 +248,7 @@ class KVEvents:
         its event log at most every kv_events_poll_ms, or, while a snapshot
         is read (a new session, after AllBlocksCleared), its next page."""
         feed = self.feed
-        now = _monotonic()
+        now = time.monotonic()
         if now - self.recent_t >= RECENT_S:
             self.recent_old, self.recent, self.recent_t = self.recent, set(), now
         if self.noted and (self.due or now - self.flush_t >= self.poll_s):
@@ -299,7 +294,7 @@ class KVEvents:
         else:
             conv = self._conv
             hs = [conv(d) for d in digests]
-        if _NATIVE:
+        if NATIVE_U32:
             ids = memoryview(tokens).cast("I").tolist()
         else:
             ids = list(struct.unpack("<%dI" % (len(tokens) // 4), tokens))

@@ -33,19 +33,13 @@ from .. import schema as _s
 from ..client import RingsideError, RingsideTimeout
 from ..mirror import Mirror
 from ..plugin.faults import SIDECAR_ERRORS
+from .admission import LOOKUP_REPLACE
 from .groups import FULL, Layout, load_range, longest_hit
 from .state import ReqState
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
-
-_monotonic = time.monotonic
-_PUT_HASHES = _s._PUT_HASHES
-_REPLY = _s._REPLY
-_REPLACE = _s.FLAG_REPLACE
-_LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
-_MAX = _s.MAX_HASHES_PER_RECORD
 
 
 def known(w: Optional[list], lo: int, hi: int) -> int:
@@ -71,15 +65,16 @@ def register(s: Any, batch: int, digests: list, flags: int, wake: bool = False) 
     leading present blocks; else sends it without waiting (None)."""
     n = len(digests)
     lookup = bool(flags & _s.FLAG_LOOKUP)
-    if n <= _MAX:
-        p = _PUT_HASHES.pack(batch, n, flags) + b"".join(digests)
+    most = _s.MAX_HASHES_PER_RECORD
+    if n <= most:
+        p = _s.PUT_HASHES.pack(batch, n, flags) + b"".join(digests)
         if lookup:
             return s.submit(_s.TYPE_PUT_HASHES, p, wake=wake)
         s.send(_s.TYPE_PUT_HASHES, p, wake=wake)
         return None
-    for a in range(0, n, _MAX):
-        p = _PUT_HASHES.pack(batch, min(_MAX, n - a), _s.FLAG_APPEND if a else _REPLACE)
-        s.send(_s.TYPE_PUT_HASHES, p + b"".join(digests[a : a + _MAX]), wake=False)
+    for a in range(0, n, most):
+        p = _s.PUT_HASHES.pack(batch, min(most, n - a), _s.FLAG_APPEND if a else _s.FLAG_REPLACE)
+        s.send(_s.TYPE_PUT_HASHES, p + b"".join(digests[a : a + most]), wake=False)
     if lookup:
         return s.submit(_s.TYPE_LOOKUP, _s.encode_lookup(batch, 0, n), wake=wake)
     return None
@@ -89,7 +84,7 @@ def reply_value(payload: Optional[bytes]) -> int:
     """A Reply's value; raises RingsideError for an error status."""
     if payload is None or len(payload) < 16:
         raise _s.SchemaError("Reply: %d bytes, want at least 16" % (len(payload or b"")))
-    status, _, value = _REPLY.unpack_from(payload, 0)
+    status, _, value = _s.REPLY.unpack_from(payload, 0)
     if status:
         rep = _s.decode_reply(payload)
         raise RingsideError(rep.status, rep.message)
@@ -154,12 +149,12 @@ class HybridAdmission:
                 lo = g.first_needed(limit)
                 if hi <= lo:
                     continue
-                seqs.append((j, register(s, self.batch(r, j), g.digests(hashes, lo, hi), _LOOKUP_REPLACE, wake)))
+                seqs.append((j, register(s, self.batch(r, j), g.digests(hashes, lo, hi), LOOKUP_REPLACE, wake)))
                 win[j] = [lo, hi, -1]
                 wake = False
             adm.woke = True
             r.gwin, r.gseq = win, seqs
-            r.lookup_t = _monotonic()
+            r.lookup_t = time.monotonic()
             r.registered = r.lookup_count = limit
         except SIDECAR_ERRORS as e:
             adm.faults.fail(e)
@@ -240,7 +235,7 @@ class HybridAdmission:
             st["load_blocks_full" if kind == FULL else "load_blocks_window"] += len(ids)
         # Looked up in the local index (no batch registered): the sidecar's
         # lookup and hit counters see the hit through FlagLookup.
-        return parts, (_LOOKUP_REPLACE if r.gwin is None else _REPLACE)
+        return parts, (LOOKUP_REPLACE if r.gwin is None else _s.FLAG_REPLACE)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -255,7 +250,7 @@ class HybridAdmission:
                 continue
             p = adm.budget.reply(s, seq)
             if p is None:
-                if _monotonic() - r.lookup_t < adm.timeout:
+                if time.monotonic() - r.lookup_t < adm.timeout:
                     self.stats["deferred_lookups"] += 1
                     return False
                 raise RingsideTimeout("lookup of %s got no reply in %.1fs" % (rid, adm.timeout))
@@ -290,7 +285,7 @@ class HybridAdmission:
             g = self.groups[j]
             if g.kind == FULL:
                 lo, hi = 0, limit // g.block_size
-            seq = register(s, self.batch(r, j), g.digests(hashes, lo, hi), _LOOKUP_REPLACE, True)
+            seq = register(s, self.batch(r, j), g.digests(hashes, lo, hi), LOOKUP_REPLACE, True)
             w = r.gwin[j] = [lo, hi, -1]
             w[2] = reply_value(s.await_reply(seq, timeout=timeout))
             self.stats["window_probes"] += 1
@@ -305,7 +300,7 @@ class HybridAdmission:
         if ix is None:
             return -1
         m = ix.mirror
-        if not m.fresh(_monotonic(), s):
+        if not m.fresh(time.monotonic(), s):
             return -1
         ix.arrived = True
         hashes = r.request.block_hashes

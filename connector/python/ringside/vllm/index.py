@@ -18,9 +18,6 @@ from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS
 from .state import StepBudget
 
-_monotonic = time.monotonic
-_clock_ns = time.perf_counter_ns
-
 
 class LocalIndex:
     """The mirror, and when to trust and poll it (see the module doc)."""
@@ -53,7 +50,7 @@ class LocalIndex:
         request in flight) and fresh, or after an idle gap once caught up.
         Raises like a session call."""
         m = self.mirror
-        now = _monotonic()
+        now = time.monotonic()
         if m.fresh(now, s) if busy or now - self.out_t < self.idle_s else self.caught_up(s, now):
             self.arrived = True
             return True
@@ -73,11 +70,11 @@ class LocalIndex:
         budget = self.budget
         for _ in range(2):  # collect a poll sent before the gap, then send one
             left = budget.left_ns
-            t0 = _clock_ns()
+            t0 = time.perf_counter_ns()
             m.pump(s, max(left, 0), wake=True)
             if left > 0:
-                budget.left_ns = left - (_clock_ns() - t0)
-            if m.fresh_t >= since and m.fresh(_monotonic(), s):
+                budget.left_ns = left - (time.perf_counter_ns() - t0)
+            if m.fresh_t >= since and m.fresh(time.monotonic(), s):
                 self.stats["mirror_catchups"] += 1
                 return True
         return False
@@ -87,7 +84,7 @@ class LocalIndex:
         (the index is not fresh, or the first miss is one of this engine's
         own recent stores, perhaps not in the index yet)."""
         m = self.mirror
-        if not m.fresh(_monotonic(), s):
+        if not m.fresh(time.monotonic(), s):
             return -1
         self.arrived = True
         hits = m.answer(hashes, usable)
@@ -104,7 +101,7 @@ class LocalIndex:
         the last poll; while the snapshot is copied, wait up to
         mirror_sync_us. Returns no events (): without KV events this is the
         scheduler side's take_events hook itself (scheduler.py)."""
-        now = self.out_t = _monotonic()
+        now = self.out_t = time.monotonic()
         m = self.mirror
         s = self.link.session
         if m.disabled or s is None:

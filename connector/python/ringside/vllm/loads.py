@@ -35,7 +35,6 @@ from .hybrid import register
 from .metadata import LoadSpec, RingsideConnectorMetadata
 from .state import ReqState, StepBudget
 
-_monotonic = time.monotonic
 _GRANTED = (_s.State.READY, _s.State.LOADED, _s.State.LOADING)
 _LOOKUP_REPLACE = _s.FLAG_LOOKUP | _s.FLAG_REPLACE
 
@@ -156,7 +155,7 @@ class Loads:
                 seq = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(r.batch, start, count, self.ttl_ms), wake=False)
             except RingsideError as e:
                 self.faults.fail(e)
-        r.load = Load(block_ids, seq, link.generation, _monotonic()) if seq else Load(block_ids)
+        r.load = Load(block_ids, seq, link.generation, time.monotonic()) if seq else Load(block_ids)
         self.waiting[rid] = r
 
     def acquire_parts(self, r: ReqState, rid: str, parts: Optional[list], flags: int) -> None:
@@ -175,7 +174,7 @@ class Loads:
                 try:
                     register(s, batch, digests, flags)
                     seq = s.submit(_s.TYPE_ACQUIRE, _s.encode_acquire(batch, 0, len(ids), self.ttl_ms), wake=False)
-                    ld.acquiring(seq, link.generation, _monotonic())
+                    ld.acquiring(seq, link.generation, time.monotonic())
                 except RingsideError as e:
                     self.faults.fail(e)
                     s = link.session
@@ -229,7 +228,7 @@ class Loads:
                 else:
                     p = s.try_reply(ld.seq)
                 if p is None:
-                    if _monotonic() - ld.t < self.timeout:
+                    if time.monotonic() - ld.t < self.timeout:
                         if ld.state == _WAITING:
                             s.kick()
                         return False, s
@@ -243,7 +242,7 @@ class Loads:
                 ld.fail()  # never sent
             if ld.state == _WAITING:
                 if live and s is not None:
-                    ld.polling(s.submit(_s.TYPE_POLL, _s.encode_poll(ld.lease), wake=False), _monotonic())
+                    ld.polling(s.submit(_s.TYPE_POLL, _s.encode_poll(ld.lease), wake=False), time.monotonic())
                     return False, s
                 ld.fail()
         except SIDECAR_ERRORS as e:
@@ -262,7 +261,7 @@ class Loads:
             try:
                 p = s.try_reply(seq)
                 if p is None:
-                    if _monotonic() - t < self.timeout:
+                    if time.monotonic() - t < self.timeout:
                         keep.append((seq, t))
                     else:
                         s.forget(seq)
@@ -295,6 +294,6 @@ class Loads:
         Raises like a session call."""
         for ld in (r.load,) + r.more:
             if ld.seq and ld.state == _ACQUIRING:  # acquired, never collected: release it once answered
-                self.orphans.append((ld.seq, _monotonic()))
+                self.orphans.append((ld.seq, time.monotonic()))
             if ld.lease:
                 s.send(_s.TYPE_RELEASE, _s.encode_release(ld.lease), wake=False)

@@ -46,8 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("ringside.vllm")
 
-_clock_ns = time.perf_counter_ns
-_monotonic = time.monotonic
 
 COUNTERS = (
     "lookups",
@@ -209,7 +207,7 @@ class SchedulerSide:
     # -- the step's metadata ---------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> RingsideConnectorMetadata:
-        t0 = _clock_ns()
+        t0 = time.perf_counter_ns()
         meta = RingsideConnectorMetadata()
         planner = self.planner
         loads = self.loads
@@ -257,7 +255,7 @@ class SchedulerSide:
                 planner.null_id = null_block_id(kvm)
         # The planned stores' digests are noted as the engine's own (read your writes).
         m = self.mirror
-        planner.mine = m.noting(_monotonic()) if m is not None and not m.disabled else None
+        planner.mine = m.noting(time.monotonic()) if m is not None and not m.disabled else None
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
@@ -271,7 +269,7 @@ class SchedulerSide:
         budget = self.budget
         budget.left_ns = budget.max_ns  # the next step's (StepBudget.reset, inline)
         self.admission.woke = False
-        dt = _clock_ns() - t0
+        dt = time.perf_counter_ns() - t0
         st = self.stats
         st["steps"] += 1
         st["step_ns_total"] += dt
@@ -298,7 +296,7 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.index is not None:
-            self.index.out_t = _monotonic()
+            self.index.out_t = time.monotonic()
         if self.holding:
             sent = getattr(connector_output, "finished_sending", None)
             if sent:

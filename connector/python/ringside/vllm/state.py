@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-_clock_ns = time.perf_counter_ns
-
 
 class ReqState:
     """Scheduler-side state of one request in one link generation."""
@@ -85,7 +83,7 @@ class StepBudget:
         if left <= 0:
             s.kick()
             return None
-        t0 = _clock_ns()
+        t0 = time.perf_counter_ns()
         p = s.await_reply(seq, timeout=left / 1e9, keep=True)
-        self.left_ns = left - (_clock_ns() - t0)
+        self.left_ns = left - (time.perf_counter_ns() - t0)
         return p

@@ -45,7 +45,6 @@ REGION_ID = 1
 # session whose stores timed out (no Detach reply: a stuck sidecar) keeps
 # their blocks that long; it must be at least the sidecar's write timeout.
 SIDECAR_WRITE_TIMEOUT = 30.0
-_monotonic = time.monotonic
 _ALL, _LAST, _POLL = 0, 1, 2  # how _finish_saves collects the stores' replies
 
 
@@ -193,7 +192,7 @@ class WorkerSide:
                     continue
                 try:
                     seq = s.submit(_s.TYPE_LOAD, _s.encode_load(lease, REGION_ID, 0, ids), wake=False)
-                    deadline = _monotonic() + self.load_timeout
+                    deadline = time.monotonic() + self.load_timeout
                     self._inflight.setdefault(rid, []).append((seq, ids, spec.whole, deadline))
                     st["loads"] += 1
                     sent += 1
@@ -254,7 +253,7 @@ class WorkerSide:
                     except RingsideError as e:
                         self.faults.fail(e)
                         s, failed = None, True
-                if payload is None and not failed and _monotonic() > deadline:
+                if payload is None and not failed and time.monotonic() > deadline:
                     # No answer in time: a stuck or dead sidecar. The request
                     # recomputes; the session is dropped so that a late copy
                     # cannot land in reused blocks.
@@ -339,7 +338,7 @@ class WorkerSide:
         sr = self._store_reqs
         for rid in rids:
             sr[rid] = sr.get(rid, 0) + 1
-        self._saving.append((s, seqs, _monotonic() + self.save_timeout, rids, ids, self._step))
+        self._saving.append((s, seqs, time.monotonic() + self.save_timeout, rids, ids, self._step))
         if failed is not None:
             # Stores already sent may be copying: they end with the session.
             self._save_failed(failed, s)
@@ -439,7 +438,7 @@ class WorkerSide:
                             left.append(seq)
                         else:
                             self._store_done(p)
-                    if left and how == _POLL and _monotonic() > deadline:
+                    if left and how == _POLL and time.monotonic() > deadline:
                         left = []
                         raise RingsideTimeout("a store got no reply in %.1fs" % self.save_timeout)
                 else:
@@ -447,7 +446,7 @@ class WorkerSide:
                     # ends the session if a store does not answer in time.
                     until = deadline - self._detach_share()
                     for seq in seqs:
-                        left_s = max(until - _monotonic(), 0.001)
+                        left_s = max(until - time.monotonic(), 0.001)
                         self._store_done(s.await_reply(seq, timeout=left_s))
             except SIDECAR_ERRORS as e:
                 self._save_failed(e, s)
@@ -514,7 +513,7 @@ class WorkerSide:
         if rec[4] or rec[1] is None:
             return
         try:
-            s.await_reply(rec[1], timeout=max(deadline - _monotonic(), 0.001))
+            s.await_reply(rec[1], timeout=max(deadline - time.monotonic(), 0.001))
             rec[4] = True
         except SIDECAR_ERRORS:
             rec[4] = s.peer_gone
@@ -527,14 +526,14 @@ class WorkerSide:
             if rec[0] is s:
                 return rec
         seq = s.begin_detach() if not s.closed else None
-        rec = [s, seq, _monotonic() + self.write_timeout, [], s.peer_gone]
+        rec = [s, seq, time.monotonic() + self.write_timeout, [], s.peer_gone]
         self._ending.append(rec)
         return rec
 
     def _poll_ending(self) -> None:
         """Release the requests of the sessions that ended on the sidecar
         (never waits), or whose hold ran out."""
-        now = _monotonic()
+        now = time.monotonic()
         still = []
         saving = {id(e[0]) for e in self._saving}  # their stores join the record first (_finish_saves)
         for rec in self._ending:
