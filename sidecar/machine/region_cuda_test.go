@@ -1,28 +1,34 @@
-package machine
+package machine_test
 
 import (
 	"encoding/binary"
 	"strings"
 	"testing"
-	"time"
 
+	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/internal/scenario"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/machine/machinetest"
 )
 
-// cudaRV is a Machine whose copy engine serves CUDA IPC regions.
-func cudaRV(t *testing.T) (*rv, SessionID) {
-	c, err := cache.New(cache.Config{Capacity: 64, DeltaLogSize: 64, Epoch: 11})
+// cudaNode is a Machine whose copy engine serves CUDA IPC regions; its
+// registrations are held, for the test to look at and end.
+func cudaNode(t *testing.T) (*machinetest.Env, *connector.Client) {
+	d := newPure(t)
+	env := machinetest.New(t, machinetest.Config{
+		Cache:   cache.Config{Capacity: 64, DeltaLogSize: 64, Epoch: 11},
+		Machine: machine.Config{SlotBytes: 1 << 20, MetaBytes: 64 << 20, RingBytes: 4 << 20, CUDAIPC: true},
+		Host:    d.host,
+	})
+	env.HoldRegisters = true
+	s, err := d.node(env).Attach(scenario.AttachOptions{Instance: "i", Model: "m", Layout: "l", Role: schema.RoleClient, WorldSize: 1, DigestWidth: 32})
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := New(Config{SlotBytes: 1 << 20, MetaBytes: 64 << 20, RingBytes: 4 << 20, CUDAIPC: true}, c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &rv{t: t, m: m}
-	return r, r.attach(1, 0)
+	return env, s.Client()
 }
 
 // perLayer is a CUDA region of 32 layers, one allocation each holding the
@@ -31,7 +37,7 @@ func perLayer() (schema.RegisterRegion, schema.CUDAExtra) {
 	const layers, pages, pageLen, gap = 32, 16, 2048, 1 << 20
 	const alloc = 2 * pages * pageLen
 	const base = 1 << 40
-	rr := schema.RegisterRegion{Region: 1, Kind: schema.RegionCUDAIPC, PID: 77, Base: base, PageSize: 2 * layers * pageLen, PageCount: pages}
+	rr := schema.RegisterRegion{Region: 1, Kind: schema.RegionCUDAIPC, PID: purePID, Base: base, PageSize: 2 * layers * pageLen, PageCount: pages}
 	x := schema.CUDAExtra{GPU: [16]byte{0xf0, 1}}
 	for l := range uint64(layers) {
 		at := l * (alloc + gap)
@@ -80,7 +86,7 @@ func TestRegisterRegionCUDA(t *testing.T) {
 		}, nil, schema.OK, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r, s := cudaRV(t)
+			env, c := cudaNode(t)
 			rr, x := perLayer()
 			if tc.mod != nil {
 				tc.mod(&rr, &x)
@@ -89,12 +95,18 @@ func TestRegisterRegionCUDA(t *testing.T) {
 			if tc.extra != nil {
 				rr.Extra = tc.extra
 			}
-			o := r.send(s, schema.TypeRegisterRegion, rr.Append(nil))
+			seq, err := c.Submit(schema.TypeRegisterRegion, rr.Append(nil))
+			if err != nil {
+				t.Fatal(err)
+			}
 			if tc.status == schema.OK {
-				if len(o.Replies) != 0 || len(o.Registers) != 1 {
-					t.Fatalf("replies %+v, registers %d", o.Replies, len(o.Registers))
+				if len(env.Registers) != 1 {
+					t.Fatalf("registers %d", len(env.Registers))
 				}
-				g := o.Registers[0].Region
+				if b, err := c.Await(seq); err == nil {
+					t.Fatalf("a reply before the copy engine registered the region: %x", b)
+				}
+				g := env.Registers[0].Region
 				if g.Kind != gpu.CUDAIPC || len(g.IPC.Allocations) != 32 || g.IPC.Allocations[31].Base != x.Allocations[31].Base ||
 					g.IPC.Allocations[31].Handle != x.Allocations[31].Handle || g.IPC.GPU != x.GPU ||
 					g.IPC.HasEvent != (x.Flags != 0) || g.IPC.Event != x.Event {
@@ -102,11 +114,12 @@ func TestRegisterRegionCUDA(t *testing.T) {
 				}
 				return
 			}
+			b, err := c.Await(seq)
 			var rep schema.Reply
-			if len(o.Replies) != 1 || rep.Decode(o.Replies[0].Payload) != nil {
-				t.Fatalf("replies %+v", o.Replies)
+			if err != nil || rep.Decode(b) != nil {
+				t.Fatalf("reply %x %v", b, err)
 			}
-			if rep.Status != tc.status || !strings.Contains(rep.Message, tc.text) || len(o.Registers) != 0 {
+			if rep.Status != tc.status || !strings.Contains(rep.Message, tc.text) || len(env.Registers) != 0 {
 				t.Fatalf("status %d %q, want %d mentioning %q", rep.Status, rep.Message, tc.status, tc.text)
 			}
 			t.Logf("status %d: %s", rep.Status, rep.Message)
@@ -118,15 +131,18 @@ func TestRegisterRegionCUDA(t *testing.T) {
 		err    error
 		status schema.Status
 	}{{gpu.ErrInvalidRegion, schema.ErrCodeOutOfRange}, {gpu.ErrUnsupported, schema.ErrCodeNotPermitted}} {
-		r, s := cudaRV(t)
+		env, c := cudaNode(t)
 		rr, x := perLayer()
 		rr.Extra = x.Append(nil)
-		o := r.send(s, schema.TypeRegisterRegion, rr.Append(nil))
-		r.now += int64(time.Millisecond)
-		r.m.RegisterDone(r.now, s, o.Registers[0].ID, 0, tc.err, &r.out)
+		seq, err := c.Submit(schema.TypeRegisterRegion, rr.Append(nil))
+		if err != nil || len(env.Registers) != 1 {
+			t.Fatalf("register: %v, %d registrations", err, len(env.Registers))
+		}
+		env.EndRegister(0, tc.err)
+		b, err := c.Await(seq)
 		var rep schema.Reply
-		if len(r.out.Replies) != 1 || rep.Decode(r.out.Replies[0].Payload) != nil || rep.Status != tc.status {
-			t.Errorf("RegisterDone(%v): replies %+v, want status %d", tc.err, r.out.Replies, tc.status)
+		if err != nil || rep.Decode(b) != nil || rep.Status != tc.status {
+			t.Errorf("RegisterDone(%v): reply %x %v, want status %d", tc.err, b, err, tc.status)
 		}
 	}
 }
