@@ -1,7 +1,6 @@
-package machine
+package machine_test
 
 import (
-	"encoding/binary"
 	"errors"
 	"testing"
 	"time"
@@ -9,16 +8,20 @@ import (
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/cache"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/machine/machinetest"
 )
 
 // FuzzMachine drives a Machine with a program read from the input: three
 // sessions (two of one instance, one of another tenant, two uids) send
 // records of any type and payload (mutated from valid ones), copies end in
 // any order with success or failure, registrations succeed or fail,
-// sessions end and attach again, time passes. After every step the
-// Machine's and the cache's invariants must hold (CheckInvariants), every
-// reply must go to a live session and start with a known status, and no
-// call may panic.
+// sessions end and attach again, time passes. The program drives a
+// machinetest.Env that holds every copy, registration and call of the
+// tier for the program to end: after every step the Machine's and the
+// cache's invariants must hold, every reply must go to a live session and
+// start with a known status, every copy must stay inside its region, the
+// pool and its slots (the Env moves the bytes), and no call may panic.
 func FuzzMachine(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15})
 	f.Add([]byte{7, 0, 0, 9, 0, 1, 3, 4, 1, 8, 0, 2, 200, 201, 6, 250})
@@ -71,97 +74,59 @@ func (r *progReader) byte() byte {
 func (r *progReader) done() bool { return r.i >= len(r.b) }
 
 func runProgram(t *testing.T, prog []byte, l2 bool) {
-	c, err := cache.New(cache.Config{Capacity: 32, DeltaLogSize: 64, Epoch: 5})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := New(Config{SlotBytes: 4096, MetaBytes: 1 << 20, RingBytes: 1 << 20, MaxSessions: 8,
-		MaxBatches: 8, MaxLeases: 8, ChunkBytes: 8192}, c)
-	if err != nil {
-		t.Fatal(err)
+	cfg := machinetest.Config{
+		Cache: cache.Config{Capacity: 32, DeltaLogSize: 64, Epoch: 5},
+		Machine: machine.Config{SlotBytes: 4096, MetaBytes: 1 << 20, RingBytes: 1 << 20, MaxSessions: 8,
+			MaxBatches: 8, MaxLeases: 8, ChunkBytes: 8192},
 	}
 	ops := 8
 	if l2 {
-		policy := WriteThrough
+		policy := machine.WriteThrough
 		if len(prog) > 0 && prog[0]&1 == 1 {
-			policy = WriteOnEvict
+			policy = machine.WriteOnEvict
 		}
-		m.EnableL2(L2Config{Policy: policy, Timeout: 200 * time.Millisecond, WriteSlots: 4, EvictAhead: 6, MaxLookupBlocks: 3, MaxFetchBlocks: 3})
+		cfg.L2 = machine.L2Config{Enabled: true, Policy: policy, Timeout: 200 * time.Millisecond, WriteSlots: 4, EvictAhead: 6,
+			MaxLookupBlocks: 3, MaxFetchBlocks: 3}
 		ops = 11
 	}
-	out := new(Output)
-	var now int64
+	env := machinetest.New(t, cfg)
+	env.HoldCopies, env.HoldRegisters, env.HoldTier = true, true, true
+	env.Step = 0 // time passes only at the program's ticks
+	m := env.M
 	type sess struct {
-		id   SessionID
+		id   machine.SessionID
 		live bool
 		req  schema.AttachRequest
 		uid  uint32
+		base uint64 // the engine memory its regions are registered over
 	}
 	sessions := []*sess{
 		{req: schema.AttachRequest{Version: schema.Version, Role: schema.RoleScheduler, WorldSize: 1, DigestWidth: 32, Instance: "a", Model: "m", Layout: "l"}, uid: 1},
 		{req: schema.AttachRequest{Version: schema.Version, Role: schema.RoleWorker, WorldSize: 1, DigestWidth: 32, Instance: "a", Model: "m", Layout: "l"}, uid: 1},
 		{req: schema.AttachRequest{Version: schema.Version, Role: schema.RoleClient, WorldSize: 1, DigestWidth: 16, Instance: "b", Model: "m", Layout: "l", Salt: "t"}, uid: 2},
 	}
-	var copies []Copy
-	var regs []Register
-	var lookups []L2Lookup
-	var fetches []L2Fetch
-	var writes []L2Write
-	handles := map[gpu.Handle]bool{}
-	nextHandle := gpu.Handle(0)
-	live := func(id SessionID) bool {
-		for _, s := range sessions {
-			if s.live && s.id == id {
-				return true
-			}
-		}
-		return false
-	}
-	drain := func() {
-		for _, r := range out.Replies {
-			if !live(r.Session) {
-				t.Fatalf("reply to session %d, which is not live", r.Session)
-			}
-			if len(r.Payload) < 4 {
-				t.Fatalf("reply without a status: %x", r.Payload)
-			}
-			if st := schema.Status(binary.LittleEndian.Uint32(r.Payload)); st > schema.ErrCodeMismatch {
-				t.Fatalf("unknown status %d", st)
-			}
-		}
-		copies = append(copies, out.Copies...)
-		regs = append(regs, out.Registers...)
-		lookups = append(lookups, out.L2Lookups...)
-		fetches = append(fetches, out.L2Fetches...)
-		writes = append(writes, out.L2Writes...)
-		for _, f := range out.L2Fetches {
-			for _, b := range f.Blocks {
-				if len(b.PoolOffsets) != f.NS.World {
-					t.Fatalf("fetch %d: a block with %d slots, world %d", f.ID, len(b.PoolOffsets), f.NS.World)
-				}
-			}
-		}
-		for _, h := range out.Unregister {
-			if !handles[h] {
-				t.Fatalf("unregister of handle %d, never registered or twice", h)
-			}
-			delete(handles, h)
-		}
-		if err := m.CheckInvariants(); err != nil {
-			t.Fatal(err)
-		}
+	for _, s := range sessions {
+		_, s.base = env.Memory(64 * 8192)
 	}
 	attach := func(s *sess) {
-		a, serr := m.Attach(now, AttachArgs{UID: s.uid, PID: 100 + int(s.uid), Req: &s.req, RingBytes: 1 << 16, MaxPayload: 16 << 10})
+		a, serr := env.Attach(machine.AttachArgs{UID: s.uid, PID: 100 + int(s.uid), Req: &s.req, RingBytes: 1 << 16, MaxPayload: 16 << 10})
 		if serr == nil {
 			s.id, s.live = a.Session, true
-		}
-		if err := m.CheckInvariants(); err != nil {
-			t.Fatal(err)
 		}
 	}
 	for _, s := range sessions {
 		attach(s)
+	}
+	// handle hands a record to the Machine; a session that asked to end
+	// is detached by the Env.
+	handle := func(s *sess, typ uint16, seq uint64, p []byte) {
+		if env.Handle(s.id, typ, seq, p) {
+			s.live = false
+		}
+	}
+	detach := func(s *sess) {
+		env.Detach(s.id)
+		s.live = false
 	}
 	// Valid records to mutate: what a client sends.
 	dig := func(i byte, w int) []byte { d := make([]byte, w); d[0], d[w-1] = i, i^0x5a; return d }
@@ -186,7 +151,7 @@ func runProgram(t *testing.T, prog []byte, l2 bool) {
 		case 5:
 			ps := []uint64{4096, 8192, 2048}[r.byte()%3]
 			return schema.TypeRegisterRegion, (&schema.RegisterRegion{Region: uint32(r.byte() % 3), Kind: schema.RegionHostProcess,
-				PID: uint64(100 + s.uid), Base: 1 << 20, Length: 64 * ps, PageSize: ps, PageCount: 64}).Append(nil)
+				PID: uint64(100 + s.uid), Base: s.base, Length: 64 * ps, PageSize: ps, PageCount: 64}).Append(nil)
 		case 6:
 			var pages []uint32
 			for i := byte(0); i < r.byte()%5; i++ {
@@ -249,148 +214,104 @@ func runProgram(t *testing.T, prog []byte, l2 bool) {
 				p[int(r.byte())%len(p)] ^= r.byte()
 			}
 			seq := uint64(r.byte() % 3) // 0 sometimes: fire and forget
-			m.Handle(now, s.id, typ, seq, p, out)
-			end := out.End
-			drain()
-			if end {
-				m.Detach(now, s.id, out)
-				s.live = false
-				drain()
-			}
+			handle(s, typ, seq, p)
 		case 3: // a copy ends
-			if len(copies) == 0 {
+			if len(env.Copies) == 0 {
 				continue
 			}
-			i := int(r.byte()) % len(copies)
-			cp := copies[i]
-			copies = append(copies[:i], copies[i+1:]...)
-			res := CopyResult{Bytes: int64(len(cp.Pages)) * int64(cp.PageBytes)}
+			i := int(r.byte()) % len(env.Copies)
 			switch r.byte() % 4 {
 			case 0:
-				res.Err = errors.New("fuzz: copy failed")
+				env.EndCopy(i, errors.New("fuzz: copy failed"), false)
 			case 1:
-				res.Exited = true
+				env.EndCopy(i, nil, true)
+			default:
+				env.EndCopy(i, nil, false)
 			}
-			m.CopyDone(now, cp.ID, res, out)
-			drain()
 		case 4: // a registration ends
-			if len(regs) == 0 {
+			if len(env.Registers) == 0 {
 				continue
 			}
-			rg := regs[0]
-			regs = regs[1:]
 			var err error
-			var h gpu.Handle
 			if r.byte()%4 == 0 {
 				err = gpu.ErrUnsupported
-			} else {
-				nextHandle++
-				h = nextHandle
-				handles[h] = true
 			}
-			m.RegisterDone(now, rg.Session, rg.ID, h, err, out)
-			drain()
+			env.EndRegister(0, err)
 		case 5: // time passes
-			now += int64(r.byte()) * 50e6
-			m.Tick(now, out)
-			drain()
+			env.Tick(time.Duration(r.byte()) * 50 * time.Millisecond)
 		case 6: // a session ends (or attaches again)
 			if s.live {
-				m.Detach(now, s.id, out)
-				s.live = false
-				drain()
+				detach(s)
 			} else {
 				attach(s)
 			}
 		case 7: // a session with copies in flight ends, its copies end later
-			if s.live && len(copies) > 0 {
-				m.Detach(now, s.id, out)
-				s.live = false
-				drain()
+			if s.live && len(env.Copies) > 0 {
+				detach(s)
 			}
 		case 8: // a lookup of the tier ends
-			if len(lookups) == 0 {
+			if len(env.Lookups) == 0 {
 				continue
 			}
-			i := int(r.byte()) % len(lookups)
-			lk := lookups[i]
-			lookups = append(lookups[:i], lookups[i+1:]...)
-			m.L2LookupDone(now, lk.ID, int(r.byte())%(len(lk.Digests)/lk.NS.Width+2), out)
-			drain()
+			i := int(r.byte()) % len(env.Lookups)
+			lk := env.Lookups[i]
+			env.EndLookup(i, int(r.byte())%(len(lk.Digests)/lk.NS.Width+2))
 		case 9: // a fetch ends
-			if len(fetches) == 0 {
+			if len(env.Fetches) == 0 {
 				continue
 			}
-			i := int(r.byte()) % len(fetches)
-			f := fetches[i]
-			fetches = append(fetches[:i], fetches[i+1:]...)
-			res := make([]L2FetchResult, len(f.Blocks))
+			i := int(r.byte()) % len(env.Fetches)
+			f := env.Fetches[i]
+			res := make([]machine.L2FetchResult, len(f.Blocks))
 			for k := range res {
 				length := f.Length
 				if length == 0 {
 					length = []uint64{4096, 2048, 0, 1 << 20}[r.byte()%4]
 				}
-				res[k] = L2FetchResult{OK: r.byte()%3 != 0, Length: length}
+				res[k] = machine.L2FetchResult{OK: r.byte()%3 != 0, Length: length}
 			}
-			m.L2FetchDone(now, f.ID, res[:int(r.byte())%(len(res)+1)], out)
-			drain()
+			env.EndFetch(i, res[:int(r.byte())%(len(res)+1)])
 		case 10: // a write has read its slots, or was refused
-			if len(writes) == 0 {
+			if len(env.Writes) == 0 {
 				continue
 			}
-			i := int(r.byte()) % len(writes)
-			w := writes[i]
-			writes = append(writes[:i], writes[i+1:]...)
-			m.L2WriteDone(now, w.ID, r.byte()%3 == 0, out)
-			drain()
+			env.DeliverWrite(int(r.byte())%len(env.Writes), r.byte()%3 == 0)
 		}
 	}
-	// Everything ends: copies complete, sessions detach; then nothing is
-	// held.
-	for _, rg := range regs {
-		m.RegisterDone(now, rg.Session, rg.ID, 0, gpu.ErrUnsupported, out)
-		drain()
+	// Everything ends: registrations fail, copies complete, the tier's
+	// calls end, sessions detach; then nothing is held.
+	for len(env.Registers) > 0 {
+		env.EndRegister(0, gpu.ErrUnsupported)
 	}
-	for len(copies)+len(lookups)+len(fetches)+len(writes) > 0 {
-		cs, ls, fs, ws := copies, lookups, fetches, writes
-		copies, lookups, fetches, writes = nil, nil, nil, nil
-		for _, cp := range cs {
-			m.CopyDone(now, cp.ID, CopyResult{}, out)
-			drain()
-		}
-		for _, lk := range ls {
-			m.L2LookupDone(now, lk.ID, 0, out)
-			drain()
-		}
-		for _, f := range fs {
-			m.L2FetchDone(now, f.ID, nil, out)
-			drain()
-		}
-		for _, w := range ws {
-			m.L2WriteDone(now, w.ID, false, out)
-			drain()
+	for len(env.Copies)+len(env.Lookups)+len(env.Fetches)+len(env.Writes) > 0 {
+		switch {
+		case len(env.Copies) > 0:
+			env.EndCopy(0, nil, false)
+		case len(env.Lookups) > 0:
+			env.EndLookup(0, 0)
+		case len(env.Fetches) > 0:
+			env.EndFetch(0, nil)
+		default:
+			env.EndWrite(0, false)
 		}
 	}
 	for _, s := range sessions {
 		if s.live {
-			m.Detach(now, s.id, out)
-			s.live = false
-			drain()
+			detach(s)
 		}
 	}
-	m.Tick(now+int64(1e12), out)
-	drain()
+	env.Tick(1e12)
 	if l2 {
 		if c := m.L2Counters(); c.WritingSlots != 0 || c.PendingLookups != 0 || c.PendingFetches != 0 {
 			t.Fatalf("the tier holds work after the end: %+v", c)
 		}
 	}
 	u := m.Usage()
-	st := c.Stats()
+	st := m.Cache().Stats()
 	if u.Sessions != 0 || u.Queries != 0 || u.Copies != 0 || u.Namespaces > 2 || st.Leases != 0 || st.Loads != 0 || st.Writers != 0 || st.PinnedBlocks != 0 {
 		t.Fatalf("after every session ended: %+v, pool %+v", u, st)
 	}
-	if m.total != (usage{}) && m.total.meta != int64(len(m.namespaces))*namespaceMeta {
-		t.Fatalf("usage left after the end: %+v", m.total)
+	if err := m.Leftover(); err != nil {
+		t.Fatal(err)
 	}
 }
