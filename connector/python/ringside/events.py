@@ -23,24 +23,20 @@ events read. Memory: the announced digests (one bytes object each).
 from __future__ import annotations
 
 import logging
-import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from . import schema as _s
+from .follow import LogFollower
 
 logger = logging.getLogger("ringside.events")
-
-_monotonic = time.monotonic
-_clock_ns = time.perf_counter_ns
-_HEAD = _s.EVENTS_REPLY
-_EV = _s.EVENT_HEADER
 
 # Entries asked for per Events poll; a reply with fewer has caught up.
 EVENTS_PER_POLL = 1024
 
 
-class EventFeed:
-    """The announced blocks of one namespace (see the module doc).
+class EventFeed(LogFollower):
+    """The announced blocks of one namespace (see the module doc), kept by
+    following its event log (ringside.follow).
 
     ``emit_stored(digests, parent, tokens, extra)`` is called for each run
     of blocks to announce: digests, a list of bytes, is a chain (each
@@ -63,41 +59,38 @@ class EventFeed:
 
     def __init__(
         self,
-        emit_stored: Callable[[list, Optional[bytes], bytes, bytes], None],
+        emit_stored: Callable[[list[bytes], Optional[bytes], Any, bytes], None],
         emit_removed: Callable[[bytes], None],
         width: int = 32,
         max_blocks: int = 4_000_000,
         timeout: float = 2.0,
         page_max: int = 0,
     ):
+        super().__init__(
+            timeout,
+            {
+                "syncs": 0,
+                "resyncs": 0,
+                "pages": 0,
+                "polls": 0,
+                "stored": 0,
+                "removed": 0,
+                "lost_replies": 0,
+            },
+        )
         self.emit_stored = emit_stored
         self.emit_removed = emit_removed
         self.width = width
         self.max_blocks = max_blocks
-        self.timeout = timeout
         self.page_max = page_max
-        self.announced: set = set()
+        self.announced: set[bytes] = set()
         self.state = EventFeed.OFF
-        self.disabled = ""
-        self._session = None
-        self._pending = 0
-        self._pending_t = 0.0
         self._from = 0
         self._c0: Optional[tuple[int, int]] = None
-        self._seen: set = set()  # digests the snapshot found (SYNC)
+        self._seen: set[bytes] = set()  # digests the snapshot found (SYNC)
         self._epoch = 0
         self._seq = 0
-        self.sent_t = -1e9
         self.caught_up = False  # the last poll read the log's head
-        self.stats = {
-            "syncs": 0,
-            "resyncs": 0,
-            "pages": 0,
-            "polls": 0,
-            "stored": 0,
-            "removed": 0,
-            "lost_replies": 0,
-        }
 
     # ------------------------------------------------------------------
 
@@ -106,7 +99,7 @@ class EventFeed:
         self._from = 0
         self._c0 = None
         self._seen = set()
-        self._pending = 0
+        self.pending = 0
         self.caught_up = False
         self.stats["syncs"] += 1
 
@@ -116,54 +109,25 @@ class EventFeed:
         self.disabled = why
         self.state = EventFeed.OFF
 
-    def pump(self, s, budget_ns: int = 0, wake: bool = False) -> None:
-        """Advance on session s: collect the reply in flight if it has
-        arrived (waiting at most budget_ns for replies in all), apply it
-        (emitting what it announces or withdraws), and send the next
-        request. A new session starts a new snapshot. Raises RingsideError /
-        SchemaError like any session call."""
-        if s is not self._session:
-            self._session = s
-            self.disabled = ""
-            self._restart()
-        if self.disabled:
-            return
-        end = _clock_ns() + budget_ns
-        while True:
-            if self._pending:
-                p = s.try_reply(self._pending)
-                if p is None:
-                    left = end - _clock_ns()
-                    if left > 0:
-                        p = s.await_reply(self._pending, timeout=left / 1e9, keep=True)
-                    if p is None:
-                        if _monotonic() - self._pending_t < self.timeout:
-                            return
-                        s.forget(self._pending)  # no answer: ask again (cursor-based)
-                        self._pending = 0
-                        self.stats["lost_replies"] += 1
-                if p is not None:
-                    self._pending = 0
-                    polled = self._apply(p)
-                    if self.disabled or (polled and self.state == EventFeed.LIVE):
-                        return  # one poll a call once live
-            if self.state == EventFeed.SYNC:
-                typ, payload = _s.TYPE_EVENT_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
-            else:
-                typ, payload = _s.TYPE_EVENTS, _s.encode_changes(self._epoch, self._seq, EVENTS_PER_POLL)
-                self.stats["polls"] += 1
-            waiting = _clock_ns() < end
-            self._pending = s.submit(typ, payload, wake=wake or waiting)
-            self._pending_t = self.sent_t = _monotonic()
-            if not waiting:
-                return
+    # -- the follower's steps (ringside.follow) ----------------------------------
+
+    def _begin(self, s: Any) -> None:
+        self.session = s
+        self.disabled = ""
+        self._restart()
+
+    def _request(self) -> tuple[int, bytes]:
+        if self.state == EventFeed.SYNC:
+            return _s.TYPE_EVENT_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
+        self.stats["polls"] += 1
+        return _s.TYPE_EVENTS, _s.encode_changes(self._epoch, self._seq, EVENTS_PER_POLL)
 
     def forget_all(self) -> None:
         """The stream's consumers forgot every block (the engine published
         AllBlocksCleared, which routers apply to every tier of the pod):
         announce the sidecar's blocks again, from a new snapshot."""
-        if self._pending and self._session is not None:
-            self._session.forget(self._pending)
+        if self.pending and self.session is not None:
+            self.session.forget(self.pending)
         self.announced = set()
         if self.state != EventFeed.OFF or self.disabled:
             self._restart()
@@ -177,8 +141,8 @@ class EventFeed:
 
     # ------------------------------------------------------------------
 
-    def _apply(self, p) -> bool:
-        """Apply one reply; True if it was a poll (live)."""
+    def _apply(self, p: bytes, sent_t: float = 0.0) -> bool:
+        """Apply one reply; True if it was a poll (live: one poll a call)."""
         status = _s.reply_status(p)
         if status:
             if status == _s.Status.UNKNOWN_TYPE:
@@ -188,9 +152,10 @@ class EventFeed:
                 self._off("event snapshot refused, status %d" % status)
                 return False
             raise _s.SchemaError("Events refused: status %d" % status)
-        if len(p) < 40:
+        head = _s.EVENTS_REPLY
+        if len(p) < head.size:
             raise _s.SchemaError("events reply of %d bytes" % len(p))
-        _, flags, epoch, seq, nxt, n, w = _HEAD.unpack_from(p, 0)
+        _, flags, epoch, seq, nxt, n, w = head.unpack_from(p, 0)
         if w != self.width or n > _s.MAX_EVENTS_PER_REPLY:
             raise _s.SchemaError("events reply: %d entries of %d-byte digests (want %d)" % (n, w, self.width))
         if self.state == EventFeed.SYNC:
@@ -212,46 +177,37 @@ class EventFeed:
         self.caught_up = n < EVENTS_PER_POLL
         return True
 
-    def _read(self, p, n: int, w: int, sync: bool) -> None:
-        # One pass that checks each entry as schema.check_events does and
-        # applies it, gathering the blocks to announce into runs (one call
-        # of emit_stored a chain, the per-block work kept to the checks and
-        # the announced set). An entry found malformed raises after the ones
-        # before it were applied (their run is emitted first): the cursor is
-        # not advanced, and the next poll reads them again, which changes
-        # nothing (announced once).
+    def _read(self, p: bytes, n: int, w: int, sync: bool) -> None:
+        # One pass over the entries (schema.iter_events reads and checks
+        # them) that applies each, gathering the blocks to announce into
+        # runs: one call of emit_stored a chain, the per-block work kept to
+        # the announced set. A block announced before is left out and breaks
+        # its run; a withdrawal of an announced block is emitted in its
+        # place, after the run gathered before it. An entry found malformed
+        # raises after the ones before it were applied (their run is emitted
+        # first): the cursor is not advanced, and the next poll reads them
+        # again, which changes nothing (announced once).
         if not isinstance(p, bytes):
             p = bytes(p)
-        mv = memoryview(p)
-        size = len(p)
         ann = self.announced
         seen = self._seen
         emit_stored, emit_removed = self.emit_stored, self.emit_removed
-        unpack = _EV.unpack_from
-        stored_op, removed_op = _s.EVENT_STORED, _s.EVENT_REMOVED
-        max_t, max_x = _s.MAX_DESCRIBE_TOKENS, _s.MAX_DESCRIBE_EXTRA
+        stored_op = _s.EVENT_STORED
         max_blocks = self.max_blocks
-        off = 40
         stored = removed = 0
         # The run being gathered: its first block (r_d, its tokens r_mv) and,
         # once a second block joins it, the lists of all (r_ds, r_tks).
-        r_d = r_mv = r_ds = r_tks = r_parent = r_extra = None
+        r_d = b""  # (b"": none; a digest is never empty)
+        r_mv: Any = None
+        r_ds: Optional[list[bytes]] = None
+        r_tks: list = []
+        r_parent: Optional[bytes] = None
+        r_extra = b""
         r_t = -1
         prev = None  # the run's last digest (a parent that continues it)
         try:
-            for _ in range(n):
-                op, f, t, x = unpack(p, off)
-                end = off + 8 + w + (w if f else 0) + 4 * t + x
-                if end > size or f > 1 or t > max_t or x > max_x:
-                    raise _s.SchemaError("events reply: a malformed or truncated entry at %d" % off)
-                off += 8
-                d = p[off : off + w]
-                off += w
+            for op, d, parent, tokens, extra, t in _s.iter_events(p, n, w):
                 if op == stored_op:
-                    parent = None
-                    if f:
-                        parent = p[off : off + w]
-                        off += w
                     if sync:
                         seen.add(d)
                     if d in ann:
@@ -261,39 +217,26 @@ class EventFeed:
                         return
                     else:
                         ann.add(d)
-                        e = off + 4 * t
-                        if (
-                            prev is not None
-                            and parent == prev
-                            and t == r_t
-                            and ((not x and not r_extra) or p[e:end] == r_extra)
-                        ):
+                        if prev is not None and parent == prev and t == r_t and extra == r_extra:
                             if r_ds is None:
                                 r_ds, r_tks = [r_d], [r_mv]
                             r_ds.append(d)
-                            r_tks.append(mv[off:e])
+                            r_tks.append(tokens)
                         else:
-                            if r_d is not None:
+                            if r_d:
                                 _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
-                            r_d, r_mv, r_ds, r_parent, r_t = d, mv[off:e], None, parent, t
-                            r_extra = p[e:end] if x else b""
+                            r_d, r_mv, r_ds, r_parent, r_t, r_extra = d, tokens, None, parent, t, extra
                         prev = d
                         stored += 1
-                elif op == removed_op and not (f or t or x):
-                    if d in ann:
-                        if r_d is not None:
-                            _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
-                            r_d = r_ds = prev = None
-                        ann.discard(d)
-                        emit_removed(d)
-                        removed += 1
-                else:
-                    raise _s.SchemaError("events reply: event op %d, flags %d" % (op, f))
-                off = end
-            if off != size:
-                raise _s.SchemaError("events reply: %d trailing bytes" % (size - off))
+                elif d in ann:  # a withdrawal
+                    if r_d:
+                        _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
+                        r_d, r_ds, prev = b"", None, None
+                    ann.discard(d)
+                    emit_removed(d)
+                    removed += 1
         finally:
-            if r_d is not None:
+            if r_d:
                 _emit_run(emit_stored, r_d, r_ds, r_parent, r_mv, r_tks, r_extra)
             self.stats["stored"] += stored
             self.stats["removed"] += removed
@@ -312,7 +255,15 @@ class EventFeed:
         self.state = EventFeed.LIVE
 
 
-def _emit_run(emit_stored, d, ds, parent, mv, tks, extra) -> None:
+def _emit_run(
+    emit_stored: Callable[[list[bytes], Optional[bytes], Any, bytes], None],
+    d: bytes,
+    ds: Optional[list[bytes]],
+    parent: Optional[bytes],
+    mv: Any,
+    tks: list,
+    extra: bytes,
+) -> None:
     # A gathered run (EventFeed._read): its first block alone (d, its tokens
     # mv), or all of them (ds, tks) once a second joined. A plain function,
     # not a closure, so that the read loop's variables stay locals.

@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from . import schema as _s
+from .follow import LogFollower
 
 logger = logging.getLogger("ringside.mirror")
-
-_monotonic = time.monotonic
-# The ChangesReply layout (protocol.md 6.4): status, flags, epoch, next, count,
-# width; then count entries of an 8-byte change header and the digest.
-_CHANGES_REPLY = _s.CHANGES_REPLY
-_HEAD = _CHANGES_REPLY.size
-_clock_ns = time.perf_counter_ns
 
 # Entries asked for per Changes poll. A reply with fewer means the mirror has
 # caught up with the log's head as of the moment the sidecar read it.
 CHANGES_PER_POLL = 1024
 
 
-class Mirror:
-    """The present digests of one session's namespace (see the module doc).
+class Mirror(LogFollower):
+    """The present digests of one session's namespace (see the module doc),
+    kept by following its change log (ringside.follow).
 
     States: OFF (not started, or turned off: the sidecar does not know
     Snapshot, or the namespace holds more than max_blocks), SYNC (snapshot
@@ -55,49 +50,45 @@ class Mirror:
         max_lag: float = 1.0,
         page_max: int = 0,
     ):
+        super().__init__(
+            timeout,
+            {
+                "syncs": 0,
+                "resyncs": 0,
+                "pages": 0,
+                "polls": 0,
+                "changes": 0,
+                "lost_replies": 0,
+                "own_misses": 0,
+            },
+        )
         self.width = width
         self.page_max = page_max  # snapshot entries asked for per page (0: the sidecar's bound)
         self.max_blocks = max_blocks
-        self.timeout = timeout
         self.max_lag = max_lag
-        self.present: set = set()
+        self.present: set[bytes] = set()
         self.state = Mirror.OFF
-        self.disabled = ""  # why the mirror is off for this session, if it is
-        self._session = None
-        self._pending = 0  # seq of the request in flight (0: none)
-        self._pending_t = 0.0
-        self._applied_t = 0.0  # when the request whose reply is being applied was sent
         self._from = 0  # next snapshot position
         self._c0: Optional[tuple[int, int]] = None  # cursor of the first page
         self._epoch = 0
         self._seq = 0
         self.fresh_t = -1e9  # when the poll that last caught up was sent
-        self.sent_t = -1e9  # when the last request was sent
         # Digests this engine sent for storing lately: the caller adds them
         # to `mine` (through noting()); every max_lag it becomes `_mine_old` (so an entry lives
         # one to two max_lag, longer than a store takes to show in the index).
-        self.mine: set = set()
-        self._mine_old: set = set()
-        self._mine_t = _monotonic()
-        self.stats = {
-            "syncs": 0,
-            "resyncs": 0,
-            "pages": 0,
-            "polls": 0,
-            "changes": 0,
-            "lost_replies": 0,
-            "own_misses": 0,
-        }
+        self.mine: set[bytes] = set()
+        self._mine_old: set[bytes] = set()
+        self._mine_t = time.monotonic()
 
     # ------------------------------------------------------------------
 
-    def fresh(self, now: float, s=None) -> bool:
+    def fresh(self, now: float, s: Any = None) -> bool:
         """True if the mirror may answer lookups for session s: it was built
         on s (a copy of another session's sidecar, e.g. before a restart, is
         void), it is live, and a poll sent at most max_lag seconds ago was
         answered with the log's head (a sidecar that stopped answering makes
         it stale)."""
-        return self.state == Mirror.LIVE and self._session is s and now - self.fresh_t <= self.max_lag
+        return self.state == Mirror.LIVE and self.session is s and now - self.fresh_t <= self.max_lag
 
     def leading(self, hashes, n: int) -> int:
         """How many of hashes[:n] are present, from the first one on."""
@@ -123,7 +114,7 @@ class Mirror:
                 return -1
         return i
 
-    def noting(self, now: float) -> set:
+    def noting(self, now: float) -> set[bytes]:
         """The set in which to note the digests this engine sends for storing
         now (`mine`), after letting those noted more than max_lag ago go.
         Aging here, where digests are added, bounds the sets by what one to
@@ -146,8 +137,8 @@ class Mirror:
         self._mine_old = set()
         self.state = Mirror.OFF
         self.disabled = ""
-        self._session = None
-        self._pending = 0
+        self.session = None
+        self.pending = 0
         self._c0 = None
 
     def _restart(self) -> None:
@@ -166,55 +157,22 @@ class Mirror:
 
     # ------------------------------------------------------------------
 
-    def pump(self, s, budget_ns: int = 0, wake: bool = False) -> None:
-        """Advance the mirror on session s: collect the reply of the request
-        in flight if it has arrived (waiting for replies for at most budget_ns
-        in all), apply it, and send the next request (the next snapshot page,
-        or a Changes poll; at most one poll a call once live). Raises
-        RingsideError / SchemaError like any session call."""
-        if s is not self._session:
-            self.reset()
-            self._session = s
-            self._restart()
-        if self.disabled:
-            return
-        end = _clock_ns() + budget_ns
-        polled = False
-        while True:
-            if self._pending:
-                p = s.try_reply(self._pending)
-                if p is None:
-                    left = end - _clock_ns()
-                    if left > 0:
-                        p = s.await_reply(self._pending, timeout=left / 1e9, keep=True)
-                    if p is None:
-                        if _monotonic() - self._pending_t < self.timeout:
-                            return
-                        # No answer: ask again (pages and polls are cursor-based).
-                        s.forget(self._pending)
-                        self._pending = 0
-                        self.stats["lost_replies"] += 1
-                if p is not None:
-                    self._pending = 0
-                    self._applied_t = self._pending_t
-                    polled = self._apply(p) or polled
-                    if self.disabled:
-                        return
-            if self.state == Mirror.LIVE and polled:
-                return  # one poll a call once live
-            if self.state == Mirror.SYNC:
-                typ, payload = _s.TYPE_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
-            else:
-                typ, payload = _s.TYPE_CHANGES, _s.encode_changes(self._epoch, self._seq, CHANGES_PER_POLL)
-                self.stats["polls"] += 1
-            waiting = _clock_ns() < end
-            self._pending = s.submit(typ, payload, wake=wake or waiting)
-            self._pending_t = self.sent_t = _monotonic()
-            if not waiting:
-                return
+    # -- the follower's steps (ringside.follow) ----------------------------------
 
-    def _apply(self, p: bytes) -> bool:
-        """Apply one reply; True if it was a poll that caught up."""
+    def _begin(self, s: Any) -> None:
+        self.reset()
+        self.session = s
+        self._restart()
+
+    def _request(self) -> tuple[int, bytes]:
+        if self.state == Mirror.SYNC:
+            return _s.TYPE_SNAPSHOT, _s.encode_snapshot(self._from, self.page_max)
+        self.stats["polls"] += 1
+        return _s.TYPE_CHANGES, _s.encode_changes(self._epoch, self._seq, CHANGES_PER_POLL)
+
+    def _apply(self, p: bytes, sent_t: float) -> bool:
+        """Apply one reply; True if it was a poll that caught up (one poll a
+        call once live)."""
         status = _s.reply_status(p)
         if self.state == Mirror.SYNC:
             if status:
@@ -245,31 +203,27 @@ class Mirror:
         if status:
             raise _s.SchemaError("Changes refused: status %d" % status)
         # The ChangesReply, checked as schema.decode_changes_reply does,
-        # without copying the entries out.
-        if len(p) < _HEAD:
-            raise _s.SchemaError("changes reply: %d bytes, want at least %d" % (len(p), _HEAD))
-        _, flags, epoch, nxt, n, w = _CHANGES_REPLY.unpack_from(p, 0)
+        # its entries read without decoding it whole.
+        head = _s.CHANGES_REPLY
+        if len(p) < head.size:
+            raise _s.SchemaError("changes reply: %d bytes, want at least %d" % (len(p), head.size))
+        _, flags, epoch, nxt, n, w = head.unpack_from(p, 0)
         if flags & _s.CHANGES_FLAG_RESYNC:
             # The log moved past our cursor (or the sidecar restarted): copy again.
             self.stats["resyncs"] += 1
             self._restart()
             return False
-        es = _s.CHANGE_HEADER_SIZE + w
-        if w != self.width or n > _s.MAX_CHANGES_PER_REPLY or len(p) != _HEAD + n * es:
-            raise _s.SchemaError(
-                "changes reply: %d entries of %d-byte digests in %d bytes (want %d-byte digests)"
-                % (n, w, len(p), self.width)
-            )
+        if w != self.width:
+            raise _s.SchemaError("changes reply: %d-byte digests, want %d" % (w, self.width))
+        changes = _s.iter_changes(p, n, w)
         if n:
             pres = self.present
-            end = _HEAD + n * es
-            stored, evicted, cleared, dig = _s.OP_STORED, _s.OP_EVICTED, _s.OP_CLEARED, _s.CHANGE_HEADER_SIZE
-            for off in range(_HEAD, end, es):
-                op = p[off]
+            stored, evicted, cleared = _s.OP_STORED, _s.OP_EVICTED, _s.OP_CLEARED
+            for op, digest in changes:
                 if op == stored:
-                    pres.add(p[off + dig : off + es])
+                    pres.add(digest)
                 elif op == evicted:
-                    pres.discard(p[off + dig : off + es])
+                    pres.discard(digest)
                 elif op == cleared:
                     pres.clear()
             self.stats["changes"] += n
@@ -279,6 +233,6 @@ class Mirror:
         self._epoch, self._seq = epoch, nxt
         if n < CHANGES_PER_POLL:
             self.state = Mirror.LIVE
-            self.fresh_t = self._applied_t
+            self.fresh_t = sent_t
             return True
         return False

@@ -60,7 +60,7 @@ class Recorder:
 def settle(feed, c, rounds=50):
     for _ in range(rounds):
         feed.pump(c, budget_ns=50_000_000)
-        if feed.state == EventFeed.LIVE and feed.caught_up and not feed._pending:
+        if feed.state == EventFeed.LIVE and feed.caught_up and not feed.pending:
             return
     assert feed.state == EventFeed.LIVE, EventFeed.STATE_NAMES[feed.state]
 

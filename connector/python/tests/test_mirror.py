@@ -191,7 +191,7 @@ def test_fresh_rules():
     m = Mirror(max_lag=0.25)
     assert not m.fresh(0.0, s)  # not live
     m.state = Mirror.LIVE
-    m._session = s
+    m.session = s
     m.fresh_t = 100.0
     for now, want in [(100.0, True), (100.25, True), (100.26, False), (200.0, False)]:
         assert m.fresh(now, s) is want, now
@@ -206,7 +206,7 @@ def test_refused_snapshot_turns_it_off(sidecar):
     m.pump(w, budget_ns=1_000_000_000)
     assert m.state == Mirror.OFF and m.disabled
     m.pump(w, budget_ns=1_000_000_000)  # stays off, sends nothing
-    assert m._pending == 0
+    assert m.pending == 0
     # A new session starts over.
     c = sidecar.attach()
     sync(m, c)

@@ -498,6 +498,27 @@ def test_changes_reply_entries():
     with pytest.raises(IndexError):
         m.change_at(3)
     assert S.encode_change(2, b"\x01\x02") == b"\x02" + bytes(7) + b"\x01\x02"
+
+
+def test_iter_changes_reads_a_whole_reply_or_nothing():
+    # The one reader of change entries: over the whole reply (its header
+    # unpacked by the caller) it gives what changes() gives; entries that do
+    # not fill the payload, or too many, fail before the first pair.
+    v = next(v for v in VECTORS if v["name"] == "ChangesReply/w8")
+    b = _hex(v["hex"])
+    m = S.decode_changes_reply(b)
+    assert list(S.iter_changes(b, 3, 8)) == [tuple(c) for c in m.changes()]
+    assert list(S.iter_changes(memoryview(b)[S.CHANGES_REPLY.size :], 3, 8, 0)) == [tuple(c) for c in m.changes()]
+    assert list(S.iter_changes(_changes_reply(16, 1), 1, 16)) == [(0, bytes(16))]
+    assert list(S.iter_changes(_changes_reply(32, 0), 0, 32)) == []
+    for bad in (b + b"\x00", b[:-1]):
+        with pytest.raises(S.SchemaError):
+            S.iter_changes(bad, 3, 8)
+    with pytest.raises(S.SchemaError):
+        S.iter_changes(b, 3, 16)
+    n = S.MAX_CHANGES_PER_REPLY + 1
+    with pytest.raises(S.SchemaError):
+        S.iter_changes(_changes_reply(8, n), n, 8)
     with pytest.raises(S.SchemaError):
         S.encode_changes_reply(0, False, 1, 2, 8, bytes(15))
 
@@ -786,6 +807,31 @@ def test_events_reply_events():
     assert es[1].parent == es[0].digest and es[1].extra == b"x"
     assert es[2].tokens == b"" and es[2].token_ids() == []
     assert m.err() is None and S.EventsReply(12, False, False, 0, 0, 0, 16, 0, b"").err().status == 12
+
+
+def test_iter_events_is_the_one_reader_of_event_entries():
+    # events() copies out what iter_events reads from the reply itself; a
+    # malformed entry fails once the entries before it were read, and so do
+    # bytes past the last one.
+    v = next(v for v in VECTORS if v["name"] == "EventsReply/w8")
+    b = _hex(v["hex"])
+    m = S.decode_events_reply(b)
+    got = [
+        S.Event(op, d, parent, b"" if tokens is None else bytes(tokens), extra)
+        for op, d, parent, tokens, extra, t in S.iter_events(b, m.count, 8)
+    ]
+    assert got == list(m.events())
+    assert [t for *_, t in S.iter_events(b, m.count, 8)] == [len(e.tokens) // 4 for e in got]
+    assert S.check_events(b, S.EVENTS_REPLY.size, m.count, 8) == len(b)
+    it = S.iter_events(b + b"\x00", m.count, 8)
+    assert [e[1] for e in (next(it), next(it), next(it))] == [e.digest for e in got]
+    with pytest.raises(S.SchemaError, match="trailing"):
+        next(it)
+    bad = b + S.EVENT_HEADER.pack(S.EVENT_REMOVED, 1, 0, 0) + bytes(8)
+    it = S.iter_events(bad, m.count + 1, 8)
+    assert len([next(it) for _ in range(m.count)]) == m.count
+    with pytest.raises(S.SchemaError, match="removed event"):
+        next(it)
 
 
 @pytest.mark.parametrize(

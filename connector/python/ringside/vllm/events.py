@@ -254,11 +254,11 @@ class KVEvents:
         if self.noted and (self.due or now - self.flush_t >= self.poll_s):
             self.flush_t = now
             self.flush(s, faults)
-        if s is not None and not (feed.disabled and feed._session is s):
+        if s is not None and not (feed.disabled and feed.session is s):
             try:
-                if feed.state != EventFeed.LIVE or feed._session is not s:
+                if feed.state != EventFeed.LIVE or feed.session is not s:
                     feed.pump(s)
-                elif feed._pending or not feed.caught_up or now - feed.sent_t >= self.poll_s:
+                elif feed.pending or not feed.caught_up or now - feed.sent_t >= self.poll_s:
                     feed.pump(s)
             except SIDECAR_ERRORS as e:
                 faults.fail(e, "KV events")
