@@ -33,8 +33,9 @@ served with vLLM's hybrid memory allocator: several KV cache groups, a hit
 loads only the window's blocks of the sliding ones. Every row names its
 "model". The tax part runs the full model only.
 
-Each engine runs in its own process (bench/vllm/engine_worker.py under the
-vLLM venv's interpreter); each part starts its own sidecar. Run parts with
+Each engine runs in its own process (bench/vllm/worker.py under the vLLM
+venv's interpreter, driven by commands: engine.py); each part starts its own
+sidecar. Run parts with
 --parts step,ttft,tax; --quick makes every part smaller (a smoke run).
 """
 
@@ -54,12 +55,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 PYDIR = os.path.join(REPO, "connector", "python")
 MAKE_MODEL = os.path.join(PYDIR, "tests", "e2e", "make_tiny_model.py")
-WORKER = os.path.join(HERE, "engine_worker.py")
 sys.path.insert(0, PYDIR)
 from ringside.sidecar_process import SidecarProcess  # noqa: E402 - the package of this tree
 
 sys.path.insert(0, HERE)
 import compare  # noqa: E402 - bench/vllm/compare.py
+import engine  # noqa: E402 - bench/vllm/engine.py
+from engine import LOADED, pct  # noqa: E402
 
 # Models (make_tiny_model.py options). KV page bytes = layers * 2 * 32 * kv_heads * head_dim * 4.
 STEP_MODEL = {"kv-heads": 1}  # the e2e tiny model with one KV head: 16 KiB pages (1M blocks fit 16 GiB)
@@ -104,12 +106,6 @@ def out(obj: dict) -> None:
 def page_bytes(shape: dict) -> int:
     s = dict(DEFAULTS, **shape)
     return s["layers"] * 2 * 32 * s["kv-heads"] * s["head-dim"] * 4
-
-
-def pct(xs, q):
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
-    return s[k]
 
 
 def env() -> dict:
@@ -160,47 +156,43 @@ def Sidecar(binary: str, workdir: str, name: str, pool_bytes: str, slot_bytes: i
     )
 
 
-def worker_cmd(python: str, mode: str, model: str, sock: str | None, extra: list[str]) -> list[str]:
-    cmd = [python, WORKER, mode, "--model", model] + extra
-    if sock:
-        cmd += ["--socket", sock]
-    return cmd
-
-
-def run_worker(cmd: list[str], logpath: str, kv_gib: int, timeout: float) -> list[dict]:
+def worker(a, workdir: str, connector: str, model: str, sock: str | None, args: list[str], name: str, kv_gib: int):
+    """A worker.py engine with one connector, under --python; its log is
+    engine-<name>.log in the workdir."""
     e = env()
     e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
-    with open(logpath, "w") as lf:
-        p = subprocess.run(cmd, env=e, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout)
-    lines = p.stdout.splitlines()
-    with open(logpath, "a") as lf:
-        lf.write("\n".join(lines) + "\n")
-    if p.returncode != 0:
-        raise RuntimeError("engine worker failed (rc %d): see %s" % (p.returncode, logpath))
-    return [json.loads(x[len("@@BENCH ") :]) for x in lines if x.startswith("@@BENCH ")]
+    wargs = ["--connector", connector, "--model", model] + args
+    if sock:
+        wargs += ["--socket", sock]
+    return engine.Worker(connector, a.python, e, wargs, os.path.join(workdir, "engine-%s.log" % name))
 
 
 # --------------------------------------------------------------------------
 
 
-def step_args(a) -> list[str]:
-    """engine_worker.py step flags shared by the ringside and baseline runs."""
-    return [
-        "--inflight",
-        ",".join(map(str, a.inflight)),
-        "--max-num-seqs",
-        str(max(a.inflight) + 24),
-        "--max-tokens",
-        str(a.step_max_tokens),
-        "--min-steps",
-        str(a.step_min_steps),
-        "--max-num-batched-tokens",
-        "8192",
-        "--sustained-steps",
-        str(a.sustained_steps),
-        "--sustained-life",
-        str(a.sustained_life),
-    ]
+def step_engine_args(a) -> list[str]:
+    """worker.py flags of the step part's engines."""
+    return ["--max-num-seqs", str(max(a.inflight) + 24), "--max-num-batched-tokens", "8192"]
+
+
+def step_cmd(a, blocks: int) -> dict:
+    """The step command, the same for the ringside and baseline runs."""
+    return dict(
+        cmd="step",
+        inflight=a.inflight,
+        max_tokens=a.step_max_tokens,
+        min_steps=a.step_min_steps,
+        max_rounds=10,
+        prefix_bytes=95,
+        sustained_steps=a.sustained_steps,
+        sustained_life=a.sustained_life,
+        cached_blocks=blocks,
+    )
+
+
+def run_step(a, workdir, connector, model, sock, args, name, blocks) -> list[dict]:
+    with worker(a, workdir, connector, model, sock, step_engine_args(a) + args, name, 1) as w:
+        return w.run(timeout=900, **step_cmd(a, blocks))["rows"]
 
 
 def part_step(a, workdir):
@@ -220,14 +212,8 @@ def step_model(a, workdir, kind):
         try:
             st = sc.state()["pool"]
             assert st["Blocks"] >= blocks, st
-            extra = ["--cached-blocks", str(blocks)] + step_args(a)
             t = time.time()
-            for r in run_worker(
-                worker_cmd(a.python, "step", model, sc.sock, extra),
-                os.path.join(workdir, "engine-step%d-%s.log" % (blocks, kind)),
-                1,
-                900,
-            ):
+            for r in run_step(a, workdir, "ringside", model, sc.sock, [], "step%d-%s" % (blocks, kind), blocks):
                 out(dict(r, model=kind))
                 plain_rows.append(r)
             log("vllm_step: %s model, %d blocks done in %.0fs" % (kind, blocks, time.time() - t))
@@ -248,12 +234,9 @@ def step_model(a, workdir, kind):
             log("vllm_step: KV events %s, %d cached blocks" % (mode, blocks))
             sc = Sidecar(a.bin, workdir, "step%d-events-%s" % (blocks, mode), str(pool), slot, prefill=blocks)
             try:
-                extra = ["--cached-blocks", str(blocks), "--kv-events", "--connector-events", flag] + step_args(a)
-                rows = run_worker(
-                    worker_cmd(a.python, "step", model, sc.sock, extra),
-                    os.path.join(workdir, "engine-step%d-events-%s.log" % (blocks, mode)),
-                    1,
-                    900,
+                events = ["--kv-events", "--connector-events", flag]
+                rows = run_step(
+                    a, workdir, "ringside", model, sc.sock, events, "step%d-events-%s" % (blocks, mode), blocks
                 )
             finally:
                 sc.stop(check=False)
@@ -291,13 +274,7 @@ def step_model(a, workdir, kind):
         # The floor in the same run: the same workload with a connector whose
         # hooks do nothing (bench/vllm/null_connector.py), so no sidecar.
         log("vllm_step: %s model, baseline (null connector)" % kind)
-        extra = ["--connector", "null"] + step_args(a)
-        for r in run_worker(
-            worker_cmd(a.python, "step", model, None, extra),
-            os.path.join(workdir, "engine-step-null-%s.log" % kind),
-            1,
-            900,
-        ):
+        for r in run_step(a, workdir, "null", model, None, [], "step-null-%s" % kind, 0):
             out(dict(r, model=kind))
 
 
@@ -311,70 +288,41 @@ def ttft_model(a, workdir, kind):
     slot = page_bytes(TTFT_MODEL)
     sc = Sidecar(a.bin, workdir, "ttft-" + kind, "2GiB", slot)
     try:
-        extra = [
-            "--max-model-len",
-            "4096",
-            "--max-num-batched-tokens",
-            "4096",
-            "--prefix-tokens",
-            str(a.prefix_tokens),
-            "--samples",
-            str(a.ttft_samples),
-        ]
+        args = ["--max-model-len", "4096", "--max-num-batched-tokens", "4096"]
         shape = model_shape(TTFT_MODEL, kind)
         log("vllm_ttft: %d samples, prefix %d tokens, %s model %s" % (a.ttft_samples, a.prefix_tokens, kind, shape))
-        for r in run_worker(
-            worker_cmd(a.python, "ttft", model, sc.sock, extra),
-            os.path.join(workdir, "engine-ttft-%s.log" % kind),
-            2,
-            900,
-        ):
-            out(dict(r, model=kind))
+        samples = []
+        with worker(a, workdir, "ringside", model, sc.sock, args, "ttft-" + kind, 2) as w:
+            for i in range(a.ttft_samples + 1):  # sample 0 warms the engine up (both paths)
+                r = w.run(timeout=900, cmd="ttft", seed=7 + i, prefix_tokens=a.prefix_tokens, pause_s=0.2, timers=False)
+                if i:
+                    samples.append(r)
+        same = all(r["hit"]["token"] == r["recompute"]["token"] for r in samples)
+        for mode in ("recompute", "hit"):
+            xs = sorted((r[mode] for r in samples), key=lambda m: m["ttft_ms"])
+            out(
+                {
+                    "bench": "vllm_ttft",
+                    "mode": mode,
+                    "prefix_tokens": a.prefix_tokens,
+                    "ttft_ms": round(xs[len(xs) // 2]["ttft_ms"], 1),
+                    "ttft_ms_min": round(xs[0]["ttft_ms"], 1),
+                    "ttft_ms_max": round(xs[-1]["ttft_ms"], 1),
+                    "samples": len(xs),
+                    "prompt_tokens": samples[-1]["prompt_tokens"],
+                    "sidecar_hit_blocks": [r[mode]["hit_blocks"] for r in samples],
+                    "same_first_token": same,
+                    "median_sample_step_ms": xs[len(xs) // 2]["steps_ms"],
+                    "model": kind,
+                }
+            )
+        loaded = [r["hit"]["loaded"] for r in samples]
+        if loaded and any(loaded[0].values()):
+            row = {"bench": "vllm_ttft_loaded", "prefix_tokens": a.prefix_tokens, "model": kind}
+            row.update({k: [d[k] for d in loaded] for k in LOADED})
+            out(row)
     finally:
         sc.stop(check=False)
-
-
-class Server:
-    """An engine_worker in serve mode, driven over stdin/stdout."""
-
-    def __init__(self, a, model, sock, logpath):
-        e = env()
-        e["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        extra = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
-        self.log = open(logpath, "w")
-        self.p = subprocess.Popen(
-            worker_cmd(a.python, "serve", model, sock, extra),
-            env=e,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            bufsize=1,
-        )
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise RuntimeError("engine worker exited: see %s" % self.log.name)
-            if line.startswith("@@BENCH "):
-                return json.loads(line[len("@@BENCH ") :])
-
-    def run(self, **cmd) -> dict:
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write(json.dumps({"quit": True}) + "\n")
-            self.p.stdin.close()
-            self.p.wait(60)
-        except Exception:  # noqa: BLE001
-            self.p.kill()
-            self.p.wait(10)
-        self.log.close()
 
 
 def part_tax(a, workdir):
@@ -384,17 +332,18 @@ def part_tax(a, workdir):
     plain = conn = None
     try:
         log("vllm_tax: starting two engines (plain, connector)")
-        plain = Server(a, model, None, os.path.join(workdir, "engine-tax-plain.log"))
-        conn = Server(a, model, sc.sock, os.path.join(workdir, "engine-tax-connector.log"))
-        assert conn.ready.get("connector") and not plain.ready.get("connector")
+        args = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+        plain = worker(a, workdir, "none", model, None, args, "tax-plain", 1)
+        conn = worker(a, workdir, "ringside", model, sc.sock, args, "tax-connector", 1)
+        assert conn.ready.get("class") and not plain.ready.get("class")
         common = dict(prompt_bytes=a.tax_prompt_bytes, max_tokens=a.tax_max_tokens)
         seed = 1000
         # Warm both engines up (first steps allocate), then measure capacity:
         # a burst of requests all at once on the plain engine.
         for srv in (plain, conn):
-            srv.run(rate=1000.0, n=16, seed=seed, **common)
+            srv.run(cmd="paced", rate=1000.0, n=16, seed=seed, **common)
             seed += 1
-        burst = plain.run(rate=1e6, n=a.tax_burst, seed=seed, poisson=False, **common)
+        burst = plain.run(cmd="paced", rate=1e6, n=a.tax_burst, seed=seed, poisson=False, **common)
         seed += 1
         cap = burst["throughput_rps"]
         log("vllm_tax: capacity (burst of %d) %.1f req/s" % (a.tax_burst, cap))
@@ -421,7 +370,9 @@ def part_tax(a, workdir):
                 order = [False, True] if rep % 2 == 0 else [True, False]
                 for with_conn in order:
                     cpu0 = sc.cpu_seconds()
-                    r = (conn if with_conn else plain).run(rate=rate, n=n, seed=seed, timers=False, **common)
+                    r = (conn if with_conn else plain).run(
+                        cmd="paced", rate=rate, n=n, seed=seed, timers=False, **common
+                    )
                     d = res[with_conn]
                     d["sc_cpu"] += sc.cpu_seconds() - cpu0
                     d["secs"] += r["seconds"]
@@ -435,7 +386,7 @@ def part_tax(a, workdir):
                 seed += 1
             # One more run of the connector engine with its calls timed: the
             # share of step time inside connector calls (not in the p90s).
-            r = conn.run(rate=rate, n=n, seed=seed, timers=True, **common)
+            r = conn.run(cmd="paced", rate=rate, n=n, seed=seed, timers=True, **common)
             seed += 1
             shares = [100.0 * x / max(1, r["step_ns"]) for x in (r["connector_ns"] or [0, 0])]
             worker_by = {
@@ -582,9 +533,9 @@ def main() -> int:
         a.parts = "compare" if a.connectors else "step,ttft,tax"
     if a.connectors is None:
         a.connectors = ["none", "null", "ringside"]
-    bad = set(map(compare.base, a.connectors)) - set(compare.ARMS)
+    bad = set(map(compare.base, a.connectors)) - set(engine.ARMS)
     if bad:
-        raise SystemExit("unknown connectors %s (of %s)" % (sorted(bad), ",".join(compare.ARMS)))
+        raise SystemExit("unknown connectors %s (of %s)" % (sorted(bad), ",".join(engine.ARMS)))
     if a.quick:
         a.cached_blocks, a.inflight, a.step_min_steps = [10000], [10], 40
         a.sustained_steps, a.sustained_life = 20, 16

@@ -1,7 +1,7 @@
 """bench_vllm.py --parts compare: ringside against its peers in one run.
 
-Every arm (bench/vllm/compare_worker.py: none, null, ringside, lmcache,
-offloading, example) is an engine process of its own, all started before the
+Every arm (engine.ARMS: none, null, ringside, lmcache, offloading,
+example) is an engine process of its own (bench/vllm/worker.py), all started before the
 first measurement and driven in turn, in ABBA order (arms forward, then
 backward, per in-flight count), so that drift in the machine's speed favours
 no arm. Each arm is first gated on correctness: greedy tokens identical to the
@@ -17,6 +17,7 @@ from this run's figures).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,10 +27,10 @@ import sys
 import tempfile
 import time
 
+from engine import Worker
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "compare_worker.py")
 PEERS = ("lmcache", "offloading")
-ARMS = ("none", "null", "ringside", "lmcache", "offloading", "example")
 
 
 def loadavg() -> list[float]:
@@ -140,55 +141,16 @@ def peer_env() -> dict:
     return e
 
 
-class Arm:
-    """One compare_worker.py engine, driven over stdin/stdout."""
-
-    def __init__(self, name, python, env, model, args, logpath, kv_gib):
-        e = dict(env, **{k: v for k, v in peer_env().items() if k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
-        e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
-        e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")  # null_connector, hostcopy_spec
-        if base(name) == "ringside":
-            # Each ringside arm its own tenant: arms share one sidecar and the
-            # same prompts, and must not hit each other's blocks.
-            e["RINGSIDE_BENCH_CONNECTOR_CONFIG"] = json.dumps(dict({"tenant": name}, **overrides(name)))
-        self.name = name
-        self.log = open(logpath, "w")
-        self.p = subprocess.Popen(
-            [python, WORKER, "--connector", base(name), "--model", model] + args,
-            env=e,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            bufsize=1,
-        )
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.p.stdout.readline()
-            if not line:
-                raise RuntimeError("arm %s: engine exited (rc %s): see %s" % (self.name, self.p.poll(), self.log.name))
-            if line.startswith("@@BENCH "):
-                return json.loads(line[len("@@BENCH ") :])
-
-    def run(self, **cmd) -> dict:
-        self.p.stdin.write(json.dumps(cmd) + "\n")
-        self.p.stdin.flush()
-        r = self._read()
-        if "error" in r:
-            raise RuntimeError("arm %s: %s" % (self.name, r["error"]))
-        return r
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.p.stdin.close()
-            self.p.wait(120)
-        except Exception:  # noqa: BLE001
-            self.p.kill()
-            self.p.wait(10)
-        self.log.close()
+def start_arm(name, python, env, model, args, logpath, kv_gib) -> Worker:
+    """One arm's worker.py engine."""
+    e = dict(env, **{k: v for k, v in peer_env().items() if k in ("LMCACHE_TRACK_USAGE", "DO_NOT_TRACK")})
+    e["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+    e["PYTHONPATH"] = HERE + os.pathsep + e.get("PYTHONPATH", "")  # null_connector, hostcopy_spec
+    if base(name) == "ringside":
+        # Each ringside arm its own tenant: arms share one sidecar and the
+        # same prompts, and must not hit each other's blocks.
+        e["RINGSIDE_BENCH_CONNECTOR_CONFIG"] = json.dumps(dict({"tenant": name}, **overrides(name)))
+    return Worker("arm " + name, python, e, ["--connector", base(name), "--model", model] + args, logpath)
 
 
 def base(name: str) -> str:
@@ -273,26 +235,38 @@ def arm_args(name, servers, store_dir, extra):
     return args
 
 
-def start_arms(ctx, arms, servers, model, extra, phase, kv_gib):
-    started = {}
+@contextlib.contextmanager
+def running_arms(ctx, arms, phase, which, extra):
+    """A phase's servers and one engine per arm (on model `which`, "step" or
+    "ttft"), all stopped on the way out."""
+    model = ctx.build_model(which)
+    servers = Servers(ctx, arms, phase, ctx.page_bytes(which), "2GiB")
+    engines = {}
     store = tempfile.mkdtemp(prefix="example-%s-" % phase, dir=ctx.workdir)
-    for name in arms:
-        t = time.time()
-        ctx.log("compare/%s: starting the %s engine" % (phase, name))
-        started[name] = Arm(
-            name,
-            ctx.a.python,
-            ctx.env(),
-            model,
-            arm_args(name, servers, store, extra),
-            os.path.join(ctx.workdir, "engine-cmp-%s-%s.log" % (phase, name.replace(":", "_").replace("/", "_"))),
-            kv_gib,
-        )
-        r = started[name].ready
-        ctx.log(
-            "compare/%s: %s ready in %.0fs (%s, %s)" % (phase, name, time.time() - t, r.get("class"), r.get("step_fn"))
-        )
-    return started, store
+    try:
+        for name in arms:
+            t = time.time()
+            ctx.log("compare/%s: starting the %s engine" % (phase, name))
+            engines[name] = start_arm(
+                name,
+                ctx.a.python,
+                ctx.env(),
+                model,
+                arm_args(name, servers, store, extra),
+                os.path.join(ctx.workdir, "engine-cmp-%s-%s.log" % (phase, name.replace(":", "_").replace("/", "_"))),
+                1,
+            )
+            r = engines[name].ready
+            ctx.log(
+                "compare/%s: %s ready in %.0fs (%s, %s)"
+                % (phase, name, time.time() - t, r.get("class"), r.get("step_fn"))
+            )
+        yield servers, engines
+    finally:
+        for e in engines.values():
+            e.close()
+        servers.stop()
+        shutil.rmtree(store, ignore_errors=True)
 
 
 def gate(ctx, engines, ref_name="none"):
@@ -382,21 +356,9 @@ def summarize_load(name, n, runs, cpu_by_run):
 
 def phase_load(ctx, arms):
     a = ctx.a
-    model = ctx.build_model("step")
-    servers = Servers(ctx, arms, "load", ctx.page_bytes("step"), "2GiB")
-    engines = {}
-    store = None
     rows = []
-    try:
-        extra = [
-            "--max-model-len",
-            "2048",
-            "--max-num-seqs",
-            str(max(a.inflight) + 24),
-            "--max-num-batched-tokens",
-            "8192",
-        ]
-        engines, store = start_arms(ctx, arms, servers, model, extra, "load", 1)
+    extra = ["--max-model-len", "2048", "--max-num-seqs", str(max(a.inflight) + 24), "--max-num-batched-tokens", "8192"]
+    with running_arms(ctx, arms, "load", "step", extra) as (servers, engines):
         passed = gate(ctx, engines)
         live = [x for x in arms if x in passed]
         seed = 1
@@ -443,25 +405,14 @@ def phase_load(ctx, arms):
                 row = summarize_load(name, n, runs[name], cpus[name])
                 rows.append(row)
                 ctx.out(row)
-    finally:
-        for e in engines.values():
-            e.close()
-        servers.stop()
-        if store:
-            shutil.rmtree(store, ignore_errors=True)
     return rows
 
 
 def phase_ttft(ctx, arms):
     a = ctx.a
-    model = ctx.build_model("ttft")
-    servers = Servers(ctx, arms, "ttft", ctx.page_bytes("ttft"), "2GiB")
-    engines = {}
-    store = None
     rows = []
-    try:
-        extra = ["--max-model-len", "4096", "--max-num-seqs", "16", "--max-num-batched-tokens", "4096"]
-        engines, store = start_arms(ctx, arms, servers, model, extra, "ttft", 1)
+    extra = ["--max-model-len", "4096", "--max-num-seqs", "16", "--max-num-batched-tokens", "4096"]
+    with running_arms(ctx, arms, "ttft", "ttft", extra) as (servers, engines):
         res = {x: [] for x in arms}
         for s in range(a.ttft_samples + 1):  # sample 0 warms every engine up
             for name in abba(arms, s):
@@ -503,12 +454,6 @@ def phase_ttft(ctx, arms):
             }
             rows.append(row)
             ctx.out(row)
-    finally:
-        for e in engines.values():
-            e.close()
-        servers.stop()
-        if store:
-            shutil.rmtree(store, ignore_errors=True)
     return rows
 
 

@@ -3,7 +3,7 @@
 vLLM calls the same scheduler hooks on it as on RingsideConnector; each does
 the least a valid connector can (no external hits, empty metadata), so its
 per-step time is what vLLM's calls into any Python connector cost, plus the
-benchmark's own timers. Loaded by engine_worker.py --connector null with
+benchmark's own timers. Loaded by worker.py --connector null with
 kv_connector_module_path="null_connector" (bench/vllm is on sys.path as the
 worker's script directory). It supports vLLM's hybrid memory allocator
 (SupportsHMA), as RingsideConnector does, so that a model with several KV
