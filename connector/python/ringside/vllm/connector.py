@@ -52,20 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("ringside.vllm")
 
-# The scheduler hooks that the connector forwards to its scheduler side
-# unchanged (RingsideConnector._bind_hooks).
-SCHEDULER_HOOKS = (
-    "on_new_request",
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "take_events",
-    "update_connector_output",
-    "request_finished",
-    "has_pending_block_frees",
-)
-
-
 class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector whose cache lives in a ringside sidecar."""
 
@@ -113,8 +99,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
                     "Served kinds: full attention and sliding windows (see docs/vllm.md, Model families)",
                     self.refused,
                 )
-                self.connector_scheduler = side  # type: ignore[assignment]
-                self._bind_hooks()
+                self.connector_scheduler = side
             else:
                 self.connector_worker = side  # type: ignore[assignment]
             return
@@ -129,7 +114,6 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
                 events = kv_events.KVEvents(cfg, bs, kv_cache_config, groups)
             limits = EngineLimits.of(vllm_config)
             self.connector_scheduler = SchedulerSide(cfg, attach, bs, speculative, groups, events, limits)
-            self._bind_hooks()
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)
@@ -137,19 +121,6 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
         if not groups.plain and role == KVConnectorRole.SCHEDULER:
             logger.info("ringside: KV cache groups served: %s", ", ".join(map(repr, groups.groups)))
-
-    def _bind_hooks(self) -> None:
-        """vLLM calls the scheduler hooks once per request or per step: each
-        is bound here, once, to the scheduler side's own method (instance
-        attributes shadow the class's methods below, which do the same
-        through one more call), so that a hook costs one Python call, as in
-        the connector before the split."""
-        side = self.connector_scheduler
-        for name in SCHEDULER_HOOKS:
-            setattr(self, name, getattr(side, name))
-        # vLLM with the hybrid allocator calls request_finished_all_groups
-        # instead of request_finished (see below): the same.
-        self.request_finished_all_groups = side.request_finished  # type: ignore[method-assign]
 
     # The running side's state, for tests, benchmarks and operators.
 

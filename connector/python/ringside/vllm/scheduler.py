@@ -30,7 +30,7 @@ from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
 from .admission import Admission
-from .engine import full_attention_only, group_tables, null_block_id, single_group_blocks
+from .engine import full_attention_only
 from .groups import Layout
 from .hybrid import HybridAdmission
 from .index import LocalIndex
@@ -137,15 +137,14 @@ class SchedulerSide:
         self.reqs = self.admission.reqs
         # Several KV cache groups: their lookups and acquires (hybrid.py).
         self.hybrid = HybridAdmission(self.admission, layout) if not layout.plain else None
-        # The lookup hooks are the admission's own (one call each, chosen
-        # once for the layout).
-        adm = self.hybrid or self.admission
-        self.on_new_request = adm.on_new_request
-        self.get_num_new_matched_tokens = adm.get_num_new_matched_tokens
+        # Who answers the lookup hooks: chosen once for the layout.
+        self.lookups: Admission | HybridAdmission = self.hybrid or self.admission
         self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
         # Speculative decoding schedules several tokens a step: check every
         # scheduled request every step instead.
-        self.planner = StorePlanner(self.reqs, block_size, speculative, self.stats, layout, cfg.store_decode_every)
+        self.planner = StorePlanner(
+            self.reqs, block_size, speculative, self.stats, layout, cfg.store_decode_every, describe=events is not None
+        )
         self.stats_file = StatsFile(cfg.stats_path, cfg.stats_every, "scheduler", self._add_stats)
         self.kv_cache_manager: Any = None  # bound by vLLM after construction
         # Only full attention keeps every block of a live request until it
@@ -177,12 +176,15 @@ class SchedulerSide:
         self.events = events
         if events is not None:
             events.stats = self.stats
-            self.planner.runs = []
             events.start(self.link.get(), self.faults)
-        elif self.index is not None:
-            self.take_events = self.index.after_step  # type: ignore[method-assign] # the only work after a step
 
-    # -- admission (on_new_request, get_num_new_matched_tokens: bound in __init__)
+    # -- admission ---------------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> None:
+        self.lookups.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self.lookups.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         adm = self.admission
@@ -246,28 +248,21 @@ class SchedulerSide:
         meta.settle_saves = not full or not bound or kvm is None or kvm.block_pool.get_num_free_blocks() < bound
         if self._held:
             meta.held_req_ids, self._held = self._held, []
-        planner.step += 1
-        if planner.req_to_blocks is False:
-            kvm = self.kv_cache_manager
-            planner.req_to_blocks = single_group_blocks(kvm)
-            if planner.groups is not None:
-                planner.group_tables = group_tables(kvm, [g.gid for g in planner.groups])
-                planner.null_id = null_block_id(kvm)
         # The planned stores' digests are noted as the engine's own (read your writes).
         m = self.mirror
-        planner.mine = m.noting(time.monotonic()) if m is not None and not m.disabled else None
+        planner.begin_step(kvm, m.noting(time.monotonic()) if m is not None and not m.disabled else None)
         planner.plan(meta, scheduler_output)
         if s is not None and s is not self.link.session:
             s = None
-        if planner.runs:  # described with the next poll of the event log (events.py)
-            self.events.note(planner.runs)
-            planner.runs = []
+        if self.events is not None:  # the runs are described with the next poll of the event log (events.py)
+            runs = planner.take_runs()
+            if runs:
+                self.events.note(runs)
         if loads.waiting or loads.abandoned:
             loads.collect(meta, s)
         if loads.orphans:
             loads.release_orphans(s)
-        budget = self.budget
-        budget.left_ns = budget.max_ns  # the next step's (StepBudget.reset, inline)
+        self.budget.reset()  # the next step's
         self.admission.woke = False
         dt = time.perf_counter_ns() - t0
         st = self.stats
@@ -285,9 +280,8 @@ class SchedulerSide:
         if self.events is not None:  # re-announce after the engine's AllBlocksCleared
             self.events.watch(kv_cache_manager)
 
-    def take_events(self):
-        # vLLM calls this once a step, after the step's output (without KV
-        # events the index's after_step is bound in its place: __init__).
+    def take_events(self) -> Any:
+        # vLLM calls this once a step, after the step's output.
         if self.index is not None:
             self.index.after_step()
         if self.events is not None:

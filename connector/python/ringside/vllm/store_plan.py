@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .engine import group_tables, null_block_id, single_group_blocks
 from .groups import Layout
 from .metadata import RingsideConnectorMetadata
 from .state import ReqState
@@ -42,6 +43,7 @@ class StorePlanner:
         stats: dict,
         layout: Optional[Layout] = None,
         decode_every: int = 1,
+        describe: bool = False,
     ):
         self.reqs = reqs  # the scheduler side's request table (shared)
         self.block_size = block_size
@@ -55,7 +57,8 @@ class StorePlanner:
             (g for g in self.groups or () if g.kind == "full" and not g.mask and g.ratio == 1),
             None,
         )
-        self.group_tables: Any = False  # per group, the manager's request -> blocks table (like req_to_blocks)
+        # Per group, the manager's request -> blocks table (like req_to_blocks).
+        self.group_tables: Optional[list] = None
         self.null_id = 0  # vLLM's null block
         self.every_step = every_step  # speculative decoding: check every scheduled request
         # Blocks filled by decoding: stored in the step that fills them (1),
@@ -64,19 +67,43 @@ class StorePlanner:
         self.stats = stats
         self.step = 0  # the scheduler step being planned (1, 2, ...)
         # The KV cache manager's request -> blocks table (single KV cache
-        # group), None to resolve block ids through the scheduler output,
-        # False while not known yet (the scheduler side sets it).
-        self.req_to_blocks: Any = False
-        self.mine: Optional[set] = None  # where the step's digests are noted (the local index's own stores)
+        # group), None to resolve block ids through the scheduler output
+        # (both known from the first step on: begin_step).
+        self.req_to_blocks: Optional[dict] = None
+        self._tables_known = False
+        self.mine: Optional[set[bytes]] = None  # where the step's digests are noted (the local index's own stores)
         # The step's runs (request, first block, end block) for KV events'
-        # descriptions (events.py), None when events are off.
-        self.runs: Optional[list] = None
+        # descriptions (events.py: take_runs), None when events are off.
+        self.runs: Optional[list[tuple[Any, int, int]]] = [] if describe else None
         self._watch: set[str] = set()
         self._due: dict[int, list[str]] = {}
         self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
 
+    def begin_step(self, kvm: Any, mine: Optional[set[bytes]]) -> None:
+        """Start the next step: advance self.step; the first time, take the
+        KV cache manager's block tables (kvm: vLLM's KV cache manager, None
+        while vLLM has not bound it); note the step's digests in mine (the
+        local index's set of this engine's own stores, or None)."""
+        self.step += 1
+        if not self._tables_known:
+            self._tables_known = True
+            self.req_to_blocks = single_group_blocks(kvm)
+            if self.groups is not None:
+                self.group_tables = group_tables(kvm, [g.gid for g in self.groups])
+                self.null_id = null_block_id(kvm)
+        self.mine = mine
+
+    def take_runs(self) -> list[tuple[Any, int, int]]:
+        """The store runs planned since the last call (request, first block,
+        end block), for KV events' descriptions; empty when events are off."""
+        runs = self.runs
+        if not runs:
+            return []
+        self.runs = []
+        return runs
+
     def plan(self, meta: RingsideConnectorMetadata, so: "SchedulerOutput") -> None:
-        """The stores of step self.step (call after advancing it)."""
+        """The stores of step self.step (call after begin_step)."""
         state = getattr(so, "kv_connector_block_state", None)
         resolve = getattr(state, "resolve_block_ids", None)
         nst = so.num_scheduled_tokens
