@@ -53,7 +53,7 @@ gocheck:
 	$(GO) test -short -tags $(GOTAGS) -count=1 $$($(GO) list ./... | grep -v /reliability$$)
 
 PYCHECK_IGNORE := e2e test_vllm_connector.py test_vllm_groups.py test_vllm_events.py test_cuda_vllm.py test_sglang.py test_cuda_e2e.py
-pycheck: ruff
+pycheck: ruff mypy
 	$(PYTHON) -m pytest -q connector/python/tests $(addprefix --ignore=connector/python/tests/,$(PYCHECK_IGNORE))
 
 # Go tests run with invariants on (internal/invariants: the race tag implies
@@ -95,7 +95,7 @@ test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 # Python: lint and format check, then the tests: the client, ring and
 # end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
-pytest: ruff $(VLLM_VENV)/.ringside-test-deps
+pytest: ruff mypy $(VLLM_VENV)/.ringside-test-deps
 	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py --ignore=connector/python/tests/test_cuda_vllm.py
 	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py
 	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
@@ -112,6 +112,14 @@ RUFF_PATHS := connector/python bench/vllm bench/gpu
 ruff:
 	$(RUFF) check --config connector/python/pyproject.toml $(RUFF_PATHS)
 	$(RUFF) format --check --config connector/python/pyproject.toml $(RUFF_PATHS)
+
+# mypy (pinned in requirements-test.txt) over the engine plugins,
+# ringside/plugin and ringside/vllm; settings in connector/python/pyproject.toml
+# (vLLM's and torch's imports are not followed: $(PYTHON) needs neither).
+.PHONY: mypy
+MYPY ?= $(PYTHON) -m mypy
+mypy:
+	cd connector/python && $(MYPY)
 
 vet:
 	$(GO) vet ./...

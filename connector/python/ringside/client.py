@@ -45,7 +45,7 @@ import os
 import socket as _socket
 import struct
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Literal, Optional, Sequence, Tuple, overload
 
 from . import ring as _ring
 from . import schema as _schema
@@ -470,6 +470,12 @@ class Session:
         completion ring never fills."""
         self.try_reply(-1)  # no request has seq -1: every reply that arrived is stashed or dropped
 
+    @overload
+    def await_reply(self, seq: int, timeout: Optional[float] = None, keep: Literal[False] = False) -> bytes: ...
+
+    @overload
+    def await_reply(self, seq: int, timeout: Optional[float] = None, keep: bool = False) -> Optional[bytes]: ...
+
     def await_reply(self, seq: int, timeout: Optional[float] = None, keep: bool = False) -> Optional[bytes]:
         """The reply payload of request seq (whatever its status), waiting at
         most timeout seconds (default: the session timeout). Replies to other
@@ -792,7 +798,7 @@ class Link:
         _log.info("ringside: attached to the sidecar at %s (session %d)", self.socket, self.session.info.session)
         return self.session
 
-    def drop(self, err: Exception) -> None:
+    def drop(self, err: BaseException) -> None:
         """Forget a failed session (the sidecar reclaims whatever it held)."""
         if self.session is not None:
             _log.warning("ringside: sidecar session lost (%s); %s", err, self.miss_text)

@@ -23,10 +23,13 @@ events read. Memory: the announced digests (one bytes object each).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import schema as _s
 from .follow import LogFollower
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Session
 
 logger = logging.getLogger("ringside.events")
 
@@ -111,7 +114,7 @@ class EventFeed(LogFollower):
 
     # -- the follower's steps (ringside.follow) ----------------------------------
 
-    def _begin(self, s: Any) -> None:
+    def _begin(self, s: Session) -> None:
         self.session = s
         self.disabled = ""
         self._restart()

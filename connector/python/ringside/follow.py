@@ -15,7 +15,10 @@ reply changes are the subclass's: the local index of the cache
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Session
 
 
 class LogFollower:
@@ -39,12 +42,12 @@ class LogFollower:
         self.timeout = timeout  # seconds a request may stay unanswered before it is asked again
         self.stats = stats  # the subclass's counters; "lost_replies" counts requests asked again
         self.disabled = ""  # why the follower is off for this session, if it is
-        self.session: Any = None  # the session followed (a ringside.client.Session)
+        self.session: Optional[Session] = None  # the session followed
         self.pending = 0  # seq of the request in flight (0: none)
         self.pending_t = 0.0  # when it was sent (time.monotonic)
         self.sent_t = -1e9  # when the last request was sent
 
-    def pump(self, s: Any, budget_ns: int = 0, wake: bool = False) -> None:
+    def pump(self, s: Session, budget_ns: int = 0, wake: bool = False) -> None:
         """Advance on session s: collect the reply of the request in flight
         if it has arrived (waiting for replies for at most budget_ns in
         all), apply it, and send the next request, as long as the budget
@@ -82,7 +85,7 @@ class LogFollower:
 
     # -- the subclass's steps ----------------------------------------------------
 
-    def _begin(self, s: Any) -> None:
+    def _begin(self, s: Session) -> None:
         """Session s is new: follow it from a new sync."""
         raise NotImplementedError
 

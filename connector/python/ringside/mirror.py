@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import schema as _s
 from .follow import LogFollower
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .client import Session
 
 logger = logging.getLogger("ringside.mirror")
 
@@ -82,7 +85,7 @@ class Mirror(LogFollower):
 
     # ------------------------------------------------------------------
 
-    def fresh(self, now: float, s: Any = None) -> bool:
+    def fresh(self, now: float, s: Optional[Session] = None) -> bool:
         """True if the mirror may answer lookups for session s: it was built
         on s (a copy of another session's sidecar, e.g. before a restart, is
         void), it is live, and a poll sent at most max_lag seconds ago was
@@ -159,7 +162,7 @@ class Mirror(LogFollower):
 
     # -- the follower's steps (ringside.follow) ----------------------------------
 
-    def _begin(self, s: Any) -> None:
+    def _begin(self, s: Session) -> None:
         self.reset()
         self.session = s
         self._restart()

@@ -68,6 +68,7 @@ import sys
 import threading
 import time
 from collections import namedtuple
+from typing import Any, Optional
 
 # The layout of the Go package ring, generated from it (internal/wiregen):
 # every constant under its public name (MAGIC, OFF_TAIL, ...), and the
@@ -143,6 +144,7 @@ class RingTimeout(RingError, TimeoutError):
 # Platform: futex, fence, process identity.
 
 _MACHINE = platform.machine().lower()
+SYS_FUTEX: Optional[int]  # the futex system call's number (None: not known for this CPU)
 if _MACHINE in ("x86_64", "amd64"):
     SYS_FUTEX = 202
     _TSO = True
@@ -456,12 +458,13 @@ class Ring:
         except BaseException:
             mv.release()
             raise
-        self._mv = mv
-        self._q = mv.cast("Q")
-        self._i = mv.cast("I")
-        self._data = mv[HEADER_SIZE:]
-        self._dq = self._data.cast("Q")
-        self._rdata = self._data.toreadonly()
+        # The mapping and its views (None once closed).
+        self._mv: Any = mv
+        self._q: Any = mv.cast("Q")
+        self._i: Any = mv.cast("I")
+        self._data: Any = mv[HEADER_SIZE:]
+        self._dq: Any = self._data.cast("Q")
+        self._rdata: Any = self._data.toreadonly()
         self._base = base
         self.capacity = self.header.capacity
         self.max_record = self.header.max_record

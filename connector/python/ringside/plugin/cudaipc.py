@@ -237,8 +237,8 @@ class IpcEvent:
     marks the point of the engine's stream that the sidecar's store copies
     wait for."""
 
-    def __init__(self, drv: Driver, event: int, handle: bytes):
-        self.drv, self.event, self.handle = drv, event, handle
+    def __init__(self, drv: Driver, event: Optional[int], handle: bytes):
+        self.drv, self.event, self.handle = drv, event, handle  # event: a CUevent, None once closed
         self.stream: Optional[int] = None  # the stream record() uses; None: torch's current one
 
     def record(self, stream: Optional[int] = None) -> None:

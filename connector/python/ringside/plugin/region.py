@@ -24,9 +24,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..schema import MAX_SEGMENTS, REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..client import Session
 
 # Most contiguous pieces a page may be made of (RegisterRegion's bound on
 # segments is larger; beyond this a layout is not worth registering).
@@ -78,7 +81,7 @@ class Region:
         """The segments, with the implied one when there are none."""
         return self.segments or ((0, self.page_size, self.page_size),)
 
-    def register(self, session: Any, region_id: int) -> None:
+    def register(self, session: Session, region_id: int) -> None:
         """Register it in a client.Session (raises like any session call)."""
         session.register_region(
             region_id,

@@ -17,12 +17,12 @@ finishing a request sends no DropHashes.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from .. import schema as _s
-from ..client import RingsideError, RingsideTimeout
+from ..client import Link, RingsideError, RingsideTimeout, Session
 from ..mirror import Mirror
-from ..plugin.faults import SIDECAR_ERRORS
+from ..plugin.faults import SIDECAR_ERRORS, Faults
 from .index import LocalIndex
 from .state import ReqState, StepBudget
 
@@ -42,8 +42,8 @@ class Admission:
 
     def __init__(
         self,
-        link: Any,
-        faults: Any,
+        link: Link,
+        faults: Faults,
         budget: StepBudget,
         index: Optional[LocalIndex],
         block_size: int,
@@ -92,7 +92,7 @@ class Admission:
         self._next_batch += 1
         return self._next_batch
 
-    def recycle(self, r: ReqState, s: Any) -> None:
+    def recycle(self, r: ReqState, s: Session) -> None:
         """A finished request's batch: kept registered for the next request
         (up to MAX_FREE_BATCHES), else dropped."""
         free = self._free_batches
@@ -106,7 +106,7 @@ class Admission:
             for j in range(n):
                 s.send(_s.TYPE_DROP_HASHES, _s.encode_drop_hashes(r.batch * n + j), wake=False)
 
-    def put_hashes(self, r: ReqState, s: Any, upto: int, first_flags: int = _s.FLAG_REPLACE) -> None:
+    def put_hashes(self, r: ReqState, s: Session, upto: int, first_flags: int = _s.FLAG_REPLACE) -> None:
         """Register the request's hashes [registered, upto) in its batch,
         without waiting (the lookup or acquire that follows on this session is
         handled after it; a failed put shows up as a miss there)."""
@@ -224,7 +224,7 @@ class Admission:
         r.hit_tokens = hits * self.block_size
         return ext, True
 
-    def preempted(self, rids: Any) -> None:
+    def preempted(self, rids: Iterable[str]) -> None:
         """Preempted requests lost their blocks: when vLLM asks about one
         again it is looked up afresh (its own blocks stored meanwhile are
         hits), and that answer serves while it waits for blocks."""

@@ -31,7 +31,7 @@ except ImportError:  # vLLM before the hybrid memory allocator's connector API
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # vLLM without failed_recving
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+    KVConnectorTransferResults = None
 
 from ..plugin.config import VLLM, Config
 from ..plugin.stats import counters
@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("ringside.vllm")
 
+
 class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector whose cache lives in a ringside sidecar."""
 
@@ -63,7 +64,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         except TypeError:  # vLLM versions whose base class takes (vllm_config, role)
-            super().__init__(vllm_config, role)  # type: ignore[call-arg]
+            super().__init__(vllm_config, role)
         kvt = vllm_config.kv_transfer_config
         # A misspelled or mistyped key fails the engine's start here.
         cfg = Config.parse(kvt.kv_connector_extra_config, VLLM)
@@ -85,8 +86,8 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
                     "ringside: could not set kv_load_failure_policy=recompute; set it in "
                     "--kv-transfer-config so that a cache failure never fails a request"
                 )
-        self.connector_scheduler: Optional[SchedulerSide] = None
-        self.connector_worker: Optional[WorkerSide] = None
+        self.connector_scheduler: Optional[SchedulerSide | Unserved] = None
+        self.connector_worker: Optional[WorkerSide | Unserved] = None
         self._group_ids: Optional[tuple] = None
         self.refused = groups.refusal
         if self.refused:
@@ -101,7 +102,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 self.connector_scheduler = side
             else:
-                self.connector_worker = side  # type: ignore[assignment]
+                self.connector_worker = side
             return
         if role == KVConnectorRole.SCHEDULER:
             warn = hash_seed_warning(vllm_config)

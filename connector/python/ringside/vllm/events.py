@@ -35,11 +35,12 @@ import logging
 import struct
 import time
 from array import array
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import schema as _s
+from ..client import Session
 from ..events import EventFeed
-from ..plugin.faults import SIDECAR_ERRORS
+from ..plugin.faults import SIDECAR_ERRORS, Faults
 from ..schema import DESCRIBE, DESCRIBE_FLAG_PARENT, DESCRIBE_RUN, NATIVE_U32, TYPE_DESCRIBE
 
 logger = logging.getLogger("ringside.vllm")
@@ -104,8 +105,8 @@ class KVEvents:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         self._stored_cls, self._removed_cls, self._medium = BlockStored, BlockRemoved, MEDIUM_CPU
-        self._conv = external_hash(maybe_convert_block_hash)
-        self._fast = getattr(self._conv, "fast", False)  # the low 64 bits, big-endian (vLLM's default)
+        # _fast: the conversion is the low 64 bits, big-endian (vLLM's default), inlined in _stored.
+        self._conv, self._fast = external_hash(maybe_convert_block_hash)
         self._last: Any = None  # the last BlockStored of self.out (a chain to extend)
         self._last_digest: Any = None  # the digest of its last block
         self._last_removed: Any = None  # the last BlockRemoved of self.out (withdrawals to extend)
@@ -153,7 +154,7 @@ class KVEvents:
         if self.noted_blocks >= MAX_NOTED:
             self.due = True
 
-    def describe(self, s: Any, runs: list, max_payload: int) -> None:
+    def describe(self, s: Session, runs: list[tuple[Any, int, int]], max_payload: int) -> None:
         """Send the descriptions of runs, (request, first, end) block ranges
         the planner sent for storing this step, without waking the sidecar
         (fire and forget: a refusal, e.g. over the metadata bound, only
@@ -223,7 +224,7 @@ class KVEvents:
         take_events._ringside = True  # type: ignore[attr-defined]
         kv_cache_manager.take_events = take_events
 
-    def start(self, s: Any, faults: Any) -> None:
+    def start(self, s: Optional[Session], faults: Faults) -> None:
         """Read the sidecar's described blocks now, while the engine starts
         (bounded by the session timeout, 2 s at most): the first step then
         publishes them."""
@@ -233,7 +234,7 @@ class KVEvents:
             except SIDECAR_ERRORS as e:
                 faults.fail(e, "KV events")
 
-    def flush(self, s: Any, faults: Any) -> None:
+    def flush(self, s: Optional[Session], faults: Faults) -> None:
         """Describe the runs noted since the last flush."""
         runs, self.noted, self.noted_blocks, self.due = self.noted, [], 0, False
         if runs and s is not None:
@@ -242,7 +243,7 @@ class KVEvents:
             except SIDECAR_ERRORS as e:
                 faults.fail(e, "describe")
 
-    def take_events(self, s: Any, faults: Any) -> list:
+    def take_events(self, s: Optional[Session], faults: Faults) -> list:
         """The events of the sidecar's tier since the last call: collect the
         last request's reply and send the next one, never waiting: a poll of
         its event log at most every kv_events_poll_ms, or, while a snapshot
@@ -342,20 +343,24 @@ class KVEvents:
         self._last = None
 
 
-def external_hash(maybe_convert: Any) -> Any:
+def external_hash(maybe_convert: Callable[[bytes], Any]) -> tuple[Callable[[Any], Any], bool]:
     """A fast equivalent of vLLM's maybe_convert_block_hash for digests (bytes
-    or memoryviews), checked against it: with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-    (vLLM's default) the low 64 bits, big-endian, read from the last 8 bytes
-    (vLLM reads the environment on every call, ~5 us); else vLLM's own."""
+    or memoryviews), checked against it, and whether it is the fast one:
+    with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (vLLM's default) the low 64
+    bits, big-endian, read from the last 8 bytes (vLLM reads the environment
+    on every call, ~5 us); else vLLM's own."""
     sample = bytes(range(1, 33))
+
+    def slow(d: Any) -> Any:
+        return maybe_convert(bytes(d))
+
     want = maybe_convert(sample)
     if not isinstance(want, int):
-        return lambda d: maybe_convert(bytes(d))
+        return slow, False
 
     def conv(d: Any) -> int:
         return int.from_bytes(d[-8:], "big")
 
     if conv(sample) != want or conv(memoryview(sample)) != want:  # pragma: no cover - a vLLM that converts otherwise
-        return lambda d: maybe_convert(bytes(d))
-    conv.fast = True  # type: ignore[attr-defined] - KVEvents inlines it
-    return conv
+        return slow, False
+    return conv, True

@@ -172,7 +172,7 @@ def _spec_kind(spec: Any) -> tuple[Optional[str], str]:
     uniform = getattr(kci, "UniformTypeKVCacheSpecs", None)
     if uniform is not None and isinstance(spec, uniform):
         specs = list(spec.kv_cache_specs.values())
-    kinds = set()
+    kinds: set[object] = set()  # FULL, or (SLIDING, window, retained tokens)
     for sp in specs:
         t = type(sp)
         if t in full:

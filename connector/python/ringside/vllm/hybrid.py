@@ -27,13 +27,13 @@ prefix; here every group is looked up in its own digest domain and batch:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .. import schema as _s
-from ..client import RingsideError, RingsideTimeout
+from ..client import RingsideError, RingsideTimeout, Session
 from ..mirror import Mirror
 from ..plugin.faults import SIDECAR_ERRORS
-from .admission import LOOKUP_REPLACE
+from .admission import LOOKUP_REPLACE, Admission
 from .groups import FULL, Layout, load_range, longest_hit
 from .state import ReqState
 
@@ -59,10 +59,10 @@ def known(w: Optional[list], lo: int, hi: int) -> int:
     return min(hi, miss) - lo
 
 
-def register(s: Any, batch: int, digests: list, flags: int, wake: bool = False) -> Optional[int]:
+def register(s: Session, batch: int, digests: list[bytes], flags: int, wake: bool = False) -> int:
     """Register digests as batch, replacing what it held. With FlagLookup in
     flags, returns the seq of the record whose reply is the number of
-    leading present blocks; else sends it without waiting (None)."""
+    leading present blocks; else sends it without waiting (0)."""
     n = len(digests)
     lookup = bool(flags & _s.FLAG_LOOKUP)
     most = _s.MAX_HASHES_PER_RECORD
@@ -71,13 +71,13 @@ def register(s: Any, batch: int, digests: list, flags: int, wake: bool = False) 
         if lookup:
             return s.submit(_s.TYPE_PUT_HASHES, p, wake=wake)
         s.send(_s.TYPE_PUT_HASHES, p, wake=wake)
-        return None
+        return 0
     for a in range(0, n, most):
         p = _s.PUT_HASHES.pack(batch, min(most, n - a), _s.FLAG_APPEND if a else _s.FLAG_REPLACE)
         s.send(_s.TYPE_PUT_HASHES, p + b"".join(digests[a : a + most]), wake=False)
     if lookup:
         return s.submit(_s.TYPE_LOOKUP, _s.encode_lookup(batch, 0, n), wake=wake)
-    return None
+    return 0
 
 
 def reply_value(payload: Optional[bytes]) -> int:
@@ -94,7 +94,7 @@ def reply_value(payload: Optional[bytes]) -> int:
 class HybridAdmission:
     """Lookups and acquires of a model with several KV cache groups (module doc)."""
 
-    def __init__(self, adm: Any, layout: Layout):
+    def __init__(self, adm: Admission, layout: Layout):
         self.adm = adm  # admission.Admission: the request table, link, budget, index
         self.layout = layout
         self.groups = layout.groups
@@ -216,19 +216,20 @@ class HybridAdmission:
         local = hit - num_external_tokens
         cur = self.cursors(r)
         hashes = request.block_hashes
-        parts: Optional[list] = []
+        parts: Optional[list] = None
         per_group = blocks.blocks if blocks is not None else ()
         try:
+            got = []
             for j in self.layout.order:
                 g = self.groups[j]
                 blks = per_group[g.gid]
                 a, e = load_range(g, blks, local, hit)
                 cur[j] = max(cur[j], e)  # loaded blocks need no storing back
                 if e > a:
-                    parts.append((self.batch(r, j), g.digests(hashes, a, e), [b.block_id for b in blks[a:e]]))
+                    got.append((self.batch(r, j), g.digests(hashes, a, e), [b.block_id for b in blks[a:e]]))
+            parts = got
         except (ValueError, IndexError) as e:
             self.adm.faults.warn_once("load-range", "ringside: cannot load %s: %s" % (request.request_id, e))
-            parts = None
         st = self.stats
         for batch, _, ids in parts or ():
             kind = self.groups[batch - r.batch * self.n].kind
@@ -239,13 +240,16 @@ class HybridAdmission:
 
     # -- lookups ---------------------------------------------------------------
 
-    def _collect(self, r: ReqState, s: Any, rid: str) -> bool:
+    def _collect(self, r: ReqState, s: Session, rid: str) -> bool:
         """Collect the lookups submitted ahead (within the step's budget):
         True once all are answered, False if vLLM should ask again next
         step. Raises like a session call (RingsideTimeout past the timeout)."""
         adm = self.adm
+        win = r.gwin
+        assert win is not None  # set with gseq (on_new_request)
         for j, seq in r.gseq:
-            w = r.gwin[j]
+            w = win[j]
+            assert w is not None  # a group asked about has its window
             if w[2] >= 0:
                 continue
             p = adm.budget.reply(s, seq)
@@ -258,11 +262,13 @@ class HybridAdmission:
         r.gseq = []
         return True
 
-    def _forget(self, r: ReqState, s: Any) -> None:
+    def _forget(self, r: ReqState, s: Session) -> None:
         """Give up on the lookups submitted ahead (their batches may hold
         anything now: the next lookup registers them again)."""
+        win = r.gwin
         for j, seq in r.gseq:
-            if r.gwin is not None and r.gwin[j] is not None and r.gwin[j][2] < 0:
+            w = win[j] if win is not None else None
+            if w is not None and w[2] < 0:
                 try:
                     s.forget(seq)
                 except SIDECAR_ERRORS:
@@ -271,29 +277,31 @@ class HybridAdmission:
         r.gwin = None
         r.registered = 0
 
-    def _probe(self, r: ReqState, s: Any, limit: int):
+    def _probe(self, r: ReqState, s: Session, limit: int) -> Callable[[int, int, int], int]:
         """probe(j, lo, hi) for longest_hit over the sidecar: from what group
         j's batch was asked about, else asking now (a full-attention group
         registers its whole prefix, a window just itself)."""
         hashes = r.request.block_hashes
         timeout = self.adm.timeout
+        win = r.gwin
+        assert win is not None  # what each group's batch holds: set before the probes
 
         def probe(j: int, lo: int, hi: int) -> int:
-            n = known(r.gwin[j], lo, hi)
+            n = known(win[j], lo, hi)
             if n >= 0:
                 return n
             g = self.groups[j]
             if g.kind == FULL:
                 lo, hi = 0, limit // g.block_size
             seq = register(s, self.batch(r, j), g.digests(hashes, lo, hi), LOOKUP_REPLACE, True)
-            w = r.gwin[j] = [lo, hi, -1]
+            w = win[j] = [lo, hi, -1]
             w[2] = reply_value(s.await_reply(seq, timeout=timeout))
             self.stats["window_probes"] += 1
             return known(w, lo, hi)
 
         return probe
 
-    def _mirror(self, r: ReqState, s: Any, limit: int) -> int:
+    def _mirror(self, r: ReqState, s: Session, limit: int) -> int:
         """The hit in the local index, or -1 (not fresh, or a group's first
         miss is one of this engine's own recent stores: ask the sidecar)."""
         ix = self.adm.index

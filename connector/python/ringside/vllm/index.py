@@ -11,18 +11,19 @@ the change log is polled after the step), and when the index last polled.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Optional, Sequence
 
+from ..client import Link, Session
 from ..mirror import Mirror
 from ..plugin.config import Config
-from ..plugin.faults import SIDECAR_ERRORS
+from ..plugin.faults import SIDECAR_ERRORS, Faults
 from .state import StepBudget
 
 
 class LocalIndex:
     """The mirror, and when to trust and poll it (see the module doc)."""
 
-    def __init__(self, cfg: Config, link: Any, faults: Any, budget: StepBudget):
+    def __init__(self, cfg: Config, link: Link, faults: Faults, budget: StepBudget):
         self.mirror = Mirror(32, cfg.mirror_max_blocks, cfg.timeout, cfg.mirror_max_lag_ms / 1000.0)
         self.link = link  # the scheduler side's (its session is polled after each step)
         self.faults = faults
@@ -36,7 +37,7 @@ class LocalIndex:
         self.arrived = False  # arrivals were looked up in the index since the last poll
         self.out_t = 0.0  # when vLLM last took a step's output (take_events, update_connector_output)
 
-    def start(self, s: Optional[Any], timeout: float) -> None:
+    def start(self, s: Optional[Session], timeout: float) -> None:
         """Copy the index now, while the engine starts (bounded)."""
         if s is None:
             return
@@ -45,7 +46,7 @@ class LocalIndex:
         except SIDECAR_ERRORS as e:
             self.faults.fail(e)
 
-    def usable(self, s: Any, busy: bool) -> bool:
+    def usable(self, s: Session, busy: bool) -> bool:
         """Whether an arrival may be looked up in the index now: busy (a
         request in flight) and fresh, or after an idle gap once caught up.
         Raises like a session call."""
@@ -56,7 +57,7 @@ class LocalIndex:
             return True
         return False
 
-    def caught_up(self, s: Any, now: float) -> bool:
+    def caught_up(self, s: Session, now: float) -> bool:
         """After an idle gap (no request in flight, no step for mirror_idle_ms)
         the index may lag: whether a Changes poll sent since the engine went
         idle (or in the last mirror_idle_ms) has been answered with the log's
@@ -79,7 +80,7 @@ class LocalIndex:
                 return True
         return False
 
-    def answer(self, s: Any, hashes: Any, usable: int) -> int:
+    def answer(self, s: Session, hashes: Sequence[bytes], usable: int) -> int:
         """Leading hits of a request in the index, or -1: ask the sidecar
         (the index is not fresh, or the first miss is one of this engine's
         own recent stores, perhaps not in the index yet)."""

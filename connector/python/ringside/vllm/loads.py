@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from .. import schema as _s
-from ..client import RingsideError, RingsideTimeout
-from ..plugin.faults import SIDECAR_ERRORS
+from ..client import Link, RingsideError, RingsideTimeout, Session
+from ..plugin.faults import SIDECAR_ERRORS, Faults
 from .admission import LOOKUP_REPLACE
 from .hybrid import register
 from .metadata import LoadSpec, RingsideConnectorMetadata
@@ -128,7 +128,7 @@ def whole_spec(rid: str, parts: tuple) -> LoadSpec:
 class Loads:
     """The scheduler side's loads: acquire, collect, release (module doc)."""
 
-    def __init__(self, link: Any, faults: Any, budget: StepBudget, timeout: float, ttl_ms: int):
+    def __init__(self, link: Link, faults: Faults, budget: StepBudget, timeout: float, ttl_ms: int):
         self.link = link
         self.faults = faults
         self.budget = budget
@@ -186,7 +186,7 @@ class Loads:
         r.whole = True
         self.waiting[rid] = r
 
-    def collect(self, meta: RingsideConnectorMetadata, s: Optional[Any]) -> None:
+    def collect(self, meta: RingsideConnectorMetadata, s: Optional[Session]) -> None:
         """Put every waiting load whose leases are ready, or failed, into the
         step's metadata; poll those that wait for the load budget."""
         if self.abandoned:
@@ -210,7 +210,7 @@ class Loads:
             meta.loads.append(whole_spec(rid, (ld,) + r.more) if r.whole else ld.spec(rid))
             del waiting[rid]
 
-    def _advance(self, ld: Load, rid: str, s: Optional[Any], gen: int) -> tuple[bool, Optional[Any]]:
+    def _advance(self, ld: Load, rid: str, s: Optional[Session], gen: int) -> tuple[bool, Optional[Session]]:
         """Collect a lease's acquire or poll reply, poll it again while it
         waits for the budget: (whether it is READY or FAILED, the session
         to go on with)."""
@@ -220,22 +220,19 @@ class Loads:
         try:
             if ld.seq:
                 # The acquire's reply, or the poll's sent last step.
-                if not live:
-                    p = b""
-                elif ld.state == _ACQUIRING:
-                    p = self.budget.reply(s, ld.seq)
-                else:
-                    p = s.try_reply(ld.seq)
-                if p is None:
-                    if time.monotonic() - ld.t < self.timeout:
-                        if ld.state == _WAITING:
-                            s.kick()
-                        return False, s
-                    s.forget(ld.seq)
-                    p = b""
-                    what = "acquire" if ld.state == _ACQUIRING else "poll"
-                    self.faults.fail(RingsideTimeout("%s for %s got no reply in %.1fs" % (what, rid, self.timeout)))
-                    s = self.link.session
+                p: Optional[bytes] = b""
+                if s is not None and live:
+                    p = self.budget.reply(s, ld.seq) if ld.state == _ACQUIRING else s.try_reply(ld.seq)
+                    if p is None:
+                        if time.monotonic() - ld.t < self.timeout:
+                            if ld.state == _WAITING:
+                                s.kick()
+                            return False, s
+                        s.forget(ld.seq)
+                        p = b""
+                        what = "acquire" if ld.state == _ACQUIRING else "poll"
+                        self.faults.fail(RingsideTimeout("%s for %s got no reply in %.1fs" % (what, rid, self.timeout)))
+                        s = self.link.session
                 ld.on_reply(_s.decode_lease_reply(p) if p else None)
             elif ld.state != _WAITING:
                 ld.fail()  # never sent
@@ -250,7 +247,7 @@ class Loads:
             ld.fail()
         return True, s
 
-    def release_orphans(self, s: Optional[Any]) -> None:
+    def release_orphans(self, s: Optional[Session]) -> None:
         """Release the leases of acquires whose requests finished before the
         reply came (a lease left alone would pin its blocks until its TTL)."""
         keep = []
@@ -273,7 +270,7 @@ class Loads:
                 break
         self.orphans = keep
 
-    def loaded(self, r: ReqState, s: Optional[Any]) -> None:
+    def loaded(self, r: ReqState, s: Optional[Session]) -> None:
         """The workers finished the request's load: release its leases."""
         ld, r.load = r.load, None
         parts, r.more = ((ld,) + r.more) if ld is not None else r.more, ()
@@ -287,11 +284,13 @@ class Loads:
                     self.faults.fail(e)
                     return
 
-    def finished(self, rid: str, r: ReqState, s: Any) -> None:
+    def finished(self, rid: str, r: ReqState, s: Session) -> None:
         """The request finished (s: its live session) with a load pending:
         release what it holds, or will hold once the acquire is answered.
         Raises like a session call."""
-        for ld in (r.load,) + r.more:
+        first = r.load
+        assert first is not None  # called for a request with a load
+        for ld in (first,) + r.more:
             if ld.seq and ld.state == _ACQUIRING:  # acquired, never collected: release it once answered
                 self.orphans.append((ld.seq, time.monotonic()))
             if ld.lease:

@@ -31,6 +31,7 @@ from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
 from .admission import Admission
 from .engine import full_attention_only
+from .events import KVEvents
 from .groups import Layout
 from .hybrid import HybridAdmission
 from .index import LocalIndex
@@ -119,7 +120,7 @@ class SchedulerSide:
         block_size: int,
         speculative: bool,
         layout: Optional[Layout] = None,
-        events: Any = None,
+        events: Optional[KVEvents] = None,
         limits: Optional["EngineLimits"] = None,
     ):
         self.cfg = cfg
@@ -305,7 +306,9 @@ class SchedulerSide:
             if r is not None and r.load is not None:
                 self.loads.loaded(r, s)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int] | tuple[list[int], ...]
+    ) -> tuple[bool, Optional[dict]]:
         rid = request.request_id
         self.planner.forget(rid)
         r = self.reqs.pop(rid, None)

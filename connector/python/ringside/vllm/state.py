@@ -4,7 +4,11 @@ step's budget for waiting on the sidecar."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..client import Session
+    from .loads import Load
 
 
 class ReqState:
@@ -41,7 +45,7 @@ class ReqState:
         self.stored = 0  # cursor: blocks [0, stored) were sent for storing (or loaded)
         self.lookup_seq = 0  # a lookup submitted ahead (on_new_request), not yet collected
         self.lookup_count = 0  # blocks that lookup asked about
-        self.load: Optional[Any] = None  # its pending load (loads.Load)
+        self.load: Optional[Load] = None  # its pending load
         self.hit_tokens = 0
         self.due = 0  # scheduler step of its next store check (0: none planned)
         self.looked = 0  # blocks the last collected lookup asked about
@@ -50,10 +54,11 @@ class ReqState:
         self.lookup_t = 0.0  # when the lookup was sent (time.monotonic)
         self.store_step = 0  # the last step that planned a store of its blocks
         # Several KV cache groups (hybrid.py; unused with one group):
-        self.gstored: Optional[list] = None  # a `stored` cursor per group
-        self.gwin: Optional[list] = None  # per group, what its batch holds: [lo, hi, leading hits] (-1: not answered)
-        self.gseq: Any = ()  # lookups submitted ahead: (group, seq)
-        self.more: tuple = ()  # the loads of the other groups' blocks (loads.Load), with `load`
+        self.gstored: Optional[list[int]] = None  # a `stored` cursor per group
+        # Per group, what its batch holds: [lo, hi, leading hits] (-1: not answered), or None.
+        self.gwin: Optional[list[Optional[list[int]]]] = None
+        self.gseq: Sequence[tuple[int, int]] = ()  # lookups submitted ahead: (group, seq)
+        self.more: tuple[Load, ...] = ()  # the loads of the other groups' blocks, with `load`
         self.whole = False  # its load covers several groups: all of them or none
 
 
@@ -73,7 +78,7 @@ class StepBudget:
         """The next step's budget."""
         self.left_ns = self.max_ns
 
-    def reply(self, s: Any, seq: int) -> Optional[bytes]:
+    def reply(self, s: Session, seq: int) -> Optional[bytes]:
         """The reply to seq if it is there or arrives within what is left of
         this step's budget, else None (seq stays collectable)."""
         p = s.try_reply(seq)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .engine import group_tables, null_block_id, single_group_blocks
-from .groups import Layout
+from .groups import Group, Layout
 from .metadata import RingsideConnectorMetadata
 from .state import ReqState
 
@@ -50,11 +50,11 @@ class StorePlanner:
         # Several KV cache groups (groups.py): every group's blocks are
         # planned, each with its own cursor and digests; null blocks (vLLM's
         # padding outside a sliding window) are never stored.
-        self.groups = layout.groups if layout is not None and not layout.plain else None
+        self.groups: tuple[Group, ...] = layout.groups if layout is not None and not layout.plain else ()
         # KV events' group (events.lead_group): full attention, vLLM's hashes,
         # no null blocks, so its stored blocks are one contiguous run.
         self.lead = next(
-            (g for g in self.groups or () if g.kind == "full" and not g.mask and g.ratio == 1),
+            (g for g in self.groups if g.kind == "full" and not g.mask and g.ratio == 1),
             None,
         )
         # Per group, the manager's request -> blocks table (like req_to_blocks).
@@ -77,7 +77,8 @@ class StorePlanner:
         self.runs: Optional[list[tuple[Any, int, int]]] = [] if describe else None
         self._watch: set[str] = set()
         self._due: dict[int, list[str]] = {}
-        self._legacy: dict[str, list[int]] = {}  # block ids, for vLLM without kv_connector_block_state
+        # Block ids (a list a KV cache group), for vLLM without kv_connector_block_state.
+        self._legacy: dict[str, list[list[int]]] = {}
 
     def begin_step(self, kvm: Any, mine: Optional[set[bytes]]) -> None:
         """Start the next step: advance self.step; the first time, take the
@@ -88,7 +89,7 @@ class StorePlanner:
         if not self._tables_known:
             self._tables_known = True
             self.req_to_blocks = single_group_blocks(kvm)
-            if self.groups is not None:
+            if self.groups:
                 self.group_tables = group_tables(kvm, [g.gid for g in self.groups])
                 self.null_id = null_block_id(kvm)
         self.mine = mine
@@ -107,7 +108,7 @@ class StorePlanner:
         state = getattr(so, "kv_connector_block_state", None)
         resolve = getattr(state, "resolve_block_ids", None)
         nst = so.num_scheduled_tokens
-        check = self._check if self.groups is None else self._check_groups
+        check = self._check_groups if self.groups else self._check
         if resolve is None or self.every_step:
             # vLLM without per-request block resolution, or speculative
             # decoding: check every scheduled request.
@@ -317,7 +318,7 @@ class StorePlanner:
             if nr.block_ids:
                 blocks[nr.req_id] = [list(g) for g in nr.block_ids]
         cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             if nb:

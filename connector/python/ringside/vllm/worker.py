@@ -71,7 +71,8 @@ class WorkerSide:
         # Stores sent by wait_for_save, awaited at the start of the next step
         # (handle_preemptions) instead of blocking the step that sent them;
         # synchronous where vLLM has no such hook, or with sync_saves.
-        self._saving: list = []  # (session, seqs, deadline, request ids, engine block ids, step sent)
+        # The stores sent: (session, seqs, deadline, request ids, engine block ids, step sent).
+        self._saving: list[tuple[Session, list[int], float, list[str], list[int], int]] = []
         self._step = 0  # steps begun (handle_preemptions): a store is let run on through one step, not more
         self._store_reqs: dict[str, int] = {}  # req id -> stores in _saving or _ending that read its blocks
         # Sessions given up on with stores unanswered: [session, Detach seq
