@@ -6,8 +6,10 @@ a hook is a method of the class that runs it (never an instance attribute
 bound over one of the class's methods, with setattr or an assignment), so
 that a class body shows what runs.
 
-The functions in HOT_PATHS, and only they, may read module-level aliases of
-enum members: they run for every load of every step, and an attribute of an
+The functions in HOT_PATHS, and only they, may bind a hook over a method
+(the connector's and the scheduler side's _bind_hooks: one Python call a
+hook instead of two or three), and read module-level aliases of enum
+members: they run for every load of every step, and an attribute of an
 IntEnum class costs CPython 3.11 some 0.1 us where a module global costs
 some 10 ns. Each names the row of the step benchmark that times it (bench/
 vllm, ``make bench-vllm ARGS="--parts step"``: JSON lines of bench
@@ -18,6 +20,9 @@ hook bound anywhere else.
 """
 
 HOT_PATHS: dict[str, str] = {
+    # Hooks bound over forwarding methods (setattr): every hook of every step.
+    "ringside.vllm.connector.RingsideConnector._bind_hooks": "vllm_step model=full kv_events=off: build_connector_meta",
+    "ringside.vllm.scheduler.SchedulerSide._bind_hooks": "vllm_step model=full kv_events=off: take_events",
     # Loads (vllm/loads.py): every request with a sidecar hit, every step until its load is sent.
     "ringside.vllm.loads.Load.__init__": "vllm_step model=full kv_events=off: update_state_after_alloc",
     "ringside.vllm.loads.Load.acquiring": "vllm_step model=sliding kv_events=off: update_state_after_alloc",

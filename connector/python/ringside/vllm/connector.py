@@ -115,6 +115,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
                 events = kv_events.KVEvents(cfg, bs, kv_cache_config, groups)
             limits = EngineLimits.of(vllm_config)
             self.connector_scheduler = SchedulerSide(cfg, attach, bs, speculative, groups, events, limits)
+            self._bind_hooks()
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
             self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)
@@ -122,6 +123,33 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
         if not groups.plain and role == KVConnectorRole.SCHEDULER:
             logger.info("ringside: KV cache groups served: %s", ", ".join(map(repr, groups.groups)))
+
+    # The scheduler hooks that the connector forwards to its scheduler side
+    # unchanged: _bind_hooks binds them over the forwarding methods below.
+    SCHEDULER_HOOKS = (
+        "on_new_request",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "take_events",
+        "update_connector_output",
+        "request_finished",
+        "has_pending_block_frees",
+    )
+
+    def _bind_hooks(self) -> None:
+        """Bind each scheduler hook, once, to the scheduler side's own
+        method (a performance idiom, ringside/hot_paths.py: the methods below
+        do the same through one more call, and the step benchmark measured
+        the forwarding at 1.1-1.3x the connector's time per step on the
+        project's 2-vCPU machine). vLLM with the hybrid allocator calls
+        request_finished_all_groups instead of request_finished: the same."""
+        side = self.connector_scheduler
+        assert side is not None
+        bound = [(name, getattr(side, name)) for name in self.SCHEDULER_HOOKS]
+        bound.append(("request_finished_all_groups", side.request_finished))
+        for name, hook in bound:
+            setattr(self, name, hook)
 
     # The running side's state, for tests, benchmarks and operators.
 

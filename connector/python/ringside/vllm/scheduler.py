@@ -178,6 +178,22 @@ class SchedulerSide:
         if events is not None:
             events.stats = self.stats
             events.start(self.link.get(), self.faults)
+        self._bind_hooks()
+
+    def _bind_hooks(self) -> None:
+        """Bind the hooks whose work is another object's method, once, over
+        the forwarding methods below (a performance idiom, ringside/
+        hot_paths.py): the lookup hooks to the admission chosen for the
+        layout, and, without KV events, take_events to the local index's
+        after_step, the only work after a step."""
+        bound: list[tuple[str, Any]] = [
+            ("on_new_request", self.lookups.on_new_request),
+            ("get_num_new_matched_tokens", self.lookups.get_num_new_matched_tokens),
+        ]
+        if self.events is None and self.index is not None:
+            bound.append(("take_events", self.index.after_step))
+        for name, hook in bound:
+            setattr(self, name, hook)
 
     # -- admission ---------------------------------------------------------------
 
