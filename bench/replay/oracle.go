@@ -7,6 +7,7 @@ type OracleResult struct {
 	Requests      int
 	TotalPages    int64 // pages asked for (looked up)
 	HitPages      int64 // leading-run hits
+	BlockHitPages int64 // pages present at lookup, leading or not (the bound's unit; see MINPages)
 	StoredPages   int64 // missed pages that got a slot
 	PresentPages  int64 // missed pages found present when stored (behind the leading run)
 	SkippedPages  int64 // missed pages refused for lack of space (NoSpace)
@@ -16,6 +17,9 @@ type OracleResult struct {
 
 // HitRatio is HitPages / TotalPages.
 func (o OracleResult) HitRatio() float64 { return ratio(o.HitPages, o.TotalPages) }
+
+// BlockHitRatio is BlockHitPages / TotalPages.
+func (o OracleResult) BlockHitRatio() float64 { return ratio(o.BlockHitPages, o.TotalPages) }
 
 // Oracle replays w one request at a time, in order, through an offline
 // model of sidecar/cache with world size 1 and capacity slots, following
@@ -91,6 +95,11 @@ func OraclePages(reqs [][]uint32, numIDs, capacity int) OracleResult {
 	var written []int32
 	for _, pages := range reqs {
 		res.TotalPages += int64(len(pages))
+		for _, p := range pages {
+			if state[p] == present {
+				res.BlockHitPages++
+			}
+		}
 		h := 0
 		for h < len(pages) && state[pages[h]] == present {
 			h++

@@ -90,6 +90,9 @@ func TestOracleMatchesCache(t *testing.T) {
 	}
 	for _, capacity := range []int{16, 100, 512, 4096, 65536, 1 << 20} {
 		got, want := Oracle(w, capacity), cacheReplay(t, w, capacity)
+		// The cache cannot count the pages present behind the leading run
+		// without touching them; policies_test checks BlockHitPages.
+		want.BlockHitPages = got.BlockHitPages
 		if got != want {
 			t.Errorf("capacity %d:\noracle %+v\ncache  %+v", capacity, got, want)
 		}
