@@ -21,7 +21,7 @@ func benchReplayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.replay." + name) }
 	return &cli.Command{
 		Name:  "replay",
-		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
+		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU, vLLM's ARC and the offline optimum; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
 		Description: "Expands each trace block into --page-tokens pages (chained hashes), starts `ringside serve`\n" +
 			"(--ringside) once per --capacity-pages, and drives it from --engines simulated engine\n" +
 			"instances, each its own session with its own registered memory: per request, register the\n" +
@@ -29,12 +29,18 @@ func benchReplayCommand() *cli.Command {
 			"release. Every engine step first catches up with the change log (delta) and, as the baseline,\n" +
 			"walks its whole view of the cache. Hit rates are printed beside an exact offline LRU of the\n" +
 			"same semantics; with --sequential (one request at a time, trace order) they must be equal.\n" +
+			"Beside them, offline: ARC as vLLM's offloading connector runs it, and the optimum's bound\n" +
+			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits).\n" +
+			"--workload agentic replays a generated agentic workload (sessions, tool calls, forks, a scan)\n" +
+			"instead of --trace.\n" +
 			"A Unix-socket run of the same replay (through a relay process) is the transport baseline.\n" +
-			"Files in --out: replay.jsonl, capacity.csv, ops.csv, sidecar.csv, steps.csv, verdicts.txt,\n" +
-			"hit-rate.png, latency.png, step-cost.png.",
+			"Files in --out: replay.jsonl, capacity.csv, policies.csv, ops.csv, sidecar.csv, steps.csv,\n" +
+			"verdicts.txt, hit-rate.png, policies.png, latency.png, step-cost.png.",
 		Flags: []cli.Flag{
 			ringsideFlag(e("ringside")),
 			&cli.StringSliceFlag{Name: "trace", Usage: "trace file, JSON Lines {timestamp ms, input_length, output_length, hash_ids} (repeatable: merged by timestamp, sharing no blocks)", EnvVars: e("trace")},
+			&cli.StringFlag{Name: "workload", Value: "trace", Usage: "trace (the --trace files) or agentic (generated: agent sessions with tool calls, forks, long idle gaps and a one-off scan; docs/benchmarks.md)", EnvVars: e("workload")},
+			&cli.Uint64Flag{Name: "seed", Value: 1, Usage: "seed of the generated workload", EnvVars: e("seed")},
 			&cli.IntFlag{Name: "page-tokens", Value: replay.DefaultPageTokens, Usage: "tokens per engine page", EnvVars: e("page-tokens")},
 			&cli.IntFlag{Name: "block-tokens", Value: 512, Usage: "tokens per trace block (hash id)", EnvVars: e("block-tokens")},
 			&cli.IntSliceFlag{Name: "capacity-pages", Usage: "pool capacity in pages, one run each (repeatable or comma separated; default: 1, 4, 16 and 64 GiB of model KV)", EnvVars: e("capacity-pages")},
@@ -54,7 +60,7 @@ func benchReplayCommand() *cli.Command {
 			&cli.StringFlag{Name: "dir", Usage: "base directory of the sidecars (default /dev/shm/ringside-replay-<pid>); removed at the end", EnvVars: e("dir")},
 			&cli.StringFlag{Name: "out", Value: "ringside-replay", Usage: "report directory (JSON Lines, CSV, PNG plots); - for none", EnvVars: e("out")},
 			&cli.DurationFlag{Name: "timeout", Value: time.Minute, Usage: "bound on startup, every call and every child process", EnvVars: e("timeout")},
-			&cli.BoolFlag{Name: "json", Usage: "print JSON Lines (rows replay, replay_op, replay_sidecar); verdicts go to stderr", EnvVars: e("json")},
+			&cli.BoolFlag{Name: "json", Usage: "print JSON Lines (rows replay, replay_policy, replay_op, replay_sidecar); verdicts go to stderr", EnvVars: e("json")},
 			&cli.BoolFlag{Name: "quiet", Usage: "no progress bar or lines (and, with --json, no verdicts)", EnvVars: e("quiet")},
 		},
 		Action: func(c *cli.Context) error {
@@ -81,6 +87,8 @@ func benchReplayCommand() *cli.Command {
 			_, err = replay.Run(ctx, replay.Config{
 				Ringside:        c.String("ringside"),
 				Traces:          c.StringSlice("trace"),
+				Workload:        c.String("workload"),
+				Seed:            c.Uint64("seed"),
 				PageTokens:      c.Int("page-tokens"),
 				BlockTokens:     c.Int("block-tokens"),
 				CapacityPages:   c.IntSlice("capacity-pages"),

@@ -54,7 +54,9 @@ func TestBenchReplayCommand(t *testing.T) {
 		"replay":         {"capacity_pages", "pages_per_block", "hit_ratio", "oracle_hit_ratio", "transport", "hit_pages", "oracle_hit_pages", "stored_pages", "oracle_stored_pages"},
 		"replay_op":      {"op", "transport", "p50_ns", "p99_ns", "p999_ns", "max_ns", "capacity_pages"},
 		"replay_sidecar": {"cpu_fraction", "peak_rss_bytes", "copy_bytes_per_sec", "capacity_pages", "transport"},
+		"replay_policy":  {"capacity_pages", "live_hit_ratio", "lru_hit_ratio", "arc_hit_ratio", "min_block_hit_ratio", "min_prefix_hit_ratio", "live_over_lru"},
 	}
+	policies := 0
 	caps := map[string]bool{}
 	ops := map[string]bool{}
 	sidecars := 0
@@ -103,6 +105,17 @@ func TestBenchReplayCommand(t *testing.T) {
 			if num("p50_ns") <= 0 || num("p50_ns") > num("p99_ns") || num("p99_ns") > num("p999_ns") || num("p999_ns") > num("max_ns") {
 				t.Errorf("percentiles out of order: %s", line)
 			}
+		case "replay_policy":
+			policies++
+			if row["live_equals_lru"] != true || num("live_hit_ratio") != num("lru_hit_ratio") || num("live_over_lru") != 1 {
+				t.Errorf("live sidecar differs from the LRU: %s", line)
+			}
+			if b := num("min_block_hit_ratio"); b < num("lru_block_hit_ratio") || b < num("arc_block_hit_ratio") || b < num("lru_hit_ratio") || b < num("arc_hit_ratio") || b < num("min_prefix_hit_ratio") {
+				t.Errorf("the optimum's bound is below a policy: %s", line)
+			}
+			if num("arc_hit_ratio") <= 0 {
+				t.Errorf("ARC hit nothing: %s", line)
+			}
 		case "replay_sidecar":
 			sidecars++
 			if num("cpu_fraction") <= 0 || num("peak_rss_bytes") <= 0 || num("copy_bytes_per_sec") <= 0 {
@@ -122,17 +135,20 @@ func TestBenchReplayCommand(t *testing.T) {
 			}
 		}
 	}
+	if policies != 2 {
+		t.Errorf("%d replay_policy rows, want 2 (one per capacity of the ring)", policies)
+	}
 	if sidecars != 3 {
 		t.Errorf("%d replay_sidecar rows, want 3 (one per sidecar process)", sidecars)
 	}
 
-	for _, f := range []string{"hit-rate.png", "latency.png", "step-cost.png"} {
+	for _, f := range []string{"hit-rate.png", "policies.png", "latency.png", "step-cost.png"} {
 		b, err := os.ReadFile(filepath.Join(out, f))
 		if err != nil || len(b) < 2000 || !bytes.HasPrefix(b, []byte("\x89PNG\r\n\x1a\n")) {
 			t.Errorf("%s: not a PNG (%d bytes, %v)", f, len(b), err)
 		}
 	}
-	for f, rows := range map[string]int{"capacity.csv": 3, "sidecar.csv": 3, "ops.csv": 10, "steps.csv": 300} {
+	for f, rows := range map[string]int{"capacity.csv": 3, "policies.csv": 2, "sidecar.csv": 3, "ops.csv": 10, "steps.csv": 300} {
 		b, err := os.ReadFile(filepath.Join(out, f))
 		if err != nil {
 			t.Errorf("%s: %v", f, err)
@@ -173,10 +189,53 @@ func TestBenchReplayText(t *testing.T) {
 	s := stdout.String()
 	for _, want := range []string{"hit ratio", "oracle", "step (delta)", "step (walk)", "p99.9",
 		"target lookup p99 < 20 µs", "target acquire-and-poll p99 < 50 µs", "target sidecar CPU < 25%",
-		"target hit rate equal to the offline LRU", "GiB equiv"} {
+		"target hit rate equal to the offline LRU", "GiB equiv",
+		"prefix-hit ratio by policy", "ARC (vLLM)", "optimum (bound)", "following MIN"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("output lacks %q:\n%s", want, s)
 		}
+	}
+}
+
+// TestBenchReplayAgentic replays the first requests of the generated
+// agentic workload in 512-token pages through a live sidecar, one at a
+// time: the live hit rate equals the LRU's, and the optimum bounds LRU
+// and ARC.
+func TestBenchReplayAgentic(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a sidecar")
+	}
+	var stdout, stderr bytes.Buffer
+	app := benchcli.App()
+	app.Writer, app.ErrWriter = &stdout, &stderr
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
+		"--workload", "agentic", "--seed", "3", "--limit", "400", "--page-tokens", "512",
+		"--capacity-pages", "64", "--capacity-pages", "1024", "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
+	if err != nil {
+		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
+	}
+	rows := 0
+	for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
+		var row map[string]any
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatalf("not JSON: %q", line)
+		}
+		if row["bench"] != "replay_policy" {
+			continue
+		}
+		rows++
+		num := func(k string) float64 { v, _ := row[k].(float64); return v }
+		if row["live_equals_lru"] != true || num("live_hit_ratio") <= 0 || num("page_tokens") != 512 || !strings.HasPrefix(row["workload"].(string), "agentic") {
+			t.Errorf("live run: %s", line)
+		}
+		if b := num("min_block_hit_ratio"); b < num("lru_block_hit_ratio") || b < num("arc_block_hit_ratio") {
+			t.Errorf("the optimum's bound is below a policy: %s", line)
+		}
+	}
+	if rows != 2 {
+		t.Errorf("%d replay_policy rows, want 2:\n%s", rows, stdout.String())
 	}
 }
 

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"image/color"
 	"math"
+	"path/filepath"
+	"strings"
 
 	hdrhistogram "github.com/HdrHistogram/hdrhistogram-go"
 	"gonum.org/v1/plot"
@@ -210,5 +212,88 @@ func (rep *Report) plotStepCost(path string) error {
 	}
 	p.Legend.Top, p.Legend.Left = true, true
 	p.Y.Max = top * 30 // room for the legend
+	return p.Save(plotW, plotH, path)
+}
+
+// plotPolicies: prefix-hit ratio against capacity for the offline LRU,
+// vLLM's ARC and MIN's prefix hits (lines), the optimum's bound (MIN's
+// block hits, thick dashed), the live sidecar (points) and the cache that
+// never evicts.
+func (rep *Report) plotPolicies(path string) error {
+	c := &rep.Config
+	w := rep.Workload
+	name := strings.Join(w.Files, ", ")
+	if c.Workload == "trace" {
+		name = filepath.Base(name)
+	}
+	p := newPlot(fmt.Sprintf("Prefix-hit ratio by policy: %s (%d-token pages)", name, c.PageTokens),
+		"pool capacity, pages (log scale)", "hit ratio (%)")
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	var lru, arc, minPrefix, bound, live plotter.XYs
+	top := rep.Unbound * 100
+	for _, pt := range rep.PolicyCurve {
+		x := float64(pt.CapacityPages)
+		lru = append(lru, plotter.XY{X: x, Y: pt.LRU.HitRatio() * 100})
+		arc = append(arc, plotter.XY{X: x, Y: pt.ARC.HitRatio() * 100})
+		minPrefix = append(minPrefix, plotter.XY{X: x, Y: pt.MIN.HitRatio() * 100})
+		bound = append(bound, plotter.XY{X: x, Y: pt.MIN.BlockHitRatio() * 100})
+		top = math.Max(top, pt.MIN.BlockHitRatio()*100)
+	}
+	for _, r := range rep.runsOf("ring") {
+		live = append(live, plotter.XY{X: float64(r.CapacityPages), Y: ratio(r.Counts.HitPages, r.Counts.TotalPages) * 100})
+	}
+	if len(lru) == 0 {
+		return nil
+	}
+	for i, s := range []struct {
+		xy     plotter.XYs
+		label  string
+		width  float64
+		dashes bool
+	}{
+		{bound, "optimum: MIN's block hits (bound on any policy's prefix hits)", 2.5, true},
+		{minPrefix, "prefix hits following MIN's decisions", 1.5, false},
+		{arc, "ARC as vLLM's offloading connector runs it", 1.5, false},
+		{lru, "LRU, the sidecar's policy (offline oracle)", 2, false},
+	} {
+		l, err := plotter.NewLine(s.xy)
+		if err != nil {
+			return err
+		}
+		l.Color = plotutil.Color(i)
+		l.Width = vg.Points(s.width)
+		if s.dashes {
+			l.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
+		}
+		p.Add(l)
+		p.Legend.Add(s.label, l)
+	}
+	if len(live) > 0 {
+		s, err := plotter.NewScatter(live)
+		if err != nil {
+			return err
+		}
+		s.GlyphStyle.Shape = draw.CircleGlyph{}
+		s.GlyphStyle.Radius = vg.Points(4)
+		s.Color = plotutil.Color(4)
+		p.Add(s)
+		p.Legend.Add("live sidecar (this run)", s)
+	}
+	lo, hi := lru[0].X, lru[len(lru)-1].X
+	if hi == lo {
+		lo, hi = lo/2, hi*2
+	}
+	u, err := plotter.NewLine(plotter.XYs{{X: lo, Y: rep.Unbound * 100}, {X: hi, Y: rep.Unbound * 100}})
+	if err != nil {
+		return err
+	}
+	u.Dashes = []vg.Length{vg.Points(2), vg.Points(3)}
+	u.Color = color.Gray{Y: 100}
+	p.Add(u)
+	p.Legend.Add(fmt.Sprintf("cache that never evicts (%.1f%%)", rep.Unbound*100), u)
+	p.Legend.Top, p.Legend.Left = true, true
+	p.Y.Min = 0
+	p.Y.Max = math.Max(top*1.5, 1)
 	return p.Save(plotW, plotH, path)
 }

@@ -46,6 +46,8 @@ var DefaultCapacityGiB = []int{1, 4, 16, 64}
 // Config configures a run. Zero fields take defaults.
 type Config struct {
 	Traces          []string
+	Workload        string        // "trace" (default: the Traces) or "agentic" (generated, AgenticConfig)
+	Seed            uint64        // the generated workload's seed (default 1)
 	PageTokens      int           // tokens per engine page (default 16)
 	BlockTokens     int           // tokens per trace block (default 512)
 	CapacityPages   []int         // pool capacities, in pages (default: DefaultCapacityGiB of model KV)
@@ -99,6 +101,16 @@ func (c *Config) defaults() error {
 	}
 	if c.BlockTokens <= 0 {
 		c.BlockTokens = 512
+	}
+	switch c.Workload {
+	case "", "trace":
+		c.Workload = "trace"
+	case "agentic":
+		if len(c.Traces) > 0 {
+			return errors.New("--workload agentic generates its requests: give no --trace")
+		}
+	default:
+		return fmt.Errorf("--workload %q: want trace or agentic", c.Workload)
 	}
 	if c.KVBytesPerToken <= 0 {
 		c.KVBytesPerToken = DefaultKVBytesPerToken
@@ -179,6 +191,9 @@ type Report struct {
 	// doublings of the largest up to the trace's distinct pages (cheap:
 	// no sidecar), for the hit-rate plot.
 	OracleCurve []OracleResult
+	// PolicyCurve is vLLM's ARC and the optimum (MIN) at the same
+	// capacities, beside the LRU (policies.go).
+	PolicyCurve []PolicyPoint
 	Rows        []any // the JSON Lines rows, in order
 	Verdicts    []string
 	Files       []string // written under OutDir
@@ -201,6 +216,25 @@ type RunResult struct {
 	// tier (their /debug/state).
 	Fleet        *FleetResult
 	FetchedPages int64
+	// ARC and MIN are the reference policy and the optimum at this
+	// capacity, offline (policies.go).
+	ARC, MIN PolicyResult
+}
+
+// PolicyPoint is the offline policies at one capacity.
+type PolicyPoint struct {
+	CapacityPages int
+	LRU           OracleResult
+	ARC, MIN      PolicyResult
+}
+
+// loadWorkload loads the traces or generates the workload.
+func (c *Config) loadWorkload() (*Workload, error) {
+	o := LoadOptions{PageTokens: c.PageTokens, BlockTokens: c.BlockTokens, Limit: c.Limit}
+	if c.Workload == "agentic" {
+		return Generate(AgenticConfig{Seed: c.Seed}, o)
+	}
+	return Load(c.Traces, o)
 }
 
 // tiered reports whether a transport runs with the shared tier.
@@ -225,7 +259,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 	}
 	t0 := time.Now()
-	w, err := Load(cfg.Traces, LoadOptions{PageTokens: cfg.PageTokens, BlockTokens: cfg.BlockTokens, Limit: cfg.Limit})
+	w, err := cfg.loadWorkload()
 	if err != nil {
 		return nil, err
 	}
@@ -290,13 +324,24 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	for c := slices.Max(curve) * 2; c < 2*w.DistinctPages; c *= 2 {
 		curve = append(curve, c)
 	}
+	tp := time.Now()
+	policies := map[int]PolicyPoint{}
 	for _, c := range curve {
 		o, ok := oracles[c]
 		if !ok {
 			o = Oracle(w, c)
 		}
 		rep.OracleCurve = append(rep.OracleCurve, o)
+		pt := PolicyPoint{CapacityPages: c, LRU: o, ARC: ARC(w, c), MIN: MIN(w, c)}
+		rep.PolicyCurve = append(rep.PolicyCurve, pt)
+		policies[c] = pt
 	}
+	for _, p := range plans {
+		if _, ok := policies[p.capacity]; !ok {
+			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity)}
+		}
+	}
+	logf("offline policies: LRU, ARC and MIN at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
 	prog := newProgress(cfg.Progress && !cfg.Quiet, cfg.Log, int64(len(plans)*len(w.Requests)))
 	defer prog.finish()
 	if prog.bar != nil {
@@ -310,6 +355,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
 		r.Oracle = oracles[p.capacity]
+		r.ARC, r.MIN = policies[p.capacity].ARC, policies[p.capacity].MIN
 		if f := fleets[p]; f != nil {
 			r.Fleet, r.Oracle = f, f.OracleResult
 		}

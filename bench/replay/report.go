@@ -57,6 +57,33 @@ type CapacityRow struct {
 	OracleLoadedPages  int64 `json:"oracle_loaded_pages"`
 }
 
+// PolicyRow is one capacity's prefix-hit ratios: the live sidecar's
+// beside the offline policies' of the same workload (bench
+// "replay_policy"). The optimum is MIN's block-hit ratio, an upper bound
+// on every policy's prefix hits (policies.go, MINPages); MIN's prefix
+// ratio is that of following MIN's decisions, not an optimum.
+type PolicyRow struct {
+	Bench             string  `json:"bench"` // "replay_policy"
+	Workload          string  `json:"workload"`
+	CapacityPages     int     `json:"capacity_pages"`
+	Transport         string  `json:"transport"`
+	PageTokens        int     `json:"page_tokens"`
+	Sequential        bool    `json:"sequential"`
+	Requests          int     `json:"requests"`
+	Pages             int64   `json:"pages"`
+	LiveHitRatio      float64 `json:"live_hit_ratio"`       // the sidecar's policy, live
+	LRUHitRatio       float64 `json:"lru_hit_ratio"`        // exact offline LRU (the oracle)
+	LiveEqualsLRU     bool    `json:"live_equals_lru"`      // hit pages equal
+	ARCHitRatio       float64 `json:"arc_hit_ratio"`        // vLLM's ARC offloading manager
+	MINBlockHitRatio  float64 `json:"min_block_hit_ratio"`  // the optimum's block hits: the bound
+	MINPrefixHitRatio float64 `json:"min_prefix_hit_ratio"` // prefix hits following MIN's decisions
+	LiveOverLRU       float64 `json:"live_over_lru"`
+	LRUBlockHitRatio  float64 `json:"lru_block_hit_ratio"`
+	ARCBlockHitRatio  float64 `json:"arc_block_hit_ratio"`
+	ARCFailedStores   int64   `json:"arc_failed_stores"`
+	UnboundedHitRatio float64 `json:"unbounded_hit_ratio"` // a cache that never evicts
+}
+
 // OpRow is one operation's latency in one run (bench "replay_op").
 type OpRow struct {
 	Bench         string  `json:"bench"` // "replay_op"
@@ -139,6 +166,17 @@ func (rep *Report) build() {
 			cr.OracleLoadedPages = r.Oracle.HitPages
 		}
 		rep.Rows = append(rep.Rows, cr)
+	}
+	for _, r := range rep.runsOf("ring") {
+		live := ratio(r.Counts.HitPages, r.Counts.TotalPages)
+		rep.Rows = append(rep.Rows, PolicyRow{
+			Bench: "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: r.CapacityPages, Transport: r.Transport,
+			PageTokens: w.PageTokens, Sequential: c.Sequential, Requests: len(w.Requests), Pages: r.Counts.TotalPages,
+			LiveHitRatio: live, LRUHitRatio: r.Oracle.HitRatio(), LiveEqualsLRU: r.Counts.HitPages == r.Oracle.HitPages,
+			ARCHitRatio: r.ARC.HitRatio(), MINBlockHitRatio: r.MIN.BlockHitRatio(), MINPrefixHitRatio: r.MIN.HitRatio(),
+			LiveOverLRU: live / max(r.Oracle.HitRatio(), 1e-12), LRUBlockHitRatio: r.Oracle.BlockHitRatio(),
+			ARCBlockHitRatio: r.ARC.BlockHitRatio(), ARCFailedStores: r.ARC.FailedStores, UnboundedHitRatio: rep.Unbound,
+		})
 	}
 	for _, r := range rep.Runs {
 		for _, k := range opKeys() {
@@ -322,6 +360,11 @@ func (rep *Report) verdicts() []string {
 			out = append(out, fmt.Sprintf("socket baseline at %d pages, p50 uds vs ring: %s (the uds path also carries one ring round trip through the relay)", r.CapacityPages, strings.Join(parts, ", ")))
 		}
 	}
+	for _, pt := range rep.PolicyCurve {
+		if b := pt.MIN.BlockHitPages; b < pt.LRU.BlockHitPages || b < pt.ARC.BlockHitPages {
+			out = append(out, fmt.Sprintf("check: at %d pages MIN's block hits %d are below LRU's %d or ARC's %d (MIN must bound them)", pt.CapacityPages, b, pt.LRU.BlockHitPages, pt.ARC.BlockHitPages))
+		}
+	}
 	for _, r := range rep.Runs {
 		if c.Sequential && r.Resyncs == 0 && r.ViewBlocks != r.Oracle.Resident {
 			out = append(out, fmt.Sprintf("check: at %d pages (%s) the change log's view holds %d blocks, the oracle %d", r.CapacityPages, r.Transport, r.ViewBlocks, r.Oracle.Resident))
@@ -424,6 +467,10 @@ func (rep *Report) print() error {
 		fmt.Fprintf(out, "offline LRU beyond the sweep: %s\n", strings.Join(beyond, ", "))
 	}
 
+	if err := rep.printPolicies(out); err != nil {
+		return err
+	}
+
 	fmt.Fprintln(out)
 	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "op\ttransport\tcalls\tp50\tp90\tp99\tp99.9\tmax\t")
@@ -504,7 +551,7 @@ func (rep *Report) writeFiles() error {
 	for _, f := range []struct {
 		name  string
 		bench string
-	}{{"capacity.csv", "replay"}, {"ops.csv", "replay_op"}, {"sidecar.csv", "replay_sidecar"}} {
+	}{{"capacity.csv", "replay"}, {"policies.csv", "replay_policy"}, {"ops.csv", "replay_op"}, {"sidecar.csv", "replay_sidecar"}} {
 		if err := write(f.name, func(w io.Writer) error { return rep.writeCSV(w, f.bench) }); err != nil {
 			return err
 		}
@@ -521,7 +568,7 @@ func (rep *Report) writeFiles() error {
 	for _, p := range []struct {
 		name string
 		fn   func(string) error
-	}{{"hit-rate.png", rep.plotHitRate}, {"latency.png", rep.plotLatency}, {"step-cost.png", rep.plotStepCost}} {
+	}{{"hit-rate.png", rep.plotHitRate}, {"policies.png", rep.plotPolicies}, {"latency.png", rep.plotLatency}, {"step-cost.png", rep.plotStepCost}} {
 		if err := p.fn(filepath.Join(dir, p.name)); err != nil {
 			return fmt.Errorf("%s: %w", p.name, err)
 		}
@@ -579,4 +626,31 @@ func (rep *Report) writeStepsCSV(w io.Writer) error {
 	}
 	cw.Flush()
 	return cw.Error()
+}
+
+// printPolicies prints the policy comparison: per capacity of the sweep,
+// the prefix-hit ratio of the live sidecar, the offline LRU, vLLM's ARC
+// and the optimum's bound.
+func (rep *Report) printPolicies(out io.Writer) error {
+	var rows []PolicyRow
+	for _, x := range rep.Rows {
+		if r, ok := x.(PolicyRow); ok {
+			rows = append(rows, r)
+		}
+	}
+	if len(rows) == 0 {
+		return nil
+	}
+	fmt.Fprintf(out, "\nprefix-hit ratio by policy (%s, %d-token pages, one request at a time for the offline ones):\n", rows[0].Workload, rows[0].PageTokens)
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "capacity\tlive sidecar\tLRU\tARC (vLLM)\toptimum (bound)\tfollowing MIN\tlive/LRU\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.3f\t\n", r.CapacityPages, 100*r.LiveHitRatio, 100*r.LRUHitRatio,
+			100*r.ARCHitRatio, 100*r.MINBlockHitRatio, 100*r.MINPrefixHitRatio, r.LiveOverLRU)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; never evicting: %.2f%%\n", 100*rep.Unbound)
+	return nil
 }

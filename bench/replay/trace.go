@@ -23,6 +23,7 @@ type Request struct {
 	OutputTokens int      // completion length
 	Trace        int      // index of the trace file it came from
 	Pages        []uint32 // page ids in prefix order (see Workload.Digest)
+	RequestMeta
 }
 
 // Workload is one or more traces, merged by arrival time and expanded into
@@ -99,6 +100,7 @@ type rawRequest struct {
 	HashIDs      []uint64 `json:"hash_ids"`
 	trace        int
 	line         int
+	meta         RequestMeta
 }
 
 // LoadOptions shape the expansion of traces into pages.
@@ -117,14 +119,8 @@ func Load(files []string, o LoadOptions) (*Workload, error) {
 	if len(files) == 0 {
 		return nil, errors.New("no trace: give --trace FILE (e.g. ../shared/traces/conversation_trace.jsonl)")
 	}
-	if o.PageTokens <= 0 {
-		o.PageTokens = 16
-	}
-	if o.BlockTokens <= 0 {
-		o.BlockTokens = 512
-	}
-	if o.BlockTokens%o.PageTokens != 0 {
-		return nil, fmt.Errorf("page tokens %d do not divide the trace's %d-token blocks", o.PageTokens, o.BlockTokens)
+	if err := o.check(); err != nil {
+		return nil, err
 	}
 	var raw []rawRequest
 	for i, f := range files {
@@ -145,6 +141,38 @@ func Load(files []string, o LoadOptions) (*Workload, error) {
 			return 0
 		})
 	}
+	return expand(raw, files, o)
+}
+
+// Generate builds the agentic workload (Agentic) as Load builds a trace's;
+// its Files name it.
+func Generate(c AgenticConfig, o LoadOptions) (*Workload, error) {
+	c.defaults()
+	if o.BlockTokens != 0 && o.BlockTokens != genBlockTokens {
+		return nil, fmt.Errorf("the generated workload has %d-token blocks, not %d", genBlockTokens, o.BlockTokens)
+	}
+	if err := o.check(); err != nil {
+		return nil, err
+	}
+	return expand(Agentic(c), []string{c.String()}, o)
+}
+
+func (o *LoadOptions) check() error {
+	if o.PageTokens <= 0 {
+		o.PageTokens = 16
+	}
+	if o.BlockTokens <= 0 {
+		o.BlockTokens = 512
+	}
+	if o.BlockTokens%o.PageTokens != 0 {
+		return fmt.Errorf("page tokens %d do not divide the trace's %d-token blocks", o.PageTokens, o.BlockTokens)
+	}
+	return nil
+}
+
+// expand keeps the first o.Limit requests of raw (in arrival order) and
+// expands them into pages.
+func expand(raw []rawRequest, files []string, o LoadOptions) (*Workload, error) {
 	if o.Limit > 0 && o.Limit < len(raw) {
 		raw = raw[:o.Limit]
 	}
@@ -167,7 +195,7 @@ func Load(files []string, o LoadOptions) (*Workload, error) {
 	w.Requests = make([]Request, len(raw))
 	for i, r := range raw {
 		n := min(len(r.HashIDs)*ppb, *r.InputLength/o.PageTokens)
-		req := Request{ArrivalMs: *r.Timestamp - t0, InputTokens: *r.InputLength, OutputTokens: r.OutputLength, Trace: r.trace, Pages: make([]uint32, 0, n)}
+		req := Request{ArrivalMs: *r.Timestamp - t0, InputTokens: *r.InputLength, OutputTokens: r.OutputLength, Trace: r.trace, Pages: make([]uint32, 0, n), RequestMeta: r.meta}
 		parent := int64(-1 - r.trace)
 		for _, id := range r.HashIDs {
 			if len(req.Pages) >= n {
@@ -243,6 +271,7 @@ func readTrace(path string, idx int) ([]rawRequest, error) {
 				return nil, fmt.Errorf("%s:%d: negative timestamp or input_length", path, line)
 			}
 			r.trace, r.line = idx, line
+			r.meta.Session = -1
 			out = append(out, r)
 		}
 		if err == io.EOF {
