@@ -231,6 +231,16 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33 and later, before sleep mode releases the KV cache memory.
+        assert self.connector_worker is not None
+        self.connector_worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33 and later, after wake-up: the same tensors, their memory remapped.
+        assert self.connector_worker is not None
+        self.connector_worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self.connector_worker is not None
         self.connector_worker.start_load_kv(self._get_connector_metadata())
@@ -328,6 +338,12 @@ class Unserved:
         return False
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        return
+
+    def unregister_kv_caches(self) -> None:
+        return
+
+    def restore_kv_caches(self) -> None:
         return
 
     def start_load_kv(self, meta: Any) -> None:

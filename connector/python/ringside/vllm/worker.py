@@ -63,6 +63,8 @@ class WorkerSide:
         self.write_timeout = SIDECAR_WRITE_TIMEOUT
         self.region: Optional[Region] = None
         self._region_gen = -1
+        self._kv_caches: Optional[dict] = None  # the tensors registered (register_kv_caches)
+        self._asleep = False  # sleep mode dropped the registration (unregister_kv_caches)
         # A CUDA region's interprocess event (cudaipc.IpcEvent; None for host
         # memory): recorded on the engine's stream before a Store, the
         # sidecar's store copies wait for it.
@@ -98,6 +100,7 @@ class WorkerSide:
     # -- registration ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        self._kv_caches, self._asleep = kv_caches, False
         if self.region is not None:
             self._release_region()
         try:
@@ -110,6 +113,22 @@ class WorkerSide:
             return
         self.region, self.store_event = region, region.event
         self._register()
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33 and later) is about to release or remap the
+        KV cache memory: the registration is dropped (_release_region: the
+        stores and loads still copying are waited for first), so that no
+        copy can reach that memory until restore_kv_caches. Idempotent."""
+        if self.region is not None:
+            self._release_region()
+            self._asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the tensors that unregister_kv_caches dropped are
+        registered again (the same addresses, new memory behind them).
+        Idempotent."""
+        if self._asleep and self._kv_caches is not None:
+            self.register_kv_caches(self._kv_caches)
 
     def _release_region(self) -> None:
         """Forget the registered KV cache before another is registered (vLLM
