@@ -14,6 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
+import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -36,6 +37,7 @@ except ImportError:  # vLLM without failed_recving
 from ..plugin.config import VLLM, Config
 from ..plugin.stats import counters
 from . import events as kv_events
+from . import versions
 from .engine import hash_seed_warning, namespace, tp_rank
 from .groups import layout_of
 from .metadata import RingsideConnectorMetadata
@@ -61,6 +63,8 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a dropped save is only a future miss
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        # Another vLLM release than those supported stops the engine's start here.
+        versions.check(str(getattr(vllm, "__version__", "")))
         try:
             super().__init__(vllm_config, role, kv_cache_config)
         except TypeError:  # vLLM versions whose base class takes (vllm_config, role)
