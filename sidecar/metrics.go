@@ -88,13 +88,14 @@ func newMetrics(s *Server) *metrics {
 	f(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	type view struct {
 		st cache.Stats
+		z  cache.SizingStats
 		u  machine.Usage
 		c  machine.Counters
 	}
 	read := func() view {
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		return view{st: s.m.Cache().Stats(), u: s.m.Usage(), c: s.m.Counters()}
+		return view{st: s.m.Cache().Stats(), z: s.m.Cache().Sizing(), u: s.m.Usage(), c: s.m.Counters()}
 	}
 	gauge := func(name, help string, get func(v *view) float64) {
 		f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { v := read(); return get(&v) }))
@@ -120,6 +121,9 @@ func newMetrics(s *Server) *metrics {
 	counter("ringside_lookups_total", "Lookup calls.", func(v *view) float64 { return float64(v.st.Lookups) })
 	counter("ringside_lookup_blocks_total", "Blocks asked by lookups.", func(v *view) float64 { return float64(v.st.LookupBlocks) })
 	counter("ringside_hit_blocks_total", "Leading blocks found by lookups.", func(v *view) float64 { return float64(v.st.HitBlocks) })
+	counter("ringside_sizing_sampled_lookup_blocks_total", "Looked-up blocks in the sizing sample (a fixed hash sample of block keys).", func(v *view) float64 { return float64(v.z.SampledLookupBlocks) })
+	counter("ringside_sizing_sampled_seen_blocks_total", "Of the sampled looked-up blocks, those stored at some time since the sidecar started: over ringside_sizing_sampled_lookup_blocks_total, the hit ratio of a pool of unbounded size.", func(v *view) float64 { return float64(v.z.SampledSeenBlocks) })
+	gauge("ringside_sizing_distinct_blocks", "Distinct blocks stored since the sidecar started (estimated from the sizing sample): the blocks a pool that never evicted would hold.", func(v *view) float64 { return v.z.DistinctBlocks })
 	counter("ringside_stores_total", "Blocks that became present.", func(v *view) float64 { return float64(v.st.Stores) })
 	counter("ringside_evictions_total", "Blocks evicted for space.", func(v *view) float64 { return float64(v.st.Evictions) })
 	counter("ringside_store_no_space_total", "Stores refused because nothing was evictable.", func(v *view) float64 { return float64(v.st.NoSpace) })

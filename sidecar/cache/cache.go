@@ -228,6 +228,7 @@ type Cache struct {
 
 	scratch []uint32
 	st      counters
+	sizing  sizing // what an unbounded pool would have hit (sizing.go)
 	onFree  func(slot uint32)
 	ev      eventsState // block descriptions for KV events (meta.go)
 }
@@ -277,6 +278,7 @@ func New(cfg Config) (*Cache, error) {
 		pinByKey:     make(map[uint32]int),
 		writerFree:   -1,
 		leaseFree:    -1,
+		sizing:       newSizing(),
 	}
 	// Free list threaded through next, in ascending slot order.
 	for i := uint32(0); i < n; i++ {

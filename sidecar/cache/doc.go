@@ -132,6 +132,13 @@
 // rebuild the namespace exactly. ChangesSince costs O(changes);
 // Snapshot and Clear cost O(capacity), a SnapshotPage O(slots scanned).
 //
+// # Sizing
+//
+// Lookup and the commit that makes a block present also feed a bounded
+// hash sample of block keys (sizing.go), from which Sizing estimates what
+// a pool of unbounded size would have hit and how many distinct blocks it
+// would hold: at most SizingSamples keys, whatever the capacity.
+//
 // # Accounting
 //
 // Stats reports slot counts (Free+Used == Capacity, Used ==

@@ -91,6 +91,7 @@ func (c *Cache) Lookup(ns NamespaceID, digests []byte) (int, error) {
 	c.st.lookups++
 	c.st.lookupBlocks += uint64(len(digests) / n.width)
 	c.st.hitBlocks += uint64(len(heads))
+	c.sizing.lookedUp(uint16(ns), digests, n.width)
 	return len(heads), nil
 }
 

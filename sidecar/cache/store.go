@@ -172,6 +172,7 @@ func (c *Cache) CommitStore(t Ticket) error {
 	n.pending--
 	n.blocks++
 	c.st.stores++
+	c.sizing.stored(c.nsOf[head], c.digest[head][:n.width])
 	c.logAppend(n, OpStored, head, c.digest[head][:n.width])
 	c.describedPresent(n, head)
 	return nil
