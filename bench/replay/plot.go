@@ -292,8 +292,13 @@ func (rep *Report) plotPolicies(path string) error {
 	u.Color = color.Gray{Y: 100}
 	p.Add(u)
 	p.Legend.Add(fmt.Sprintf("cache that never evicts (%.1f%%)", rep.Unbound*100), u)
-	p.Legend.Top, p.Legend.Left = true, true
 	p.Y.Min = 0
-	p.Y.Max = math.Max(top*1.5, 1)
+	if top > 60 { // high curves: the legend goes under them
+		p.Y.Max = 100
+		p.Legend.Top, p.Legend.Left = false, false
+	} else {
+		p.Y.Max = math.Max(top*1.5, 1)
+		p.Legend.Top, p.Legend.Left = true, true
+	}
 	return p.Save(plotW, plotH, path)
 }

@@ -299,11 +299,15 @@ func MIN(w *Workload, capacity int) PolicyResult {
 //	prefix hits <= its block hits <= MIN's block hits
 //
 // and BlockHitPages here bounds every policy's prefix hits. HitPages is
-// the prefix hits of following MIN's decisions: a feasible offline
-// schedule, not the prefix-hit optimum. Next uses are positions in the
-// concatenation of the requests (precomputed backwards), so of two pages
-// next used by the same request the earlier one is kept, which favours
-// prefixes and changes no block-hit count.
+// the prefix hits of following MIN's decisions, a feasible offline
+// schedule. Next uses are positions in the concatenation of the requests
+// (precomputed backwards), so of two pages next used by the same request
+// the earlier one is kept, which changes no block-hit count. When a page
+// id names its whole prefix (a trace's chained pages, the generated
+// workload), a page's parent is read before it by every request that
+// reads it, so its next use comes first: MIN's cache is then closed
+// under prefixes, its prefix hits equal its block hits, and the bound is
+// attained: it is the prefix-hit optimum too.
 func MINPages(reqs [][]uint32, numIDs, capacity int) PolicyResult {
 	res := PolicyResult{Policy: "min", CapacityPages: capacity, Requests: len(reqs)}
 	total := 0

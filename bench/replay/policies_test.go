@@ -230,24 +230,38 @@ func unbounded(reqs [][]uint32, ids int) int64 {
 	return hits
 }
 
-// TestPoliciesOnTrace: on the test trace, in 512-token blocks, MIN bounds
-// LRU and ARC at every capacity and the bound falls to the unbounded
-// ratio's block hits as the pool grows.
+// TestPoliciesOnTrace: on the test trace and the generated workload, in
+// 512-token blocks, MIN bounds LRU and ARC at every capacity, grows with
+// the pool, and (a block id naming its whole prefix) keeps prefix-closed
+// sets, so that its prefix hits reach its bound.
 func TestPoliciesOnTrace(t *testing.T) {
 	w, err := Load([]string{testTrace}, LoadOptions{PageTokens: 512})
 	if err != nil {
 		t.Fatal(err)
 	}
+	g, err := Generate(smallAgentic, LoadOptions{PageTokens: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []*Workload{w, g} {
+		policiesOn(t, w)
+	}
+}
+
+func policiesOn(t *testing.T, w *Workload) {
 	prev := int64(-1)
 	for _, c := range []int{16, 64, 256, 1024, w.DistinctPages} {
 		m, l, a := MIN(w, c), Oracle(w, c), ARC(w, c)
 		if m.BlockHitPages < l.BlockHitPages || m.BlockHitPages < a.BlockHitPages || m.BlockHitPages < l.HitPages {
-			t.Errorf("capacity %d: MIN %d, LRU %d (prefix %d), ARC %d", c, m.BlockHitPages, l.BlockHitPages, l.HitPages, a.BlockHitPages)
+			t.Errorf("%s, capacity %d: MIN %d, LRU %d (prefix %d), ARC %d", w.Files[0], c, m.BlockHitPages, l.BlockHitPages, l.HitPages, a.BlockHitPages)
 		}
 		if m.BlockHitPages < prev {
 			t.Errorf("capacity %d: MIN's bound fell to %d from %d", c, m.BlockHitPages, prev)
 		}
 		prev = m.BlockHitPages
+		if m.HitPages != m.BlockHitPages {
+			t.Errorf("%s, capacity %d: MIN's prefix hits %d differ from its block hits %d", w.Files[0], c, m.HitPages, m.BlockHitPages)
+		}
 		if c == w.DistinctPages && (a.HitRatio() != w.UnboundedHitRatio() || l.HitRatio() != w.UnboundedHitRatio()) {
 			t.Errorf("room for all: ARC %v LRU %v, unbounded %v", a.HitRatio(), l.HitRatio(), w.UnboundedHitRatio())
 		}
