@@ -48,6 +48,7 @@ var (
 	ErrNamespaceInUse   = errors.New("cache: namespace still holds blocks")
 	ErrDoomed           = errors.New("cache: the block's write deadline passed during the copy: the block was dropped")
 	ErrUnknownLoad      = errors.New("cache: unknown load")
+	ErrBadPriority      = errors.New("cache: retention priority out of range")
 )
 
 // NamespaceID identifies a namespace inside one Cache. IDs start at 1; the
@@ -154,12 +155,12 @@ type namespace struct {
 type Cache struct {
 	cfg      Config
 	capacity uint32
-	sentinel uint32 // index of the LRU sentinel in prev/next (== capacity)
+	sentinel uint32 // index of the LRU sentinel in prev/next (== capacity); the retained lists' follow it
 
 	// Per-slot struct of arrays (see doc.go for the byte budget).
 	digest [][MaxDigestLen]byte
-	prev   []uint32 // len capacity+1
-	next   []uint32 // len capacity+1
+	prev   []uint32 // len capacity+1+RetainPriorities
+	next   []uint32 // len capacity+1+RetainPriorities
 	ring   []uint32
 	aux    []uint32
 	nsOf   []uint16
@@ -177,9 +178,10 @@ type Cache struct {
 	nReserved int
 	nWriting  int
 	nStored   int
-	lruLen    int // present, unpinned logical blocks
-	evictable int // slots of present, unpinned logical blocks
-	pinned    int // present, pinned logical blocks
+	lruLen    int                   // present, unpinned, unretained logical blocks
+	retLen    [RetainPriorities]int // present, unpinned, retained blocks per priority
+	evictable int                   // slots of present, unpinned logical blocks
+	pinned    int                   // present, pinned logical blocks
 
 	nsList      []*namespace // nil for removed namespaces (their ids are reused)
 	nsFree      []NamespaceID
@@ -209,6 +211,9 @@ type Cache struct {
 	// each block, and the distinct slots they hold.
 	pinKey   map[uint32]map[uint32]uint32
 	pinByKey map[uint32]int
+	// Retention (retain.go) of present heads: one record each; a record
+	// charges its key like a lease's pin does.
+	retains map[uint32]*retainRec
 
 	writers    []writerRec
 	writerFree int32
@@ -245,6 +250,7 @@ type counters struct {
 	evictions, cleared                 uint64
 	reapedLeases, reapedWrites, expiry uint64
 	evictedUnmarked                    uint64
+	retains, retainEnds, expiredRetain uint64
 }
 
 // New returns an empty Cache.
@@ -259,8 +265,8 @@ func New(cfg Config) (*Cache, error) {
 		capacity:     n,
 		sentinel:     n,
 		digest:       make([][MaxDigestLen]byte, n),
-		prev:         make([]uint32, n+1),
-		next:         make([]uint32, n+1),
+		prev:         make([]uint32, n+1+RetainPriorities),
+		next:         make([]uint32, n+1+RetainPriorities),
 		ring:         make([]uint32, n),
 		aux:          make([]uint32, n),
 		nsOf:         make([]uint16, n),
@@ -276,6 +282,7 @@ func New(cfg Config) (*Cache, error) {
 		pendingByKey: make(map[uint32]int),
 		pinKey:       make(map[uint32]map[uint32]uint32),
 		pinByKey:     make(map[uint32]int),
+		retains:      make(map[uint32]*retainRec),
 		writerFree:   -1,
 		leaseFree:    -1,
 		sizing:       newSizing(),
@@ -289,7 +296,9 @@ func New(cfg Config) (*Cache, error) {
 	c.next[n-1] = NoSlot
 	c.freeHead = 0
 	c.nFree = int(n)
-	c.prev[n], c.next[n] = n, n // empty LRU
+	for s := n; s < n+1+RetainPriorities; s++ {
+		c.prev[s], c.next[s] = s, s // empty LRU and retained lists
+	}
 	return c, nil
 }
 
@@ -461,6 +470,11 @@ type Stats struct {
 	ExpiredLeases   uint64 // leases reclaimed by Reap
 	ExpiredWrites   uint64 // write tickets reclaimed by Reap
 	ExpiredBlocks   uint64 // incomplete logical blocks reclaimed by Reap
+
+	RetainedBlocks int    // present blocks with a retention (Retain)
+	Retains        uint64 // retentions set or renewed
+	RetainEnds     uint64 // retentions ended by EndRetain
+	ExpiredRetains uint64 // retentions ended by Reap
 }
 
 // Stats returns the current accounting.
@@ -475,7 +489,7 @@ func (c *Cache) Stats() Stats {
 	return Stats{
 		Capacity: int(c.capacity), Free: c.nFree, Used: used,
 		Reserved: c.nReserved, Writing: c.nWriting, Stored: c.nStored,
-		Blocks: c.lruLen + c.pinned, PendingBlocks: pending, DoomedBlocks: c.doomed, Loads: len(c.loads),
+		Blocks: c.lruLen + c.retListed() + c.pinned, PendingBlocks: pending, DoomedBlocks: c.doomed, Loads: len(c.loads),
 		PinnedBlocks: c.pinned,
 		Evictable:    c.evictable, Leases: len(c.leaseByID), Writers: c.liveWriter,
 		Namespaces: c.nsLive,
@@ -484,6 +498,7 @@ func (c *Cache) Stats() Stats {
 		Stores: c.st.stores, Aborts: c.st.aborts, NoSpace: c.st.noSpace, OverQuota: c.st.overQuota,
 		Evictions: c.st.evictions, EvictedUnmarked: c.st.evictedUnmarked, Cleared: c.st.cleared,
 		ExpiredLeases: c.st.reapedLeases, ExpiredWrites: c.st.reapedWrites, ExpiredBlocks: c.st.expiry,
+		RetainedBlocks: len(c.retains), Retains: c.st.retains, RetainEnds: c.st.retainEnds, ExpiredRetains: c.st.expiredRetain,
 	}
 }
 
@@ -529,41 +544,41 @@ const doomedBit = 0x80
 
 func (c *Cache) isDoomed(head uint32) bool { return c.done[head]&doomedBit != 0 }
 
-// --- LRU (doubly linked through prev/next, sentinel at index capacity) ---
+// --- LRU (doubly linked through prev/next, sentinel at index capacity;
+// the retained lists' sentinels follow, retain.go) ---
 
-func (c *Cache) lruPushFront(s uint32) {
-	f := c.next[c.sentinel]
-	c.prev[s], c.next[s] = c.sentinel, f
-	c.prev[f] = s
-	c.next[c.sentinel] = s
-	c.lruLen++
+func (c *Cache) retListed() int {
+	k := 0
+	for _, v := range c.retLen {
+		k += v
+	}
+	return k
 }
 
-func (c *Cache) lruRemove(s uint32) {
-	p, n := c.prev[s], c.next[s]
-	c.next[p] = n
-	c.prev[n] = p
-	c.prev[s], c.next[s] = NoSlot, NoSlot
-	c.lruLen--
+// relist puts an unpinned present head back in its list (the LRU, or its
+// retention priority's): at the front, or with tail at the back.
+func (c *Cache) relist(s uint32, tail bool) {
+	if tail {
+		c.listPushBack(c.listOf(s), s)
+	} else {
+		c.listPushFront(c.listOf(s), s)
+	}
 }
 
-func (c *Cache) lruTouch(s uint32) {
-	if c.next[c.sentinel] == s {
+// unlist takes an unpinned present head out of its list.
+func (c *Cache) unlist(s uint32) { c.listRemove(c.listOf(s), s) }
+
+// touch marks a present block recently used in its list (no-op for pinned
+// blocks, which are outside every list until their last lease is
+// released).
+func (c *Cache) touch(head uint32) {
+	if c.aux[head] != 0 {
 		return
 	}
-	p, n := c.prev[s], c.next[s]
-	c.next[p] = n
-	c.prev[n] = p
-	f := c.next[c.sentinel]
-	c.prev[s], c.next[s] = c.sentinel, f
-	c.prev[f] = s
-	c.next[c.sentinel] = s
-}
-
-// touch marks a present block recently used (no-op for pinned blocks,
-// which are outside the LRU until their last lease is released).
-func (c *Cache) touch(head uint32) {
-	if c.aux[head] == 0 {
-		c.lruTouch(head)
+	sent := c.listOf(head)
+	if c.next[sent] == head {
+		return
 	}
+	c.listRemove(sent, head)
+	c.listPushFront(sent, head)
 }

@@ -256,13 +256,15 @@ func (c *Cache) Clear(ns NamespaceID) (int, error) {
 	}
 	id := uint16(ns)
 	dropped := 0
-	for s := c.prev[c.sentinel]; s != c.sentinel; {
-		p := c.prev[s]
-		if c.nsOf[s] == id {
-			c.evictBlock(s, false)
-			dropped++
+	for sent := c.sentinel; sent <= c.retSentinel(RetainPriorities-1); sent++ {
+		for s := c.prev[sent]; s != sent; {
+			p := c.prev[s]
+			if c.nsOf[s] == id {
+				c.evictBlock(s, false)
+				dropped++
+			}
+			s = p
 		}
-		s = p
 	}
 	c.st.cleared += uint64(dropped)
 	c.logAppend(n, OpCleared, NoSlot, nil)

@@ -54,8 +54,8 @@
 // # Memory layout (per slot, struct of arrays, preallocated by capacity)
 //
 //	digest  [32]byte  32  full digest (head only; zero padded)
-//	prev    uint32     4  LRU prev (head) | head slot (member) | free: unused
-//	next    uint32     4  LRU next (present head) | timer index (pending
+//	prev    uint32     4  list prev (head) | head slot (member) | free: unused
+//	next    uint32     4  list next (present head) | timer index (pending
 //	                      head) | free-list link (free slot)
 //	ring    uint32     4  next slot of the logical block, rank order
 //	aux     uint32     4  pin count (present head) | writer record (Writing)
@@ -75,7 +75,10 @@
 // tombstones) and a multiply-shift range reduction, so its size need not
 // be a power of two. Side tables scale with in-flight work, not with
 // capacity: writer records (one per Writing slot), lease records (one per
-// live lease plus its pinned heads), a deadline min-heap and an owner map.
+// live lease plus its pinned heads), retention records (one per retained
+// block), a deadline min-heap and an owner map. prev and next hold
+// RetainPriorities+1 list sentinels past the slots (the LRU's at index
+// capacity, then one per retention priority).
 //
 // # Recency and eviction
 //
@@ -85,6 +88,26 @@
 // hits in reverse order so the first block of a prefix is the most recent
 // and eviction takes prefix tails first. A counter of evictable slots lets
 // BeginStore answer NoSpace without evicting anything in vain.
+//
+// # Retention
+//
+// Retain(ns, digests, charge, ttl, prio, now) keeps the leading present
+// blocks of digests for ttl at a priority 0..3: each leaves the LRU list
+// for the list of its priority (same prev/next arrays, one sentinel per
+// priority). Eviction takes the LRU's tail first and, only when the LRU is
+// empty, the tail of the lowest-priority non-empty retained list: retained
+// blocks stay evictable (counted in evictable), so retention never makes a
+// store fail; it only orders eviction. A hit moves a retained block to the
+// front of its own list; a pin takes it out of its list and the last unpin
+// puts it back there. A block carries one retention, that of the key that
+// set it (a side table from head slot to {key, priority, timer index}; the
+// deadline is in the timer heap): another key's Retain leaves it alone and
+// is not charged, the same key renews it (deadline now+ttl, new priority).
+// A retention charges its key like a lease's pin (pinKey, pinByKey;
+// PinnedCharged counts both, a block pinned and retained by one key once),
+// so Retain stops at the key's limit (short). Expiry (Reap) and EndRetain
+// end it and put the block at the LRU's tail; eviction and Clear drop it
+// with the block. Cost: O(1) per block plus O(log n) for its deadline.
 //
 // # Leases
 //

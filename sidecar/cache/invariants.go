@@ -271,9 +271,13 @@ func (c *Cache) CheckInvariants() error {
 		if c.rank(s) != 0 || !c.present(s) || c.aux[s] != 0 {
 			bad("lru: slot %d not an unpinned present head", s)
 		}
+		if c.retains[s] != nil {
+			bad("lru: slot %d is retained", s)
+		}
 	}
-	if lru != c.lruLen || lru+pinnedBlocks != present {
-		bad("lru length %d, counter %d, pinned %d, present %d", lru, c.lruLen, pinnedBlocks, present)
+	retained, retainTimers, listed := c.checkRetains(bad)
+	if lru != c.lruLen || lru+listed+pinnedBlocks != present {
+		bad("lru length %d, counter %d, retained listed %d, pinned %d, present %d", lru, c.lruLen, listed, pinnedBlocks, present)
 	}
 
 	// Leases and pins.
@@ -336,14 +340,22 @@ func (c *Cache) CheckInvariants() error {
 			keyPins[l.key][h]++
 		}
 	}
+	for key, heads := range retained { // a retention charges like a pin
+		if keyPins[key] == nil {
+			keyPins[key] = map[uint32]uint32{}
+		}
+		for _, h := range heads {
+			keyPins[key][h]++
+		}
+	}
 	if len(keyPins) != len(c.pinKey) || len(c.pinByKey) != len(c.pinKey) {
-		bad("pin charges: %d keys in leases, %d kept, %d counted", len(keyPins), len(c.pinKey), len(c.pinByKey))
+		bad("pin charges: %d keys in leases and retentions, %d kept, %d counted", len(keyPins), len(c.pinKey), len(c.pinByKey))
 	}
 	for key, want := range keyPins {
 		got, slots := c.pinKey[key], 0
 		for h, n := range want {
 			if got[h] != n {
-				bad("pin charge key %d block %d: %d, leases hold %d", key, h, got[h], n)
+				bad("pin charge key %d block %d: %d, leases and retentions hold %d", key, h, got[h], n)
 			}
 			slots += c.worldOf(h)
 		}
@@ -377,8 +389,8 @@ func (c *Cache) CheckInvariants() error {
 	}
 
 	// Timers.
-	if len(c.timers) != leaseTimers+groupTimers {
-		bad("timers %d != leases %d + pending blocks %d", len(c.timers), leaseTimers, groupTimers)
+	if len(c.timers) != leaseTimers+groupTimers+retainTimers {
+		bad("timers %d != leases %d + pending blocks %d + retentions %d", len(c.timers), leaseTimers, groupTimers, retainTimers)
 	}
 	for i := 1; i < len(c.timers); i++ {
 		if c.timers[i].less(&c.timers[(i-1)/2]) {

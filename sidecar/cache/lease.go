@@ -31,9 +31,10 @@ type owner struct {
 
 // ReapResult counts what Reap or ReleaseOwner reclaimed.
 type ReapResult struct {
-	Leases int // leases released
-	Writes int // write tickets aborted or dropped
-	Blocks int // incomplete logical blocks freed (Reap only)
+	Leases   int // leases released
+	Writes   int // write tickets aborted or dropped
+	Blocks   int // incomplete logical blocks freed (Reap only)
+	Retained int // retentions ended (Reap only)
 }
 
 func addDeadline(now int64, d time.Duration) int64 {
@@ -228,7 +229,7 @@ func (c *Cache) unchargePins(key uint32, heads []uint32) {
 
 func (c *Cache) pin(h uint32, world int) {
 	if c.aux[h] == 0 {
-		c.lruRemove(h)
+		c.unlist(h)
 		c.evictable -= world
 		c.pinned++
 	}
@@ -238,7 +239,7 @@ func (c *Cache) pin(h uint32, world int) {
 func (c *Cache) unpin(h uint32) {
 	c.aux[h]--
 	if c.aux[h] == 0 {
-		c.lruPushFront(h)
+		c.relist(h, false)
 		c.evictable += c.worldOf(h)
 		c.pinned--
 	}
@@ -449,6 +450,10 @@ func (c *Cache) ReapLeases(now int64, ids []uint64) (ReapResult, []uint64) {
 			r.Writes += int(c.st.reapedWrites - before)
 			c.st.expiry++
 			r.Blocks++
+		case timerRetain:
+			c.endRetention(t.idx)
+			c.st.expiredRetain++
+			r.Retained++
 		}
 	}
 	return r, ids
@@ -494,6 +499,7 @@ func (c *Cache) ownerMaybeDrop(id SessionID, o *owner) {
 const (
 	timerLease uint8 = iota + 1
 	timerGroup
+	timerRetain
 )
 
 // timer orders by (deadline, seq): seq is the creation order, so ties
@@ -501,7 +507,7 @@ const (
 type timer struct {
 	deadline int64
 	seq      uint64
-	idx      uint32 // lease record index or pending block head slot
+	idx      uint32 // lease record index, or pending or retained block head slot
 	kind     uint8
 }
 
@@ -511,9 +517,12 @@ func (a *timer) less(b *timer) bool {
 
 func (c *Cache) timerSet(i int) {
 	t := c.timers[i]
-	if t.kind == timerLease {
+	switch t.kind {
+	case timerLease:
 		c.leases[t.idx].heapIdx = int32(i)
-	} else {
+	case timerRetain:
+		c.retains[t.idx].heap = int32(i)
+	default:
 		c.next[t.idx] = uint32(i)
 	}
 }

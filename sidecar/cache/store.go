@@ -124,7 +124,7 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 		return Ticket{}, NoSpace, nil
 	}
 	for c.nFree < w {
-		c.evictBlock(c.prev[c.sentinel], true)
+		c.evictBlock(c.victim(), true)
 	}
 	head = c.allocGroup(uint16(ns), digest, w)
 	n.pending++
@@ -167,7 +167,7 @@ func (c *Cache) CommitStore(t Ticket) error {
 	c.timerRemove(int(c.next[head]))
 	c.unchargePending(head)
 	c.aux[head] = 0
-	c.lruPushFront(head)
+	c.listPushFront(c.sentinel, head)
 	c.evictable += n.world
 	n.pending--
 	n.blocks++
@@ -368,10 +368,12 @@ func (c *Cache) freeGroup(head uint32) {
 	}
 }
 
-// evictBlock removes a present, unpinned block (LRU member).
+// evictBlock removes a present, unpinned block (a member of the LRU or of
+// a retained list; its retention goes with it).
 func (c *Cache) evictBlock(head uint32, evicted bool) {
 	n := c.nsList[c.nsOf[head]-1]
-	c.lruRemove(head)
+	c.unlist(head)
+	c.dropRetention(head)
 	c.evictable -= n.world
 	n.blocks--
 	if evicted {

@@ -185,22 +185,15 @@ func (c *Cache) PinBlock(ns NamespaceID, digest []byte, toTail bool, dst []uint3
 	return c.nextLoad, dst, true
 }
 
-// unpinTail is unpin that puts a block left unpinned at the LRU's tail.
+// unpinTail is unpin that puts a block left unpinned at the tail of its
+// list (the LRU's, or its retention priority's).
 func (c *Cache) unpinTail(h uint32) {
 	c.aux[h]--
 	if c.aux[h] == 0 {
-		c.lruPushBack(h)
+		c.relist(h, true)
 		c.evictable += c.worldOf(h)
 		c.pinned--
 	}
-}
-
-func (c *Cache) lruPushBack(s uint32) {
-	b := c.prev[c.sentinel]
-	c.prev[s], c.next[s] = b, c.sentinel
-	c.next[b] = s
-	c.prev[c.sentinel] = s
-	c.lruLen++
 }
 
 // Mark records that the shared tier holds the present block (ns, digest)
@@ -246,14 +239,21 @@ func (c *Cache) marked(h uint32) bool {
 	return c.marks != nil && c.marks[h/64]&(1<<(h%64)) != 0
 }
 
-// LRUTail visits up to n present, unpinned blocks from the least recently
-// used on (the next ones eviction takes), with whether each is marked,
-// until fn returns false. fn must not change the cache.
+// LRUTail visits up to n present, unpinned blocks in the order eviction
+// takes them (the LRU from its tail, then the retained lists from the
+// lowest priority's tail), with whether each is marked, until fn returns
+// false. fn must not change the cache.
 func (c *Cache) LRUTail(n int, fn func(ns NamespaceID, digest []byte, marked bool) bool) {
-	for s, i := c.prev[c.sentinel], 0; s != c.sentinel && i < n; s, i = c.prev[s], i+1 {
-		ns := c.nsList[c.nsOf[s]-1]
-		if !fn(NamespaceID(c.nsOf[s]), c.digest[s][:ns.width], c.marked(s)) {
-			return
+	i := 0
+	for sent := c.sentinel; sent <= c.retSentinel(RetainPriorities-1); sent++ {
+		for s := c.prev[sent]; s != sent; s = c.prev[s] {
+			if i++; i > n {
+				return
+			}
+			ns := c.nsList[c.nsOf[s]-1]
+			if !fn(NamespaceID(c.nsOf[s]), c.digest[s][:ns.width], c.marked(s)) {
+				return
+			}
 		}
 	}
 }

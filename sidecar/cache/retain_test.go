@@ -1,0 +1,414 @@
+package cache
+
+import (
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+func (x *tc) retain(ns NamespaceID, ds []byte, key uint32, limit int, ttl time.Duration, prio int, now int64) (int, bool) {
+	x.t.Helper()
+	n, short, err := x.c.Retain(ns, ds, Charge{Key: key, Limit: limit}, ttl, prio, now)
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	x.check()
+	return n, short
+}
+
+func (x *tc) endRetain(ns NamespaceID, ds []byte, key uint32) int {
+	x.t.Helper()
+	n, err := x.c.EndRetain(ns, ds, key)
+	if err != nil {
+		x.t.Fatal(err)
+	}
+	x.check()
+	return n
+}
+
+// evictions stores new blocks from digest 1000 on, one at a time, each
+// pinned (so that eviction has to take the blocks already there), and
+// returns the order in which the blocks of ids left the pool (every store
+// must succeed).
+func (x *tc) evictions(ns NamespaceID, ids ...int) []int {
+	x.t.Helper()
+	var got []int
+	for i := 1000; len(got) < len(ids); i++ {
+		if i > 1000+len(ids)*2+x.c.Capacity() {
+			x.t.Fatalf("evicted %v of %v", got, ids)
+		}
+		x.store(ns, dig(i, 8), 0)
+		x.acquire(ns, 0, dig(i, 8), 99, time.Hour, 0)
+		for _, j := range ids {
+			if x.c.find(uint16(ns), dig(j, 8)) == NoSlot && !contains(got, j) {
+				got = append(got, j)
+			}
+		}
+	}
+	return got
+}
+
+func sameInts(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func TestRetainEvictionOrder(t *testing.T) {
+	x := newTC(t, 6)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 6; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	if n, short := x.retain(ns, digs(8, 1, 2), 1, 0, time.Second, 2, 0); n != 2 || short {
+		t.Fatalf("retain [1 2] = %d %v", n, short)
+	}
+	if n, _ := x.retain(ns, digs(8, 3), 1, 0, time.Second, 0, 0); n != 1 {
+		t.Fatalf("retain [3] = %d", n)
+	}
+	if n, _ := x.retain(ns, digs(8, 5), 1, 0, time.Second, 1, 0); n != 1 {
+		t.Fatalf("retain [5] = %d", n)
+	}
+	// Unhinted 4 and 6 go first (oldest first), then by priority: 3 (0),
+	// 5 (1), then the prefix [1 2] (2) from its tail.
+	if got, want := x.evictions(ns, 1, 2, 3, 4, 5, 6), []int{4, 6, 3, 5, 2, 1}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+	if s := x.c.Stats(); s.RetainedBlocks != 0 || s.NoSpace != 0 || s.Blocks != 6 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestRetainLeadingRunAndTouch(t *testing.T) {
+	x := newTC(t, 6)
+	ns := x.ns(8, 1, 0)
+	for _, i := range []int{1, 2, 4} {
+		x.store(ns, dig(i, 8), 0)
+	}
+	// 3 is missing: only [1 2] are retained, 4 stays unhinted.
+	if n, _ := x.retain(ns, digs(8, 1, 2, 3, 4), 1, 0, time.Second, 0, 0); n != 2 {
+		t.Fatalf("retain = %d, want 2", n)
+	}
+	// A repeated digest does not count twice.
+	if n, _ := x.retain(ns, digs(8, 1, 1), 1, 0, time.Second, 0, 0); n != 1 {
+		t.Fatalf("retain of a repeat = %d, want 1", n)
+	}
+	// A hit moves 2 to the front of its own list: 1 goes first.
+	x.lookup(ns, digs(8, 2))
+	for _, i := range []int{5, 6, 7} {
+		x.store(ns, dig(i, 8), 0)
+	}
+	if got, want := x.evictions(ns, 1, 2, 4), []int{4, 1, 2}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+}
+
+func TestRetainExpiry(t *testing.T) {
+	x := newTC(t, 4)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 4; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	x.retain(ns, digs(8, 4), 9, 100, 10*time.Millisecond, 3, 0)
+	if got := x.c.PinnedCharged(9); got != 1 {
+		t.Fatalf("charged %d, want 1", got)
+	}
+	if d, ok := x.c.NextDeadline(); !ok || d != 10*ms {
+		t.Fatalf("next deadline %d %v", d, ok)
+	}
+	if r := x.c.Reap(9 * ms); r.Retained != 0 {
+		t.Fatalf("reaped early: %+v", r)
+	}
+	if r := x.c.Reap(10 * ms); r.Retained != 1 {
+		t.Fatalf("reap: %+v", r)
+	}
+	x.check()
+	if got := x.c.PinnedCharged(9); got != 0 {
+		t.Fatalf("charged %d after expiry", got)
+	}
+	// 4 was the most recent block; its retention ended, so it went to the
+	// LRU's tail: first to go.
+	if got, want := x.evictions(ns, 1, 2, 3, 4), []int{4, 1, 2, 3}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+	if s := x.c.Stats(); s.ExpiredRetains != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestEndRetain(t *testing.T) {
+	x := newTC(t, 4)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 4; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	x.retain(ns, digs(8, 3, 4), 1, 0, time.Hour, 0, 0)
+	if n := x.endRetain(ns, digs(8, 3, 4), 2); n != 0 {
+		t.Fatalf("another key ended %d", n)
+	}
+	if n := x.endRetain(ns, digs(8, 3, 4, 4, 9), 1); n != 2 {
+		t.Fatalf("end = %d, want 2", n)
+	}
+	if d, ok := x.c.NextDeadline(); ok {
+		t.Fatalf("deadline %d left", d)
+	}
+	// Ended blocks go to the LRU's tail, the prefix's tail last.
+	if got, want := x.evictions(ns, 1, 2, 3, 4), []int{4, 3, 1, 2}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+}
+
+func TestRetainOneKeyPerBlock(t *testing.T) {
+	x := newTC(t, 4)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 3; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	x.retain(ns, digs(8, 1, 2), 1, 10, 10*time.Millisecond, 0, 0)
+	// Another key changes nothing and is charged nothing, but the run goes
+	// on past the blocks it cannot take.
+	if n, short := x.retain(ns, digs(8, 1, 2, 3), 2, 10, time.Hour, 3, 0); n != 1 || short {
+		t.Fatalf("retain by key 2 = %d %v, want 1", n, short)
+	}
+	if a, b := x.c.PinnedCharged(1), x.c.PinnedCharged(2); a != 2 || b != 1 {
+		t.Fatalf("charges %d %d, want 2 1", a, b)
+	}
+	// The same key renews (and raises the priority).
+	if n, _ := x.retain(ns, digs(8, 1), 1, 10, 50*time.Millisecond, 3, 5*ms); n != 1 {
+		t.Fatalf("renew = %d", n)
+	}
+	if a := x.c.PinnedCharged(1); a != 2 {
+		t.Fatalf("renewal charged again: %d", a)
+	}
+	if r := x.c.Reap(20 * ms); r.Retained != 1 {
+		t.Fatalf("reap at 20ms: %+v, want block 2 only", r)
+	}
+	if a := x.c.PinnedCharged(1); a != 1 {
+		t.Fatalf("charge after block 2 expired: %d", a)
+	}
+	if r := x.c.Reap(55 * ms); r.Retained != 1 {
+		t.Fatalf("reap at 55ms: %+v, want block 1", r)
+	}
+	x.check()
+}
+
+func TestRetainShare(t *testing.T) {
+	x := newTC(t, 8)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 6; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	// A key with a share of 3 slots retains 3 blocks, no more.
+	if n, short := x.retain(ns, digs(8, 1, 2, 3, 4, 5), 7, 3, time.Hour, 3, 0); n != 3 || !short {
+		t.Fatalf("retain = %d %v, want 3 short", n, short)
+	}
+	if n, short := x.retain(ns, digs(8, 4), 7, 3, time.Hour, 3, 0); n != 0 || !short {
+		t.Fatalf("retain at the share = %d %v", n, short)
+	}
+	// Renewing what it holds costs nothing.
+	if n, short := x.retain(ns, digs(8, 1, 2, 3), 7, 3, time.Hour, 3, 0); n != 3 || short {
+		t.Fatalf("renewal = %d %v", n, short)
+	}
+	// Pins and retention share the bound; a block both pinned and retained
+	// by the key counts once.
+	l, short, err := x.c.AcquireCharged(ns, 0, digs(8, 1, 2, 3, 4), 1, time.Second, 0, Charge{Key: 7, Limit: 3})
+	if err != nil || l.Blocks != 3 || !short {
+		t.Fatalf("acquire %+v %v %v", l, short, err)
+	}
+	if got := x.c.PinnedCharged(7); got != 3 {
+		t.Fatalf("charged %d, want 3", got)
+	}
+	x.check()
+	// Other keys still store: retained blocks stay evictable.
+	for i := 10; i < 20; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	if err := x.c.Release(l.ID); err != nil {
+		t.Fatal(err)
+	}
+	x.check()
+	x.evictions(ns, 1, 2, 3)
+	if got := x.c.PinnedCharged(7); got != 0 {
+		t.Fatalf("charged %d after the retained blocks were evicted", got)
+	}
+	if s := x.c.Stats(); s.RetainedBlocks != 0 || s.NoSpace != 0 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestRetainPinnedBlock(t *testing.T) {
+	x := newTC(t, 3)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 3; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	l := x.acquire(ns, 0, digs(8, 1), 1, time.Second, 0)
+	x.retain(ns, digs(8, 1), 1, 0, time.Hour, 1, 0)
+	x.store(ns, dig(4, 8), 0)
+	x.store(ns, dig(5, 8), 0)
+	if x.c.Release(l.ID) != nil {
+		t.Fatal("release")
+	}
+	x.check()
+	// Back in its retained list, not the LRU: 4 and 5 go first.
+	if got, want := x.evictions(ns, 1, 4, 5), []int{4, 5, 1}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+	// A retention that expires while the block is pinned ends all the same.
+	x2 := newTC(t, 3)
+	ns2 := x2.ns(8, 1, 0)
+	x2.store(ns2, dig(1, 8), 0)
+	x2.retain(ns2, digs(8, 1), 3, 5, time.Millisecond, 0, 0)
+	l2 := x2.acquire(ns2, 0, digs(8, 1), 1, time.Hour, 0)
+	if r := x2.c.Reap(ms); r.Retained != 1 || r.Leases != 0 {
+		t.Fatalf("reap %+v", r)
+	}
+	x2.check()
+	if x2.c.Release(l2.ID) != nil {
+		t.Fatal("release")
+	}
+	x2.check()
+	if s := x2.c.Stats(); s.RetainedBlocks != 0 || s.Evictable != 1 {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+func TestRetainTensorParallel(t *testing.T) {
+	x := newTC(t, 8)
+	ns := x.ns(8, 2, 0)
+	for i := 1; i <= 4; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	if n, short := x.retain(ns, digs(8, 1, 2, 3), 4, 5, time.Hour, 2, 0); n != 2 || !short {
+		t.Fatalf("retain = %d %v, want 2 blocks (4 slots of 5)", n, short)
+	}
+	if got := x.c.PinnedCharged(4); got != 4 {
+		t.Fatalf("charged %d slots, want 4", got)
+	}
+	if got, want := x.evictions(ns, 1, 2, 3, 4), []int{3, 4, 2, 1}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+}
+
+func TestRetainClearAndRemove(t *testing.T) {
+	x := newTC(t, 6)
+	a := x.ns(8, 1, 1)
+	b := x.ns(8, 1, 2)
+	for i := 1; i <= 2; i++ {
+		x.store(a, dig(i, 8), 0)
+		x.store(b, dig(i, 8), 0)
+	}
+	// Tenant a's retain never touches b's blocks of the same digests.
+	x.retain(a, digs(8, 1, 2), 1, 0, time.Hour, 3, 0)
+	if n := x.endRetain(b, digs(8, 1, 2), 1); n != 0 {
+		t.Fatalf("end in b = %d", n)
+	}
+	if s := x.c.Stats(); s.RetainedBlocks != 2 {
+		t.Fatalf("stats %+v", s)
+	}
+	if n, err := x.c.Clear(a); err != nil || n != 2 {
+		t.Fatalf("clear = %d %v", n, err)
+	}
+	x.check()
+	if err := x.c.RemoveNamespace(a); err != nil {
+		t.Fatal(err)
+	}
+	x.check()
+	if s := x.c.Stats(); s.RetainedBlocks != 0 || x.c.PinnedCharged(1) != 0 {
+		t.Fatalf("stats %+v, charge %d", s, x.c.PinnedCharged(1))
+	}
+	if _, ok := x.c.NextDeadline(); ok {
+		t.Fatal("a deadline left after clear")
+	}
+}
+
+func TestRetainBadArguments(t *testing.T) {
+	x := newTC(t, 2)
+	ns := x.ns(8, 1, 0)
+	x.store(ns, dig(1, 8), 0)
+	if _, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, 0, 0, 0); err == nil {
+		t.Fatal("ttl 0 accepted")
+	}
+	_, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, time.Second, RetainPriorities, 0)
+	wantErr(t, err, ErrBadPriority)
+	_, _, err = x.c.Retain(ns, dig(1, 8)[:5], Charge{Key: 1}, time.Second, 0, 0)
+	wantErr(t, err, ErrBadDigest)
+	_, _, err = x.c.Retain(ns+5, dig(1, 8), Charge{Key: 1}, time.Second, 0, 0)
+	wantErr(t, err, ErrUnknownNamespace)
+	_, err = x.c.EndRetain(ns+5, dig(1, 8), 1)
+	wantErr(t, err, ErrUnknownNamespace)
+	x.check()
+}
+
+// TestRetainRandomOps mixes retention with stores, leases, loads, expiry
+// and Clear at random, checking every invariant (lists, side table,
+// charges, timers) after each step.
+func TestRetainRandomOps(t *testing.T) {
+	for seed := uint64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewPCG(seed, 3))
+		x := newTC(t, 12)
+		nss := []NamespaceID{x.ns(8, 1, 0), x.ns(8, 2, 1)}
+		var leases []uint64
+		now := int64(0)
+		for step := 0; step < 400; step++ {
+			ns := nss[rng.IntN(2)]
+			ds := digs(8, rng.IntN(6), rng.IntN(6), rng.IntN(6))
+			key := uint32(rng.IntN(3))
+			switch op := rng.IntN(8); op {
+			case 0, 1:
+				w := int(ns) // world 1 or 2
+				for r := 0; r < w; r++ {
+					tk, st, err := x.c.BeginStore(ns, r, ds[:8], 1, now)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if st == Allocated {
+						x.commit(tk)
+					}
+				}
+			case 2:
+				x.lookup(ns, ds)
+			case 3:
+				l, _, err := x.c.AcquireCharged(ns, 0, ds, 1, time.Duration(1+rng.IntN(20))*time.Millisecond, now, Charge{Key: key, Limit: 6})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if l.ID != 0 {
+					leases = append(leases, l.ID)
+				}
+			case 4:
+				if len(leases) > 0 {
+					i := rng.IntN(len(leases))
+					x.c.Release(leases[i])
+					leases = append(leases[:i], leases[i+1:]...)
+				}
+			case 5:
+				x.retain(ns, ds, key, 6, time.Duration(1+rng.IntN(20))*time.Millisecond, rng.IntN(RetainPriorities), now)
+			case 6:
+				x.endRetain(ns, ds, key)
+			case 7:
+				if rng.IntN(10) == 0 {
+					x.c.Clear(ns)
+				} else {
+					now += int64(rng.IntN(5)) * ms
+					x.c.Reap(now)
+				}
+			}
+			x.check()
+			for k := uint32(1); k < 3; k++ {
+				if got := x.c.PinnedCharged(k); got > 6 {
+					t.Fatalf("seed %d step %d: key %d charged %d slots, limit 6", seed, step, k, got)
+				}
+			}
+			if s := x.c.Stats(); s.NoSpace != 0 && s.PinnedBlocks == 0 && s.PendingBlocks == 0 {
+				t.Fatalf("seed %d step %d: NoSpace with nothing pinned: %+v", seed, step, s)
+			}
+		}
+	}
+}
