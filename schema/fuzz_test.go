@@ -92,6 +92,13 @@ func FuzzAcquire(f *testing.F) {
 	})
 }
 
+func FuzzRetain(f *testing.F) {
+	seeds(f, sRetain.Append(nil), sRetainEnd.Append(nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzCodec(t, b, decRetain, func(v any) []byte { m := v.(schema.Retain); return m.Append(nil) })
+	})
+}
+
 func FuzzRegisterRegion(f *testing.F) {
 	seeds(f, sRegister.Append(nil), (&schema.RegisterRegion{Region: 1, Kind: schema.RegionHostProcess}).Append(nil))
 	f.Fuzz(func(t *testing.T, b []byte) {

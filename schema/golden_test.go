@@ -145,6 +145,8 @@ func goldenFields(v any) (msg string, f map[string]any) {
 		return "Lookup", viewFields(m.View, map[string]any{})
 	case schema.Acquire:
 		return "Acquire", viewFields(m.View, map[string]any{"ttl_ms": m.TTLms})
+	case schema.Retain:
+		return "Retain", viewFields(m.View, map[string]any{"ttl_ms": m.TTLms, "priority": m.Priority, "flags": m.Flags})
 	case schema.RegisterRegion:
 		segs := []map[string]any{}
 		for _, s := range m.Segments {
@@ -313,7 +315,7 @@ func TestGolden(t *testing.T) {
 	}
 	for _, m := range []string{"AttachRequest", "AttachReply", "PutHashes", "IDRequest", "Lookup", "Acquire",
 		"RegisterRegion", "CUDAExtra", "Load", "Store", "Changes", "Reply", "LeaseReply", "StoreReply", "ChangesReply",
-		"Snapshot", "SnapshotReply", "Describe", "EventsReply"} {
+		"Snapshot", "SnapshotReply", "Describe", "EventsReply", "Retain"} {
 		if !seen[m] {
 			t.Errorf("no golden vector for %s", m)
 		}

@@ -333,6 +333,68 @@ func (m *Acquire) Decode(b []byte) error {
 	return r.done()
 }
 
+// Retain asks the sidecar to keep the leading present blocks of a view for
+// ttl at a priority (evicted after every block without retention, the
+// lowest priority first), or, with RetainFlagEnd, ends the retention this
+// uid set on the view's blocks (docs/protocol.md, section 5.14). Added
+// within version 3: a sidecar that predates it answers status 2.
+//
+//	0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero
+//
+//wire:struct Retain "<QIIIBBH" batch start count ttl_ms priority flags _ size=RetainSize
+type Retain struct {
+	View     View
+	TTLms    uint32 // at least 1 without RetainFlagEnd; ignored with it
+	Priority uint8  // 0..MaxRetainPriority; ignored with RetainFlagEnd
+	Flags    uint8
+}
+
+// Retain's size, flags and priorities.
+const (
+	// RetainSize is the encoded size of a Retain.
+	RetainSize = 24
+	// RetainFlagEnd ends the retention of the view's blocks instead of
+	// setting it.
+	RetainFlagEnd uint8 = 1
+	// MaxRetainPriority is the highest retention priority (kept longest).
+	MaxRetainPriority = 3
+)
+
+// Append encodes m.
+func (m *Retain) Append(dst []byte) []byte {
+	w := writer{dst}
+	m.View.append(&w)
+	w.u32(m.TTLms)
+	w.u8(m.Priority)
+	w.u8(m.Flags)
+	w.u16(0)
+	return w.b
+}
+
+// Decode parses m: unknown flags, a non-zero reserved field, a priority
+// past MaxRetainPriority, and a ttl of 0 without RetainFlagEnd are
+// malformed.
+func (m *Retain) Decode(b []byte) error {
+	r := reader{b: b, what: "Retain"}
+	m.View.read(&r)
+	m.TTLms = r.u32()
+	m.Priority = r.u8()
+	m.Flags = r.u8()
+	z := r.u16()
+	switch {
+	case r.err != nil:
+	case m.Flags&^RetainFlagEnd != 0:
+		r.fail("unknown flags %#x", m.Flags)
+	case z != 0:
+		r.fail("reserved bytes 22-23 are %#x, not zero", z)
+	case m.Priority > MaxRetainPriority:
+		r.fail("priority %d, at most %d", m.Priority, MaxRetainPriority)
+	case m.TTLms == 0 && m.Flags&RetainFlagEnd == 0:
+		r.fail("ttl 0 without the END flag")
+	}
+	return r.done()
+}
+
 // Segment is one per-layer piece of an engine page.
 type Segment struct{ Offset, Stride, Length uint64 }
 

@@ -53,6 +53,7 @@ const (
 	TypeDescribe       uint16 = 0x0E // describe blocks for KV events: parent digests, token ids
 	TypeEvents         uint16 = 0x0F // read the namespace's event log since a cursor
 	TypeEventSnapshot  uint16 = 0x10 // read a page of the namespace's described present blocks
+	TypeRetain         uint16 = 0x11 // keep a view's blocks for a while at a priority, or end that (added within version 3)
 
 	// ReservedType is never a request: its reply type would be the ring's
 	// padding type 0xFFFF. Like any unknown type it is answered with
@@ -95,6 +96,7 @@ var typeNames = map[uint16]string{
 	TypeRegisterRegion: "RegisterRegion", TypeLoad: "Load", TypeStore: "Store",
 	TypeChanges: "Changes", TypeDetach: "Detach", TypePing: "Ping", TypeSnapshot: "Snapshot",
 	TypeDescribe: "Describe", TypeEvents: "Events", TypeEventSnapshot: "EventSnapshot",
+	TypeRetain: "Retain",
 }
 
 // Status is the result code at the start of every reply.

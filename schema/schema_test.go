@@ -88,6 +88,8 @@ var (
 	sRelease     = schema.IDRequest{ID: 0x99AABBCCDDEEFF02}
 	sLookup      = schema.Lookup{View: schema.View{Batch: 0x1122334455667788, Start: 16, Count: 240}}
 	sAcquire     = schema.Acquire{View: schema.View{Batch: 0x1122334455667788, Start: 32, Count: 96}, TTLms: 2500}
+	sRetain      = schema.Retain{View: schema.View{Batch: 0x1122334455667788, Start: 8, Count: 40}, TTLms: 600000, Priority: 2}
+	sRetainEnd   = schema.Retain{View: schema.View{Batch: 0x0102030405060708, Start: 0, Count: 12}, Flags: schema.RetainFlagEnd}
 	sRegister    = schema.RegisterRegion{
 		Region: 0x01020304, Kind: schema.RegionCUDAIPC, PID: 48213, Base: 0x7F3A00000000,
 		Length: 64 << 30, PageSize: 2 << 20, PageCount: 32768,
@@ -145,6 +147,7 @@ func decPutHashes(width int) func([]byte) (any, error) {
 func decID(b []byte) (any, error)      { var m schema.IDRequest; err := m.Decode(b); return m, err }
 func decLookup(b []byte) (any, error)  { var m schema.Lookup; err := m.Decode(b); return m, err }
 func decAcquire(b []byte) (any, error) { var m schema.Acquire; err := m.Decode(b); return m, err }
+func decRetain(b []byte) (any, error)  { var m schema.Retain; err := m.Decode(b); return m, err }
 func decRegisterRegion(b []byte) (any, error) {
 	var m schema.RegisterRegion
 	err := m.Decode(b)
@@ -207,6 +210,9 @@ func samples() []sample {
 		{"EventsReply/w8", schema.TypeEvents | r, sEventsReply8, func() []byte { return sEventsReply8.Append(nil) }, decEventsReply, 40 + (16 + 8) + (24 + 8 + 1) + 16, false},
 		{"EventsReply/w32", schema.TypeEventSnapshot | r, sEventsReply32, func() []byte { return sEventsReply32.Append(nil) }, decEventsReply, 40 + 8 + 64 + 16, false},
 		{"EventsReply/resync", schema.TypeEvents | r, sEventsResync, func() []byte { return sEventsResync.Append(nil) }, decEventsReply, 40, false},
+		// Retention hints, added within version 3
+		{"Retain", schema.TypeRetain, sRetain, func() []byte { return sRetain.Append(nil) }, decRetain, 24, false},
+		{"Retain/end", schema.TypeRetain, sRetainEnd, func() []byte { return sRetainEnd.Append(nil) }, decRetain, 24, false},
 	}
 }
 
@@ -274,6 +280,7 @@ func TestAppendKeepsPrefix(t *testing.T) {
 		"IDRequest":      {sPoll.Append(bytes.Clone(pre)), sPoll.Append(nil)},
 		"Lookup":         {sLookup.Append(bytes.Clone(pre)), sLookup.Append(nil)},
 		"Acquire":        {sAcquire.Append(bytes.Clone(pre)), sAcquire.Append(nil)},
+		"Retain":         {sRetain.Append(bytes.Clone(pre)), sRetain.Append(nil)},
 		"RegisterRegion": {sRegister.Append(bytes.Clone(pre)), sRegister.Append(nil)},
 		"Load":           {sLoad.Append(bytes.Clone(pre)), sLoad.Append(nil)},
 		"Store":          {sStore.Append(bytes.Clone(pre)), sStore.Append(nil)},
@@ -503,6 +510,33 @@ func TestAcquireFlags(t *testing.T) {
 		var a schema.Acquire
 		wantMalformed(t, a.Decode(c), "acquire flags %#x", f)
 	}
+}
+
+func TestRetainRejects(t *testing.T) {
+	b := sRetain.Append(nil)
+	if len(b) != schema.RetainSize {
+		t.Fatalf("Retain is %d bytes, want %d", len(b), schema.RetainSize)
+	}
+	set := func(off int, v byte) []byte { c := bytes.Clone(b); c[off] = v; return c }
+	var m schema.Retain
+	for _, f := range []byte{2, 4, 0x80, 0xFF} {
+		wantMalformed(t, m.Decode(set(21, f)), "retain flags %#x", f)
+	}
+	for _, off := range []int{22, 23} {
+		wantMalformed(t, m.Decode(set(off, 1)), "retain reserved byte %d", off)
+	}
+	for _, p := range []byte{schema.MaxRetainPriority + 1, 0xFF} {
+		wantMalformed(t, m.Decode(set(20, p)), "retain priority %d", p)
+	}
+	// A ttl of 0 only ends retention.
+	noTTL := bytes.Clone(b)
+	noTTL[16], noTTL[17], noTTL[18], noTTL[19] = 0, 0, 0, 0
+	wantMalformed(t, m.Decode(noTTL), "retain ttl 0 without END")
+	if err := m.Decode(set(21, schema.RetainFlagEnd)); err != nil || m.Flags != schema.RetainFlagEnd {
+		t.Fatalf("END: %+v %v", m, err)
+	}
+	wantMalformed(t, m.Decode(b[:23]), "short retain")
+	wantMalformed(t, m.Decode(append(bytes.Clone(b), 0)), "long retain")
 }
 
 func TestChangesReplyLimits(t *testing.T) {
@@ -792,8 +826,8 @@ func TestStateString(t *testing.T) {
 
 func TestTypeName(t *testing.T) {
 	names := []string{"", "PutHashes", "DropHashes", "Lookup", "Acquire", "Poll", "Release",
-		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping", "Snapshot", "Describe", "Events", "EventSnapshot"}
-	for ty := schema.TypePutHashes; ty <= schema.TypeEventSnapshot; ty++ {
+		"RegisterRegion", "Load", "Store", "Changes", "Detach", "Ping", "Snapshot", "Describe", "Events", "EventSnapshot", "Retain"}
+	for ty := schema.TypePutHashes; ty <= schema.TypeRetain; ty++ {
 		if got := schema.TypeName(ty); got != names[ty] {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, names[ty])
 		}
@@ -801,7 +835,7 @@ func TestTypeName(t *testing.T) {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty|schema.ReplyBit, got, names[ty]+"Reply")
 		}
 	}
-	for ty, want := range map[uint16]string{0: "type(0x0)", 0x11: "type(0x11)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x8011: "type(0x8011)"} {
+	for ty, want := range map[uint16]string{0: "type(0x0)", 0x12: "type(0x12)", 0xFFFF: "type(0xffff)", 0x8000: "type(0x8000)", 0x8012: "type(0x8012)"} {
 		if got := schema.TypeName(ty); got != want {
 			t.Errorf("TypeName(%#x) = %q, want %q", ty, got, want)
 		}
@@ -843,5 +877,9 @@ func TestConstants(t *testing.T) {
 		schema.MaxEventsPerReply != 4096 || schema.DescribeRunHeaderSize != 16 || schema.EventHeaderSize != 8 ||
 		schema.EventsReplyHeaderSize != 40 || schema.DescribeFlagParent != 1 {
 		t.Error("the event records' constants changed")
+	}
+	// Added within version 3 (section 13): retention hints.
+	if schema.TypeRetain != 0x11 || schema.RetainSize != 24 || schema.RetainFlagEnd != 1 || schema.MaxRetainPriority != 3 {
+		t.Error("the Retain record's constants changed")
 	}
 }

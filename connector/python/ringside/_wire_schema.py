@@ -62,6 +62,11 @@ FLAG_APPEND = 1  # FlagAppend uint32
 FLAG_LOOKUP = 2  # FlagLookup uint32
 FLAG_REPLACE = 4  # FlagReplace uint32
 
+# Retain's size, flags and priorities.
+RETAIN_SIZE = 24  # RetainSize untyped int
+RETAIN_FLAG_END = 1  # RetainFlagEnd uint8
+MAX_RETAIN_PRIORITY = 3  # MaxRetainPriority untyped int
+
 # SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
 SEGMENT_SIZE = 24  # SegmentSize untyped int
 
@@ -119,6 +124,7 @@ TYPE_SNAPSHOT = 0xd  # TypeSnapshot uint16: read a page of the namespace's prese
 TYPE_DESCRIBE = 0xe  # TypeDescribe uint16: describe blocks for KV events: parent digests, token ids
 TYPE_EVENTS = 0xf  # TypeEvents uint16: read the namespace's event log since a cursor
 TYPE_EVENT_SNAPSHOT = 0x10  # TypeEventSnapshot uint16: read a page of the namespace's described present blocks
+TYPE_RETAIN = 0x11  # TypeRetain uint16: keep a view's blocks for a while at a priority, or end that (added within version 3)
 RESERVED_TYPE = 0x7fff  # ReservedType uint16
 REPLY_BIT = 0x8000  # ReplyBit uint16
 RESERVED_REPLY_TYPE = 32768  # ReservedReplyType uint16
@@ -223,6 +229,7 @@ TYPE_NAMES = {
     TYPE_DESCRIBE: "Describe",
     TYPE_EVENTS: "Events",
     TYPE_EVENT_SNAPSHOT: "EventSnapshot",
+    TYPE_RETAIN: "Retain",
 }
 
 
@@ -292,6 +299,10 @@ LOOKUP = struct.Struct("<QII")  # 16 bytes (ViewSize): batch, start, count
 # Acquire:
 #   0 view   16 u32 ttl in milliseconds (0 = sidecar default)   20 u32 flags (zero)
 ACQUIRE = struct.Struct("<QIIII")  # 24 bytes: batch, start, count, ttl_ms, _
+
+# Retain:
+#   0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero
+RETAIN = struct.Struct("<QIIIBBH")  # 24 bytes (RetainSize): batch, start, count, ttl_ms, priority, flags, _
 
 # Segment:
 #   SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
@@ -378,6 +389,7 @@ LAYOUTS = {
     "IDRequest": (ID_REQUEST, ("id",), None),
     "Lookup": (LOOKUP, ("batch", "start", "count",), "VIEW_SIZE"),
     "Acquire": (ACQUIRE, ("batch", "start", "count", "ttl_ms", "_",), None),
+    "Retain": (RETAIN, ("batch", "start", "count", "ttl_ms", "priority", "flags", "_",), "RETAIN_SIZE"),
     "Segment": (SEGMENT, ("offset", "stride", "length",), "SEGMENT_SIZE"),
     "CUDAExtra": (CUDA_EXTRA, ("gpu", "flags", "count(allocations)", "event",), "CUDA_EXTRA_HEADER_SIZE"),
     "CUDAAllocation": (CUDA_ALLOCATION, ("handle", "base", "size",), "CUDA_ALLOCATION_SIZE"),
@@ -416,6 +428,9 @@ __all__ = [
     "FLAG_APPEND",
     "FLAG_LOOKUP",
     "FLAG_REPLACE",
+    "RETAIN_SIZE",
+    "RETAIN_FLAG_END",
+    "MAX_RETAIN_PRIORITY",
     "SEGMENT_SIZE",
     "CUDA_EXTRA_HEADER_SIZE",
     "CUDA_ALLOCATION_SIZE",
@@ -447,6 +462,7 @@ __all__ = [
     "TYPE_DESCRIBE",
     "TYPE_EVENTS",
     "TYPE_EVENT_SNAPSHOT",
+    "TYPE_RETAIN",
     "RESERVED_TYPE",
     "REPLY_BIT",
     "RESERVED_REPLY_TYPE",
@@ -472,6 +488,7 @@ __all__ = [
     "ID_REQUEST",
     "LOOKUP",
     "ACQUIRE",
+    "RETAIN",
     "SEGMENT",
     "CUDA_EXTRA",
     "CUDA_ALLOCATION",

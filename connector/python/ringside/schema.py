@@ -401,6 +401,41 @@ def decode_acquire(b) -> Acquire:
     return Acquire(batch, start, count, ttl)
 
 
+class Retain(NamedTuple):
+    """Keep a view's blocks for ttl_ms at a priority, or (flags
+    RETAIN_FLAG_END) end that retention (added within version 3)."""
+
+    batch: int
+    start: int
+    count: int
+    ttl_ms: int = 0
+    priority: int = 0
+    flags: int = 0
+
+
+def encode_retain(batch: int, start: int, count: int, ttl_ms: int = 0, priority: int = 0, flags: int = 0) -> bytes:
+    try:
+        return RETAIN.pack(batch, start, count, ttl_ms, priority, flags, 0)
+    except struct.error as e:
+        raise SchemaError("Retain: %s" % e) from None
+
+
+def decode_retain(b) -> Retain:
+    what = "Retain"
+    _need(what, b, 0, RETAIN_SIZE)
+    batch, start, count, ttl, prio, flags, zero = RETAIN.unpack_from(b, 0)
+    if flags & ~RETAIN_FLAG_END:
+        raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    if zero:
+        raise SchemaError("%s: reserved bytes 22-23 are %#x, not zero" % (what, zero))
+    if prio > MAX_RETAIN_PRIORITY:
+        raise SchemaError("%s: priority %d, at most %d" % (what, prio, MAX_RETAIN_PRIORITY))
+    if ttl == 0 and not flags & RETAIN_FLAG_END:
+        raise SchemaError("%s: ttl 0 without the END flag" % what)
+    _done(what, b, RETAIN_SIZE)
+    return Retain(batch, start, count, ttl, prio, flags)
+
+
 class Segment(NamedTuple):
     """One per-layer piece of an engine page."""
 
@@ -1169,6 +1204,7 @@ REPLY_DECODERS = {
     TYPE_DESCRIBE: decode_reply,
     TYPE_EVENTS: decode_events_reply,
     TYPE_EVENT_SNAPSHOT: decode_events_reply,
+    TYPE_RETAIN: decode_reply,
 }
 
 

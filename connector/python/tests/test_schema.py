@@ -66,6 +66,12 @@ CODECS = {
         lambda f, v: S.Acquire(f["batch"], f["start"], f["count"], f["ttl_ms"]),
         None,
     ),
+    "Retain": (
+        lambda f, v: S.encode_retain(f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"]),
+        lambda b, v: S.decode_retain(b),
+        lambda f, v: S.Retain(f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"]),
+        None,
+    ),
     "RegisterRegion": (
         lambda f, v: S.encode_register_region(
             f["region"],
@@ -737,16 +743,30 @@ def test_names():
         "Describe",
         "Events",
         "EventSnapshot",
+        "Retain",
     ]
     for t, n in enumerate(names, 1):
         assert S.type_name(t) == n
         assert S.type_name(t | S.REPLY_BIT) == n + "Reply"
     assert S.type_name(0) == "type(0x0)"
-    assert S.type_name(0x11) == "type(0x11)"
-    assert S.type_name(0x8011) == "type(0x8011)"
+    assert S.type_name(0x12) == "type(0x12)"
+    assert S.type_name(0x8012) == "type(0x8012)"
     assert S.type_name(0xFFFF) == "type(0xffff)"
-    assert set(S.REPLY_DECODERS) == set(range(1, 17))
+    assert set(S.REPLY_DECODERS) == set(range(1, 18))
     assert S.TYPE_SNAPSHOT == 0x0D and S.SNAPSHOT_FLAG_DONE == 1 and S.MAX_SNAPSHOT_PER_REPLY == 4096
+
+
+def test_retain_rejects():
+    b = S.encode_retain(1, 2, 3, 4, 2)
+    assert S.decode_retain(b) == S.Retain(1, 2, 3, 4, 2, 0)
+    for off, v in ((21, 2), (21, 0x80), (22, 1), (23, 1), (20, 4)):
+        c = bytearray(b)
+        c[off] = v
+        with pytest.raises(S.SchemaError):
+            S.decode_retain(bytes(c))
+    with pytest.raises(S.SchemaError):
+        S.decode_retain(S.encode_retain(1, 2, 3, 0))  # ttl 0 only ends
+    assert S.decode_retain(S.encode_retain(1, 2, 3, flags=S.RETAIN_FLAG_END)).flags == S.RETAIN_FLAG_END
 
 
 def test_reply_status():
@@ -765,6 +785,7 @@ def test_garbage_never_crashes():
         S.decode_id,
         S.decode_lookup,
         S.decode_acquire,
+        S.decode_retain,
         S.decode_register_region,
         S.decode_load,
         S.decode_store,

@@ -405,6 +405,10 @@ def _probe_events(n):
     ]
 
 
+def _probe_retain_priority(n):
+    return [lambda: S.decode_retain(S.RETAIN.pack(1, 2, 3, 4, n, 0, 0))]
+
+
 # One probe per Go limit: a new Max* constant in Go needs one here.
 LIMIT_PROBES = {
     "MaxHashesPerRecord": _probe_hashes,
@@ -419,6 +423,7 @@ LIMIT_PROBES = {
     "MaxDescribeTokens": _probe_describe_tokens,
     "MaxDescribeExtra": _probe_describe_extra,
     "MaxEventsPerReply": _probe_events,
+    "MaxRetainPriority": _probe_retain_priority,
 }
 
 
@@ -456,6 +461,7 @@ def test_schema_sizes_are_what_python_encodes():
     assert len(S.describe_run_header(1, 1, 0, False)) == go("schema", "DescribeRunHeaderSize")
     assert len(S.encode_event(S.EVENT_REMOVED, bytes(8))) - 8 == go("schema", "EventHeaderSize")
     assert len(S.encode_events_reply(0, False, False, 1, 2, 3, 8)) == go("schema", "EventsReplyHeaderSize")
+    assert len(S.encode_retain(1, 2, 3, 4)) == go("schema", "RetainSize")
     sizes = {c["name"] for c in SCHEMA_CONSTS if c["name"].endswith("Size") and not c["name"].startswith("Max")}
     assert sizes == {
         "ViewSize",
@@ -466,6 +472,7 @@ def test_schema_sizes_are_what_python_encodes():
         "DescribeRunHeaderSize",
         "EventHeaderSize",
         "EventsReplyHeaderSize",
+        "RetainSize",
     }, "a Go size without a check here"
 
 
