@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 import vllm
@@ -80,16 +82,12 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         attach = dict(
             instance=self.instance, model=model, layout=layout, salt=cfg.tenant, world_size=world, digest_width=32
         )
-        if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
-            # A cache failure must never fail a request: recompute instead.
-            try:
-                kvt.kv_load_failure_policy = "recompute"
-                logger.info("ringside: kv_load_failure_policy set to 'recompute'")
-            except Exception:  # noqa: BLE001
-                logger.warning(
-                    "ringside: could not set kv_load_failure_policy=recompute; set it in "
-                    "--kv-transfer-config so that a cache failure never fails a request"
-                )
+        # A cache failure must never fail a request: recompute instead. Inside
+        # vLLM's MultiConnector the engine reads the policy from the
+        # MultiConnector's own configuration, not from this child's copy.
+        recompute_on_failure(kvt, "")
+        for outer in enclosing_transfer_configs():
+            recompute_on_failure(outer, " (of the MultiConnector around this connector)")
         self.connector_scheduler: Optional[SchedulerSide | Unserved] = None
         self.connector_worker: Optional[WorkerSide | Unserved] = None
         self._group_ids: Optional[tuple] = None
@@ -291,6 +289,41 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self):
         self.side.shutdown()
+
+
+def recompute_on_failure(kvt: Any, where: str) -> None:
+    """Set kv_load_failure_policy to recompute in the KV transfer configuration kvt."""
+    if getattr(kvt, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    try:
+        kvt.kv_load_failure_policy = "recompute"
+        logger.info("ringside: kv_load_failure_policy%s set to 'recompute'", where)
+    except Exception:  # noqa: BLE001
+        logger.warning(
+            "ringside: could not set kv_load_failure_policy%s to recompute; set it in "
+            "--kv-transfer-config so that a cache failure never fails a request",
+            where,
+        )
+
+
+def enclosing_transfer_configs(depth: int = 8) -> list:
+    """The KV transfer configurations of the connectors whose constructors
+    are constructing this one: vLLM's MultiConnector builds its children in
+    its __init__, each with a copy of the configuration, and the engine's
+    scheduler reads kv_load_failure_policy from the MultiConnector's own.
+    Found in the calling frames (at most depth of them); [] outside one."""
+    out: list = []
+    f: Optional[FrameType] = sys._getframe(2)  # the caller of RingsideConnector.__init__
+    for _ in range(depth):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if isinstance(obj, KVConnectorBase_V1) and not isinstance(obj, RingsideConnector):
+            kvt = getattr(obj, "_kv_transfer_config", None)
+            if kvt is not None and all(kvt is not k for k in out):
+                out.append(kvt)
+        f = f.f_back
+    return out
 
 
 def writes_before_hook(vllm_config: Any) -> bool:
