@@ -18,7 +18,10 @@ For every supported release, from that release's own Python sources:
   cache configuration and manager, the KV event classes, the factory, the
   parallel state; ``start_load_kv`` reads nothing from the forward
   context), and the KV event classes have their fields in the order the
-  connector constructs them.
+  connector constructs them;
+- vLLM's MultiConnector constructs its children in its ``__init__``, after
+  the base class set its ``_kv_transfer_config``: where the connector finds
+  the configuration whose kv_load_failure_policy the engine reads.
 
 How each release is read:
 
@@ -108,7 +111,8 @@ READS: list[tuple[str, Optional[str], list[str]]] = [
     # connector.py: the base class's state and what it calls through super()
     (BASE, "KVConnectorBase_V1",
      ["_connector_metadata", "_get_connector_metadata", "bind_kv_cache_manager", "get_loaded_kv_cache_group_ids",
-      "handle_preemptions"]),
+      "handle_preemptions", "_kv_transfer_config"]),
+    ("vllm.config", "KVTransferConfig", ["kv_load_failure_policy"]),
     (BASE, None, ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA",
                   "KVConnectorTransferResults"]),
     (BASE, "KVConnectorRole", ["SCHEDULER", "WORKER"]),
@@ -509,6 +513,19 @@ def test_reads_exist(tree, mod, cls, names):
         have = tree.members(mod, cls)
         missing = [n for n in names if n not in have]
     assert not missing, "vLLM %s: %s.%s lacks %s" % (tree.version(), mod, cls or "", missing)
+
+
+def test_multiconnector_builds_its_children_in_init(tree):
+    """connector.py finds an enclosing MultiConnector's configuration (the
+    kv_load_failure_policy the engine reads) in the frame that constructs
+    the connector: the MultiConnector's __init__, after the base class's
+    __init__ set its _kv_transfer_config."""
+    mod = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
+    _, cls = tree.find(mod, "MultiConnector")
+    init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    line = {ast.unparse(n.func): n.lineno for n in ast.walk(init) if isinstance(n, ast.Call)}
+    assert "super().__init__" in line and "connector_cls" in line, sorted(line)
+    assert line["super().__init__"] < line["connector_cls"], line
 
 
 def test_event_fields_in_order(tree):
