@@ -73,10 +73,12 @@ func ARC(w *Workload, capacity int) PolicyResult {
 //     whole prompt computed in one step; chunked prefill would call it
 //     per chunk). It keeps the blocks in neither T1 nor T2, in order, and
 //     evicts (count - free slots) blocks one at a time: from the front
-//     (least recent) of T1 when |T1| >= int(target_t1_size), else from
-//     the front of T2, the evicted block appended to B1 or B2; with
-//     nothing left to evict it returns None: the store is skipped, the
-//     blocks already evicted stay evicted (FailedStores). Then each ghost
+//     (least recent) of T1 when |T1| >= int(target_t1_size), else (or
+//     with T1 empty) from the front of T2, the evicted block appended to
+//     B1 or B2; when T2 is empty there it returns None (the for-else of
+//     its T2 loop), even with blocks left in T1 under the target: the
+//     store is skipped, the blocks already evicted stay evicted
+//     (FailedStores). Then each ghost
 //     list is trimmed from its front to cache_capacity, and the kept
 //     blocks are appended to T1 (not ready) and dropped from B1 and B2.
 //     Nothing protects the request's own present blocks from eviction.
