@@ -18,6 +18,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/ringside-kv/ringside/ring"
@@ -233,6 +234,32 @@ func (c *Client) Lookup(v schema.View) (int, error) {
 func (c *Client) Acquire(v schema.View, ttl time.Duration) (schema.LeaseReply, error) {
 	p := (&schema.Acquire{View: v, TTLms: uint32(ttl / time.Millisecond)}).Append(nil)
 	return request[schema.LeaseReply](c, schema.TypeAcquire, p, leaseStatus)
+}
+
+// Retain keeps the leading present blocks of v for ttl (rounded up to a
+// millisecond) at priority prio (0..schema.MaxRetainPriority, the highest
+// kept longest), or, with end, ends the retention this uid set on v's
+// blocks (ttl and prio are then ignored). It returns how many blocks'
+// retention it set, renewed or ended (docs/protocol.md, section 5.14). A
+// sidecar that predates Retain answers status 2 (an *schema.Error):
+// stop sending it for the session.
+func (c *Client) Retain(v schema.View, ttl time.Duration, prio int, end bool) (int, error) {
+	m := schema.Retain{View: v}
+	if end {
+		m.Flags = schema.RetainFlagEnd
+	} else {
+		if prio < 0 || prio > schema.MaxRetainPriority {
+			return 0, fmt.Errorf("connector: retain priority %d not in 0..%d", prio, schema.MaxRetainPriority)
+		}
+		if ttl <= 0 {
+			return 0, fmt.Errorf("connector: retain ttl %v must be positive", ttl)
+		}
+		ms := (ttl + time.Millisecond - 1) / time.Millisecond
+		m.TTLms = uint32(min(ms, math.MaxUint32))
+		m.Priority = uint8(prio)
+	}
+	n, err := c.simple(schema.TypeRetain, m.Append(nil))
+	return int(n), err
 }
 
 // Poll returns a lease's state.

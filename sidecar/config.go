@@ -184,6 +184,7 @@ func (c *Config) EnsureDefaults() {
 // Machine's FieldErrors.
 var machineFlags = map[string]string{
 	"SlotBytes": "pool.slot-bytes", "Budget": "budget", "LeaseTTL": "lease.ttl", "MaxLeaseTTL": "lease.max-ttl",
+	"MaxRetainTTL": "retain.max-ttl",
 	"SnapshotScan": "snapshot-scan", "ChunkBytes": "copy.chunk-bytes", "CUDAChunkBytes": "copy.cuda-chunk-bytes",
 	"MaxSessions": "max-sessions", "MetaBytes": "limits.metadata-bytes", "RingBytes": "limits.ring-bytes",
 	"MaxNamespaces": "limits.namespaces", "PinShare": "limits.pin-share", "PendingShare": "limits.pending-share",

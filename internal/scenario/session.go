@@ -20,6 +20,7 @@ var sessionCommands = map[string]bool{
 	"detach": true, "abandon": true, "put": true, "drop": true, "lookup": true, "acquire": true, "poll": true,
 	"release": true, "region": true, "fill": true, "check": true, "store": true, "load": true, "changes": true,
 	"snapshot": true, "ping": true, "raw": true, "send": true, "describe": true, "events": true, "event-snapshot": true,
+	"retain": true,
 }
 
 // request runs a command of one session.
@@ -83,6 +84,8 @@ func (r *runner) call(td *datadriven.TestData, a *args, s *sess) (string, error)
 		return fmt.Sprintf("hits=%d", n), nil
 	case "acquire":
 		return r.acquire(s, a)
+	case "retain":
+		return r.retain(s, a)
 	case "poll":
 		id, err := r.lease(a)
 		if err != nil {
@@ -256,6 +259,38 @@ func (r *runner) acquire(s *sess, a *args) (string, error) {
 		return "", fmt.Errorf("lease %d in state %s", l.Lease, l.State)
 	}
 	return fmt.Sprintf("%s blocks=%d", l.State, l.Blocks), nil
+}
+
+// retain sends a Retain: ttl-ms and prio as given, or with end its END.
+func (r *runner) retain(s *sess, a *args) (string, error) {
+	v, err := view(a, true)
+	if err != nil {
+		return "", err
+	}
+	ttl, err := a.num("ttl-ms", 0)
+	if err != nil {
+		return "", err
+	}
+	prio, err := a.num("prio", 0)
+	if err != nil {
+		return "", err
+	}
+	end := a.has("end")
+	if a.has("quiet") {
+		m := schema.Retain{View: v, TTLms: uint32(ttl), Priority: uint8(prio)}
+		if end {
+			m.Flags = schema.RetainFlagEnd
+		}
+		return r.quiet(s, schema.TypeRetain, m.Append(nil))
+	}
+	n, err := s.c.Retain(v, time.Duration(ttl)*time.Millisecond, int(prio), end)
+	if err != nil {
+		return errStatus(err)
+	}
+	if end {
+		return fmt.Sprintf("ended=%d", n), nil
+	}
+	return fmt.Sprintf("retained=%d", n), nil
 }
 
 func (r *runner) region(s *sess, a *args) (string, error) {
@@ -650,7 +685,7 @@ var typeNames = map[string]uint16{
 	"region": schema.TypeRegisterRegion, "load": schema.TypeLoad, "store": schema.TypeStore,
 	"changes": schema.TypeChanges, "detach": schema.TypeDetach, "ping": schema.TypePing,
 	"snapshot": schema.TypeSnapshot, "describe": schema.TypeDescribe, "events": schema.TypeEvents,
-	"event-snapshot": schema.TypeEventSnapshot,
+	"event-snapshot": schema.TypeEventSnapshot, "retain": schema.TypeRetain,
 }
 
 // raw sends a record as written; reply=common|events decodes its reply in

@@ -23,6 +23,9 @@ type Config struct {
 	// an Acquire may ask for.
 	LeaseTTL    time.Duration
 	MaxLeaseTTL time.Duration
+	// MaxRetainTTL bounds the time a Retain may keep blocks for
+	// (DefaultMaxRetainTTL): a longer one is refused (status 7).
+	MaxRetainTTL time.Duration
 	// CUDAIPC reports whether the copy engine serves CUDA IPC regions
 	// (the sidecar sets it from its copy engine).
 	CUDAIPC bool
@@ -89,6 +92,7 @@ const (
 	DefaultSlotBytes      = 256 << 10
 	DefaultLeaseTTL       = 30 * time.Second
 	DefaultMaxLeaseTTL    = 5 * time.Minute
+	DefaultMaxRetainTTL   = time.Hour
 	DefaultSnapshotScan   = 1 << 14
 	DefaultChunkBytes     = 4 << 20
 	DefaultCUDAChunkBytes = 64 << 20
@@ -114,6 +118,7 @@ func (c *Config) EnsureDefaults() {
 	orDefault(&c.Budget, DefaultBudgetBytes)
 	orDefault(&c.LeaseTTL, DefaultLeaseTTL)
 	orDefault(&c.MaxLeaseTTL, DefaultMaxLeaseTTL)
+	orDefault(&c.MaxRetainTTL, DefaultMaxRetainTTL)
 	orDefault(&c.SnapshotScan, DefaultSnapshotScan)
 	orDefault(&c.ChunkBytes, DefaultChunkBytes)
 	orDefault(&c.CUDAChunkBytes, DefaultCUDAChunkBytes)
@@ -168,6 +173,9 @@ func (c *Config) Validate() error {
 	}
 	if c.LeaseTTL <= 0 || c.LeaseTTL > c.MaxLeaseTTL {
 		p.add("LeaseTTL", "%v must be positive and at most the longest lease, %v", c.LeaseTTL, c.MaxLeaseTTL)
+	}
+	if c.MaxRetainTTL < time.Millisecond {
+		p.add("MaxRetainTTL", "%v must be at least 1ms", c.MaxRetainTTL)
 	}
 	for _, f := range []struct {
 		name string

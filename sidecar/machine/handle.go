@@ -50,6 +50,8 @@ func (m *Machine) Handle(now int64, id SessionID, typ uint16, seq uint64, payloa
 		err = h.events(payload)
 	case schema.TypeEventSnapshot:
 		err = h.eventSnapshot(payload)
+	case schema.TypeRetain:
+		err = h.retain(payload)
 	case schema.TypePing:
 		var r schema.IDRequest
 		if err = r.Decode(payload); err == nil {
@@ -304,6 +306,48 @@ func (h *handler) acquire(p []byte) error {
 		rep.State = q.state
 	}
 	h.out.reply(s.id, h.typ, h.seq, rep.Append)
+	return nil
+}
+
+// retain sets, renews or (RetainFlagEnd) ends the retention of a view's
+// blocks (docs/protocol.md, section 5.14). Retention is charged to the
+// session's uid, like its leases' pins, against the same share of the pool
+// (a block both pinned and retained counts once), and it outlives the
+// session: only its deadline, END, eviction or Clear end it.
+func (h *handler) retain(p []byte) error {
+	m, s := h.m, h.s
+	var r schema.Retain
+	if err := r.Decode(p); err != nil {
+		return malformed(err)
+	}
+	d, err := h.view(r.View)
+	if err != nil {
+		return err
+	}
+	key := s.uid + 1 // the pin charge key (acquire, l2.go)
+	if r.Flags&schema.RetainFlagEnd != 0 {
+		n, err := m.cache.EndRetain(s.inst.ns.id, d, key)
+		if err != nil {
+			return internal(err)
+		}
+		h.ok(uint64(n))
+		return nil
+	}
+	ttl := time.Duration(r.TTLms) * time.Millisecond
+	if ttl > m.cfg.MaxRetainTTL {
+		return schema.Errorf(schema.ErrCodeTooLarge, "ttl %d ms is longer than the longest retention, %v (--retain.max-ttl)", r.TTLms, m.cfg.MaxRetainTTL)
+	}
+	n, short, err := m.cache.Retain(s.inst.ns.id, d, cache.Charge{Key: key, Limit: m.pinLimit()}, ttl, int(r.Priority), h.now)
+	if err != nil {
+		return internal(err)
+	}
+	if short {
+		m.st.QuotaRefusals["pins"]++
+		if n == 0 {
+			return schema.Errorf(schema.ErrCodeTooLarge, "uid %d's leases and retained blocks take its share of the pool (--limits.pin-share): end retention or release leases", s.uid)
+		}
+	}
+	h.ok(uint64(n))
 	return nil
 }
 
