@@ -88,6 +88,8 @@ __all__ = [
 
 _log = _logging.getLogger("ringside.client")
 
+_RETAIN_REPLY = _schema.TYPE_RETAIN | _schema.REPLY_BIT
+
 
 class RingsideUnavailable(RingsideError):
     """The sidecar is gone or unusable (socket refused, peer dead or closed,
@@ -227,6 +229,9 @@ class Session:
         self._pending: Dict[int, bytes] = {}
         self._abandoned: Dict[int, None] = {}
         self.quiet_failures = 0  # failed fire-and-forget requests (send)
+        # False once the sidecar answered a Retain with UNKNOWN_TYPE (it
+        # predates it): retain() then sends nothing for the session.
+        self.retain_supported = True
         self.last_quiet_failure: Optional[tuple] = None  # (status, message) of the last one
         self._dead: Optional[str] = None
         self._peer_gone = False  # the sidecar closed the session's rings, or its process is gone
@@ -563,7 +568,7 @@ class Session:
                         return rec[3].tobytes()
                     finally:
                         cons.commit()
-                self._stash(rseq, rec[3])
+                self._stash(rseq, rec[3], rec[0])
         except _UNAVAILABLE as e:
             raise self._fail(e) from None
 
@@ -587,7 +592,7 @@ class Session:
                         return decode(rec[3])
                     finally:
                         cons.commit()
-                self._stash(rseq, rec[3])
+                self._stash(rseq, rec[3], rec[0])
         except _UNAVAILABLE as e:
             raise self._fail(e) from None
         except _ring.RingTimeout:
@@ -596,8 +601,13 @@ class Session:
             self._abandon(seq)
             raise RingsideTimeout("no reply to request %d within %.3gs" % (seq, timeout)) from None
 
-    def _stash(self, seq: int, payload) -> None:
+    def _stash(self, seq: int, payload, typ: int = 0) -> None:
         if seq == 0:
+            if typ == _RETAIN_REPLY and len(payload) >= 4 and _schema.reply_status(payload) == Status.UNKNOWN_TYPE:
+                # A sidecar that predates Retain (protocol.md section 13):
+                # not a failure, the hint is off for the session.
+                self.retain_supported = False
+                return
             # A fire-and-forget request failed (an old sidecar also answers
             # the ones that succeeded: status 0, not counted).
             if len(payload) >= 4 and _schema.reply_status(payload):
@@ -661,6 +671,52 @@ class Session:
         if ttl is not None and ttl > 0:
             ttl_ms = min(max(int(ttl * 1000), 1), _U32_MAX)
         return self._call(_schema.TYPE_ACQUIRE, _schema.encode_acquire(batch, start, count, ttl_ms), _dec_lease)
+
+    def retain(
+        self,
+        batch: int,
+        start: int,
+        count: int,
+        ttl_ms: int,
+        priority: int = 0,
+        end: bool = False,
+        wait: bool = True,
+    ) -> Optional[int]:
+        """Retention hint (docs/protocol.md section 5.14): keep the leading
+        present blocks of the view for ttl_ms milliseconds at priority 0..3
+        (3 is kept longest; retained blocks are evicted after every block
+        without retention, never instead of a store), or with end=True end
+        the retention this uid set on the view's blocks (ttl_ms and priority
+        are then ignored). Returns the number of blocks whose retention was
+        set, renewed or ended. With wait=False the request is sent fire and
+        forget (seq 0) and None is returned: a failure is counted in
+        quiet_failures. A sidecar that does not know Retain (UNKNOWN_TYPE)
+        turns retain_supported off for the session, without raising: from
+        then on retain() sends nothing and returns None. Other refusals
+        raise RingsideError: TOO_LARGE when the uid's share of the pool is
+        taken (by its retained and pinned blocks) or ttl_ms is past the
+        sidecar's --retain.max-ttl. ValueError for a priority outside 0..3
+        or a ttl_ms below 1 without end (nothing is sent)."""
+        if not self.retain_supported:
+            return None
+        if end:
+            p = _schema.encode_retain(batch, start, count, 0, 0, _schema.RETAIN_FLAG_END)
+        else:
+            if not 0 <= priority <= _schema.MAX_RETAIN_PRIORITY:
+                raise ValueError("retain priority %r not in 0..%d" % (priority, _schema.MAX_RETAIN_PRIORITY))
+            if ttl_ms < 1:
+                raise ValueError("retain ttl_ms %r must be at least 1 (end=True ends a retention)" % (ttl_ms,))
+            p = _schema.encode_retain(batch, start, count, min(int(ttl_ms), _U32_MAX), priority)
+        if not wait:
+            self.send(_schema.TYPE_RETAIN, p)
+            return None
+        try:
+            return self._call(_schema.TYPE_RETAIN, p, _dec_value)
+        except RingsideError as e:
+            if e.status != Status.UNKNOWN_TYPE:
+                raise
+            self.retain_supported = False
+            return None
 
     def poll(self, lease: int) -> LeaseReply:
         """A lease's current state."""

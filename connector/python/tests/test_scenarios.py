@@ -228,6 +228,7 @@ TYPES = {
     "describe": S.TYPE_DESCRIBE,
     "events": S.TYPE_EVENTS,
     "event-snapshot": S.TYPE_EVENT_SNAPSHOT,
+    "retain": S.TYPE_RETAIN,
 }
 ROLES = {"client": S.ROLE_CLIENT, "scheduler": S.ROLE_SCHEDULER, "worker": S.ROLE_WORKER}
 
@@ -587,6 +588,7 @@ class Runner:
             "describe",
             "events",
             "event-snapshot",
+            "retain",
         }
     )
 
@@ -638,6 +640,21 @@ class Runner:
             if (r.lease == 0) != (r.state == S.State.MISS):
                 raise AssertionError("lease %d in state %s" % (r.lease, S.state_name(r.state)))
             return "%s blocks=%d" % (S.state_name(r.state), r.blocks)
+        if cmd == "retain":
+            b, start, count = self.view(a)
+            ttl, prio, end = a.num("ttl-ms", 0), a.num("prio", 0), a.has("end")
+            if a.has("quiet"):  # through the client's fire and forget
+                n0 = s.quiet_failures
+                assert s.retain(b, start, count, ttl, prio, end, wait=False) is None
+                s.ping(1)
+                n = s.quiet_failures - n0
+                if n == 0:
+                    return "no reply"
+                assert n == 1, "%d replies to one quiet request" % n
+                return status_string(s.last_quiet_failure[0])
+            got = s.retain(b, start, count, ttl, prio, end)
+            assert got is not None and s.retain_supported, "the sidecar does not know Retain"
+            return ("ended=%d" if end else "retained=%d") % got
         if cmd == "poll":
             r = s.poll(self.lease(a))
             return "%s blocks=%d" % (S.state_name(r.state), r.blocks)
