@@ -133,7 +133,7 @@ func runProgram(t *testing.T, prog []byte, l2 bool) {
 	template := func(r *progReader, s *sess) (uint16, []byte) {
 		w := int(s.req.DigestWidth)
 		k := r.byte()
-		switch k % 16 {
+		switch k % 17 {
 		case 0:
 			var d []byte
 			for i := byte(0); i < r.byte()%6; i++ {
@@ -192,6 +192,9 @@ func runProgram(t *testing.T, prog []byte, l2 bool) {
 			return schema.TypeEvents, (&schema.Changes{Epoch: uint64(r.byte() % 2 * 5), Seq: uint64(r.byte()), Max: uint32(r.byte() % 4)}).Append(nil)
 		case 14:
 			return schema.TypeEventSnapshot, (&schema.Snapshot{From: uint64(r.byte() % 40), Max: uint32(r.byte() % 4)}).Append(nil)
+		case 15: // retention (a ttl of 0, priority 4 or flag bit 1 are malformed)
+			return schema.TypeRetain, (&schema.Retain{View: schema.View{Batch: uint64(r.byte() % 4), Start: uint32(r.byte() % 3), Count: uint32(r.byte() % 6)},
+				TTLms: uint32(r.byte()) * 10, Priority: r.byte() % 5, Flags: r.byte() % 3}).Append(nil)
 		}
 		b := make([]byte, r.byte()%40)
 		for i := range b {
