@@ -210,9 +210,9 @@ const (
 	mqpMarkersPQ = 32 // markers per queue at most
 	mqpMarkers   = mqpQueues * mqpMarkersPQ
 	mqpMaxCount  = 15
-	mqpNS        = 64  // namespaces
-	mqpExplore   = 32  // a cold namespace's every 32nd new block is placed normally
-	mqpMinObs    = 32  // distances before the lifetime is set
+	mqpNS        = 64 // namespaces
+	mqpExplore   = 32 // a cold namespace's every 32nd new block is placed normally
+	mqpMinObs    = 32 // distances before the lifetime is set
 	mqpHistHalve = 1024
 	mqpGuardRel  = 0.1 // cold: namespace hit ratio below this times the global one
 )
