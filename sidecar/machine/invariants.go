@@ -197,6 +197,11 @@ func (m *Machine) CheckInvariants() error {
 		if cm != s.copyMeta {
 			bad("session %d: copy meta %d, copies hold %d", s.id, s.copyMeta, cm)
 		}
+		// What a uid's leases pin and its retentions keep (the same charge)
+		// stays within its share.
+		if got := m.cache.PinnedCharged(s.uid + 1); got > m.pinLimit() {
+			bad("uid %d: %d slots pinned or retained, its share is %d", s.uid, got, m.pinLimit())
+		}
 	}
 	return errors.Join(errs...)
 }
