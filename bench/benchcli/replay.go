@@ -21,7 +21,7 @@ func benchReplayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.replay." + name) }
 	return &cli.Command{
 		Name:  "replay",
-		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU, vLLM's ARC and the offline optimum; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
+		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU, vLLM's ARC, the offline optimum and the candidate MQP; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
 		Description: "Expands each trace block into --page-tokens pages (chained hashes), starts `ringside serve`\n" +
 			"(--ringside) once per --capacity-pages, and drives it from --engines simulated engine\n" +
 			"instances, each its own session with its own registered memory: per request, register the\n" +
@@ -30,7 +30,8 @@ func benchReplayCommand() *cli.Command {
 			"walks its whole view of the cache. Hit rates are printed beside an exact offline LRU of the\n" +
 			"same semantics; with --sequential (one request at a time, trace order) they must be equal.\n" +
 			"Beside them, offline: ARC as vLLM's offloading connector runs it, and the optimum's bound\n" +
-			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits).\n" +
+			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits), and MQP, the\n" +
+			"candidate eviction policy (multi-queue, tip history, measured lifetime, scan guard).\n" +
 			"--workload agentic replays a generated agentic workload (sessions, tool calls, forks, a scan)\n" +
 			"instead of --trace.\n" +
 			"A Unix-socket run of the same replay (through a relay process) is the transport baseline.\n" +

@@ -54,7 +54,7 @@ func TestBenchReplayCommand(t *testing.T) {
 		"replay":         {"capacity_pages", "pages_per_block", "hit_ratio", "oracle_hit_ratio", "transport", "hit_pages", "oracle_hit_pages", "stored_pages", "oracle_stored_pages"},
 		"replay_op":      {"op", "transport", "p50_ns", "p99_ns", "p999_ns", "max_ns", "capacity_pages"},
 		"replay_sidecar": {"cpu_fraction", "peak_rss_bytes", "copy_bytes_per_sec", "capacity_pages", "transport"},
-		"replay_policy":  {"capacity_pages", "live_hit_ratio", "lru_hit_ratio", "arc_hit_ratio", "min_block_hit_ratio", "min_prefix_hit_ratio", "live_over_lru"},
+		"replay_policy":  {"capacity_pages", "live_hit_ratio", "lru_hit_ratio", "arc_hit_ratio", "min_block_hit_ratio", "min_prefix_hit_ratio", "live_over_lru", "mqp_hit_ratio", "mqp_over_lru"},
 	}
 	policies := 0
 	caps := map[string]bool{}
@@ -110,7 +110,7 @@ func TestBenchReplayCommand(t *testing.T) {
 			if row["live_equals_lru"] != true || num("live_hit_ratio") != num("lru_hit_ratio") || num("live_over_lru") != 1 {
 				t.Errorf("live sidecar differs from the LRU: %s", line)
 			}
-			if b := num("min_block_hit_ratio"); b < num("lru_block_hit_ratio") || b < num("arc_block_hit_ratio") || b < num("lru_hit_ratio") || b < num("arc_hit_ratio") || b < num("min_prefix_hit_ratio") {
+			if b := num("min_block_hit_ratio"); b < num("lru_block_hit_ratio") || b < num("arc_block_hit_ratio") || b < num("lru_hit_ratio") || b < num("arc_hit_ratio") || b < num("min_prefix_hit_ratio") || b < num("mqp_block_hit_ratio") || b < num("mqp_hit_ratio") {
 				t.Errorf("the optimum's bound is below a policy: %s", line)
 			}
 			if num("arc_hit_ratio") <= 0 {

@@ -230,7 +230,7 @@ func (rep *Report) plotPolicies(path string) error {
 		"pool capacity, pages (log scale)", "hit ratio (%)")
 	p.X.Scale = plot.LogScale{}
 	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
-	var lru, arc, minPrefix, bound, live plotter.XYs
+	var lru, arc, minPrefix, bound, mqp, live plotter.XYs
 	top := rep.Unbound * 100
 	for _, pt := range rep.PolicyCurve {
 		x := float64(pt.CapacityPages)
@@ -238,6 +238,7 @@ func (rep *Report) plotPolicies(path string) error {
 		arc = append(arc, plotter.XY{X: x, Y: pt.ARC.HitRatio() * 100})
 		minPrefix = append(minPrefix, plotter.XY{X: x, Y: pt.MIN.HitRatio() * 100})
 		bound = append(bound, plotter.XY{X: x, Y: pt.MIN.BlockHitRatio() * 100})
+		mqp = append(mqp, plotter.XY{X: x, Y: pt.MQP.HitRatio() * 100})
 		top = math.Max(top, pt.MIN.BlockHitRatio()*100)
 	}
 	for _, r := range rep.runsOf("ring") {
@@ -254,6 +255,7 @@ func (rep *Report) plotPolicies(path string) error {
 	}{
 		{bound, "optimum: MIN's block hits (bound on any policy's prefix hits)", 2.5, true},
 		{minPrefix, "prefix hits following MIN's decisions", 1.5, false},
+		{mqp, "MQP (candidate)", 2, false},
 		{arc, "ARC as vLLM's offloading connector runs it", 1.5, false},
 		{lru, "LRU, the sidecar's policy (offline oracle)", 2, false},
 	} {

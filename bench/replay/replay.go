@@ -191,8 +191,8 @@ type Report struct {
 	// doublings of the largest up to the trace's distinct pages (cheap:
 	// no sidecar), for the hit-rate plot.
 	OracleCurve []OracleResult
-	// PolicyCurve is vLLM's ARC and the optimum (MIN) at the same
-	// capacities, beside the LRU (policies.go).
+	// PolicyCurve is vLLM's ARC, the optimum (MIN) and the candidate MQP
+	// at the same capacities, beside the LRU (policies.go, mqp.go).
 	PolicyCurve []PolicyPoint
 	Rows        []any // the JSON Lines rows, in order
 	Verdicts    []string
@@ -217,15 +217,15 @@ type RunResult struct {
 	Fleet        *FleetResult
 	FetchedPages int64
 	// ARC and MIN are the reference policy and the optimum at this
-	// capacity, offline (policies.go).
-	ARC, MIN PolicyResult
+	// capacity, offline (policies.go); MQP the candidate (mqp.go).
+	ARC, MIN, MQP PolicyResult
 }
 
 // PolicyPoint is the offline policies at one capacity.
 type PolicyPoint struct {
 	CapacityPages int
 	LRU           OracleResult
-	ARC, MIN      PolicyResult
+	ARC, MIN, MQP PolicyResult
 }
 
 // loadWorkload loads the traces or generates the workload.
@@ -332,16 +332,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			o = Oracle(w, c)
 		}
 		rep.OracleCurve = append(rep.OracleCurve, o)
-		pt := PolicyPoint{CapacityPages: c, LRU: o, ARC: ARC(w, c), MIN: MIN(w, c)}
+		pt := PolicyPoint{CapacityPages: c, LRU: o, ARC: ARC(w, c), MIN: MIN(w, c), MQP: MQP(w, c)}
 		rep.PolicyCurve = append(rep.PolicyCurve, pt)
 		policies[c] = pt
 	}
 	for _, p := range plans {
 		if _, ok := policies[p.capacity]; !ok {
-			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity)}
+			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity), MQP: MQP(w, p.capacity)}
 		}
 	}
-	logf("offline policies: LRU, ARC and MIN at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
+	logf("offline policies: LRU, ARC, MIN and MQP at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
 	prog := newProgress(cfg.Progress && !cfg.Quiet, cfg.Log, int64(len(plans)*len(w.Requests)))
 	defer prog.finish()
 	if prog.bar != nil {
@@ -355,7 +355,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
 		r.Oracle = oracles[p.capacity]
-		r.ARC, r.MIN = policies[p.capacity].ARC, policies[p.capacity].MIN
+		r.ARC, r.MIN, r.MQP = policies[p.capacity].ARC, policies[p.capacity].MIN, policies[p.capacity].MQP
 		if f := fleets[p]; f != nil {
 			r.Fleet, r.Oracle = f, f.OracleResult
 		}

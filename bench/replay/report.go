@@ -61,7 +61,8 @@ type CapacityRow struct {
 // beside the offline policies' of the same workload (bench
 // "replay_policy"). The optimum is MIN's block-hit ratio, an upper bound
 // on every policy's prefix hits (policies.go, MINPages); MIN's prefix
-// ratio is that of following MIN's decisions, not an optimum.
+// ratio is that of following MIN's decisions, not an optimum. MQP is the
+// candidate policy (mqp.go), measured here before it goes into the cache.
 type PolicyRow struct {
 	Bench             string  `json:"bench"` // "replay_policy"
 	Workload          string  `json:"workload"`
@@ -77,10 +78,13 @@ type PolicyRow struct {
 	ARCHitRatio       float64 `json:"arc_hit_ratio"`        // vLLM's ARC offloading manager
 	MINBlockHitRatio  float64 `json:"min_block_hit_ratio"`  // the optimum's block hits: the bound
 	MINPrefixHitRatio float64 `json:"min_prefix_hit_ratio"` // prefix hits following MIN's decisions
+	MQPHitRatio       float64 `json:"mqp_hit_ratio"`        // the candidate policy, MQP (mqp.go)
+	MQPOverLRU        float64 `json:"mqp_over_lru"`
 	LiveOverLRU       float64 `json:"live_over_lru"`
 	LRUBlockHitRatio  float64 `json:"lru_block_hit_ratio"`
 	ARCBlockHitRatio  float64 `json:"arc_block_hit_ratio"`
 	ARCFailedStores   int64   `json:"arc_failed_stores"`
+	MQPBlockHitRatio  float64 `json:"mqp_block_hit_ratio"`
 	UnboundedHitRatio float64 `json:"unbounded_hit_ratio"` // a cache that never evicts
 }
 
@@ -174,6 +178,7 @@ func (rep *Report) build() {
 			PageTokens: w.PageTokens, Sequential: c.Sequential, Requests: len(w.Requests), Pages: r.Counts.TotalPages,
 			LiveHitRatio: live, LRUHitRatio: r.Oracle.HitRatio(), LiveEqualsLRU: r.Counts.HitPages == r.Oracle.HitPages,
 			ARCHitRatio: r.ARC.HitRatio(), MINBlockHitRatio: r.MIN.BlockHitRatio(), MINPrefixHitRatio: r.MIN.HitRatio(),
+			MQPHitRatio: r.MQP.HitRatio(), MQPOverLRU: r.MQP.HitRatio() / max(r.Oracle.HitRatio(), 1e-12), MQPBlockHitRatio: r.MQP.BlockHitRatio(),
 			LiveOverLRU: live / max(r.Oracle.HitRatio(), 1e-12), LRUBlockHitRatio: r.Oracle.BlockHitRatio(),
 			ARCBlockHitRatio: r.ARC.BlockHitRatio(), ARCFailedStores: r.ARC.FailedStores, UnboundedHitRatio: rep.Unbound,
 		})
@@ -361,8 +366,8 @@ func (rep *Report) verdicts() []string {
 		}
 	}
 	for _, pt := range rep.PolicyCurve {
-		if b := pt.MIN.BlockHitPages; b < pt.LRU.BlockHitPages || b < pt.ARC.BlockHitPages {
-			out = append(out, fmt.Sprintf("check: at %d pages MIN's block hits %d are below LRU's %d or ARC's %d (MIN must bound them)", pt.CapacityPages, b, pt.LRU.BlockHitPages, pt.ARC.BlockHitPages))
+		if b := pt.MIN.BlockHitPages; b < pt.LRU.BlockHitPages || b < pt.ARC.BlockHitPages || b < pt.MQP.BlockHitPages {
+			out = append(out, fmt.Sprintf("check: at %d pages MIN's block hits %d are below LRU's %d, ARC's %d or MQP's %d (MIN must bound them)", pt.CapacityPages, b, pt.LRU.BlockHitPages, pt.ARC.BlockHitPages, pt.MQP.BlockHitPages))
 		}
 	}
 	for _, r := range rep.Runs {
@@ -629,8 +634,8 @@ func (rep *Report) writeStepsCSV(w io.Writer) error {
 }
 
 // printPolicies prints the policy comparison: per capacity of the sweep,
-// the prefix-hit ratio of the live sidecar, the offline LRU, vLLM's ARC
-// and the optimum's bound.
+// the prefix-hit ratio of the live sidecar, the offline LRU, vLLM's ARC,
+// the optimum's bound and the candidate MQP.
 func (rep *Report) printPolicies(out io.Writer) error {
 	var rows []PolicyRow
 	for _, x := range rep.Rows {
@@ -643,14 +648,14 @@ func (rep *Report) printPolicies(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "\nprefix-hit ratio by policy (%s, %d-token pages, one request at a time for the offline ones):\n", rows[0].Workload, rows[0].PageTokens)
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "capacity\tlive sidecar\tLRU\tARC (vLLM)\toptimum (bound)\tfollowing MIN\tlive/LRU\t")
+	fmt.Fprintln(tw, "capacity\tlive sidecar\tLRU\tARC (vLLM)\toptimum (bound)\tfollowing MIN\tMQP (candidate)\tlive/LRU\tMQP/LRU\t")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.3f\t\n", r.CapacityPages, 100*r.LiveHitRatio, 100*r.LRUHitRatio,
-			100*r.ARCHitRatio, 100*r.MINBlockHitRatio, 100*r.MINPrefixHitRatio, r.LiveOverLRU)
+		fmt.Fprintf(tw, "%d\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.3f\t%.3f\t\n", r.CapacityPages, 100*r.LiveHitRatio, 100*r.LRUHitRatio,
+			100*r.ARCHitRatio, 100*r.MINBlockHitRatio, 100*r.MINPrefixHitRatio, 100*r.MQPHitRatio, r.LiveOverLRU, r.MQPOverLRU)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; never evicting: %.2f%%\n", 100*rep.Unbound)
+	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; MQP (candidate): the policy proposed for the cache, offline; never evicting: %.2f%%\n", 100*rep.Unbound)
 	return nil
 }
