@@ -2,7 +2,9 @@ package connector
 
 import (
 	"errors"
+	"math"
 	"testing"
+	"time"
 
 	"github.com/ringside-kv/ringside/schema"
 )
@@ -12,12 +14,14 @@ import (
 type fake struct {
 	replies [][]byte
 	sent    []uint16
+	sentP   [][]byte // the payloads, in order
 	seq     uint64
 	closed  bool
 }
 
-func (f *fake) Submit(typ uint16, _ []byte) (uint64, error) {
+func (f *fake) Submit(typ uint16, p []byte) (uint64, error) {
 	f.sent = append(f.sent, typ)
+	f.sentP = append(f.sentP, append([]byte(nil), p...))
 	f.seq++
 	return f.seq, nil
 }
@@ -80,5 +84,47 @@ func TestTypedRequestsOverATransport(t *testing.T) {
 	}
 	if c.Info() != (schema.AttachReply{}) || c.SocketFD() != -1 || c.MaxPayload() != 0 {
 		t.Fatal("ring accessors of a client without the ring transport")
+	}
+}
+
+// Retain encodes its ttl in whole milliseconds, rounded up and capped,
+// END without ttl or priority, and refuses, sending nothing, a priority
+// outside 0..3 or a ttl that is not positive.
+func TestRetainRequest(t *testing.T) {
+	f := &fake{}
+	for range 4 {
+		f.replies = append(f.replies, (&schema.Reply{Value: 3}).Append(nil))
+	}
+	c := New(f, 16)
+	v := schema.View{Batch: 7, Start: 1, Count: 3}
+	for _, tc := range []struct {
+		ttl  time.Duration
+		prio int
+		end  bool
+		want schema.Retain
+	}{
+		{1500 * time.Microsecond, 2, false, schema.Retain{View: v, TTLms: 2, Priority: 2}},
+		{time.Hour, 3, false, schema.Retain{View: v, TTLms: 3600000, Priority: 3}},
+		{1 << 62, 0, false, schema.Retain{View: v, TTLms: math.MaxUint32}},
+		{time.Second, 9, true, schema.Retain{View: v, Flags: schema.RetainFlagEnd}},
+	} {
+		if n, err := c.Retain(v, tc.ttl, tc.prio, tc.end); n != 3 || err != nil {
+			t.Fatalf("retain %+v: %d %v", tc, n, err)
+		}
+		var got schema.Retain
+		if err := got.Decode(f.sentP[len(f.sentP)-1]); err != nil || got != tc.want || f.sent[len(f.sent)-1] != schema.TypeRetain {
+			t.Fatalf("retain %+v sent %+v (%v), want %+v", tc, got, err, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		ttl  time.Duration
+		prio int
+	}{{time.Second, 4}, {time.Second, -1}, {0, 0}, {-time.Second, 1}} {
+		if _, err := c.Retain(v, tc.ttl, tc.prio, false); err == nil {
+			t.Fatalf("retain ttl %v prio %d: no error", tc.ttl, tc.prio)
+		}
+	}
+	if len(f.sent) != 4 {
+		t.Fatalf("%d requests sent, want 4", len(f.sent))
 	}
 }

@@ -412,3 +412,34 @@ func TestRetainRandomOps(t *testing.T) {
 		}
 	}
 }
+
+// LRUTail visits blocks in the order eviction takes them: the LRU from its
+// tail, then the retained lists from the lowest priority's tail.
+func TestRetainLRUTailOrder(t *testing.T) {
+	x := newTC(t, 6)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 6; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	x.retain(ns, digs(8, 1, 2), 1, 0, time.Hour, 3, 0)
+	x.retain(ns, digs(8, 5), 1, 0, time.Hour, 0, 0)
+	var got []int
+	x.c.LRUTail(10, func(_ NamespaceID, d []byte, _ bool) bool {
+		got = append(got, int(d[7]))
+		return true
+	})
+	if want := []int{3, 4, 6, 5, 2, 1}; !sameInts(got, want) {
+		t.Fatalf("LRUTail %v, want %v", got, want)
+	}
+	got = got[:0]
+	x.c.LRUTail(4, func(_ NamespaceID, d []byte, _ bool) bool {
+		got = append(got, int(d[7]))
+		return true
+	})
+	if want := []int{3, 4, 6, 5}; !sameInts(got, want) {
+		t.Fatalf("LRUTail(4) %v, want %v", got, want)
+	}
+	if got, want := x.evictions(ns, 1, 2, 3, 4, 5, 6), []int{3, 4, 6, 5, 2, 1}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
+	}
+}
