@@ -26,9 +26,18 @@ type mBlock struct {
 	ranks    []int
 	writers  []uint64 // ticket id per rank while writing
 	pins     int
-	recency  uint64
+	recency  int64 // within its list (the LRU, or its retention priority's)
 	deadline int64
 	tseq     uint64 // timer creation order (tie-break)
+	ret      *mRet  // its retention, if any
+}
+
+// mRet is a block's retention (Retain).
+type mRet struct {
+	key      SessionID
+	prio     int
+	deadline int64
+	tseq     uint64
 }
 
 type mLease struct {
@@ -63,9 +72,12 @@ type model struct {
 	doomed   map[*mDoomed]bool
 	loads    map[uint64][]mKey
 	charge   map[mKey]SessionID // pending block -> charge key (its first writer's owner)
-	clock    uint64
+	clock    int64              // recency of the most recent block (counts up)
+	low      int64              // recency of the least recent one (counts down: a block put at a list's tail)
 	tseq     uint64
 	wt       int64
+	// retainedEvicted counts evicted blocks that had a retention.
+	retainedEvicted int
 }
 
 const modelChargeLimit = 9 // slots of incomplete blocks one owner may hold
@@ -86,7 +98,22 @@ func (m *model) pinnedBy(owner SessionID) (map[mKey]bool, int) {
 			}
 		}
 	}
+	// A retention charges its key like a pin.
+	for k, b := range m.blocks {
+		if b.ret != nil && b.ret.key == owner && !set[k] {
+			set[k] = true
+			slots += m.world[k.ns]
+		}
+	}
 	return set, slots
+}
+
+// toTail puts an unpinned present block at the tail of its list.
+func (m *model) toTail(b *mBlock) {
+	if m.present(b) && b.pins == 0 {
+		m.low--
+		b.recency = m.low
+	}
 }
 
 func (m *model) charged(owner SessionID) int {
@@ -136,14 +163,28 @@ func (m *model) touch(b *mBlock) {
 	}
 }
 
-// evictOne removes the least recent present unpinned block and returns it.
+// evictOne removes the least recent present unpinned block without a
+// retention, else the least recent retained one of the lowest priority, and
+// returns it.
 func (m *model) evictOne() mKey {
 	var best mKey
 	var bb *mBlock
+	rank := func(b *mBlock) int { // retention orders first, then recency
+		if b.ret == nil {
+			return -1
+		}
+		return b.ret.prio
+	}
 	for k, b := range m.blocks {
-		if m.present(b) && b.pins == 0 && (bb == nil || b.recency < bb.recency) {
+		if !m.present(b) || b.pins != 0 {
+			continue
+		}
+		if bb == nil || rank(b) < rank(bb) || rank(b) == rank(bb) && b.recency < bb.recency {
 			best, bb = k, b
 		}
+	}
+	if bb.ret != nil {
+		m.retainedEvicted++
 	}
 	delete(m.blocks, best)
 	return best
@@ -321,7 +362,57 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			}
 			return ds, flat
 		}
-		switch p := rng.IntN(100); {
+		switch p := rng.IntN(110); {
+		case p >= 106: // EndRetain
+			ds, flat := query()
+			want := 0
+			for _, d := range ds {
+				if b, ok := m.blocks[mKey{n.id, d}]; ok && m.present(b) && b.ret != nil && b.ret.key == owner {
+					b.ret = nil
+					m.toTail(b)
+					want++
+				}
+			}
+			got, err := c.EndRetain(n.id, flat, uint32(owner))
+			if err != nil || got != want {
+				t.Fatalf("op %d: EndRetain = %d %v, model %d", op, got, err, want)
+			}
+		case p >= 100: // Retain
+			ds, flat := query()
+			var mine []mKey
+			for _, k := range m.leading(mKey{ns: n.id}, ds) {
+				if r := m.blocks[k].ret; r == nil || r.key == owner {
+					mine = append(mine, k)
+				}
+			}
+			set, slots := m.pinnedBy(owner)
+			wantShort := false
+			for i, k := range mine {
+				if !set[k] {
+					if slots+n.world > modelPinLimit {
+						mine, wantShort = mine[:i], true
+						break
+					}
+					slots += n.world
+				}
+			}
+			ttl := time.Duration(1+rng.IntN(100)) * time.Millisecond
+			prio := rng.IntN(RetainPriorities)
+			got, short, err := c.Retain(n.id, flat, Charge{Key: uint32(owner), Limit: modelPinLimit}, ttl, prio, now)
+			if err != nil || got != len(mine) || short != wantShort {
+				t.Fatalf("op %d: Retain = %d short %v %v, model %d short %v", op, got, short, err, len(mine), wantShort)
+			}
+			for _, k := range mine {
+				b := m.blocks[k]
+				if b.ret == nil {
+					m.tseq++
+					b.ret = &mRet{key: owner, tseq: m.tseq}
+				}
+				b.ret.prio, b.ret.deadline = prio, now+int64(ttl)
+			}
+			for i := len(mine) - 1; i >= 0; i-- {
+				m.touch(m.blocks[mine[i]])
+			}
 		case p < 30: // BeginStore
 			d := n.ds[rng.IntN(len(n.ds))]
 			rank := rng.IntN(n.world)
@@ -489,16 +580,20 @@ func runModel(t *testing.T, seed uint64, ops int) {
 				tseq     uint64
 				lease    uint64
 				key      mKey
+				retain   bool // key's retention
 			}
 			var es []exp
 			for id, l := range m.leases {
 				if l.deadline <= now {
-					es = append(es, exp{l.deadline, l.tseq, id, mKey{}})
+					es = append(es, exp{l.deadline, l.tseq, id, mKey{}, false})
 				}
 			}
 			for k, b := range m.blocks {
 				if !m.present(b) && b.deadline <= now {
-					es = append(es, exp{b.deadline, b.tseq, 0, k})
+					es = append(es, exp{b.deadline, b.tseq, 0, k, false})
+				}
+				if b.ret != nil && b.ret.deadline <= now {
+					es = append(es, exp{b.ret.deadline, b.ret.tseq, 0, k, true})
 				}
 			}
 			sort.Slice(es, func(i, j int) bool {
@@ -506,6 +601,13 @@ func runModel(t *testing.T, seed uint64, ops int) {
 			})
 			var want ReapResult
 			for _, e := range es {
+				if e.retain {
+					b := m.blocks[e.key]
+					b.ret = nil
+					m.toTail(b)
+					want.Retained++
+					continue
+				}
 				if e.lease != 0 {
 					m.dropLease(e.lease)
 					deadLeases = append(deadLeases, e.lease)
@@ -656,7 +758,7 @@ func runModel(t *testing.T, seed uint64, ops int) {
 		x.check()
 		// Cross-check accounting with the model.
 		s := c.Stats()
-		present, pinned := 0, 0
+		present, pinned, retained := 0, 0, 0
 		for _, b := range m.blocks {
 			if m.present(b) {
 				present++
@@ -664,6 +766,12 @@ func runModel(t *testing.T, seed uint64, ops int) {
 					pinned++
 				}
 			}
+			if b.ret != nil {
+				retained++
+			}
+		}
+		if s.RetainedBlocks != retained {
+			t.Fatalf("op %d: %d retained blocks, model %d", op, s.RetainedBlocks, retained)
 		}
 		for owner := range owners {
 			if got, want := c.PendingCharged(uint32(owners[owner])), m.charged(owners[owner]); got != want {
@@ -687,8 +795,10 @@ func runModel(t *testing.T, seed uint64, ops int) {
 		resyncs += cn.resyncs
 	}
 	if s.Evictions == 0 || s.NoSpace == 0 || s.ExpiredLeases == 0 || s.ExpiredBlocks == 0 || s.Stores == 0 || resyncs == 0 ||
-		s.OverQuota == 0 || removed == 0 || s.Aborts == 0 || doomedSeen == 0 || pinShort == 0 {
-		t.Fatalf("random walk did not cover enough: %+v resyncs %d namespaces removed %d doomed %d pins cut short %d", s, resyncs, removed, doomedSeen, pinShort)
+		s.OverQuota == 0 || removed == 0 || s.Aborts == 0 || doomedSeen == 0 || pinShort == 0 ||
+		s.Retains == 0 || s.RetainEnds == 0 || s.ExpiredRetains == 0 || m.retainedEvicted == 0 {
+		t.Fatalf("random walk did not cover enough: %+v resyncs %d namespaces removed %d doomed %d pins cut short %d retained evicted %d",
+			s, resyncs, removed, doomedSeen, pinShort, m.retainedEvicted)
 	}
 }
 
