@@ -159,10 +159,11 @@ READS: list[tuple[str, Optional[str], list[str]]] = [
      ["block_size", "sliding_window", "extra_retained_tokens", "prefix_cacheable"]),
     ("vllm.v1.kv_cache_interface", "UniformTypeKVCacheSpecs", ["kv_cache_specs", "block_size"]),
     ("vllm.v1.core.kv_cache_utils", None, ["maybe_convert_block_hash", "resolve_kv_cache_block_sizes"]),
-    # admission.py, hybrid.py, store_plan.py, events.py: requests
+    # admission.py, hybrid.py, store_plan.py, events.py: requests; scheduler.py: the
+    # request body's kv_transfer_params (retention hints, retention.py)
     ("vllm.v1.request", "Request",
      ["request_id", "block_hashes", "num_tokens", "num_computed_tokens", "num_prompt_tokens", "all_token_ids",
-      "_all_token_ids", "lora_request"]),
+      "_all_token_ids", "lora_request", "kv_transfer_params"]),
     ("vllm.lora.request", "LoRARequest", ["adapter_id", "name"]),
     # scheduler.py, store_plan.py: the scheduler's output and the workers' output
     ("vllm.v1.core.sched.output", "SchedulerOutput",

@@ -132,13 +132,16 @@ def layer_index(name: str) -> int:
     return int(name.split(".")[2])
 
 
-def request(rid: str, tokens: list[int], max_tokens: int = 8) -> "Request":
-    """A vLLM Request with vLLM's sha256 block hashing."""
+def request(rid: str, tokens: list[int], max_tokens: int = 8, kv_transfer_params: Optional[dict] = None) -> "Request":
+    """A vLLM Request with vLLM's sha256 block hashing (and the request
+    body's kv_transfer_params, where vLLM's OpenAI server puts them)."""
     global _none_hash
     if not _none_hash:
         init_none_hash(sha256)
         _none_hash = True
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if kv_transfer_params is not None:
+        sp.extra_args = {"kv_transfer_params": kv_transfer_params}
     sp.update_from_generation_config({}, EOS)
     return Request(
         request_id=rid,

@@ -29,6 +29,7 @@ from ..events import EventFeed
 from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
+from . import retention
 from .admission import Admission
 from .engine import full_attention_only
 from .events import KVEvents
@@ -37,7 +38,7 @@ from .hybrid import HybridAdmission
 from .index import LocalIndex
 from .loads import Loads
 from .metadata import RingsideConnectorMetadata
-from .state import StepBudget
+from .state import ReqState, StepBudget
 from .store_plan import StorePlanner
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,6 +157,9 @@ class SchedulerSide:
         # metadata), and those not reported back in finished_sending yet.
         self._held: list[str] = []
         self.holding: set[str] = set()
+        # Held requests with a retention hint (retention.py): the hint is
+        # sent, and the batch recycled, once their stores are answered.
+        self._retain_later: dict[str, tuple[ReqState, retention.Hint]] = {}
         lim = limits or EngineLimits()
         # A store planned in step k is answered, or waited for, by the time
         # the workers start the forward pass of step k + 2 (handle_preemptions
@@ -312,6 +316,8 @@ class SchedulerSide:
             sent = getattr(connector_output, "finished_sending", None)
             if sent:
                 self.holding.difference_update(sent)
+                if self._retain_later:
+                    self._retain_sent(sent)
         rec = getattr(connector_output, "finished_recving", None) or ()
         if not rec:
             return
@@ -337,6 +343,8 @@ class SchedulerSide:
         # (store_step 0), and a request waiting for its load is held by
         # vLLM itself until finished_recving.
         hold = bool(r.store_step) and r.store_step + self.hold_steps > self.planner.step
+        params = getattr(request, "kv_transfer_params", None)
+        hint = retention.hint_of(params) if params and self.hybrid is None else None
         if hold:
             self._held.append(rid)
             self.holding.add(rid)
@@ -351,11 +359,33 @@ class SchedulerSide:
                     s.forget(seq)
                 if r.load is not None:
                     self.loads.finished(rid, r, s)
-                if r.registered:
-                    self.admission.recycle(r, s)
+                if hint is not None and hold:
+                    self._retain_later[rid] = (r, hint)  # sent once its stores are answered
+                else:
+                    if hint is not None:
+                        retention.send(self.admission, s, r, hint)
+                    if r.registered:
+                        self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)
         return hold, None
+
+    def _retain_sent(self, sent: Any) -> None:
+        """Held requests whose stores were all answered (finished_sending):
+        send their retention hints, then recycle their batches."""
+        s = self.link.session
+        for rid in sent:
+            later = self._retain_later.pop(rid, None)
+            if later is None:
+                continue
+            r, hint = later
+            if s is None or r.generation != self.link.generation:
+                continue  # a new sidecar session: its batches are gone
+            try:
+                retention.send(self.admission, s, r, hint)
+                self.admission.recycle(r, s)
+            except SIDECAR_ERRORS as e:
+                self.faults.fail(e)
 
     def has_pending_block_frees(self) -> bool:
         """vLLM asks before it preempts a request for blocks: held blocks
