@@ -125,21 +125,27 @@ func MQP(w *Workload, capacity int) PolicyResult {
 // tip table and the sampler hash (namespace, page id) where the sidecar
 // would hash (namespace, digest).
 func MQPPages(reqs [][]uint32, ns []uint8, numIDs, capacity int) PolicyResult {
-	res := PolicyResult{Policy: "mqp", CapacityPages: capacity, Requests: len(reqs)}
 	if capacity <= 0 {
+		res := PolicyResult{Policy: "mqp", CapacityPages: capacity, Requests: len(reqs)}
 		for _, r := range reqs {
 			res.TotalPages += int64(len(r))
 		}
 		return res
 	}
-	m := newMQP(numIDs, capacity)
-	state := make([]uint8, numIDs)
+	return newMQP(numIDs, capacity).replay(reqs, ns, capacity)
+}
+
+// replay drives m through reqs (MQPPages).
+func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
+	res := PolicyResult{Policy: "mqp", CapacityPages: capacity, Requests: len(reqs)}
 	const (
 		absent uint8 = iota
 		present
 		writing
+		pinned // present and leased
 	)
-	used, resident, pinned := 0, 0, 0
+	state := make([]uint8, len(m.st))
+	used, resident, leased := 0, 0, 0
 	var written []uint32
 	var wpos []int
 	for ri, pages := range reqs {
@@ -164,7 +170,8 @@ func MQPPages(reqs [][]uint32, ns []uint8, numIDs, capacity int) PolicyResult {
 		}
 		for i := 0; i < h; i++ {
 			m.pin(pages[i])
-			pinned++
+			state[pages[i]] = pinned
+			leased++
 		}
 		written, wpos = written[:0], wpos[:0]
 		for i := h; i < len(pages); i++ {
@@ -173,14 +180,17 @@ func MQPPages(reqs [][]uint32, ns []uint8, numIDs, capacity int) PolicyResult {
 			case present:
 				m.touch(p, i)
 				continue
-			case writing:
+			case writing, pinned:
 				continue
 			}
-			if capacity-used+resident-pinned < 1 {
+			if capacity-used+resident-leased < 1 {
 				continue // NoSpace
 			}
 			if used == capacity {
 				v := m.victim()
+				if state[v] != present {
+					panic("replay: MQP chose a victim that is not present and unpinned")
+				}
 				state[v] = absent
 				used--
 				resident--
@@ -199,7 +209,8 @@ func MQPPages(reqs [][]uint32, ns []uint8, numIDs, capacity int) PolicyResult {
 		}
 		for i := h - 1; i >= 0; i-- {
 			m.unpin(pages[i])
-			pinned--
+			state[pages[i]] = present
+			leased--
 		}
 	}
 	return res
