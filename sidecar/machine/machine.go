@@ -304,7 +304,8 @@ func (m *Machine) uncharge(s *session, uid uint32, c usage) {
 	}
 }
 
-// pinLimit is the slots one uid's leases may pin.
+// pinLimit is the slots one uid's leases may pin and its retentions keep
+// (each block once).
 func (m *Machine) pinLimit() int { return max(int(share(int64(m.slots), m.cfg.PinShare)), 1) }
 
 func (m *Machine) pendingLimit() int { return max(int(share(int64(m.slots), m.cfg.PendingShare)), 1) }
@@ -618,7 +619,7 @@ type SessionInfo struct {
 	Regions  int
 	Leases   int
 	Meta     int64
-	Pins     int // slots the leases of its uid pin (distinct blocks)
+	Pins     int // slots the leases of its uid pin and its retentions keep (distinct blocks)
 }
 
 // Sessions lists the live sessions.
