@@ -70,7 +70,8 @@ type Config struct {
 	// MaxNamespaces bounds namespaces (model, layout, salt, width, world).
 	MaxNamespaces int
 	// PinShare is the part of the pool's slots the leases of one uid may
-	// pin (distinct blocks); the rest stays evictable for others.
+	// pin and its retentions (Retain) keep (distinct blocks); the rest
+	// stays evictable for others.
 	PinShare float64
 	// PendingShare is the part of the pool's slots one uid may hold in
 	// incomplete blocks (written by some ranks, not yet by all).
