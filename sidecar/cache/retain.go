@@ -137,7 +137,8 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Durat
 		c.retains[h] = r
 		r.heap = int32(c.timerPush(deadline, timerRetain, h))
 		if ch.Key != 0 {
-			c.chargePins(ch.Key, []uint32{h}, nsr.world)
+			one := [1]uint32{h}
+			c.chargePins(ch.Key, one[:], nsr.world)
 		}
 	}
 	// Most recent in reverse, as Lookup touches: the prefix's first block
@@ -190,7 +191,8 @@ func (c *Cache) endRetention(h uint32) {
 	}
 	delete(c.retains, h)
 	if r.key != 0 {
-		c.unchargePins(r.key, []uint32{h})
+		one := [1]uint32{h}
+		c.unchargePins(r.key, one[:])
 	}
 	if c.aux[h] == 0 {
 		c.listPushBack(c.sentinel, h)
@@ -207,7 +209,8 @@ func (c *Cache) dropRetention(h uint32) {
 	c.timerRemove(int(r.heap))
 	delete(c.retains, h)
 	if r.key != 0 {
-		c.unchargePins(r.key, []uint32{h})
+		one := [1]uint32{h}
+		c.unchargePins(r.key, one[:])
 	}
 }
 
