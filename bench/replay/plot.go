@@ -255,9 +255,9 @@ func (rep *Report) plotPolicies(path string) error {
 	}{
 		{bound, "optimum: MIN's block hits (bound on any policy's prefix hits)", 2.5, true},
 		{minPrefix, "prefix hits following MIN's decisions", 1.5, false},
-		{mqp, "MQP (candidate)", 2, false},
 		{arc, "ARC as vLLM's offloading connector runs it", 1.5, false},
 		{lru, "LRU, the sidecar's policy (offline oracle)", 2, false},
+		{mqp, "MQP (candidate)", 2, false},
 	} {
 		l, err := plotter.NewLine(s.xy)
 		if err != nil {
@@ -278,7 +278,7 @@ func (rep *Report) plotPolicies(path string) error {
 		}
 		s.GlyphStyle.Shape = draw.CircleGlyph{}
 		s.GlyphStyle.Radius = vg.Points(4)
-		s.Color = plotutil.Color(4)
+		s.Color = plotutil.Color(5)
 		p.Add(s)
 		p.Legend.Add("live sidecar (this run)", s)
 	}
