@@ -110,6 +110,7 @@ func newMetrics(s *Server) *metrics {
 	gauge("ringside_blocks", "Present blocks.", func(v *view) float64 { return float64(v.st.Blocks) })
 	gauge("ringside_blocks_pinned", "Present blocks under a lease or a load.", func(v *view) float64 { return float64(v.st.PinnedBlocks) })
 	gauge("ringside_blocks_doomed", "Blocks dropped while a store copy still ran, waiting for it to end.", func(v *view) float64 { return float64(v.st.DoomedBlocks) })
+	gauge("ringside_blocks_retained", "Present blocks under a retention hint (Retain): evicted after every block without one.", func(v *view) float64 { return float64(v.st.RetainedBlocks) })
 	gauge("ringside_leases", "Live leases.", func(v *view) float64 { return float64(v.st.Leases) })
 	gauge("ringside_queries_waiting", "Queries admitted but waiting for load budget.", func(v *view) float64 { return float64(v.u.Waiting) })
 	gauge("ringside_sessions", "Attached sessions.", func(v *view) float64 { return float64(v.u.Sessions) })
@@ -127,6 +128,9 @@ func newMetrics(s *Server) *metrics {
 	counter("ringside_stores_total", "Blocks that became present.", func(v *view) float64 { return float64(v.st.Stores) })
 	counter("ringside_evictions_total", "Blocks evicted for space.", func(v *view) float64 { return float64(v.st.Evictions) })
 	counter("ringside_store_no_space_total", "Stores refused because nothing was evictable.", func(v *view) float64 { return float64(v.st.NoSpace) })
+	counter("ringside_retains_total", "Retentions set or renewed by Retain, by block.", func(v *view) float64 { return float64(v.st.Retains) })
+	counter("ringside_retains_ended_total", "Retentions ended by a session-end hint (Retain with END), by block.", func(v *view) float64 { return float64(v.st.RetainEnds) })
+	counter("ringside_retains_expired_total", "Retentions that reached their deadline, by block.", func(v *view) float64 { return float64(v.st.ExpiredRetains) })
 	counter("ringside_leases_expired_total", "Leases whose deadline passed (their queries resolved as misses).", func(v *view) float64 { return float64(v.c.ExpiredLeases) })
 	counter("ringside_quota_refusals_total", "Requests refused, or leases shortened, by a quota (any limit).", func(v *view) float64 {
 		n := uint64(0)
