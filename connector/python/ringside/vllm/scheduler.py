@@ -259,6 +259,7 @@ class SchedulerSide:
         meta.wait_saves = pre is None or bool(pre) or not full
         if pre:
             self.admission.preempted(pre)
+            self.planner.preempted(pre)
             reqs = self.reqs
             for rid in pre:  # its blocks went with the preemption (wait_saves, settle_saves)
                 r = reqs.get(rid)

@@ -77,6 +77,9 @@ class StorePlanner:
         self.runs: Optional[list[tuple[Any, int, int]]] = [] if describe else None
         self._watch: set[str] = set()
         self._due: dict[int, list[str]] = {}
+        # Requests preempted and not scheduled since: counted as resumed when
+        # they are (Model Runner V2 schedules them as new requests).
+        self._preempted: set[str] = set()
         # Block ids (a list a KV cache group), for vLLM without kv_connector_block_state.
         self._legacy: dict[str, list[list[int]]] = {}
 
@@ -124,6 +127,14 @@ class StorePlanner:
             if resumed:
                 watch.update(resumed)
                 self.stats["resumed"] += len(resumed)
+            pre = self._preempted
+            if pre:
+                if resumed:
+                    pre.difference_update(resumed)
+                back = [nr.req_id for nr in so.scheduled_new_reqs if nr.req_id in pre]
+                if back:  # resumed as new requests (Model Runner V2)
+                    pre.difference_update(back)
+                    self.stats["resumed"] += len(back)
             step = self.step
             due = self._due.pop(step, None)
             if due:
@@ -144,7 +155,13 @@ class StorePlanner:
         """A finished request (an entry left in the calendar is skipped: it has no state)."""
         if self._legacy:
             self._legacy.pop(rid, None)
+        if self._preempted:
+            self._preempted.discard(rid)
         self._watch.discard(rid)
+
+    def preempted(self, rids: Any) -> None:
+        """Requests preempted in the step being planned."""
+        self._preempted.update(rids)
 
     def _check(self, rid: str, nst: dict, resolve: Callable, meta: RingsideConnectorMetadata) -> None:
         r = self.reqs.get(rid)
