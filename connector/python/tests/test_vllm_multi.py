@@ -324,9 +324,10 @@ def test_events_in_the_combined_stream(start_sidecar, first):
         reqs = [H.request("%s%d" % ("e" if on else "n", i), H.prompt(200 + 10 * on + i, 50)) for i in range(3)]
         eng.run(reqs)
         want = {int.from_bytes(h[-8:], "big") for r in reqs for h in r.block_hashes[:3]}
-        for _ in range(200):
+        deadline = time.monotonic() + 10  # the sidecar's event log is polled every kv_events_poll_ms
+        while True:
             hs = {h for e in eng.conn.events if isinstance(e, BlockStored) for h in e.block_hashes}
-            if not on or want <= hs:
+            if not on or want <= hs or time.monotonic() > deadline:
                 break
             eng.step()
             time.sleep(0.002)
