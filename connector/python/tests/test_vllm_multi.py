@@ -235,17 +235,21 @@ def test_hits_in_either_position(start_sidecar, first):
     assert all(p is None for p in eng.params.values()), eng.params
 
 
-@pytest.mark.parametrize("first", ["ringside", "offloading"])
+@pytest.mark.parametrize("first", ["ringside", "offloading", "pair"])
 def test_load_failure_is_recomputed(start_sidecar, first):
     """A ringside load that fails is recomputed, never a failed request, in
     a MultiConnector too: vLLM's scheduler reads kv_load_failure_policy
     from the MultiConnector's own configuration (default "fail"), so the
-    connector sets it there."""
+    connector sets it there. (pair: beside a second ringside connector on
+    a sidecar without the blocks.)"""
     sc = start_sidecar(metrics=True)
     eng = MultiEngine([ringside_child(sc.sock)])  # stores only ringside's copy
     eng.run(prompts("a"))
     eng.shutdown()
-    eng = MultiEngine(children(sc.sock, first))
+    if first == "pair":
+        eng = MultiEngine([ringside_child(sc.sock), ringside_child(start_sidecar().sock)])
+    else:
+        eng = MultiEngine(children(sc.sock, first))
     broken: list = []
 
     def break_loads(so, meta):
