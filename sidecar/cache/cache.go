@@ -92,6 +92,9 @@ type Config struct {
 	// overwrites its oldest entries (consumers then resync). Zero: no
 	// bound beyond DeltaLogSize per namespace.
 	MaxLogBytes int64
+	// Policy is the eviction policy of unretained blocks: PolicyLRU (the
+	// zero value, the default) or PolicyMQP (mqp.go).
+	Policy Policy
 }
 
 // EnsureDefaults fills zero fields with defaults.
@@ -122,6 +125,9 @@ func (c *Config) Validate() error {
 	if c.Epoch == 0 {
 		errs = append(errs, fmt.Errorf("%w: epoch must be non-zero", ErrBadConfig))
 	}
+	if c.Policy != PolicyLRU && c.Policy != PolicyMQP {
+		errs = append(errs, fmt.Errorf("%w: unknown eviction policy %d", ErrBadConfig, uint8(c.Policy)))
+	}
 	if c.InitialLogSize <= 0 || c.InitialLogSize&(c.InitialLogSize-1) != 0 || c.InitialLogSize > c.DeltaLogSize {
 		errs = append(errs, fmt.Errorf("%w: initial log size %d is not a positive power of two at most the delta log size %d", ErrBadConfig, c.InitialLogSize, c.DeltaLogSize))
 	}
@@ -148,6 +154,7 @@ type namespace struct {
 	doomed  int // dropped blocks whose slots wait for a copy in flight (not indexed)
 	log     deltaLog
 	ev      *nsEvents // the event log (meta.go), from the first description on
+	guard   nsGuard   // MQP's scan guard (mqp.go)
 }
 
 // Cache is the in-memory state machine of the KV block pool. It is NOT
@@ -159,8 +166,8 @@ type Cache struct {
 
 	// Per-slot struct of arrays (see doc.go for the byte budget).
 	digest [][MaxDigestLen]byte
-	prev   []uint32 // len capacity+1+RetainPriorities
-	next   []uint32 // len capacity+1+RetainPriorities
+	prev   []uint32 // len capacity+1+RetainPriorities (+mqpExtraNodes under MQP)
+	next   []uint32 // len capacity+1+RetainPriorities (+mqpExtraNodes under MQP)
 	ring   []uint32
 	aux    []uint32
 	nsOf   []uint16
@@ -236,6 +243,7 @@ type Cache struct {
 	sizing  sizing // what an unbounded pool would have hit (sizing.go)
 	onFree  func(slot uint32)
 	ev      eventsState // block descriptions for KV events (meta.go)
+	mqp     *mqpState   // PolicyMQP's state (mqp.go); nil under LRU
 }
 
 // OnFree sets a function called with every slot the cache frees, as it
@@ -260,13 +268,17 @@ func New(cfg Config) (*Cache, error) {
 		return nil, err
 	}
 	n := uint32(cfg.Capacity)
+	nodes := n + 1 + RetainPriorities
+	if cfg.Policy == PolicyMQP {
+		nodes += mqpExtraNodes
+	}
 	c := &Cache{
 		cfg:          cfg,
 		capacity:     n,
 		sentinel:     n,
 		digest:       make([][MaxDigestLen]byte, n),
-		prev:         make([]uint32, n+1+RetainPriorities),
-		next:         make([]uint32, n+1+RetainPriorities),
+		prev:         make([]uint32, nodes),
+		next:         make([]uint32, nodes),
 		ring:         make([]uint32, n),
 		aux:          make([]uint32, n),
 		nsOf:         make([]uint16, n),
@@ -299,6 +311,20 @@ func New(cfg Config) (*Cache, error) {
 	for s := n; s < n+1+RetainPriorities; s++ {
 		c.prev[s], c.next[s] = s, s // empty LRU and retained lists
 	}
+	if cfg.Policy == PolicyMQP {
+		m := newMQP(n)
+		m.qSent[0] = n
+		for q := uint32(1); q < mqpQueues; q++ {
+			s := n + RetainPriorities + q
+			m.qSent[q] = s
+			c.prev[s], c.next[s] = s, s
+		}
+		m.mkBase = n + RetainPriorities + mqpQueues
+		for s := m.mkBase; s < nodes; s++ {
+			c.prev[s], c.next[s] = NoSlot, NoSlot
+		}
+		c.mqp = m
+	}
 	return c, nil
 }
 
@@ -329,7 +355,7 @@ func (c *Cache) AddNamespace(key NamespaceKey) (NamespaceID, error) {
 	if c.nsLive >= maxNamespaces {
 		return 0, ErrTooManyNS
 	}
-	ns := &namespace{key: key, width: key.DigestWidth, world: key.WorldSize}
+	ns := &namespace{key: key, width: key.DigestWidth, world: key.WorldSize, guard: nsGuard{hr: -1}}
 	c.incarnation++
 	ns.log.init(c.cfg.InitialLogSize, c.cfg.Epoch, c.incarnation<<logSeqShift)
 	c.logBytes += ns.log.bytes()
@@ -424,6 +450,9 @@ func (c *Cache) MemoryBytes() int64 {
 	b += int64(len(c.nsOf)) * 2
 	b += int64(len(c.meta) + len(c.done))
 	b += int64(len(c.table))*4 + int64(len(c.tags))
+	if c.mqp != nil {
+		b += c.mqp.bytes()
+	}
 	return b
 }
 
@@ -559,9 +588,19 @@ func (c *Cache) retListed() int {
 // retention priority's): at the front, or with tail at the back.
 func (c *Cache) relist(s uint32, tail bool) {
 	if tail {
+		c.coldest(s)
 		c.listPushBack(c.listOf(s), s)
 	} else {
 		c.listPushFront(c.listOf(s), s)
+	}
+}
+
+// coldest makes an unlisted, unretained head's next listing go to its
+// policy's coldest list (under MQP, queue 0); the caller pushes it at
+// the back.
+func (c *Cache) coldest(s uint32) {
+	if c.mqp != nil && c.retains[s] == nil {
+		c.mqp.pol[s] &= 15
 	}
 }
 

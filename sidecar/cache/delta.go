@@ -256,10 +256,10 @@ func (c *Cache) Clear(ns NamespaceID) (int, error) {
 	}
 	id := uint16(ns)
 	dropped := 0
-	for sent := c.sentinel; sent <= c.retSentinel(RetainPriorities-1); sent++ {
+	for _, sent := range c.evictionLists() {
 		for s := c.prev[sent]; s != sent; {
 			p := c.prev[s]
-			if c.nsOf[s] == id {
+			if s < c.capacity && c.nsOf[s] == id {
 				c.evictBlock(s, false)
 				dropped++
 			}

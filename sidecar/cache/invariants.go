@@ -5,6 +5,32 @@ import (
 	"fmt"
 )
 
+// checkMarkers checks MQP queue q: its block counter, and that the
+// markers found in it (front to back) are its marker ring, newest first,
+// with ticks that never increase towards the back.
+func (c *Cache) checkMarkers(q, blocks int, found []uint8, bad func(string, ...any)) {
+	m := c.mqp
+	if m.nb[q] != blocks {
+		bad("mqp: queue %d holds %d blocks, counter %d", q, blocks, m.nb[q])
+	}
+	if len(found) != int(m.mkLen[q]) {
+		bad("mqp: queue %d holds %d markers, ring %d", q, len(found), m.mkLen[q])
+		return
+	}
+	for i, id := range found {
+		want := m.mkRing[q][(int(m.mkHead[q])+len(found)-1-i)%mqpMarkersPerQ]
+		if id != want {
+			bad("mqp: queue %d marker %d is %d, ring says %d", q, i, id, want)
+		}
+		if i > 0 && m.mk[id] > m.mk[found[i-1]] {
+			bad("mqp: queue %d markers out of order", q)
+		}
+		if m.mk[id] > m.now {
+			bad("mqp: marker %d stamped %d after the clock %d", id, m.mk[id], m.now)
+		}
+	}
+}
+
 // CheckInvariants verifies every structural invariant of the Cache and
 // returns all violations found (nil if none). It is O(capacity + side
 // tables) and meant for tests and debug builds.
@@ -254,25 +280,61 @@ func (c *Cache) CheckInvariants() error {
 		bad("index: %d entries, counter %d", entries, c.entries)
 	}
 
-	// LRU list.
+	// LRU list, or MQP's queues.
 	lru := 0
-	for s := c.next[c.sentinel]; s != c.sentinel; s = c.next[s] {
-		if s >= n {
-			bad("lru: slot %d out of range", s)
-			break
+	queues := []uint32{c.sentinel}
+	if c.mqp != nil {
+		queues = c.mqp.qSent[:]
+	}
+	for q, sent := range queues {
+		blocks, steps := 0, 0
+		var markers []uint8
+		for s := c.next[sent]; s != sent; s = c.next[s] {
+			if steps++; steps > int(n)+mqpMarkers {
+				bad("lru %d: cycle", q)
+				break
+			}
+			if c.prev[c.next[s]] != s {
+				bad("lru %d: next(%d).prev != %d", q, s, s)
+			}
+			if c.isMarker(s) && s < uint32(len(c.prev)) {
+				markers = append(markers, uint8(s-c.mqp.mkBase))
+				continue
+			}
+			if s >= n {
+				bad("lru %d: slot %d out of range", q, s)
+				break
+			}
+			blocks++
+			if c.rank(s) != 0 || !c.present(s) || c.aux[s] != 0 {
+				bad("lru %d: slot %d not an unpinned present head", q, s)
+			}
+			if c.retains[s] != nil {
+				bad("lru %d: slot %d is retained", q, s)
+			}
+			if c.mqp != nil {
+				if lv := int(c.mqpLevelOf(s)); lv != q {
+					bad("mqp: slot %d in queue %d has level %d", s, q, lv)
+				}
+				if cnt := c.mqpCount(s); cnt == 0 || int(mqpLevel(cnt)) < q {
+					bad("mqp: slot %d in queue %d has count %d", s, q, cnt)
+				}
+			}
 		}
-		if lru++; lru > int(n) {
-			bad("lru: cycle")
-			break
+		lru += blocks
+		if c.mqp != nil {
+			c.checkMarkers(q, blocks, markers, bad)
 		}
-		if c.prev[c.next[s]] != s {
-			bad("lru: next(%d).prev != %d", s, s)
+	}
+	if c.mqp != nil {
+		m := c.mqp
+		if m.mkFreeN+int(m.mkLen[1])+int(m.mkLen[2])+int(m.mkLen[3]) != mqpMarkers {
+			bad("mqp: %d free markers + %v listed != %d", m.mkFreeN, m.mkLen, mqpMarkers)
 		}
-		if c.rank(s) != 0 || !c.present(s) || c.aux[s] != 0 {
-			bad("lru: slot %d not an unpinned present head", s)
-		}
-		if c.retains[s] != nil {
-			bad("lru: slot %d is retained", s)
+		for i := 0; i < m.mkFreeN; i++ {
+			if x := m.mkBase + uint32(m.mkFree[i]); c.prev[x] != NoSlot || c.next[x] != NoSlot {
+				bad("mqp: free marker %d is linked", m.mkFree[i])
+			}
 		}
 	}
 	retained, retainTimers, listed := c.checkRetains(bad)

@@ -86,8 +86,17 @@ func (c *Cache) Lookup(ns NamespaceID, digests []byte) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	for i := len(heads) - 1; i >= 0; i-- {
-		c.touch(heads[i])
+	if c.mqp != nil {
+		// MQP's per-request step (mqp.go): Lookup is the call the
+		// engine makes once per request with its full digest list.
+		c.mqpBegin(n, ns, digests, len(heads))
+		for i := len(heads) - 1; i >= 0; i-- {
+			c.mqpAccess(heads[i], c.mqp.inf[i])
+		}
+	} else {
+		for i := len(heads) - 1; i >= 0; i-- {
+			c.touch(heads[i])
+		}
 	}
 	c.st.lookups++
 	c.st.lookupBlocks += uint64(len(digests) / n.width)

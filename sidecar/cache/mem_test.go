@@ -37,15 +37,21 @@ func putDigest(d []byte, i int) {
 }
 
 func TestMemoryPerBlock(t *testing.T) {
-	const capacity = 10_000_000
 	if raceEnabled {
 		t.Skip("10M-slot allocation is slow under -race")
 	}
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+		t.Run(pol.String(), func(t *testing.T) { memoryPerBlock(t, pol) })
+	}
+}
+
+func memoryPerBlock(t *testing.T, pol Policy) {
+	const capacity = 10_000_000
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	start := time.Now()
-	c, err := New(Config{Capacity: capacity, Epoch: 1})
+	c, err := New(Config{Capacity: capacity, Epoch: 1, Policy: pol})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -34,14 +34,20 @@ func (c *Cache) listOf(h uint32) uint32 {
 	if r := c.retains[h]; r != nil {
 		return c.retSentinel(r.prio)
 	}
+	if c.mqp != nil {
+		return c.mqp.qSent[c.mqpLevelOf(h)]
+	}
 	return c.sentinel
 }
 
 func (c *Cache) listCount(sent uint32, d int) {
-	if sent == c.sentinel {
-		c.lruLen += d
-	} else {
+	if sent > c.sentinel && sent <= c.retSentinel(RetainPriorities-1) {
 		c.retLen[sent-c.sentinel-1] += d
+		return
+	}
+	c.lruLen += d
+	if c.mqp != nil {
+		c.mqp.nb[c.queueIndex(sent)] += d
 	}
 }
 
@@ -74,6 +80,9 @@ func (c *Cache) listRemove(sent, s uint32) {
 // tail of the lowest-priority retained list that holds one; NoSlot if
 // nothing is evictable.
 func (c *Cache) victim() uint32 {
+	if c.mqp != nil && c.lruLen > 0 {
+		return c.mqpVictim()
+	}
 	if c.lruLen > 0 {
 		return c.prev[c.sentinel]
 	}
@@ -131,7 +140,7 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Durat
 			continue
 		}
 		if c.aux[h] == 0 {
-			c.listRemove(c.sentinel, h)
+			c.unlist(h)
 		}
 		r := &retainRec{key: ch.Key, prio: p}
 		c.retains[h] = r
@@ -195,7 +204,8 @@ func (c *Cache) endRetention(h uint32) {
 		c.unchargePins(r.key, one[:])
 	}
 	if c.aux[h] == 0 {
-		c.listPushBack(c.sentinel, h)
+		c.coldest(h)
+		c.listPushBack(c.listOf(h), h)
 	}
 }
 

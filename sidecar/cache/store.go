@@ -104,7 +104,14 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 		switch c.state(s) {
 		case stStored:
 			if c.present(head) {
-				c.touch(head)
+				if c.mqp == nil {
+					c.touch(head)
+				} else if rank == 0 {
+					// Once per block and request: rank 0's store.
+					c.mqpAccess(head, c.mqp.hintTake(tipKey(uint16(ns), digest)))
+				} else if c.retains[head] != nil {
+					c.touch(head) // the retained lists stay LRU
+				}
 			}
 			return Ticket{Slot: s}, AlreadyPresent, nil
 		case stWriting:
@@ -127,6 +134,10 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 		c.evictBlock(c.victim(), true)
 	}
 	head = c.allocGroup(uint16(ns), digest, w)
+	if c.mqp != nil {
+		// The count its lookup inherited, until the commit (mqpCommit).
+		c.mqp.pol[head] = c.mqp.hintTake(tipKey(uint16(ns), digest))
+	}
 	n.pending++
 	if ch.Key != 0 {
 		c.pendingKey[head] = ch.Key
@@ -167,7 +178,11 @@ func (c *Cache) CommitStore(t Ticket) error {
 	c.timerRemove(int(c.next[head]))
 	c.unchargePending(head)
 	c.aux[head] = 0
-	c.listPushFront(c.sentinel, head)
+	if c.mqp != nil {
+		c.mqpCommit(n, head)
+	} else {
+		c.listPushFront(c.sentinel, head)
+	}
 	c.evictable += n.world
 	n.pending--
 	n.blocks++

@@ -245,8 +245,11 @@ func (c *Cache) marked(h uint32) bool {
 // false. fn must not change the cache.
 func (c *Cache) LRUTail(n int, fn func(ns NamespaceID, digest []byte, marked bool) bool) {
 	i := 0
-	for sent := c.sentinel; sent <= c.retSentinel(RetainPriorities-1); sent++ {
+	for _, sent := range c.evictionLists() {
 		for s := c.prev[sent]; s != sent; s = c.prev[s] {
+			if s >= c.capacity {
+				continue // an MQP marker
+			}
 			if i++; i > n {
 				return
 			}

@@ -1,0 +1,396 @@
+package cache
+
+import (
+	"bufio"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+)
+
+// simWorkload is a request trace in the research simulator's terms:
+// requests of dense block ids in prefix order, and a tenant each.
+type simWorkload struct {
+	reqs    [][]uint32
+	tenants []uint16
+	raw     [][]int64 // the ids as written for the simulator (hash_ids)
+}
+
+// simRNG is the generator's deterministic RNG (splitmix64).
+type simRNG struct{ s uint64 }
+
+func (r *simRNG) u64() uint64       { r.s += 0x9e3779b97f4a7c15; return mix64(r.s) }
+func (r *simRNG) intn(n int) int    { return int(reduce(r.u64(), uint64(n))) }
+func (r *simRNG) chance(p int) bool { return r.intn(1000) < p } // p per mille
+func (r *simRNG) rangeI(a, b int) int {
+	return a + r.intn(b-a+1)
+}
+
+// genAgentic is a small agentic workload: tenants 0-2 run sessions that
+// share per-tenant system prompts and grow by a few blocks per turn, with
+// forks and idle gaps; tenant 3 scans one-off requests (a shared
+// two-block prefix, then new blocks) during the middle third.
+func genAgentic(seed uint64, steps int) *simWorkload {
+	r := &simRNG{s: seed * 7919}
+	var next int64 = 1
+	newBlocks := func(n int) []int64 {
+		b := make([]int64, n)
+		for i := range b {
+			b[i] = next
+			next++
+		}
+		return b
+	}
+	const tenants, scanner = 3, 3
+	var sys [tenants + 1][][]int64
+	for t := range sys {
+		for k := 0; k < 2; k++ {
+			sys[t] = append(sys[t], newBlocks(r.rangeI(4, 16)))
+		}
+	}
+	type session struct {
+		tenant uint16
+		blocks []int64
+		turns  int
+		wake   int
+		grow   int
+	}
+	w := &simWorkload{}
+	emit := func(t uint16, ids []int64) {
+		w.raw = append(w.raw, append([]int64(nil), ids...))
+		w.tenants = append(w.tenants, t)
+	}
+	var active, idle []*session
+	for step := 0; step < steps; step++ {
+		for i := 0; i < len(idle); i++ {
+			if idle[i].wake <= step {
+				active = append(active, idle[i])
+				idle[i] = idle[len(idle)-1]
+				idle = idle[:len(idle)-1]
+				i--
+			}
+		}
+		for len(active) < 24 {
+			t := uint16(r.intn(tenants))
+			if r.chance(400) {
+				t = 0
+			}
+			s := &session{tenant: t, turns: 1 + r.rangeI(1, 40), grow: 3}
+			if r.chance(300) {
+				s.grow = 8
+			}
+			s.blocks = append(append([]int64(nil), sys[t][r.intn(2)]...), newBlocks(r.rangeI(1, 8))...)
+			active = append(active, s)
+		}
+		if step > steps/3 && step < 2*steps/3 && r.chance(350) {
+			emit(scanner, append(append([]int64(nil), sys[scanner][0][:2]...), newBlocks(r.rangeI(16, 48))...))
+		}
+		i := r.intn(len(active))
+		s := active[i]
+		if len(s.blocks) > 160 {
+			s.blocks = append(append([]int64(nil), s.blocks[:6]...), newBlocks(r.rangeI(4, 12))...)
+		}
+		emit(s.tenant, s.blocks)
+		s.blocks = append(s.blocks, newBlocks(r.rangeI(1, s.grow))...)
+		s.turns--
+		if r.chance(40) {
+			cut := max(1, len(s.blocks)-r.rangeI(0, 4))
+			c := &session{tenant: s.tenant, turns: r.rangeI(2, 10), grow: 3}
+			c.blocks = append(append([]int64(nil), s.blocks[:cut]...), newBlocks(r.rangeI(1, 4))...)
+			active = append(active, c)
+		}
+		if s.turns <= 0 {
+			active[i] = active[len(active)-1]
+			active = active[:len(active)-1]
+			continue
+		}
+		if r.chance(60) {
+			s.wake = step + r.rangeI(200, 3000)
+			active[i] = active[len(active)-1]
+			active = active[:len(active)-1]
+			idle = append(idle, s)
+		}
+	}
+	w.intern()
+	return w
+}
+
+// intern numbers the blocks as the simulator does: by (parent, id) in
+// first-seen order, so that an id stands for its whole prefix.
+func (w *simWorkload) intern() {
+	type key struct{ parent, id int64 }
+	ids := map[key]uint32{}
+	w.reqs = w.reqs[:0]
+	for _, raw := range w.raw {
+		pages := make([]uint32, 0, len(raw))
+		parent := int64(-1)
+		for _, id := range raw {
+			k := key{parent, id}
+			b, ok := ids[k]
+			if !ok {
+				b = uint32(len(ids))
+				ids[k] = b
+			}
+			pages = append(pages, b)
+			parent = int64(b)
+		}
+		w.reqs = append(w.reqs, pages)
+	}
+}
+
+// write writes w in the simulator's trace format (JSON lines with
+// input_length, hash_ids and tenant): ./sim -w file:PATH reads it.
+func (w *simWorkload) write(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriter(f)
+	enc := json.NewEncoder(bw)
+	for i, raw := range w.raw {
+		rec := struct {
+			InputLength int     `json:"input_length"`
+			HashIDs     []int64 `json:"hash_ids"`
+			Tenant      uint16  `json:"tenant"`
+		}{len(raw) * 512, raw, w.tenants[i]}
+		if err := enc.Encode(rec); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	if err := bw.Flush(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// replay drives w through a cache of capacity slots with the engine's
+// sequence of calls per request (bench/replay's oracle): Lookup, Acquire
+// of the hits, BeginStore of every other block in prefix order, the
+// commits in the same order, Release. Each tenant is a namespace of
+// width 8; block b's digest is chosen so that its MQP history key is b,
+// as in the simulator. It returns the leading hits and the hits per
+// tenant.
+func replay(tb testing.TB, w *simWorkload, capacity int, pol Policy, check bool) (int64, map[uint16]int64) {
+	tb.Helper()
+	c, err := New(Config{Capacity: capacity, Epoch: 1, Policy: pol})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	nsOf := map[uint16]NamespaceID{}
+	var hits int64
+	per := map[uint16]int64{}
+	var buf []byte
+	var tickets []Ticket
+	for ri, pages := range w.reqs {
+		t := w.tenants[ri]
+		ns, ok := nsOf[t]
+		if !ok {
+			ns, err = c.AddNamespace(NamespaceKey{Model: "m", TenantSalt: uint64(t), DigestWidth: 8, WorldSize: 1})
+			if err != nil {
+				tb.Fatal(err)
+			}
+			nsOf[t] = ns
+		}
+		buf = buf[:0]
+		for _, b := range pages {
+			buf = binary.LittleEndian.AppendUint64(buf, uint64(b)^tipNSMix(uint16(ns)))
+		}
+		h, err := c.Lookup(ns, buf)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		hits += int64(h)
+		per[t] += int64(h)
+		l, err := c.Acquire(ns, 0, buf[:8*h], 1, time.Hour, 0)
+		if err != nil || l.Blocks != h {
+			tb.Fatalf("request %d: acquire %d of %d hits: %v", ri, l.Blocks, h, err)
+		}
+		tickets = tickets[:0]
+		for i := h; i < len(pages); i++ {
+			tk, st, err := c.BeginStore(ns, 0, buf[8*i:8*i+8], 1, 0)
+			if err != nil {
+				tb.Fatal(err)
+			}
+			if st == Allocated {
+				tickets = append(tickets, tk)
+			}
+		}
+		for _, tk := range tickets {
+			if err := c.CommitStore(tk); err != nil {
+				tb.Fatal(err)
+			}
+		}
+		if err := c.Release(l.ID); err != nil && !errors.Is(err, ErrUnknownLease) {
+			tb.Fatal(err)
+		}
+		if check && ri%97 == 0 {
+			if err := c.CheckInvariants(); err != nil {
+				tb.Fatalf("request %d: %v", ri, err)
+			}
+		}
+	}
+	if err := c.CheckInvariants(); err != nil {
+		tb.Fatal(err)
+	}
+	return hits, per
+}
+
+// TestMQPReproducesSimulator drives a small synthetic agentic workload
+// through the cache under both policies and compares the hits with the
+// research simulator's, block for block. To regenerate the expectations:
+//
+//	RINGSIDE_MQP_WORKLOAD=/tmp/w.jsonl go test -run TestMQPReproducesSimulator ./sidecar/cache/
+//	./sim -w file:/tmp/w.jsonl -counts -caps 128,256,512,1024,2048 -p LRU,MQP/ldiv=1/compact=1/hb=1
+func TestMQPReproducesSimulator(t *testing.T) {
+	w := genAgentic(1, 6000)
+	if p := os.Getenv("RINGSIDE_MQP_WORKLOAD"); p != "" {
+		if err := w.write(p); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("wrote %d requests to %s", len(w.reqs), p)
+	}
+	caps := []int{128, 256, 512, 1024, 2048}
+	want := map[Policy][]int64{
+		// ./sim -counts output (LRU also equals bench/replay's oracle).
+		PolicyLRU: {53822, 97030, 160429, 227630, 264290},
+		PolicyMQP: {61248, 107463, 169096, 235114, 268158},
+	}
+	var total int64
+	for _, r := range w.reqs {
+		total += int64(len(r))
+	}
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+		for i, capacity := range caps {
+			got, _ := replay(t, w, capacity, pol, false)
+			t.Logf("%v at %d slots: %d/%d hits (%.2f%%)", pol, capacity, got, total, 100*float64(got)/float64(total))
+			if got != want[pol][i] {
+				t.Errorf("%v at %d slots: %d hits, the simulator %d", pol, capacity, got, want[pol][i])
+			}
+		}
+	}
+}
+
+// TestMQPMooncake replays the Mooncake conversation trace when the
+// machine has it and compares the hit rates with the simulator's table.
+func TestMQPMooncake(t *testing.T) {
+	path := os.Getenv("RINGSIDE_MOONCAKE_TRACE")
+	if path == "" {
+		path = "/work/shared/traces/conversation_trace.jsonl"
+	}
+	if _, err := os.Stat(path); err != nil {
+		t.Skip("no Mooncake trace here")
+	}
+	if testing.Short() || raceEnabled {
+		t.Skip("long")
+	}
+	w, err := loadMooncake(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var total int64
+	for _, r := range w.reqs {
+		total += int64(len(r))
+	}
+	// The simulator's table (percent, two decimals).
+	for _, tc := range []struct {
+		pol      Policy
+		capacity int
+		pct      string
+	}{
+		{PolicyLRU, 1000, "4.68"}, {PolicyLRU, 2000, "5.77"}, {PolicyLRU, 4000, "9.35"}, {PolicyLRU, 8000, "19.23"},
+		{PolicyLRU, 16000, "27.93"}, {PolicyLRU, 32000, "35.17"}, {PolicyLRU, 64000, "37.53"},
+		{PolicyMQP, 1000, "6.51"}, {PolicyMQP, 2000, "9.75"}, {PolicyMQP, 4000, "14.63"}, {PolicyMQP, 8000, "21.01"},
+		{PolicyMQP, 16000, "29.35"}, {PolicyMQP, 32000, "35.26"}, {PolicyMQP, 64000, "37.56"},
+	} {
+		got, _ := replay(t, w, tc.capacity, tc.pol, false)
+		if s := fmt.Sprintf("%.2f", 100*float64(got)/float64(total)); s != tc.pct {
+			t.Errorf("%v at %d: %s%%, the simulator %s%%", tc.pol, tc.capacity, s, tc.pct)
+		}
+	}
+}
+
+// loadMooncake reads the trace as the simulator does: blocks are
+// hash_ids[:input_length/512].
+func loadMooncake(path string) (*simWorkload, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<26)
+	w := &simWorkload{}
+	for sc.Scan() {
+		var r struct {
+			InputLength int     `json:"input_length"`
+			HashIDs     []int64 `json:"hash_ids"`
+		}
+		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
+			return nil, err
+		}
+		n := min(r.InputLength/512, len(r.HashIDs))
+		w.raw = append(w.raw, r.HashIDs[:n])
+		w.tenants = append(w.tenants, 0)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	w.intern()
+	return w, nil
+}
+
+// TestMQPScanGuard: while tenant 1 scans one-off blocks, tenant 0 keeps
+// asking for its 16 hot prefixes, each less often than the scan fills the
+// pool. LRU lets the scan flush them; MQP keeps them (the scan's blocks
+// never climb a level, and its namespace turns cold).
+func TestMQPScanGuard(t *testing.T) {
+	const capacity, prefixes, plen = 512, 16, 16
+	w := &simWorkload{}
+	var next int64 = 1
+	hot := make([][]int64, prefixes)
+	for i := range hot {
+		for j := 0; j < plen; j++ {
+			hot[i] = append(hot[i], next)
+			next++
+		}
+	}
+	for round := 0; round < 3*prefixes; round++ { // warm-up: tenant 0 alone
+		w.raw = append(w.raw, hot[round%prefixes])
+		w.tenants = append(w.tenants, 0)
+	}
+	warm := len(w.raw)
+	for round := 0; round < 20*prefixes; round++ {
+		w.raw = append(w.raw, hot[round%prefixes])
+		w.tenants = append(w.tenants, 0)
+		for k := 0; k < 2; k++ { // 2 scans of 24 new blocks: 768 blocks between reuses
+			var scan []int64
+			for j := 0; j < 24; j++ {
+				scan = append(scan, next)
+				next++
+			}
+			w.raw = append(w.raw, scan)
+			w.tenants = append(w.tenants, 1)
+		}
+	}
+	w.intern()
+	warmOnly := &simWorkload{raw: w.raw[:warm], tenants: w.tenants[:warm]}
+	warmOnly.intern()
+	asked := int64(20 * prefixes * plen)
+	for _, tc := range []struct {
+		pol      Policy
+		min, max float64 // tenant 0's hit ratio during the scan
+	}{{PolicyLRU, 0, 0.05}, {PolicyMQP, 0.95, 1}} {
+		_, per := replay(t, w, capacity, tc.pol, true)
+		_, perWarm := replay(t, warmOnly, capacity, tc.pol, true)
+		r := float64(per[0]-perWarm[0]) / float64(asked)
+		t.Logf("%v: tenant 0 hits %.3f of its hot prefixes during the scan; the scanner %d hits", tc.pol, r, per[1])
+		if r < tc.min || r > tc.max {
+			t.Errorf("%v: tenant 0's hit ratio during the scan %.3f, want %.2f..%.2f", tc.pol, r, tc.min, tc.max)
+		}
+	}
+}
