@@ -62,6 +62,9 @@ type Config struct {
 	// DeltaLogSize is each namespace's change-log length, a power of two
 	// (cache.DefaultDeltaLogSize).
 	DeltaLogSize int
+	// CachePolicy is the pool's eviction policy (the zero value is
+	// cache.DefaultPolicy, LRU).
+	CachePolicy cache.Policy
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration
 	// PrefillBlocks fills the index with this many synthetic blocks of a
@@ -241,6 +244,9 @@ func (c *Config) Validate() error {
 	}
 	if c.WriteTimeout <= 0 {
 		bad("write-timeout", "%v must be positive", c.WriteTimeout)
+	}
+	if c.CachePolicy != cache.PolicyLRU && c.CachePolicy != cache.PolicyMQP {
+		bad("cache.policy", "%v is not lru|mqp", c.CachePolicy)
 	}
 	if !ringCapacityOK(c.RingCapacity, ring.MaxCapacity) {
 		bad("ring.capacity", "%d must be a power of two in [%d KiB, %d GiB]", c.RingCapacity, minRingCapacity>>10, ring.MaxCapacity>>30)

@@ -118,7 +118,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 		return nil, err
 	}
 	c, err := cache.New(cache.Config{Capacity: int(slots), DeltaLogSize: cfg.DeltaLogSize, WriteTimeout: cfg.WriteTimeout,
-		Epoch: s.epoch, MaxLogBytes: s.cfg.Machine.MetaBytes / 4})
+		Epoch: s.epoch, MaxLogBytes: s.cfg.Machine.MetaBytes / 4, Policy: cfg.CachePolicy})
 	if err != nil {
 		return nil, err
 	}
@@ -210,7 +210,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	s.met = newMetrics(s)
 	log.Info().Str("dir", cfg.Dir).Str("socket", cfg.Socket).Uint64("pool_bytes", slots*cfg.Machine.SlotBytes).
 		Uint64("slot_bytes", cfg.Machine.SlotBytes).Uint64("slots", slots).Str("copy_backend", s.copier.Name()).
-		Float64("index_bytes_per_slot", c.BytesPerBlock()).Int64("metadata_limit", s.cfg.Machine.MetaBytes).
+		Str("cache_policy", cfg.CachePolicy.String()).Float64("index_bytes_per_slot", c.BytesPerBlock()).Int64("metadata_limit", s.cfg.Machine.MetaBytes).
 		Int64("ring_limit", s.cfg.Machine.RingBytes).Msg("sidecar ready")
 	return s, nil
 }

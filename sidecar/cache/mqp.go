@@ -30,6 +30,10 @@ func (p Policy) String() string {
 	return fmt.Sprintf("policy(%d)", uint8(p))
 }
 
+// DefaultPolicy is the eviction policy of a zero Config.Policy: LRU,
+// until the live sidecar has been checked against MQP's offline model.
+const DefaultPolicy = PolicyLRU
+
 // ParsePolicy parses a policy name: lru or mqp.
 func ParsePolicy(s string) (Policy, error) {
 	switch s {

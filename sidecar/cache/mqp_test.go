@@ -394,3 +394,26 @@ func TestMQPScanGuard(t *testing.T) {
 		}
 	}
 }
+
+func TestPolicyConfig(t *testing.T) {
+	for _, p := range []Policy{PolicyLRU, PolicyMQP} {
+		got, err := ParsePolicy(p.String())
+		if err != nil || got != p {
+			t.Fatalf("ParsePolicy(%q) = %v %v", p.String(), got, err)
+		}
+	}
+	if _, err := ParsePolicy("arc"); !errors.Is(err, ErrBadConfig) {
+		t.Fatalf("ParsePolicy(arc): %v", err)
+	}
+	if _, err := New(Config{Capacity: 8, Epoch: 1, Policy: 7}); !errors.Is(err, ErrBadConfig) {
+		t.Fatalf("New with policy 7: %v", err)
+	}
+	if DefaultPolicy != PolicyLRU || (Config{}).Policy != DefaultPolicy {
+		t.Fatal("LRU is the default")
+	}
+	lru, _ := New(Config{Capacity: 1000, Epoch: 1})
+	mqp, _ := New(Config{Capacity: 1000, Epoch: 1, Policy: PolicyMQP})
+	if lru.mqp != nil || mqp.mqp == nil || mqp.MemoryBytes() <= lru.MemoryBytes() {
+		t.Fatalf("policy state: lru %v mqp %v, bytes %d %d", lru.mqp != nil, mqp.mqp != nil, lru.MemoryBytes(), mqp.MemoryBytes())
+	}
+}
