@@ -71,6 +71,19 @@
 //	                 ~60.3 bytes per slot in total (MemoryBytes/BytesPerBlock;
 //	                      measured 60.33 at 10M slots, heap growth included)
 //
+// PolicyMQP adds (mqp.go):
+//
+//	pol     uint8      1  count (bits 0-3) and level (bits 4-5) (head)
+//	tip     uint16     2  tip table: capacity entries, fp12<<4 | count4
+//	tipHand 2 bits  0.06  round-robin hand per 4-entry bucket
+//	sfp/sep uint16  0.25  distance sampler: capacity/16 entries (fp, epoch)
+//	hint    uint32 0.125  hints: capacity/32 entries (at least 4096),
+//	                      fp28<<4 | count4, and their hands
+//	prev/next       ~0    3 queue sentinels and 96 marker nodes, fixed
+//	                 ---
+//	                3.45 bytes per slot: 63.78 in total at 10M slots
+//	                      (heap growth 63.90), within the 64-byte budget
+//
 // The index uses linear probing with backward-shift deletion (no
 // tombstones) and a multiply-shift range reduction, so its size need not
 // be a power of two. Side tables scale with in-flight work, not with
@@ -78,7 +91,8 @@
 // live lease plus its pinned heads), retention records (one per retained
 // block), a deadline min-heap and an owner map. prev and next hold
 // RetainPriorities+1 list sentinels past the slots (the LRU's at index
-// capacity, then one per retention priority).
+// capacity, then one per retention priority); under PolicyMQP the
+// sentinels of queues 1-3 and the marker nodes follow.
 //
 // # Recency and eviction
 //
@@ -88,6 +102,53 @@
 // hits in reverse order so the first block of a prefix is the most recent
 // and eviction takes prefix tails first. A counter of evictable slots lets
 // BeginStore answer NoSpace without evicting anything in vain.
+//
+// # Eviction policy (Config.Policy)
+//
+// PolicyLRU (the default) is the list above. PolicyMQP keeps present,
+// unpinned, unretained heads in four LRU queues by a per-block count
+// (level 0: count 1, 1: 2-3, 2: 4-7, 3: 8+; queue 0 is the LRU list's
+// sentinel) and evicts from the LRU end of queue 0, then 1, 2, 3; the
+// retained lists follow as under LRU. The count comes from reuse and from
+// history (mqp.go has the details):
+//
+//   - Lookup is the per-request step, because it is the call the engine
+//     makes once per request with the request's full digest list (the
+//     vLLM connector looks up each new request once; Acquire covers only
+//     the hits and BeginStore one block). Before touching the hits it
+//     probes a tip table keyed by (namespace, digest) from the last digest
+//     back: each digest inherits the largest count of a recorded tip at or
+//     after it (inf), tips found count up, and the request's own last
+//     digest becomes a tip. It also updates the namespace's scan guard and
+//     the lifetime sampler, and leaves inf for the digests it missed in a
+//     hint table, where their stores find it.
+//   - Lookup touches hits in reverse: count = max(count+1, inf+1), to the
+//     front of its level's queue. A store that finds its block present
+//     (rank 0's) does the same with its hint. A commit places a new
+//     block at count hint+1; when its namespace is cold (its lookups hit
+//     under a tenth of the pool's ratio) a brand-new block goes to the LRU
+//     end of queue 0 instead, except every 32nd.
+//   - Each placement is a tick of a logical clock; every life/8 ticks a
+//     marker stamped with the tick enters queues 1-3 (at most 32 per
+//     queue); blocks behind a marker older than life/q move to queue q-1,
+//     two per queue per tick; eviction drops markers it finds at a queue's
+//     LRU end (O(1) amortized). life is the median reuse distance (ticks)
+//     of 1/16 of the tips, those at least capacity/4, in a 64-bin
+//     log histogram.
+//   - A pin unlinks the block (count and level kept); the last unpin puts
+//     it at the front of its level's queue. A hit on a pinned or retained
+//     block counts; a retained one moves to the front of its retained
+//     list. Expiry and EndRetain, and a PinBlock's end, put the block at
+//     the LRU end of queue 0 (level 0), the policy's coldest position.
+//   - TP: count and level live on the head; a victim is a head and all W
+//     slots go. Incomplete and doomed blocks are in no queue.
+//   - The guard state lives in the namespace record, so a removed
+//     namespace's id starts afresh; tip entries are history and stay.
+//
+// The tables are lossy (4-way buckets, round-robin replacement): a lost
+// tip or hint only means a lower count. The tests replay a synthetic
+// agentic workload and the Mooncake trace through the cache's calls and
+// get the research simulator's hits block for block.
 //
 // # Retention
 //
