@@ -417,3 +417,40 @@ func TestPolicyConfig(t *testing.T) {
 		t.Fatalf("policy state: lru %v mqp %v, bytes %d %d", lru.mqp != nil, mqp.mqp != nil, lru.MemoryBytes(), mqp.MemoryBytes())
 	}
 }
+
+// BenchmarkPolicy: a Lookup of 64 hits, and a store that evicts, under
+// each policy, on a full pool of 2^20 slots.
+func BenchmarkPolicy(b *testing.B) {
+	const size = 1 << 20
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+		c, _ := New(Config{Capacity: size, Epoch: 1, Policy: pol})
+		ns, _ := c.AddNamespace(NamespaceKey{DigestWidth: 32, WorldSize: 1})
+		fill(b, c, ns, 0, size)
+		flat := make([]byte, 32*64)
+		for i := 0; i < 64; i++ {
+			putDigest(flat[32*i:], 1000+i)
+		}
+		b.Run(pol.String()+"/Lookup64", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if k, _ := c.Lookup(ns, flat); k != 64 {
+					b.Fatal(k)
+				}
+			}
+		})
+		d := make([]byte, 32)
+		i := size
+		b.Run(pol.String()+"/StoreCommit", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				putDigest(d, i)
+				i++
+				tk, st, _ := c.BeginStore(ns, 0, d, 1, 0)
+				if st != Allocated {
+					b.Fatal(st)
+				}
+				c.CommitStore(tk)
+			}
+		})
+	}
+}
