@@ -454,3 +454,110 @@ func BenchmarkPolicy(b *testing.B) {
 		})
 	}
 }
+
+// TestMQPGuardReset: a namespace that only misses turns cold while
+// another hits; removing it and adding a namespace that reuses its id
+// starts the guard afresh.
+func TestMQPGuardReset(t *testing.T) {
+	c, err := New(Config{Capacity: 64, Epoch: 1, Policy: PolicyMQP})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hot, _ := c.AddNamespace(NamespaceKey{TenantSalt: 1, DigestWidth: 8, WorldSize: 1})
+	scan, _ := c.AddNamespace(NamespaceKey{TenantSalt: 2, DigestWidth: 8, WorldSize: 1})
+	d := digs(8, 1, 2, 3)
+	for i := 0; i < 3; i++ {
+		tk, _, _ := c.BeginStore(hot, 0, d[8*i:8*i+8], 1, 0)
+		if err := c.CommitStore(tk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 0; i < 50; i++ {
+		if h, _ := c.Lookup(hot, d); h != 3 {
+			t.Fatalf("hot lookup %d hits", h)
+		}
+		if h, _ := c.Lookup(scan, digs(8, 1000+i)); h != 0 {
+			t.Fatal("scan hit")
+		}
+	}
+	n, _ := c.ns(scan)
+	if !n.guard.cold {
+		t.Fatalf("the scanning namespace is not cold: %+v, global %.3f", n.guard, c.mqp.gHR)
+	}
+	// A cold namespace's new block goes to the LRU end of queue 0.
+	tk, _, _ := c.BeginStore(scan, 0, digs(8, 5000), 1, 0)
+	if err := c.CommitStore(tk); err != nil {
+		t.Fatal(err)
+	}
+	if c.victim() != tk.Slot {
+		t.Fatal("a cold namespace's new block is not the next victim")
+	}
+	if _, err := c.Clear(scan); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.RemoveNamespace(scan); err != nil {
+		t.Fatal(err)
+	}
+	again, _ := c.AddNamespace(NamespaceKey{TenantSalt: 3, DigestWidth: 8, WorldSize: 1})
+	if again != scan {
+		t.Fatalf("id %d not reused (%d)", again, scan)
+	}
+	if n, _ := c.ns(again); n.guard.cold || n.guard.hr != -1 || n.guard.explore != 0 {
+		t.Fatalf("guard not reset: %+v", n.guard)
+	}
+	if err := c.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestMQPLevels: hits raise a block's level, a pin takes it out of the
+// queues and the last release puts it back at its level, and the end of
+// a retention puts it at the policy's coldest position.
+func TestMQPLevels(t *testing.T) {
+	c, err := New(Config{Capacity: 16, Epoch: 1, Policy: PolicyMQP})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, _ := c.AddNamespace(NamespaceKey{DigestWidth: 8, WorldSize: 1})
+	for i := 1; i <= 4; i++ {
+		tk, _, _ := c.BeginStore(ns, 0, digs(8, i), 1, 0)
+		if err := c.CommitStore(tk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	x := c.find(uint16(ns), digs(8, 1))
+	if c.mqpLevelOf(x) != 0 || c.mqpCount(x) != 1 {
+		t.Fatalf("new block: level %d count %d", c.mqpLevelOf(x), c.mqpCount(x))
+	}
+	for i := 0; i < 8; i++ {
+		c.Lookup(ns, digs(8, 1))
+	}
+	if c.mqpLevelOf(x) != 3 || c.listOf(x) != c.mqp.qSent[3] {
+		t.Fatalf("after 8 hits: level %d count %d", c.mqpLevelOf(x), c.mqpCount(x))
+	}
+	l, err := c.Acquire(ns, 0, digs(8, 1), 1, time.Hour, 0)
+	if err != nil || l.Blocks != 1 || c.mqp.nb[3] != 0 {
+		t.Fatalf("pinned: %+v %v, queue 3 holds %d", l, err, c.mqp.nb[3])
+	}
+	if err := c.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Release(l.ID); err != nil || c.mqp.nb[3] != 1 || c.next[c.mqp.qSent[3]] != x {
+		t.Fatalf("released: %v, queue 3 holds %d", err, c.mqp.nb[3])
+	}
+	if _, _, err := c.Retain(ns, digs(8, 1), Charge{Key: 9}, time.Hour, 2, 0); err != nil {
+		t.Fatal(err)
+	}
+	if c.mqp.nb[3] != 0 || c.victim() == x {
+		t.Fatal("a retained block stays in its queue, or goes before unretained ones")
+	}
+	if n, err := c.EndRetain(ns, digs(8, 1), 9); err != nil || n != 1 {
+		t.Fatalf("EndRetain %d %v", n, err)
+	}
+	if c.mqpLevelOf(x) != 0 || c.victim() != x {
+		t.Fatal("an ended retention does not put the block at queue 0's LRU end")
+	}
+	if err := c.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+}
