@@ -115,7 +115,10 @@
 //   - Lookup is the per-request step, because it is the call the engine
 //     makes once per request with the request's full digest list (the
 //     vLLM connector looks up each new request once; Acquire covers only
-//     the hits and BeginStore one block). Before touching the hits it
+//     the hits and BeginStore one block; SGLang's HiCache asks only about
+//     the pages past its own host cache, so there the request is that
+//     suffix; a client that looks a request up twice counts its history
+//     twice). Before touching the hits it
 //     probes a tip table keyed by (namespace, digest) from the last digest
 //     back: each digest inherits the largest count of a recorded tip at or
 //     after it (inf), tips found count up, and the request's own last
