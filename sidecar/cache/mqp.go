@@ -352,7 +352,7 @@ func mqpBin(d int64) int {
 	return min(63, int(4*math.Log2(float64(d))))
 }
 
-func mqpBinLow(b int) float64 { return math.Exp(float64(b) / 4 * math.Log(2)) }
+func mqpBinLow(b int) float64 { return math.Pow(2, float64(b)/4) }
 
 func (m *mqpState) observe(d int64) {
 	if d < m.dmin {
