@@ -27,8 +27,9 @@ func benchReplayCommand() *cli.Command {
 			"instances, each its own session with its own registered memory: per request, register the\n" +
 			"hashes, look up, acquire (poll until ready) and load the hit prefix, store the missed pages,\n" +
 			"release. Every engine step first catches up with the change log (delta) and, as the baseline,\n" +
-			"walks its whole view of the cache. Hit rates are printed beside an exact offline LRU of the\n" +
-			"same semantics; with --sequential (one request at a time, trace order) they must be equal.\n" +
+			"walks its whole view of the cache. Hit rates are printed beside an exact offline model of the\n" +
+			"sidecar's --cache.policy (LRU, or MQP) of the same semantics; with --sequential (one request\n" +
+			"at a time, trace order) they must be equal.\n" +
 			"Beside them, offline: ARC as vLLM's offloading connector runs it, and the optimum's bound\n" +
 			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits), and MQP, the\n" +
 			"candidate eviction policy (multi-queue, tip history, measured lifetime, scan guard).\n" +
@@ -46,6 +47,7 @@ func benchReplayCommand() *cli.Command {
 			&cli.IntFlag{Name: "block-tokens", Value: 512, Usage: "tokens per trace block (hash id)", EnvVars: e("block-tokens")},
 			&cli.IntSliceFlag{Name: "capacity-pages", Usage: "pool capacity in pages, one run each (repeatable or comma separated; default: 1, 4, 16 and 64 GiB of model KV)", EnvVars: e("capacity-pages")},
 			&cli.IntFlag{Name: "engines", Value: replay.DefaultEngines, Usage: "simulated engine instances (sessions), each with its own memory", EnvVars: e("engines")},
+			&cli.StringFlag{Name: "cache.policy", Value: "lru", Usage: "the sidecars' eviction policy (serve --cache.policy): lru or mqp; the runs are checked against its exact offline model (LRU, or MQP: bench/replay/mqp.go)", EnvVars: e("cache.policy")},
 			&cli.BoolFlag{Name: "sequential", Usage: "one request at a time in trace order: deterministic hit rates, equal to the offline LRU's", EnvVars: e("sequential")},
 			&cli.Float64Flag{Name: "pace", Usage: "0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)", EnvVars: e("pace")},
 			&cli.Float64Flag{Name: "prefill-tps", Usage: "modelled prefill speed in tokens/s: an engine waits missed tokens / this before storing (0: no wait)", EnvVars: e("prefill-tps")},
@@ -95,6 +97,7 @@ func benchReplayCommand() *cli.Command {
 				CapacityPages:   c.IntSlice("capacity-pages"),
 				Engines:         c.Int("engines"),
 				Sequential:      c.Bool("sequential"),
+				Policy:          c.String("cache.policy"),
 				Pace:            c.Float64("pace"),
 				PrefillTPS:      c.Float64("prefill-tps"),
 				PageBytes:       int(pb),

@@ -46,7 +46,8 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn",
 		// The engines of one trace are one tenant: a pin quota would shorten
 		// leases and take the hit rate off the exact LRU model.
-		"--limits.pin-share", "1"}
+		"--limits.pin-share", "1",
+		"--cache.policy", c.Policy}
 	if tiered(transport) {
 		pages := strconv.Itoa(max(w.MaxPages, 1))
 		args = append(args, "--l2.redis.addrs", strings.Join(c.L2Addrs, ","),
@@ -67,7 +68,7 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		return nil, err
 	}
 	n.sc = sc
-	if err := waitAttachable(ctx, sc, n.sock, c.Timeout); err != nil {
+	if err := waitAttachable(ctx, sc, n.sock, c.layout(), c.Timeout); err != nil {
 		return n, err
 	}
 	if tiered(transport) {

@@ -66,6 +66,10 @@ type Config struct {
 	Exe             string        // the bench executable, re-run as the relays (`replay-relay`; default os.Executable())
 	Ringside        string        // the ringside executable run as the sidecars (`serve`; default: see harness.FindRingside)
 	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
+	// Policy is the sidecars' eviction policy (serve --cache.policy): "lru"
+	// (the default) or "mqp". The runs are checked against the offline
+	// model of it: OraclePages for LRU, MQPPages for MQP.
+	Policy string
 	// Nodes is the number of sidecars (separate pools) the engines are
 	// spread over: engine e attaches to node e mod Nodes (default 1).
 	Nodes int
@@ -156,6 +160,17 @@ func (c *Config) defaults() error {
 	if c.L2Start != "" && len(c.L2Addrs) > 0 {
 		return errors.New("--l2.start and --l2.redis.addrs: give one")
 	}
+	switch c.Policy {
+	case "":
+		c.Policy = "lru"
+	case "lru":
+	case "mqp":
+		if c.Nodes > 1 || len(c.L2Addrs) > 0 || c.L2Start != "" {
+			return errors.New("--cache.policy mqp: the offline model of MQP is of one node without a tier (give --nodes 1, no --l2.*)")
+		}
+	default:
+		return fmt.Errorf("--cache.policy %q: want lru or mqp", c.Policy)
+	}
 	if c.Pace < 0 || c.PrefillTPS < 0 {
 		return errors.New("--pace and --prefill-tps must not be negative")
 	}
@@ -204,13 +219,15 @@ type RunResult struct {
 	CapacityPages int
 	Transport     string // "ring" or "uds"
 	Counts        runCounts
-	Oracle        OracleResult
-	Hists         hists
-	Steps         []stepSample
-	Wall          time.Duration // the replay, from the first request to the last
-	Sidecar       harness.Usage
-	ViewBlocks    int // engine 0's view of the cache after the run
-	Resyncs       int
+	// Oracle is the exact offline model of the sidecar's policy (the LRU,
+	// or MQP: mqpModel) at this capacity; LRU is the offline LRU's.
+	Oracle, LRU OracleResult
+	Hists       hists
+	Steps       []stepSample
+	Wall        time.Duration // the replay, from the first request to the last
+	Sidecar     harness.Usage
+	ViewBlocks  int // engine 0's view of the cache after the run
+	Resyncs     int
 	// Fleet is the model of several nodes and the tier (nil: one node, no
 	// tier: Oracle alone); FetchedPages what the nodes fetched from the
 	// tier (their /debug/state).
@@ -301,7 +318,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if !cfg.NoUDS {
 		plans = append(plans, plan{cfg.UDSCapacity, "uds"})
 	}
-	oracles := map[int]OracleResult{}
+	oracles := map[int]OracleResult{} // the offline LRU
 	for _, p := range plans {
 		if _, ok := oracles[p.capacity]; !ok {
 			oracles[p.capacity] = Oracle(w, p.capacity)
@@ -354,13 +371,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		if err != nil {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
-		r.Oracle = oracles[p.capacity]
+		r.Oracle, r.LRU = oracles[p.capacity], oracles[p.capacity]
 		r.ARC, r.MIN, r.MQP = policies[p.capacity].ARC, policies[p.capacity].MIN, policies[p.capacity].MQP
+		if cfg.Policy == "mqp" {
+			r.Oracle = mqpModel(r.MQP)
+		}
 		if f := fleets[p]; f != nil {
 			r.Fleet, r.Oracle = f, f.OracleResult
 		}
 		rep.Runs = append(rep.Runs, r)
-		logf("  hit ratio %.4f (oracle %.4f), %v, sidecar CPU %v", ratio(r.Counts.HitPages, r.Counts.TotalPages), r.Oracle.HitRatio(), r.Wall.Round(time.Millisecond), r.Sidecar.CPU.Round(time.Millisecond))
+		logf("  hit ratio %.4f (offline %s %.4f), %v, sidecar CPU %v", ratio(r.Counts.HitPages, r.Counts.TotalPages), cfg.modelName(), r.Oracle.HitRatio(), r.Wall.Round(time.Millisecond), r.Sidecar.CPU.Round(time.Millisecond))
 	}
 	prog.finish()
 	rep.build()
@@ -376,6 +396,23 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 	}
 	return rep, nil
+}
+
+// modelName names the offline model the live runs are checked against.
+func (c *Config) modelName() string { return strings.ToUpper(c.Policy) }
+
+// mqpModel is MQP's offline result as the exactness check reads it. The
+// model counts no refused stores (SkippedPages and PresentPages are -1:
+// not modelled); with equal hits and stored pages their sum is equal
+// anyway (both are the missed pages not stored). Nothing leaves the
+// model's pool but by eviction, so it holds StoredPages - Evictions at
+// the end.
+func mqpModel(m PolicyResult) OracleResult {
+	return OracleResult{
+		CapacityPages: m.CapacityPages, Requests: m.Requests, TotalPages: m.TotalPages,
+		HitPages: m.HitPages, BlockHitPages: m.BlockHitPages, StoredPages: m.StoredPages,
+		PresentPages: -1, SkippedPages: -1, Evictions: m.Evictions, Resident: int(m.StoredPages - m.Evictions),
+	}
 }
 
 func (c *Config) gibLabel(pages int) string {
@@ -510,9 +547,13 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 	return res, nil
 }
 
-func waitAttachable(ctx context.Context, sc *harness.Child, sock string, timeout time.Duration) error {
+// waitAttachable waits until a session can attach to the sidecar. The
+// probe attaches in the engines' namespace (layout), so that theirs is the
+// sidecar's first (alignDigest), whether or not the probe's detach has
+// removed it when the first engine attaches.
+func waitAttachable(ctx context.Context, sc *harness.Child, sock, layout string, timeout time.Duration) error {
 	return sc.WaitUntil(ctx, timeout, "attachable", func() error {
-		c, err := connector.Dial(connector.Options{Socket: sock, Instance: "replay-probe", Model: model, Layout: "probe", Timeout: timeout})
+		c, err := connector.Dial(connector.Options{Socket: sock, Instance: "replay-probe", Model: model, Layout: layout, Timeout: timeout})
 		if err != nil {
 			return err
 		}

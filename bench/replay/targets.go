@@ -14,8 +14,9 @@ var (
 	targetDeltaFlat = harness.Target{What: "per-step delta cost per change, largest over capacities", Cmp: harness.AtMost, Bound: 1.5, Unit: "x the smallest"}
 	targetWalkGrows = harness.Target{What: "walk baseline p50 at the largest capacity", Cmp: harness.Above, Bound: 2, Unit: "x at the smallest"}
 	targetCPU       = harness.Target{What: "sidecar CPU", Cmp: harness.Below, Bound: 25, Unit: "% of one core", Where: "at the trace's real pace"}
-	// The sidecar's hits are the exact offline LRU's, and with a shared
-	// tier the fleet model's.
+	// The sidecar's hits are the exact offline model's of its policy (the
+	// LRU's; MQP's under --cache.policy mqp, the What naming it), and with
+	// a shared tier the fleet model's.
 	targetOracle = harness.Target{What: "hit rate equal to the offline LRU at every capacity", Cmp: harness.Statement}
 	targetFleet  = harness.Target{What: "pages fetched from the tier and loaded equal to the model's", Cmp: harness.Statement, Where: "sequential"}
 )

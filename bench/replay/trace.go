@@ -10,6 +10,8 @@ import (
 	"io"
 	"os"
 	"slices"
+
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 // DigestWidth is the width of the page hashes the replay registers (as
@@ -35,7 +37,9 @@ type Request struct {
 // same block. Block b's pages are ids b*PagesPerBlock+j, j < PagesPerBlock,
 // and their digests are chained, sha256(previous page's digest, block id,
 // j), starting from a seed per trace file, so that a page digest names its
-// whole prefix as an engine's does. A request has floor(input_length /
+// whole prefix as an engine's does; then each digest's first word is set
+// so that the sidecar's MQP hashes page id p where the offline model does
+// (alignDigest). A request has floor(input_length /
 // PageTokens) pages (engines cache full pages only), at most
 // PagesPerBlock per id.
 type Workload struct {
@@ -234,6 +238,9 @@ func expand(raw []rawRequest, files []string, o LoadOptions) (*Workload, error) 
 		w.Requests[i] = req
 	}
 	w.Blocks = len(blocks)
+	for p := 0; p < w.NumPageIDs(); p++ {
+		alignDigest(w.digests[p*DigestWidth:(p+1)*DigestWidth], uint32(p))
+	}
 	seen := make([]bool, w.NumPageIDs())
 	for _, r := range w.Requests {
 		for _, p := range r.Pages {
@@ -244,6 +251,23 @@ func expand(raw []rawRequest, files []string, o LoadOptions) (*Workload, error) 
 		}
 	}
 	return w, nil
+}
+
+// replayNamespace is the namespace id the replay's engines get in a fresh
+// sidecar: the first, and only, one (the attach probe uses the same
+// namespace key).
+const replayNamespace cache.NamespaceID = 1
+
+// alignDigest sets the first word of page p's digest (the rest stays the
+// sha256 chain's) so that the sidecar's MQP history key of the digest in
+// the replay's namespace is p: the very value the offline MQP (MQPPages)
+// hashes for page id p in namespace 0. The tip table's and the sampler's
+// buckets, fingerprints and collisions are then the same on both sides,
+// and --sequential --cache.policy mqp can be checked exactly. The word is
+// p XOR a mix of the other words: digests stay distinct and look random.
+func alignDigest(d []byte, p uint32) {
+	binary.LittleEndian.PutUint64(d, 0)
+	binary.LittleEndian.PutUint64(d, uint64(p)^cache.MQPHistoryKey(replayNamespace, d))
 }
 
 func readTrace(path string, idx int) ([]rawRequest, error) {
