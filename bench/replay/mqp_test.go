@@ -210,3 +210,46 @@ func TestMQPBelowMIN(t *testing.T) {
 		}
 	}
 }
+
+// TestMQPExtensionInherits: one session, request j reading pages 0..j
+// (j = 1..n), so each request extends the previous one by page j and the
+// next request finds its tip. Once 32 extending requests' tips are
+// recorded and more than half of them found again, a request's new pages
+// are stored at count 2 (queue 1), not 1: the chains requests extend come
+// back. Requests that each extend page 0 by a page of their own (tips
+// never found) keep storing at count 1.
+func TestMQPExtensionInherits(t *testing.T) {
+	session := func(n int) [][]uint32 {
+		var reqs [][]uint32
+		for j := 1; j <= n; j++ {
+			r := make([]uint32, j+1)
+			for i := range r {
+				r[i] = uint32(i)
+			}
+			reqs = append(reqs, r)
+		}
+		return reqs
+	}
+	oneOffs := func(n int) [][]uint32 {
+		var reqs [][]uint32
+		for j := 1; j <= n; j++ {
+			reqs = append(reqs, []uint32{0, uint32(j)})
+		}
+		return reqs
+	}
+	for _, tc := range []struct {
+		name string
+		reqs [][]uint32
+		want uint8 // count of page n, the last request's new page
+	}{
+		{"session of 20", session(20), 1},  // 19 extending tips: too few
+		{"session of 40", session(40), 2},  // 39 inserted, 38 found
+		{"one-offs of 40", oneOffs(40), 1}, // 39 inserted, none found
+	} {
+		n := len(tc.reqs)
+		_, m := mqpRun(tc.reqs, n+1, 64, 1<<20)
+		if got := m.st[n] & 15; got != tc.want {
+			t.Errorf("%s: page %d at count %d, want %d (tips %d, found %d)", tc.name, n, got, tc.want, m.extIns, m.extFnd)
+		}
+	}
+}
