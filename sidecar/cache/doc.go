@@ -124,7 +124,13 @@
 //     after it (inf), tips found count up, and the request's own last
 //     digest becomes a tip. It also updates the namespace's scan guard and
 //     the lifetime sampler, and leaves inf for the digests it missed in a
-//     hint table, where their stores find it.
+//     hint table, where their stores find it. A lookup that hits some but
+//     not all of its digests extends a chain: its tip is marked (count 0
+//     until found), and while more than half of the recent marked tips
+//     were found again, its missed digests get inf at least 1 (outside
+//     cold namespaces), so a session's new tail is stored at count 2, in
+//     the queue of the chain it extends (two fixed counters; no bytes per
+//     slot).
 //   - Lookup touches hits in reverse: count = max(count+1, inf+1), to the
 //     front of its level's queue. A store that finds its block present
 //     (rank 0's) does the same with its hint. A commit places a new
