@@ -480,7 +480,7 @@ func (m *mqp) observe(d int64) {
 	for i := range m.hist {
 		acc += m.hist[i]
 		if acc >= want {
-			m.life = int64(math.Pow(2, float64(i+1)/4))
+			m.life = int64(math.Exp(float64(i+1) / 4 * math.Log(2))) // as the simulator (and the sidecar) compute it: 7, not 8, at b+1 = 12
 			return
 		}
 	}
