@@ -21,6 +21,7 @@ import (
 	"github.com/ringside-kv/ringside/bench/replay"
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 // soakBlocks caps the blocks of one replayed request (the trace's longest
@@ -87,6 +88,45 @@ func chain(ids []uint64) []byte {
 	return out
 }
 
+// soakTable numbers the distinct block digests of reqs densely (in trace
+// order) and aligns each digest for MQP: its first word is set so that the
+// sidecar's MQP history key of it (cache.MQPHistoryKey, in the soak's
+// namespace, the sidecar's first) is its number, the page id the offline
+// model (replay.MQPPages) hashes; the rest stays the sha256 chain. Every
+// engine process builds the same table from the same trace. ids[i] are
+// request i's numbers, digests[32*id:] the aligned digest of id.
+func soakTable(reqs [][]uint64) (ids [][]uint32, digests []byte) {
+	num := map[[32]byte]uint32{}
+	ids = make([][]uint32, len(reqs))
+	for i, r := range reqs {
+		d := chain(r)
+		ids[i] = make([]uint32, len(r))
+		for b := range r {
+			k := [32]byte(d[b*32 : (b+1)*32])
+			id, ok := num[k]
+			if !ok {
+				id = uint32(len(num))
+				num[k] = id
+				binary.LittleEndian.PutUint64(k[:], 0)
+				binary.LittleEndian.PutUint64(k[:], uint64(id)^cache.MQPHistoryKey(1, k[:]))
+				digests = append(digests, k[:]...)
+			}
+			ids[i][b] = id
+		}
+	}
+	return ids, digests
+}
+
+// soakPolicy is the sidecar's eviction policy in the soak: RINGSIDE_SOAK_POLICY
+// (lru or mqp), else the sidecar's default. The exact check uses its
+// offline model.
+func soakPolicy() string {
+	if p := os.Getenv("RINGSIDE_SOAK_POLICY"); p != "" {
+		return p
+	}
+	return cache.DefaultPolicy.String()
+}
+
 func tracePath() string {
 	if p := os.Getenv("RINGSIDE_SOAK_TRACE"); p != "" {
 		return p
@@ -106,6 +146,7 @@ func tracePath() string {
 // exit status 3); EOF on stdin ends it cleanly.
 func soakChild() int {
 	reqs, _ := loadTrace(tracePath())
+	ids, table := soakTable(reqs)
 	o := opts(os.Getenv("RS_SOCK"), "soak-"+strconv.Itoa(os.Getpid()))
 	o.Timeout = 5 * time.Second
 	c, err := connector.Dial(o)
@@ -130,9 +171,11 @@ func soakChild() int {
 			fmt.Printf("bad request index %q\n", in.Text())
 			return 1
 		}
-		ids := reqs[idx]
-		n := len(ids)
-		d := chain(ids)
+		n := len(ids[idx])
+		d := make([]byte, 0, 32*n)
+		for _, id := range ids[idx] {
+			d = append(d, table[32*id:32*(id+1)]...)
+		}
 		batch++
 		if _, err := c.PutHashes(batch, d, false); err != nil {
 			fmt.Println("put:", err)
@@ -300,7 +343,8 @@ func (e *soakEngine) kill() {
 // TestSoak replays the conversation trace one request at a time, in trace
 // order, through several engine processes, with random engine restarts
 // between requests, and checks the live hit counts against the exact
-// offline model, replay.OraclePages (make soak; RINGSIDE_SOAK=10m).
+// offline model of the sidecar's policy, replay.OraclePages or
+// replay.MQPPages (make soak; RINGSIDE_SOAK=10m; RINGSIDE_SOAK_POLICY).
 func TestSoak(t *testing.T) {
 	dur := soakDuration()
 	if dur <= 0 {
@@ -308,10 +352,11 @@ func TestSoak(t *testing.T) {
 	}
 	const engines = 3
 	row := record(t, "Soak", fmt.Sprintf("%v: %d engine processes replay the conversation trace one request at a time in trace order (the test process hands each request, from a random starting point and wrapping around, to a randomly chosen engine and waits until it is done; one page per 512-token block id, at most %d blocks a request, chained digests, every loaded block verified, the missed blocks stored while the hits' lease is held), with random SIGKILL restarts of an idle engine every 2-8 s, against a 16 MiB pool; kills in the middle of an operation are TestEngineSIGKILLRounds' (200 rounds)", dur, engines, soakBlocks),
-		"sidecar VmRSS at the end within 2% of its level at the end of warm-up (the first minute, or half the run if shorter); goroutines and fds back to their idle level; zero leaked leases, pins or writes; zero corrupt loads; hit rate equal to the offline LRU of the same capacity (replay.OraclePages, the model of sidecar/cache, over the requests in the order they completed): hit blocks and looked-up blocks exactly equal, and the sidecar's own lookup, hit, store, NoSpace, eviction and resident-block counts equal the model's",
+		"sidecar VmRSS at the end within 2% of its level at the end of warm-up (the first minute, or half the run if shorter); goroutines and fds back to their idle level; zero leaked leases, pins or writes; zero corrupt loads; hit rate equal to the exact offline model of the sidecar's eviction policy at the same capacity (the sidecar's default, or RINGSIDE_SOAK_POLICY=lru|mqp: replay.OraclePages for LRU, replay.MQPPages for MQP, over the requests in the order they completed): hit blocks and looked-up blocks exactly equal, and the sidecar's own lookup, hit, store, NoSpace (LRU; MQP's model counts none: present+NoSpace checked as a sum), eviction and resident-block counts equal the model's",
 		"1. leaks / pins never released; 2. restart / fault tolerance")
 	reqs, src := loadTrace(tracePath())
-	sc := startSidecar(t, newDir(t), "--pool.bytes", "16MiB", "--ring.capacity", "1MiB")
+	policy := soakPolicy()
+	sc := startSidecar(t, newDir(t), "--pool.bytes", "16MiB", "--ring.capacity", "1MiB", "--cache.policy", policy)
 	slots := sc.state().Pool.Capacity
 	idleG, idleFD := sc.metric("go_goroutines"), fdCount(sc.pid())
 	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 5))
@@ -394,44 +439,56 @@ func TestSoak(t *testing.T) {
 		t.Errorf("leaked: %+v", st.Pool)
 	}
 
-	// The exact offline model over the requests as they completed, each
-	// distinct digest numbered densely.
-	ids := map[[32]byte]uint32{}
-	pagesOf := make([][]uint32, len(reqs))
+	// The exact offline model of the sidecar's policy over the requests
+	// as they completed, each distinct digest numbered as the engines did
+	// (soakTable: under MQP the model hashes those numbers where the
+	// sidecar hashes the digests aligned to them).
+	pagesOf, _ := soakTable(reqs)
 	seq := make([][]uint32, len(order))
+	numIDs := 0
 	for j, i := range order {
-		if pagesOf[i] == nil {
-			d := chain(reqs[i])
-			p := make([]uint32, len(reqs[i]))
-			for b := range p {
-				k := [32]byte(d[b*32 : (b+1)*32])
-				id, ok := ids[k]
-				if !ok {
-					id = uint32(len(ids))
-					ids[k] = id
-				}
-				p[b] = id
-			}
-			pagesOf[i] = p
-		}
 		seq[j] = pagesOf[i]
 	}
-	o := replay.OraclePages(seq, len(ids), slots)
+	for _, p := range pagesOf {
+		for _, id := range p {
+			numIDs = max(numIDs, int(id)+1)
+		}
+	}
+	var o replay.OracleResult
+	model := "offline LRU"
+	if policy == "mqp" {
+		// MQP's model counts no refused or present stores: their sum,
+		// the missed blocks not stored, is checked instead.
+		m := replay.MQPPages(seq, nil, numIDs, slots)
+		model = "offline MQP"
+		o = replay.OracleResult{TotalPages: m.TotalPages, HitPages: m.HitPages, StoredPages: m.StoredPages, Evictions: m.Evictions,
+			Resident: int(m.StoredPages - m.Evictions), PresentPages: -1, SkippedPages: -1}
+		if present+skipped != m.TotalPages-m.HitPages-m.StoredPages {
+			t.Errorf("live: %d present + %d skipped, %s: %d missed blocks not stored", present, skipped, model, m.TotalPages-m.HitPages-m.StoredPages)
+		}
+		present, skipped = -1, -1
+	} else {
+		o = replay.OraclePages(seq, numIDs, slots)
+	}
 	if hit != o.HitPages || asked != o.TotalPages {
-		t.Errorf("live hits %d of %d looked-up blocks, offline LRU of %d slots %d of %d", hit, asked, slots, o.HitPages, o.TotalPages)
+		t.Errorf("live hits %d of %d looked-up blocks, %s of %d slots %d of %d", hit, asked, model, slots, o.HitPages, o.TotalPages)
 	}
 	if stored != o.StoredPages || present != o.PresentPages || skipped != o.SkippedPages {
-		t.Errorf("live stores: %d stored, %d present, %d skipped; offline LRU: %d, %d, %d", stored, present, skipped, o.StoredPages, o.PresentPages, o.SkippedPages)
+		t.Errorf("live stores: %d stored, %d present, %d skipped; %s: %d, %d, %d", stored, present, skipped, model, o.StoredPages, o.PresentPages, o.SkippedPages)
 	}
 	p := st.Pool
+	noSpace := p.NoSpace
+	if policy == "mqp" {
+		noSpace = uint64(o.SkippedPages) // not modelled
+	}
 	if p.Lookups != uint64(len(order)) || p.LookupBlocks != uint64(asked) || p.HitBlocks != uint64(hit) ||
-		p.Stores != uint64(o.StoredPages) || p.NoSpace != uint64(o.SkippedPages) || p.Evictions != uint64(o.Evictions) || p.Blocks != o.Resident {
+		p.Stores != uint64(o.StoredPages) || noSpace != uint64(o.SkippedPages) || p.Evictions != uint64(o.Evictions) || p.Blocks != o.Resident {
 		t.Errorf("sidecar counters: %d lookups, %d/%d blocks hit, %d stores, %d NoSpace, %d evictions, %d blocks; want %d, %d/%d, %d, %d, %d, %d",
 			p.Lookups, p.HitBlocks, p.LookupBlocks, p.Stores, p.NoSpace, p.Evictions, p.Blocks,
 			len(order), hit, asked, o.StoredPages, o.SkippedPages, o.Evictions, o.Resident)
 	}
-	row.add("%d requests (%s, trace order from request %d), %d engine restarts; live hit rate %.4f (%d/%d blocks) = offline LRU of %d slots over the same requests in the same order %.4f (%d/%d blocks), exactly; sidecar counters = model: %d stores, %d NoSpace, %d evictions, %d blocks resident at the end",
-		len(order), filepath.Base(src), first, restarts, float64(hit)/float64(max(asked, 1)), hit, asked, slots, o.HitRatio(), o.HitPages, o.TotalPages,
+	row.add("%d requests (%s, trace order from request %d), %d engine restarts; eviction policy %s; live hit rate %.4f (%d/%d blocks) = %s of %d slots over the same requests in the same order %.4f (%d/%d blocks), exactly; sidecar counters = model: %d stores, %d NoSpace, %d evictions, %d blocks resident at the end",
+		len(order), filepath.Base(src), first, restarts, policy, float64(hit)/float64(max(asked, 1)), hit, asked, model, slots, o.HitRatio(), o.HitPages, o.TotalPages,
 		p.Stores, p.NoSpace, p.Evictions, p.Blocks)
 	row.add("VmRSS %d KiB at the end of warm-up (%v), %d KiB at the end (means over the last %v of each: the Go heap's garbage-collection sawtooth moves single samples by ±3%%) (%+.2f%%); goroutines %v idle → %v idle after; fds %d → %d; at the end 0 leases, 0 pins, 0 writes, free+used = capacity", warmRSS, warm, lastRSS, win, drift, idleG, endG, idleFD, endFD)
 	row.add("samples: %s", strings.Join(samples, " "))
