@@ -37,6 +37,10 @@ type engine struct {
 	walkBuf                []byte
 	walkTotal              time.Duration
 
+	// hints: send each request's retention hint (hintOf) after its store.
+	hints bool
+	pace  float64
+
 	// beforeRelease, when set, runs after the store and before the
 	// release (a sequential run with the tier waits for its writes).
 	beforeRelease func() error
@@ -59,6 +63,9 @@ type runCounts struct {
 	SkippedPages  int64
 	MissedLeases  int64 // leases resolved as a miss before the load
 	VerifiedPages int64 // loaded pages whose bytes were checked
+	// With --hints: Retain records sent, the blocks they retained, and
+	// the session ends sent and the retentions they ended.
+	Retains, RetainedPages, Ends, EndedPages int64
 }
 
 func (c *runCounts) add(o runCounts) {
@@ -71,6 +78,39 @@ func (c *runCounts) add(o runCounts) {
 	c.SkippedPages += o.SkippedPages
 	c.MissedLeases += o.MissedLeases
 	c.VerifiedPages += o.VerifiedPages
+	c.Retains += o.Retains
+	c.RetainedPages += o.RetainedPages
+	c.Ends += o.Ends
+	c.EndedPages += o.EndedPages
+}
+
+// MaxHintTTL is the longest retention the replay asks for: the sidecar's
+// default --retain.max-ttl (a longer one is refused).
+const MaxHintTTL = time.Hour
+
+// hintOf maps a request's retention hint (RequestMeta) to a Retain: a
+// request of priority -1 (a one-off, the scan's) sends nothing; a
+// session's last request (SessionEnd) ends the retentions on its prefix;
+// a request with RetainSec > 0 retains its prefix at retention priority
+// Priority (0..3) for RetainSec of trace time: RetainSec / pace real
+// seconds when paced, RetainSec real seconds when not (the replay then
+// runs faster than the trace, so a hint outlives the gap it covers),
+// at most MaxHintTTL. send is false when there is nothing to send.
+func hintOf(m RequestMeta, pace float64) (ttl time.Duration, prio uint8, end, send bool) {
+	switch {
+	case m.Priority < 0:
+		return 0, 0, false, false
+	case m.SessionEnd:
+		return 0, 0, true, true
+	case m.RetainSec > 0:
+		sec := m.RetainSec
+		if pace > 0 {
+			sec /= pace
+		}
+		ttl = min(MaxHintTTL, max(time.Millisecond, time.Duration(sec*float64(time.Second))))
+		return ttl, uint8(min(m.Priority, schema.MaxRetainPriority)), false, true
+	}
+	return 0, 0, false, false
 }
 
 // stepSample is one engine step's metadata cost.
@@ -336,6 +376,23 @@ func (e *engine) step(idx int, runStart time.Time) error {
 			return fmt.Errorf("release: %w", err)
 		}
 		total += e.timed("release", t0)
+	}
+	if e.hints {
+		if ttl, prio, end, send := hintOf(req.RequestMeta, e.pace); send {
+			t0 = time.Now()
+			got, err := e.rpc.retain(schema.View{Batch: batch, Count: uint32(n)}, ttl, prio, end)
+			if err != nil {
+				return fmt.Errorf("retain: %w", err)
+			}
+			total += e.timed("retain", t0)
+			if end {
+				e.st.Ends++
+				e.st.EndedPages += int64(got)
+			} else {
+				e.st.Retains++
+				e.st.RetainedPages += int64(got)
+			}
+		}
 	}
 	t0 = time.Now()
 	if err := e.rpc.dropHashes(batch); err != nil {

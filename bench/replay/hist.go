@@ -9,7 +9,7 @@ import (
 // to its view; method walk: a visit of every block of that view), and
 // "request" is the connector's whole cost for one request (every call,
 // copies included, modelled prefill excluded).
-var opNames = []string{"lookup", "acquire", "load", "store", "release", "hashes", "step", "request"}
+var opNames = []string{"lookup", "acquire", "load", "store", "release", "retain", "hashes", "step", "request"}
 
 const (
 	histMin = 1              // ns

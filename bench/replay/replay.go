@@ -70,6 +70,11 @@ type Config struct {
 	// (the default) or "mqp". The runs are checked against the offline
 	// model of it: OraclePages for LRU, MQPPages for MQP.
 	Policy string
+	// Hints adds, at every capacity, a run that sends each request's
+	// retention hint (RequestMeta, hintOf) to the sidecar: transport
+	// "ring+hints", beside the plain "ring" run. No model covers hints:
+	// these runs are not checked exactly.
+	Hints bool
 	// Nodes is the number of sidecars (separate pools) the engines are
 	// spread over: engine e attaches to node e mod Nodes (default 1).
 	Nodes int
@@ -171,6 +176,9 @@ func (c *Config) defaults() error {
 	default:
 		return fmt.Errorf("--cache.policy %q: want lru or mqp", c.Policy)
 	}
+	if c.Hints && (len(c.L2Addrs) > 0 || c.L2Start != "") {
+		return errors.New("--hints: not with the tier (give one of --hints, --l2.*)")
+	}
 	if c.Pace < 0 || c.PrefillTPS < 0 {
 		return errors.New("--pace and --prefill-tps must not be negative")
 	}
@@ -257,6 +265,9 @@ func (c *Config) loadWorkload() (*Workload, error) {
 // tiered reports whether a transport runs with the shared tier.
 func tiered(transport string) bool { return strings.HasSuffix(transport, "+l2") }
 
+// hinted reports whether a transport's run sends retention hints.
+func hinted(transport string) bool { return strings.HasSuffix(transport, "+hints") }
+
 // CopyBytes are the bytes the sidecar copied (loads and stores).
 func (r *RunResult) CopyBytes(pageBytes int) int64 {
 	return (r.Counts.LoadedPages + r.Counts.StoredPages) * int64(pageBytes)
@@ -313,6 +324,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		plans = append(plans, plan{c, "ring"})
 		if len(cfg.L2Addrs) > 0 {
 			plans = append(plans, plan{c, "ring+l2"})
+		}
+		if cfg.Hints {
+			plans = append(plans, plan{c, "ring+hints"})
 		}
 	}
 	if !cfg.NoUDS {
@@ -575,8 +589,9 @@ func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*en
 	e.mem = m
 	e.region = m.Bytes()[:pages*c.PageBytes]
 	instance := fmt.Sprintf("replay-engine-%d", i)
+	e.hints, e.pace = hinted(transport), c.Pace
 	switch transport {
-	case "ring", "ring+l2":
+	case "ring", "ring+l2", "ring+hints":
 		cl, err := connector.Dial(connector.Options{Socket: sock, Instance: instance, Model: model, Layout: c.layout(), Timeout: c.Timeout})
 		if err != nil {
 			return e, nil, err

@@ -56,6 +56,13 @@ type CapacityRow struct {
 	OracleFetchedPages int64 `json:"oracle_fetched_pages"` // and the model's
 	OracleTierHitPages int64 `json:"oracle_tier_hit_pages"`
 	OracleLoadedPages  int64 `json:"oracle_loaded_pages"`
+	// Retention hints (transport ring+hints, --hints): no model covers
+	// them, so the oracle_* fields are the run's without hints.
+	Hints         bool  `json:"hints"`
+	Retains       int64 `json:"retains"`        // Retain records that set a retention
+	RetainedPages int64 `json:"retained_pages"` // blocks they retained or renewed
+	Ends          int64 `json:"ends"`           // Retain records that ended a session's retentions
+	EndedPages    int64 `json:"ended_pages"`    // retentions they ended
 }
 
 // PolicyRow is one capacity's prefix-hit ratios: the live sidecar's
@@ -89,6 +96,9 @@ type PolicyRow struct {
 	ARCFailedStores   int64   `json:"arc_failed_stores"`
 	MQPBlockHitRatio  float64 `json:"mqp_block_hit_ratio"`
 	UnboundedHitRatio float64 `json:"unbounded_hit_ratio"` // a cache that never evicts
+	// LiveHintsHitRatio is the live run's with retention hints at the
+	// same capacity (--hints; absent without).
+	LiveHintsHitRatio *float64 `json:"live_hints_hit_ratio,omitempty"`
 }
 
 // OpRow is one operation's latency in one run (bench "replay_op").
@@ -166,6 +176,8 @@ func (rep *Report) build() {
 			ViewBlocks: r.ViewBlocks, OracleResident: r.Oracle.Resident, Resyncs: r.Resyncs,
 			WallSec: r.Wall.Seconds(), RequestsPerSec: float64(r.Counts.Requests) / max(r.Wall.Seconds(), 1e-9),
 			Nodes: c.Nodes, Tier: tiered(r.Transport), FetchedPages: r.FetchedPages,
+			Hints: hinted(r.Transport), Retains: r.Counts.Retains, RetainedPages: r.Counts.RetainedPages,
+			Ends: r.Counts.Ends, EndedPages: r.Counts.EndedPages,
 		}
 		if f := r.Fleet; f != nil {
 			cr.OracleFetchedPages, cr.OracleTierHitPages, cr.OracleLoadedPages = f.FetchedPages, f.TierHitPages, f.LoadedPages
@@ -176,8 +188,16 @@ func (rep *Report) build() {
 	}
 	for _, r := range rep.runsOf("ring") {
 		live := ratio(r.Counts.HitPages, r.Counts.TotalPages)
+		var withHints *float64
+		for _, h := range rep.runsOf("ring+hints") {
+			if h.CapacityPages == r.CapacityPages {
+				x := ratio(h.Counts.HitPages, h.Counts.TotalPages)
+				withHints = &x
+			}
+		}
 		rep.Rows = append(rep.Rows, PolicyRow{
-			Bench: "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: r.CapacityPages, Transport: r.Transport,
+			LiveHintsHitRatio: withHints,
+			Bench:             "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: r.CapacityPages, Transport: r.Transport,
 			PageTokens: w.PageTokens, Sequential: c.Sequential, Policy: c.Policy, Requests: len(w.Requests), Pages: r.Counts.TotalPages,
 			LiveHitRatio: live, LRUHitRatio: r.LRU.HitRatio(), LiveEqualsLRU: r.Counts.HitPages == r.LRU.HitPages,
 			LiveEqualsModel: r.Counts.HitPages == r.Oracle.HitPages,
@@ -319,6 +339,9 @@ func (rep *Report) verdicts() []string {
 	}
 	all, maxDiff := true, 0.0
 	for _, r := range rep.Runs {
+		if hinted(r.Transport) {
+			continue // no model covers retention hints
+		}
 		if r.Counts.HitPages != r.Oracle.HitPages || r.Counts.TotalPages != r.Oracle.TotalPages {
 			all = false
 		}
@@ -355,6 +378,19 @@ func (rep *Report) verdicts() []string {
 			out = append(out, targetFleet.Holds(ok, ""))
 		}
 	}
+	if hr := rep.runsOf("ring+hints"); len(hr) > 0 {
+		var parts []string
+		for _, r := range hr {
+			for _, b := range runs {
+				if b.CapacityPages == r.CapacityPages {
+					parts = append(parts, fmt.Sprintf("%d pages: %.2f%% without, %.2f%% with (%d retains of %d blocks, %d session ends of %d)", r.CapacityPages,
+						100*ratio(b.Counts.HitPages, b.Counts.TotalPages), 100*ratio(r.Counts.HitPages, r.Counts.TotalPages),
+						r.Counts.Retains, r.Counts.RetainedPages, r.Counts.Ends, r.Counts.EndedPages))
+				}
+			}
+		}
+		out = append(out, fmt.Sprintf("live hit rate without and with retention hints (%s; not checked against a model, none covers hints): %s", c.Policy, strings.Join(parts, "; ")))
+	}
 	if u := rep.runsOf("uds"); len(u) > 0 {
 		uh := u[0].Hists
 		for _, r := range runs {
@@ -377,7 +413,7 @@ func (rep *Report) verdicts() []string {
 		}
 	}
 	for _, r := range rep.Runs {
-		if c.Sequential && r.Resyncs == 0 && r.ViewBlocks != r.Oracle.Resident {
+		if c.Sequential && r.Resyncs == 0 && !hinted(r.Transport) && r.ViewBlocks != r.Oracle.Resident {
 			out = append(out, fmt.Sprintf("check: at %d pages (%s) the change log's view holds %d blocks, the oracle %d", r.CapacityPages, r.Transport, r.ViewBlocks, r.Oracle.Resident))
 		}
 		if r.Resyncs > 0 {
@@ -451,7 +487,9 @@ func (rep *Report) print() error {
 			}
 		}
 		eq := "yes"
-		if r.Counts.HitPages != r.Oracle.HitPages {
+		if hinted(r.Transport) {
+			eq = "hints"
+		} else if r.Counts.HitPages != r.Oracle.HitPages {
 			eq = fmt.Sprintf("%+d", r.Counts.HitPages-r.Oracle.HitPages)
 		}
 		var ofetched int64

@@ -111,6 +111,22 @@ func (r *rpc) release(lease uint64) error {
 	return err
 }
 
+// retain sends a Retain of view v: keep its leading present blocks for
+// ttl at priority prio, or, with end, end the retentions set on them. It
+// returns the blocks whose retention it set, renewed or ended.
+func (r *rpc) retain(v schema.View, ttl time.Duration, prio uint8, end bool) (int, error) {
+	m := schema.Retain{View: v}
+	if end {
+		m.Flags = schema.RetainFlagEnd
+	} else {
+		m.TTLms = uint32(max(1, (ttl+time.Millisecond-1)/time.Millisecond))
+		m.Priority = prio
+	}
+	r.buf = m.Append(r.buf[:0])
+	n, err := r.simple(schema.TypeRetain, r.buf)
+	return int(n), err
+}
+
 func (r *rpc) registerRegion(m schema.RegisterRegion) error {
 	r.buf = m.Append(r.buf[:0])
 	_, err := r.simple(schema.TypeRegisterRegion, r.buf)

@@ -102,9 +102,15 @@ type rawRequest struct {
 	InputLength  *int     `json:"input_length"`
 	OutputLength int      `json:"output_length"`
 	HashIDs      []uint64 `json:"hash_ids"`
-	trace        int
-	line         int
-	meta         RequestMeta
+	// Optional retention hints of a trace line (RequestMeta; the Mooncake
+	// trace has none): --hints sends them.
+	Session    *int    `json:"session"`
+	SessionEnd bool    `json:"session_end"`
+	RetainSec  float64 `json:"retain_s"`
+	Priority   int     `json:"priority"`
+	trace      int
+	line       int
+	meta       RequestMeta
 }
 
 // LoadOptions shape the expansion of traces into pages.
@@ -294,8 +300,14 @@ func readTrace(path string, idx int) ([]rawRequest, error) {
 			if *r.InputLength < 0 || *r.Timestamp < 0 {
 				return nil, fmt.Errorf("%s:%d: negative timestamp or input_length", path, line)
 			}
+			if r.RetainSec < 0 || r.Priority < -1 || r.Priority > 3 {
+				return nil, fmt.Errorf("%s:%d: retain_s must not be negative, priority in -1..3", path, line)
+			}
 			r.trace, r.line = idx, line
-			r.meta.Session = -1
+			r.meta = RequestMeta{Session: -1, SessionEnd: r.SessionEnd, RetainSec: r.RetainSec, Priority: r.Priority}
+			if r.Session != nil {
+				r.meta.Session = *r.Session
+			}
 			out = append(out, r)
 		}
 		if err == io.EOF {
