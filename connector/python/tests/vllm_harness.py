@@ -208,6 +208,7 @@ class Engine:
         self.metas: list = []  # every step's RingsideConnectorMetadata
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        self.params: dict[str, dict] = {}  # kv_transfer_params of finished requests' outputs
         self.checked_blocks = 0
 
     # -- the model stand-in ------------------------------------------------------
@@ -312,6 +313,8 @@ class Engine:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     self.finished.add(o.request_id)
+                if getattr(o, "kv_transfer_params", None):
+                    self.params[o.request_id] = o.kv_transfer_params
         self.conn.take_events()
         self.steps += 1
         return so

@@ -193,6 +193,23 @@ class Config:
         plugins=(VLLM,),
         minimum=0,
     )
+    pd_producer: bool = _key(
+        False,
+        BOOLEAN,
+        "On a prefill engine: a request that asks for a remote decode (kv_transfer_params do_remote_decode) "
+        "answers with the blocks it stored, which the decode engine waits for (docs/vllm.md).",
+        plugins=(VLLM,),
+    )
+    pd_wait_s: float = _key(
+        10.0,
+        NUMBER,
+        "On a decode engine: most a request waits for the blocks a prefill announced (ringside_pd_blocks) "
+        "before it computes the rest (0: never waits).",
+        unit="seconds",
+        plugins=(VLLM,),
+        minimum=0,
+        maximum=600,
+    )
     mirror: bool = _key(True, BOOLEAN, "Keep a local index of the cache (docs/architecture.md).", plugins=(VLLM,))
     mirror_max_blocks: int = _key(
         4_000_000,

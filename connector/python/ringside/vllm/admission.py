@@ -23,6 +23,7 @@ from .. import schema as _s
 from ..client import Link, RingsideError, RingsideTimeout, Session
 from ..mirror import Mirror
 from ..plugin.faults import SIDECAR_ERRORS, Faults
+from . import disagg
 from .index import LocalIndex
 from .state import ReqState, StepBudget
 
@@ -49,6 +50,7 @@ class Admission:
         block_size: int,
         timeout: float,
         groups: int = 1,
+        pd_wait: float = 0.0,
     ):
         self.link = link
         self.faults = faults
@@ -63,6 +65,7 @@ class Admission:
         self._free_gen = -1  # the link generation they belong to
         self.woke = False  # an arrival woke the sidecar in this step
         self.groups = groups  # KV cache groups: each uses a batch of its own (hybrid.py)
+        self.pd_wait = pd_wait  # most a request waits for a prefill's blocks (disagg.py)
 
     # A request may load at most min(len(block_hashes), (num_tokens - 1) //
     # block_size) blocks: at least one token is left to compute (vLLM needs
@@ -178,6 +181,13 @@ class Admission:
         try:
             r = self.req(request)
             seq = r.lookup_seq
+            if not seq and r.pd_want > 0:  # waiting for a prefill's blocks: polled (disagg.py)
+                now = time.monotonic()
+                if now < r.pd_poll_at:
+                    return None, False
+                self.put_hashes(r, s, usable)
+                seq = r.lookup_seq = s.submit(_s.TYPE_LOOKUP, _s.LOOKUP.pack(r.batch, 0, usable))
+                r.lookup_t, r.lookup_count = now, usable
             value = -1
             if seq:
                 payload = self.budget.reply(s, seq)
@@ -212,6 +222,19 @@ class Admission:
         except SIDECAR_ERRORS as e:
             self.faults.fail(e)
             return 0, False
+        if not again and r.pd_want:
+            if r.pd_want < 0:  # its first answer: does it wait for a prefill's blocks?
+                params = getattr(request, "kv_transfer_params", None) if self.pd_wait > 0 else None
+                r.pd_want = disagg.expected(params, usable) if params else 0
+                r.pd_until = time.monotonic() + self.pd_wait
+            if hits < r.pd_want:
+                now = time.monotonic()
+                if now < r.pd_until:
+                    self.stats["pd_waits"] += 1
+                    r.pd_poll_at = now + disagg.POLL_S
+                    return None, False  # vLLM asks again next step; looked up again
+                self.stats["pd_timeouts"] += 1
+            r.pd_want = 0
         r.looked, r.hits = usable, hits
         if not again:
             st = self.stats

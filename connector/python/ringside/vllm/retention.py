@@ -41,6 +41,8 @@ RETAIN_S = "ringside_retain_s"
 PRIORITY = "ringside_priority"
 SESSION_END = "ringside_session_end"
 KEYS = (RETAIN_S, PRIORITY, SESSION_END)
+# Other ringside keys of kv_transfer_params (disagg.py), not retention's.
+OTHER_KEYS = ("ringside_pd_blocks",)
 
 # The sidecar's default bound on a retention (`ringside serve
 # --retain.max-ttl`, which refuses a longer one); a longer hint is shortened
@@ -74,7 +76,7 @@ def hint_of(params: Any) -> Optional[Hint]:
     if not isinstance(params, Mapping):
         return None
     for k in params:
-        if isinstance(k, str) and k.startswith("ringside_") and k not in KEYS:
+        if isinstance(k, str) and k.startswith("ringside_") and k not in KEYS and k not in OTHER_KEYS:
             _warn(k, "not a ringside key (ringside_retain_s, ringside_priority, ringside_session_end)")
     end = params.get(SESSION_END)
     if end is not None and not isinstance(end, bool):

@@ -29,7 +29,7 @@ from ..events import EventFeed
 from ..plugin.config import Config
 from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
-from . import retention
+from . import disagg, retention
 from .admission import Admission
 from .engine import full_attention_only
 from .events import KVEvents
@@ -78,6 +78,9 @@ COUNTERS = (
     "load_blocks_full",
     "load_blocks_window",
     "described_blocks",
+    "pd_waits",
+    "pd_timeouts",
+    "pd_announced_blocks",
 )
 
 
@@ -134,7 +137,7 @@ class SchedulerSide:
         self.index = LocalIndex(cfg, self.link, self.faults, self.budget) if cfg.mirror else None
         self.mirror = self.index.mirror if self.index is not None else None
         self.admission = Admission(
-            self.link, self.faults, self.budget, self.index, block_size, cfg.timeout, len(layout.groups)
+            self.link, self.faults, self.budget, self.index, block_size, cfg.timeout, len(layout.groups), cfg.pd_wait_s
         )
         self.reqs = self.admission.reqs
         # Several KV cache groups: their lookups and acquires (hybrid.py).
@@ -346,6 +349,10 @@ class SchedulerSide:
         hold = bool(r.store_step) and r.store_step + self.hold_steps > self.planner.step
         params = getattr(request, "kv_transfer_params", None)
         hint = retention.hint_of(params) if params and self.hybrid is None else None
+        out = None
+        if self.cfg.pd_producer and r.stored and self.hybrid is None and disagg.wants_remote_decode(params):
+            out = disagg.produced(r.stored)  # the decode waits for these (disagg.py)
+            self.stats["pd_announced_blocks"] += r.stored
         if hold:
             self._held.append(rid)
             self.holding.add(rid)
@@ -369,7 +376,7 @@ class SchedulerSide:
                         self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)
-        return hold, None
+        return hold, out
 
     def _retain_sent(self, sent: Any) -> None:
         """Held requests whose stores were all answered (finished_sending):

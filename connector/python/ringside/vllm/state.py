@@ -35,6 +35,9 @@ class ReqState:
         "gseq",
         "more",
         "whole",
+        "pd_want",
+        "pd_until",
+        "pd_poll_at",
     )
 
     def __init__(self, request: Any, batch: int, generation: int):
@@ -60,6 +63,11 @@ class ReqState:
         self.gseq: Sequence[tuple[int, int]] = ()  # lookups submitted ahead: (group, seq)
         self.more: tuple[Load, ...] = ()  # the loads of the other groups' blocks, with `load`
         self.whole = False  # its load covers several groups: all of them or none
+        # Prefill to decode (disagg.py): leading blocks it waits for (-1: not
+        # read yet, 0: none), and until when (time.monotonic).
+        self.pd_want = -1
+        self.pd_until = 0.0
+        self.pd_poll_at = 0.0  # its next poll (disagg.POLL_S apart)
 
 
 class StepBudget:
