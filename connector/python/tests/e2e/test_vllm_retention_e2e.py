@@ -15,21 +15,16 @@ skipped without it, except under CI=true.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
 
 # The one-node tests' runner and fixtures (this directory is on sys.path:
 # pytest's default import mode, no __init__.py).
-from test_vllm_e2e import VENV_PY, _env, model_dir  # noqa: F401 - model_dir: a fixture
+from test_vllm_e2e import model_dir  # noqa: F401 - a fixture
+from vllm_server import BLOCK, Server, metric, ringside_config
 
 from ringside.sidecar_process import SidecarProcess
 
-BLOCK = 32  # tokens a block in these engines (one token a byte)
 KEPT = "K" * 3 + "".join("kept prompt block %02d. " % i for i in range(6))
 PLAIN = "P" * 3 + "".join("plain prompt block %02d " % i for i in range(6))
 
@@ -39,76 +34,8 @@ def blocks(text: str) -> int:
     return (len(text) + 1) // BLOCK
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """vLLM's OpenAI server with the ringside connector."""
-
-    def __init__(self, model: str, sock: str, tmp: str):
-        self.port = _port()
-        cfg = {
-            "kv_connector": "RingsideConnector",
-            "kv_connector_module_path": "ringside.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"socket": sock, "timeout": 2.0, "mirror": False},
-        }
-        cmd = [
-            VENV_PY, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--port", str(self.port), "--host", "127.0.0.1",
-            "--dtype", "float32", "--max-model-len", "1024", "--block-size", str(BLOCK),
-            "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching",
-            "--distributed-executor-backend", "uni",
-            "--kv-transfer-config", json.dumps(cfg),
-        ]  # fmt: skip
-        env = _env()
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
-        self.log = open(os.path.join(tmp, "server.log"), "w")
-        self.p = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while True:
-            assert self.p.poll() is None, "the server exited: see %s" % self.log.name
-            try:
-                with urllib.request.urlopen("http://127.0.0.1:%d/health" % self.port, timeout=2):
-                    return
-            except (urllib.error.URLError, OSError):
-                assert time.time() < deadline, "the server did not start: see %s" % self.log.name
-                time.sleep(0.5)
-
-    def complete(self, prompt: str, params: dict | None = None) -> dict:
-        body = {"model": self.model_name(), "prompt": prompt, "max_tokens": 1, "temperature": 0}
-        if params is not None:
-            body["kv_transfer_params"] = params
-        req = urllib.request.Request(
-            "http://127.0.0.1:%d/v1/completions" % self.port,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.load(r)
-
-    def model_name(self) -> str:
-        with urllib.request.urlopen("http://127.0.0.1:%d/v1/models" % self.port, timeout=10) as r:
-            return json.load(r)["data"][0]["id"]
-
-    def stop(self) -> None:
-        self.p.terminate()
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        self.log.close()
-
-
 def counter(sc: SidecarProcess, name: str) -> float:
-    with urllib.request.urlopen("http://%s/metrics" % sc.metrics, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    raise AssertionError("no %s in the sidecar's metrics" % name)
+    return metric(sc.metrics, name)
 
 
 def settle(sc: SidecarProcess, srv: Server, want_retained: int) -> None:
@@ -141,7 +68,7 @@ def test_retention_hint_in_the_request_body(model_dir, ringside_bin, tmp_path): 
     )
     srv = None
     try:
-        srv = Server(model_dir, sc.sock, tmp)
+        srv = Server(model_dir, tmp, ringside_config(sc.sock))
         n = blocks(KEPT)
         assert n == blocks(PLAIN) >= 4
         srv.complete(KEPT, {"ringside_retain_s": 600, "ringside_priority": 1})
