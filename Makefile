@@ -17,7 +17,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: all build run test docs check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers vllm-src
+.PHONY: test-pd-nixl bench-pd all build run test docs check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers vllm-src
 
 all: build
 
@@ -97,6 +97,19 @@ dynamo-venv:
 # `ringside events`; minutes on 2 cores); test-dynamo adds Dynamo's indexer.
 test-vllm-events: vllm-venv $(VLLM_VENV)/.ringside-test-deps
 	$(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/e2e/test_vllm_events_e2e.py
+
+# Disaggregated prefill and decode beside vLLM's NixlConnector (not part of
+# make test: it adds NIXL, about 100 MB, to the vLLM venv). NIXL's wheel for
+# the venv's CUDA 13 torch; it runs on host buffers over UCX on loopback.
+NIXL_VERSION ?= 1.5.1
+test-pd-nixl: vllm-venv $(VLLM_VENV)/.ringside-test-deps
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
+	RINGSIDE_TEST_NIXL=1 $(PYTHON) -m pytest -q connector/python/tests/e2e/test_vllm_pd_e2e.py -k nixl
+
+# The decode's time to first token through the sidecars' tier against
+# recomputing (docs/benchmarks.md, "Prefill to decode").
+bench-pd: vllm-venv build
+	RINGSIDE_PD_FIGURES=$(CURDIR)/docs/data/pd-ttft.json $(PYTHON) -m pytest -q connector/python/tests/e2e/test_vllm_pd_e2e.py -k tier
 
 test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 	RINGSIDE_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/e2e/test_vllm_events_e2e.py

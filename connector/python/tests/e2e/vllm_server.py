@@ -51,6 +51,7 @@ class Server:
         name: str = "server",
         env: Optional[dict] = None,
         max_model_len: int = 1024,
+        args: tuple = (),
     ):
         self.port = free_port()
         cmd = [
@@ -62,6 +63,7 @@ class Server:
         ]  # fmt: skip
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        cmd += list(args)
         e = _env()
         e.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
         e.update(env or {})
@@ -103,6 +105,16 @@ class Server:
             with urllib.request.urlopen("http://127.0.0.1:%d/v1/models" % self.port, timeout=10) as r:
                 self._model = json.load(r)["data"][0]["id"]
         return self._model
+
+    def prom(self, name: str) -> float:
+        """The sum of the server's Prometheus samples named name (any labels)."""
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.port, timeout=10) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.split()[-1])
+        return total
 
     def stop(self) -> None:
         self.p.terminate()
