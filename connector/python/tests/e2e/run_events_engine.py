@@ -269,6 +269,16 @@ def main() -> int:
             prompt_digests.append(parent)
     present, described, hits = sidecar_view(s, prompt_digests)
     got_replay = replay(rep, 0)
+    # The live stream as far as the replay went: a batch published after the
+    # first snapshot (the probe's step) is in the replay, and reaches the
+    # subscriber a moment later.
+    last = got_replay[-1][0] if got_replay else -1
+    live = rec.snapshot()
+    deadline = time.time() + 10
+    while (not live or int.from_bytes(live[-1][1], "big") < last) and time.time() < deadline:
+        time.sleep(0.05)
+        live = rec.snapshot()
+    live = [f for f in live if int.from_bytes(f[1], "big") <= last]
     report = {
         "batches": batches,
         "present": present,
@@ -279,7 +289,7 @@ def main() -> int:
         "prompt_tokens": first_tokens,
         "sidecar_prefix_hits": hits,
         "replay": [[seq, p.hex()] for seq, p in got_replay],
-        "live": [[int.from_bytes(f[1], "big"), f[2].hex()] for f in frames],
+        "live": [[int.from_bytes(f[1], "big"), f[2].hex()] for f in live],
         "connector_stats": {k: v for k, v in conn.stats.items() if isinstance(v, (int, str))},
         "feed_stats": conn.connector_scheduler.events.feed.stats if conn.connector_scheduler.events else None,
         "pub": "tcp://127.0.0.1:%d" % a.pub_port,
