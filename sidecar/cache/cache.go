@@ -328,9 +328,9 @@ func New(cfg Config) (*Cache, error) {
 	return c, nil
 }
 
-// tableSize keeps the index load factor at or below 0.6 even when every
+// tableSize keeps the index load factor at or below 2/3 even when every
 // slot is its own logical block (world size 1).
-func tableSize(capacity int) int { return capacity + capacity*2/3 + 8 }
+func tableSize(capacity int) int { return capacity + capacity/2 + 8 }
 
 // Capacity returns the number of slots.
 func (c *Cache) Capacity() int { return int(c.capacity) }

@@ -64,12 +64,13 @@
 //	done    uint8      1  committed ranks (head); bit 7 marks a doomed block
 //	                 ---
 //	                  52  bytes per slot
-//	index   uint32  4*5/3 open addressing, head slot+1 (0 = empty), load
-//	                      factor <= 0.6 even when every slot is a block
-//	tags    uint8   1*5/3 8-bit hash tag per index entry: a probe reads a
+//	index   uint32  4*3/2 open addressing, head slot+1 (0 = empty), load
+//	                      factor <= 2/3 even when every slot is a block
+//	tags    uint8   1*3/2 8-bit hash tag per index entry: a probe reads a
 //	                      slot's digest only when its tag matches
-//	                 ~60.3 bytes per slot in total (MemoryBytes/BytesPerBlock;
-//	                      measured 60.33 at 10M slots, heap growth included)
+//	                 ~59.6 bytes per slot in total (MemoryBytes/BytesPerBlock:
+//	                      59.56 at 10M slots; bench delta's heap growth, the
+//	                      delta log included, 60.00)
 //
 // PolicyMQP adds (mqp.go):
 //
@@ -81,8 +82,9 @@
 //	                      fp28<<4 | count4, and their hands
 //	prev/next       ~0    3 queue sentinels and 96 marker nodes, fixed
 //	                 ---
-//	                3.45 bytes per slot: 63.78 in total at 10M slots
-//	                      (heap growth 63.90), within the 64-byte budget
+//	                3.45 bytes per slot: 63.01 in total at 10M slots
+//	                      (bench delta's heap growth 63.44), within the
+//	                      64-byte budget
 //
 // The index uses linear probing with backward-shift deletion (no
 // tombstones) and a multiply-shift range reduction, so its size need not
