@@ -35,6 +35,7 @@ type Config struct {
 	StoresPerStep int           // new blocks stored per step (default 32)
 	WalkBudget    time.Duration // stop timing walks after this long once 11 steps are in (default 3s)
 	Seed          uint64        // digest generator seed (default 1)
+	Policy        string        // the cache's eviction policy, lru or mqp (default: serve's, cache.DefaultPolicy)
 	JSON          bool          // JSON Lines on Out; the reading goes to Log
 	Quiet         bool          // no progress lines
 	Out, Log      io.Writer
@@ -43,6 +44,7 @@ type Config struct {
 // Row is one result line.
 type Row struct {
 	Bench          string  `json:"bench"`                      // "delta" or "memory"
+	Policy         string  `json:"policy"`                     // the cache's eviction policy
 	Method         string  `json:"method,omitempty"`           // "delta" or "walk"
 	CachedBlocks   int     `json:"cached_blocks"`              // present blocks when the steps start
 	StepNs         int64   `json:"step_ns,omitempty"`          // median consumer cost per step
@@ -125,6 +127,12 @@ func (c *Config) defaults() error {
 	if c.Seed == 0 {
 		c.Seed = 1
 	}
+	if c.Policy == "" {
+		c.Policy = cache.DefaultPolicy.String()
+	}
+	if _, err := cache.ParsePolicy(c.Policy); err != nil {
+		return err
+	}
 	if c.Out == nil {
 		c.Out = io.Discard
 	}
@@ -155,7 +163,11 @@ const owner cache.SessionID = 1
 func capacityFor(n, perStep int) int { return n + max(n/1000, 8*perStep) }
 
 func build(n int, cfg *Config) (*model, error) {
-	c, err := cache.New(cache.Config{Capacity: capacityFor(n, cfg.StoresPerStep), Epoch: 0x5eed})
+	pol, err := cache.ParsePolicy(cfg.Policy)
+	if err != nil {
+		return nil, err
+	}
+	c, err := cache.New(cache.Config{Capacity: capacityFor(n, cfg.StoresPerStep), Epoch: 0x5eed, Policy: pol})
 	if err != nil {
 		return nil, err
 	}
@@ -297,7 +309,7 @@ func Run(cfg Config) ([]Row, error) {
 	var rows []Row
 	for _, n := range sizes {
 		if !cfg.Quiet {
-			fmt.Fprintf(cfg.Log, "delta: filling a cache with %d blocks...\n", n)
+			fmt.Fprintf(cfg.Log, "delta: filling a cache with %d blocks (eviction policy %s)...\n", n, cfg.Policy)
 		}
 		before := heapAlloc()
 		m, err := build(n, &cfg)
@@ -348,6 +360,9 @@ func Run(cfg Config) ([]Row, error) {
 		return rows, err
 	}
 	rows = append(rows, d)
+	for i := range rows {
+		rows[i].Policy = cfg.Policy
+	}
 	return rows, print(cfg, rows)
 }
 

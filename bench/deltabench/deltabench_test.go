@@ -12,14 +12,28 @@ import (
 // never an absolute time: following the delta log costs about the same at
 // every size, walking the index grows with it, and every row is there.
 func TestShape(t *testing.T) {
+	for _, pol := range []string{"lru", "mqp"} {
+		t.Run(pol, func(t *testing.T) { testShape(t, pol) })
+	}
+	if _, err := Run(Config{Sizes: []int{10_000}, Policy: "arc", Quiet: true}); err == nil {
+		t.Fatal("policy arc accepted")
+	}
+}
+
+func testShape(t *testing.T, policy string) {
 	sizes := []int{10_000, 100_000, 1_000_000}
-	if testing.Short() || raceEnabled {
+	if testing.Short() || raceEnabled || policy != "lru" {
 		sizes = []int{10_000, 100_000}
 	}
 	var out bytes.Buffer
-	rows, err := Run(Config{Sizes: sizes, Steps: 300, Warmup: 20, WalkBudget: 300 * time.Millisecond, JSON: true, Quiet: true, Out: &out})
+	rows, err := Run(Config{Sizes: sizes, Steps: 300, Warmup: 20, WalkBudget: 300 * time.Millisecond, JSON: true, Quiet: true, Out: &out, Policy: policy})
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if r.Policy != policy {
+			t.Fatalf("row %+v: policy %q, want %q", r, r.Policy, policy)
+		}
 	}
 	// JSON Lines: one object per row with the documented fields.
 	dec := json.NewDecoder(&out)
