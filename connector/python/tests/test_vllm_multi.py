@@ -340,3 +340,57 @@ def test_events_in_the_combined_stream(start_sidecar, first):
     assert not got[False][1], "events without kv_events"
     want, hs = got[True]
     assert want <= hs, "blocks stored but not announced: %d of %d" % (len(want - hs), len(want))
+
+
+def test_no_store_of_blocks_a_failed_sync_load_left(start_sidecar):
+    """A synchronous loader ahead of ringside (tests/sync_loader.py) claims
+    two blocks of each request and fails to load them: vLLM learns it from
+    the step's output, after the workers stored what the step planned, and
+    recomputes. Ringside stores those blocks only once vLLM has seen the
+    failure, so what the sidecar holds are the recomputed bytes: a fresh
+    engine loads the prompts from it and checks every loaded block's bytes
+    (vllm_harness); before, it stored the never-loaded blocks (zeros)."""
+    sc = start_sidecar(metrics=True)
+    loader = dict(kv_connector="FailingSyncLoader", kv_connector_module_path="sync_loader", kv_role="kv_both")
+    eng = FailedLoadEngine([loader, ringside_child(sc.sock, mirror=False)], policy="recompute")
+    reqs = prompts("f")
+    eng.run(reqs)
+    eng.shutdown()
+    failed = sum(c.failed_blocks for c in eng.worker._connectors if hasattr(c, "failed_blocks"))
+    assert failed == 2 * len(reqs), failed  # every request's load failed ...
+    assert eng.garbage, "no step read the blocks the loader left"  # ... and left other bytes
+    assert eng.stats["deferred_external_blocks"] >= 2 * len(reqs), eng.stats
+    assert eng.wstats["stored_blocks"] == 3 * len(reqs), eng.wstats
+    probe = H.Engine(sc.sock, extra={"mirror": False})
+    try:
+        probe.run(prompts("f"))  # the same prompts: hits, every loaded block's bytes checked
+        assert probe.wstats["loaded_blocks"] == 3 * len(reqs) and probe.checked_blocks >= 3 * len(reqs)
+    finally:
+        probe.shutdown()
+
+
+class FailedLoadEngine(MultiEngine):
+    """MultiEngine whose model stand-in notes, instead of failing on, the
+    blocks a failed load left with other bytes (vLLM recomputes them)."""
+
+    def __init__(self, *a: Any, **kw: Any):
+        super().__init__(*a, **kw)
+        self.garbage = 0
+
+    def _check_prefix(self, req: Any, start: int) -> None:
+        try:
+            super()._check_prefix(req, start)
+        except AssertionError:
+            self.garbage += 1
+
+
+def test_beside_a_connector_without_the_hybrid_allocator(start_sidecar):
+    """With vLLM's hybrid memory allocator on, a MultiConnector whose other
+    child does not implement SupportsHMA is refused at start, with the
+    setting that turns the allocator off named; ringside (which does) is not
+    the reason."""
+    sc = start_sidecar()
+    loader = dict(kv_connector="NoHMASyncLoader", kv_connector_module_path="sync_loader", kv_role="kv_both")
+    with pytest.raises(ValueError, match="does not support HMA.*--disable-hybrid-kv-cache-manager"):
+        MultiEngine([ringside_child(sc.sock), loader])
+    MultiEngine([ringside_child(sc.sock), ringside_child(sc.sock)]).shutdown()  # both support it

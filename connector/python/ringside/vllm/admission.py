@@ -180,6 +180,7 @@ class Admission:
         again = False
         try:
             r = self.req(request)
+            r.local = num_computed_tokens
             seq = r.lookup_seq
             if not seq and r.pd_want > 0:  # waiting for a prefill's blocks: polled (disagg.py)
                 now = time.monotonic()

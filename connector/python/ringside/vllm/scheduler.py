@@ -81,6 +81,7 @@ COUNTERS = (
     "pd_waits",
     "pd_timeouts",
     "pd_announced_blocks",
+    "deferred_external_blocks",
 )
 
 
@@ -171,6 +172,7 @@ class SchedulerSide:
         # max_concurrent_batches - 1 steps more before it processes a step's
         # output. One step of margin.
         self.hold_steps = lim.concurrent_batches + 2
+        self.planner.ext_defer = lim.concurrent_batches
         # The most blocks one schedule can allocate to running requests (the
         # only ones vLLM preempts for): the token budget and every request's
         # lookahead, a block more a request for the one it has begun, in

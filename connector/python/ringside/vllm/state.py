@@ -38,6 +38,9 @@ class ReqState:
         "pd_want",
         "pd_until",
         "pd_poll_at",
+        "local",
+        "ext_from",
+        "ext_step",
     )
 
     def __init__(self, request: Any, batch: int, generation: int):
@@ -68,6 +71,13 @@ class ReqState:
         self.pd_want = -1
         self.pd_until = 0.0
         self.pd_poll_at = 0.0  # its next poll (disagg.POLL_S apart)
+        # Tokens vLLM had computed when it last asked for the request's hit
+        # (its own prefix cache), -1 once the planner has used it; blocks
+        # another connector loaded past them wait for vLLM's verdict on the
+        # load: not stored from ext_from on before step ext_step (store_plan.py).
+        self.local = -1
+        self.ext_from = 0
+        self.ext_step = 0
 
 
 class StepBudget:

@@ -64,6 +64,9 @@ class StorePlanner:
         # Blocks filled by decoding: stored in the step that fills them (1),
         # in steps that are multiples of decode_every (> 1), or never (0).
         self.decode_every = decode_every
+        # Steps until vLLM has processed a step's output (max_concurrent_batches):
+        # how long another connector's freshly loaded blocks wait (_check).
+        self.ext_defer = 1
         self.stats = stats
         self.step = 0  # the scheduler step being planned (1, 2, ...)
         # The KV cache manager's request -> blocks table (single KV cache
@@ -179,6 +182,24 @@ class StorePlanner:
         if not self.decode_every:
             full = self._prompt_only(req, full)
         a = r.stored
+        if r.local >= 0:
+            # Its first step after vLLM asked for its hit: tokens computed
+            # now but not then, that ringside did not load (a loaded block
+            # moved the cursor), came from another connector's load in this
+            # step (MultiConnector). A synchronous load that failed is only
+            # reported with the step's output, after the workers' stores:
+            # those blocks wait until vLLM has seen it (and truncated the
+            # request's computed tokens, or not).
+            lb = max(a, r.local // bs)
+            if req.num_computed_tokens // bs > lb:
+                r.ext_from, r.ext_step = lb, self.step + self.ext_defer
+                self.stats["deferred_external_blocks"] += req.num_computed_tokens // bs - lb
+            r.local = -1
+        if r.ext_step:
+            if self.step < r.ext_step:
+                full = min(full, r.ext_from)
+            else:
+                r.ext_step = 0
         if full > a:
             rtb = self.req_to_blocks
             if rtb is not None:  # the manager's own block list: no copy of the whole table
