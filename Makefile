@@ -106,10 +106,11 @@ test-pd-nixl: vllm-venv $(VLLM_VENV)/.ringside-test-deps
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
 	RINGSIDE_TEST_NIXL=1 $(PYTHON) -m pytest -q connector/python/tests/e2e/test_vllm_pd_e2e.py -k nixl
 
-# The decode's time to first token through the sidecars' tier against
-# recomputing (docs/benchmarks.md, "Prefill to decode").
+# The decode's time to first token through the sidecars' tier, and through
+# NIXL, against recomputing (docs/benchmarks.md, "Prefill to decode").
 bench-pd: vllm-venv build
-	RINGSIDE_PD_FIGURES=$(CURDIR)/docs/data/pd-ttft.json $(PYTHON) -m pytest -q connector/python/tests/e2e/test_vllm_pd_e2e.py -k tier
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
+	RINGSIDE_PD_FIGURES=$(CURDIR)/docs/data/pd-ttft.json $(PYTHON) -m pytest -q connector/python/tests/e2e/test_vllm_pd_e2e.py -k figures
 
 test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 	RINGSIDE_DYNAMO_PYTHON=$(DYNAMO_VENV)/bin/python $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/e2e/test_vllm_events_e2e.py

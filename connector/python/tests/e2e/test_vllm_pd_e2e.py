@@ -9,9 +9,10 @@ kv_transfer_params, waits until B's tier lookup finds the blocks A wrote
 through, loads them and decodes: tokens identical to an engine alone, and
 every prompt block a hit on B.
 
-With RINGSIDE_PD_FIGURES=<file> it also writes the decode's time to first
-token through the tier against recomputing the prompt on the same engine
-(`make bench-pd`; docs/benchmarks.md).
+With RINGSIDE_PD_FIGURES=<file>, test_pd_ttft_figures writes the decode's
+time to first token through the tier and through NIXL against recomputing
+the prompt, on a model whose prefill costs something (`make bench-pd`;
+docs/benchmarks.md).
 
 Needs the vLLM venv and redis-server, like test_vllm_l2_e2e.py.
 """
@@ -25,7 +26,7 @@ import subprocess
 import time
 
 import pytest
-from test_vllm_e2e import VENV_PY, model_dir  # noqa: F401 - model_dir: a fixture
+from test_vllm_e2e import HERE, VENV_PY, model_dir  # noqa: F401 - model_dir: a fixture
 from test_vllm_l2_e2e import _sidecar, _wait, redis_server  # noqa: F401 - redis_server: a fixture
 from vllm_server import BLOCK, Server, free_port, metric, ringside_config
 
@@ -92,41 +93,12 @@ def test_prefill_to_decode_through_the_tier(model_dir, ringside_bin, redis_serve
         assert l2["client"]["rejected_values"] == {k: 0 for k in l2["client"]["rejected_values"]}, l2
         assert b.state()["pool"]["Leases"] == 0
 
-        path = os.environ.get("RINGSIDE_PD_FIGURES")
-        if path:
-            figures(pre, dec, path)
     finally:
         for s in (dec, pre):
             if s is not None:
                 s.stop()
         b.stop()
         a.stop()
-
-
-def figures(pre: Server, dec: Server, path: str, rounds: int = 12) -> None:
-    """The decode's time to first token (a request for one token), through
-    the tier and recomputed, on fresh prompts, alternating."""
-    through, recompute = [], []
-    for i in range(rounds):
-        _, _, dt = pd(pre, dec, prompt(1000 + i, 31), 1)
-        through.append(dt)
-        t0 = time.perf_counter()
-        dec.complete(prompt(2000 + i, 31), None, max_tokens=1)
-        recompute.append(time.perf_counter() - t0)
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "prompt_blocks": 31,
-                "block_tokens": BLOCK,
-                "ttft_s_through_tier": through,
-                "ttft_s_recompute": recompute,
-                "median_through_tier": statistics.median(through),
-                "median_recompute": statistics.median(recompute),
-                "loadavg": os.getloadavg(),
-            },
-            f,
-            indent=1,
-        )
 
 
 # -- beside NixlConnector ------------------------------------------------------
@@ -198,6 +170,7 @@ def test_prefill_to_decode_with_nixl_beside_ringside(model_dir, ringside_bin, tm
             got = [srv.complete(p + " And then?", max_tokens=MAX_TOKENS)["choices"][0]["text"] for p in prompts]
             assert got == want_next
             assert metric(sc.metrics, "ringside_hit_blocks_total") - hits0 >= 3 * (nblocks - 1)
+
     finally:
         for s in (dec, pre):
             if s is not None:
@@ -211,3 +184,94 @@ def _sidecar_plain(binary, tmp, name):
         binary, pool="64MiB", slot="32KiB", metrics=True, log_level="warn",
         log=os.path.join(tmp, name + ".log"), prefix="rs-pde2e-",
     )  # fmt: skip
+
+
+# -- figures ---------------------------------------------------------------------
+
+# bench/vllm's TTFT model (make_tiny_model.py options): 256 KiB KV pages of 32
+# tokens, about 0.8 s to prefill 2048 tokens on a 2-vCPU VM.
+FIG_MODEL = ["--hidden", "256", "--intermediate", "688", "--layers", "8", "--heads", "4",
+             "--kv-heads", "2", "--head-dim", "64", "--max-pos", "4096"]  # fmt: skip
+FIG_BLOCKS = 63  # a prompt of 63 blocks (2016 tokens)
+
+
+def _fig_sidecar(binary, tmp, name, *args):
+    return SidecarProcess(
+        binary, pool="1GiB", slot="256KiB", metrics=True, log_level="warn", args=list(args),
+        log=os.path.join(tmp, name + ".log"), prefix="rs-pdfig-",
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not os.environ.get("RINGSIDE_PD_FIGURES"), reason="a benchmark: make bench-pd")
+def test_pd_ttft_figures(ringside_bin, redis_server, tmp_path):  # noqa: F811
+    """The decode engine's time to first token (a request for one token) on
+    fresh prompts of FIG_BLOCKS blocks, in one run, alternating: recomputed
+    on the decode engine of the tier pair; through the sidecars' tier
+    (prefill on sidecar A, decode on sidecar B, one Redis); through NIXL
+    (MultiConnector[NixlConnector, ringside] on both engines), when NIXL is
+    installed. The latency is the decode request's; the prefill request
+    before it is not counted."""
+    tmp = str(tmp_path)
+    model = os.path.join(tmp, "model")
+    subprocess.run([VENV_PY, os.path.join(HERE, "make_tiny_model.py"), model, *FIG_MODEL], check=True, timeout=600)
+    key = "pdfig-%d-%d:" % (os.getpid(), int(time.time() * 1000))
+    tier = ["--l2.redis.addrs", redis_server, "--l2.redis.prefix", key]
+    cars = [_fig_sidecar(ringside_bin, tmp, "sidecar-%s" % n, *(tier if n in "ab" else [])) for n in "abcd"]
+    servers: list = []
+    nixl = _has_nixl()
+    try:
+        for sc in cars[:2]:
+            _wait("a sidecar never connected to the tier", lambda sc=sc: sc.state()["l2"]["connected"])
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+
+        def server(cfg, name, extra_env=None):
+            srv = Server(model, tmp, cfg, name=name, env=dict(env, **(extra_env or {})), max_model_len=4096)
+            servers.append(srv)
+            return srv
+
+        pre = server(ringside_config(cars[0].sock, pd_producer=True), "prefill-tier")
+        dec = server(ringside_config(cars[1].sock, pd_wait_s=30), "decode-tier")
+        paths = {"recompute": None, "tier": (pre, dec)}
+        if nixl:
+            ucx = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+            np_ = server(
+                nixl_config(cars[2].sock), "prefill-nixl", dict(ucx, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+            )
+            nd = server(
+                nixl_config(cars[3].sock), "decode-nixl", dict(ucx, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
+            )
+            paths["nixl"] = (np_, nd)
+        # One warm-up request per path (first-request costs: compilation, allocation).
+        times: dict = {k: [] for k in paths}
+        for i in range(-1, 8):
+            for j, (name, pair) in enumerate(paths.items()):
+                text = fig_prompt(10_000 + 100 * i + j)
+                if pair is None:
+                    t0 = time.perf_counter()
+                    dec.complete(text, None, max_tokens=1)
+                    dt = time.perf_counter() - t0
+                else:
+                    _, _, dt = pd(pair[0], pair[1], text, 1)
+                if i >= 0:
+                    times[name].append(dt)
+        out = {
+            "model": " ".join(FIG_MODEL),
+            "prompt_blocks": FIG_BLOCKS,
+            "block_tokens": BLOCK,
+            "ttft_s": times,
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "loadavg": os.getloadavg(),
+            "nixl": nixl,
+        }
+        with open(os.environ["RINGSIDE_PD_FIGURES"], "w") as f:
+            json.dump(out, f, indent=1)
+    finally:
+        for srv in servers:
+            srv.stop()
+        for sc in cars:
+            sc.stop()
+
+
+def fig_prompt(i: int) -> str:
+    text = "Request %d. " % i + "".join("line %d.%04d of a long shared document; " % (i, j) for j in range(200))
+    return text[: FIG_BLOCKS * BLOCK - 1]
