@@ -277,6 +277,11 @@ class Sidecar:
             str(RING_CAPACITY),
             "--metrics.addr",
             self.metrics,
+            # The scenarios' eviction orders are exact LRU's, as the Go
+            # drivers run the machine (a zero cache.Config), not serve's
+            # default policy.
+            "--cache.policy",
+            "lru",
         ]
         if budget:
             args += ["--budget", str(budget)]
