@@ -62,8 +62,8 @@ type Config struct {
 	// DeltaLogSize is each namespace's change-log length, a power of two
 	// (cache.DefaultDeltaLogSize).
 	DeltaLogSize int
-	// CachePolicy is the pool's eviction policy (the zero value is
-	// cache.DefaultPolicy, LRU).
+	// CachePolicy is the pool's eviction policy (the zero value is LRU;
+	// `ringside serve` sets cache.DefaultPolicy, MQP, unless told otherwise).
 	CachePolicy cache.Policy
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration

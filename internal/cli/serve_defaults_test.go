@@ -10,6 +10,7 @@ import (
 
 	"github.com/ringside-kv/ringside/ring"
 	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/cache"
 	"github.com/ringside-kv/ringside/sidecar/l2"
 )
 
@@ -62,9 +63,9 @@ func TestServeFlagDefaults(t *testing.T) {
 
 			// The settings whose zero value is a setting of its own,
 			// which serve's flags do not default to: no pool reservation,
-			// no metrics port, no spinning.
+			// no metrics port, no spinning, exact LRU.
 			want := sidecar.Config{PoolReserve: true, MetricsAddr: sidecar.DefaultMetricsAddr,
-				Spin: ring.DefaultWait.Spin, Yield: ring.DefaultWait.Yield}
+				Spin: ring.DefaultWait.Spin, Yield: ring.DefaultWait.Yield, CachePolicy: cache.DefaultPolicy}
 			if raw.L2 != nil {
 				want.L2 = &sidecar.L2Config{Redis: l2.Config{Addrs: []string{tierAddr}}}
 			}

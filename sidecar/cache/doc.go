@@ -107,7 +107,7 @@
 //
 // # Eviction policy (Config.Policy)
 //
-// PolicyLRU (the default) is the list above. PolicyMQP keeps present,
+// PolicyLRU (the zero Config.Policy) is the list above. PolicyMQP keeps present,
 // unpinned, unretained heads in four LRU queues by a per-block count
 // (level 0: count 1, 1: 2-3, 2: 4-7, 3: 8+; queue 0 is the LRU list's
 // sentinel) and evicts from the LRU end of queue 0, then 1, 2, 3; the

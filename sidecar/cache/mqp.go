@@ -30,9 +30,12 @@ func (p Policy) String() string {
 	return fmt.Sprintf("policy(%d)", uint8(p))
 }
 
-// DefaultPolicy is the eviction policy of a zero Config.Policy: LRU,
-// until the live sidecar has been checked against MQP's offline model.
-const DefaultPolicy = PolicyLRU
+// DefaultPolicy is the policy `ringside serve` runs without
+// --cache.policy: MQP, chosen by bench/replay's measurements (at least
+// LRU's and ARC's hits at every capacity of both workloads, docs/benchmarks.md),
+// with the live sidecar checked against its offline model. A zero
+// Config.Policy is LRU: a library user that sets no policy gets exact LRU.
+const DefaultPolicy = PolicyMQP
 
 // ParsePolicy parses a policy name: lru or mqp.
 func ParsePolicy(s string) (Policy, error) {

@@ -412,8 +412,8 @@ func TestPolicyConfig(t *testing.T) {
 	if _, err := New(Config{Capacity: 8, Epoch: 1, Policy: 7}); !errors.Is(err, ErrBadConfig) {
 		t.Fatalf("New with policy 7: %v", err)
 	}
-	if DefaultPolicy != PolicyLRU || (Config{}).Policy != DefaultPolicy {
-		t.Fatal("LRU is the default")
+	if DefaultPolicy != PolicyMQP || (Config{}).Policy != PolicyLRU {
+		t.Fatal("MQP is serve's default, LRU the zero Config's")
 	}
 	lru, _ := New(Config{Capacity: 1000, Epoch: 1})
 	mqp, _ := New(Config{Capacity: 1000, Epoch: 1, Policy: PolicyMQP})
