@@ -91,12 +91,15 @@ func serveCommand() *cli.Command {
 					log.Debug().Int("threads", n).Msg("SCHED_BATCH")
 				}
 			}
+			// Before New creates the socket: a client that sees it may
+			// stop the sidecar at once, and SIGTERM must then shut it
+			// down cleanly, not kill it.
+			ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
 			srv, err := sidecar.New(cfg, log)
 			if err != nil {
 				return err
 			}
-			ctx, stop := signal.NotifyContext(c.Context, syscall.SIGINT, syscall.SIGTERM)
-			defer stop()
 			return srv.Serve(ctx)
 		},
 	}
