@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"syscall"
 	"time"
@@ -99,7 +100,10 @@ func Dial(o Options) (*Client, error) {
 	// (protocol version 2): the submission ring first.
 	b := make([]byte, 8192)
 	oob := make([]byte, syscall.CmsgSpace(2*4))
-	n, oobn, _, _, err := conn.ReadMsgUnix(b, oob)
+	n, oobn, err := readAttachReply(func() (int, int, error) {
+		n, oobn, _, _, err := conn.ReadMsgUnix(b, oob)
+		return n, oobn, err
+	})
 	if err != nil {
 		conn.Close()
 		if werr != nil {
@@ -145,6 +149,21 @@ func Dial(o Options) (*Client, error) {
 	c := New(t, o.DigestWidth)
 	c.ring = t
 	return c, nil
+}
+
+// readAttachReply reads the attach reply with read, and once more after an
+// end of file. The sidecar writes a refusal and closes at once, and Linux
+// can report the close before the reply: a read of a SEQPACKET socket
+// checks its queue, then its shutdown flag (__unix_dgram_recvmsg in
+// net/unix/af_unix.c), so a reply queued and a close made between those
+// two checks read as end of file. Once the close is seen, a reply sent
+// before it is in the queue (docs/protocol.md, section 4.1).
+func readAttachReply(read func() (n, oobn int, err error)) (n, oobn int, err error) {
+	n, oobn, err = read()
+	if errors.Is(err, io.EOF) {
+		n, oobn, err = read()
+	}
+	return n, oobn, err
 }
 
 // parseRights returns the descriptors of SCM_RIGHTS messages in oob.
