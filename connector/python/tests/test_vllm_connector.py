@@ -374,6 +374,10 @@ def test_request_finished_while_load_in_flight(sc):
         assert eng.worker.connector_worker._inflight, "no load in flight"
         eng.sched.finish_requests(r.request_id, H.RequestStatus.FINISHED_ABORTED)
         assert r.request_id in eng.sched.requests  # blocks kept: the load may still write them
+        # Its lease is released only once the workers report the load: a
+        # release sent now could reach the sidecar before the Load (another
+        # session's ring) and fail it.
+        assert r.request_id in eng.sside.loads.recving, "released while the load is in flight"
     finally:
         os.kill(sc.proc.pid, signal.SIGCONT)
     for _ in range(200):
@@ -383,6 +387,7 @@ def test_request_finished_while_load_in_flight(sc):
         time.sleep(0.005)
     assert r.request_id not in eng.sched.requests
     wait_pool(sc, eng, "Leases", 0)
+    assert not eng.sside.loads.recving
     assert eng.wstats["load_error_blocks"] == 0 and eng.stats["sidecar_errors"] == 0
     eng.shutdown()
 

@@ -137,6 +137,8 @@ class Loads:
         self.waiting: dict[str, ReqState] = {}  # requests whose load is not in a step's metadata yet
         self.orphans: list[tuple[int, float]] = []  # acquires of finished requests, unanswered
         self.abandoned: list[str] = []  # finished while waiting: an empty LoadSpec frees their blocks
+        # Finished while the workers load: released at finished_recving (loaded()).
+        self.recving: dict[str, ReqState] = {}
 
     def acquire(self, r: ReqState, rid: str, start: int, count: int, block_ids: list[int], put_hashes) -> None:
         """A hit was allocated: acquire a lease on blocks [start, start+count)
@@ -284,12 +286,18 @@ class Loads:
                     self.faults.fail(e)
                     return
 
-    def finished(self, rid: str, r: ReqState, s: Session) -> None:
+    def finished(self, rid: str, r: ReqState, s: Session, sent: bool) -> None:
         """The request finished (s: its live session) with a load pending:
         release what it holds, or will hold once the acquire is answered.
-        Raises like a session call."""
+        A load sent to the workers (sent) keeps its leases until they report
+        it in finished_recving (vLLM holds the request's blocks until then):
+        a release sent now could reach the sidecar before the workers' Load,
+        from another session, and fail it. Raises like a session call."""
         first = r.load
         assert first is not None  # called for a request with a load
+        if sent:
+            self.recving[rid] = r
+            return
         for ld in (first,) + r.more:
             if ld.seq and ld.state == _ACQUIRING:  # acquired, never collected: release it once answered
                 self.orphans.append((ld.seq, time.monotonic()))

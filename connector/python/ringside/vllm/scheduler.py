@@ -329,8 +329,11 @@ class SchedulerSide:
             return
         s = self.link.session
         reqs = self.reqs
+        recving = self.loads.recving
         for rid in rec:
             r = reqs.get(rid)
+            if r is None and recving:
+                r = recving.pop(rid, None)  # finished while its load was in flight
             if r is not None and r.load is not None:
                 self.loads.loaded(r, s)
 
@@ -358,7 +361,8 @@ class SchedulerSide:
         if hold:
             self._held.append(rid)
             self.holding.add(rid)
-        if r.load is not None and self.loads.waiting.pop(rid, None) is not None:
+        sent = r.load is not None and self.loads.waiting.pop(rid, None) is None
+        if r.load is not None and not sent:
             self.loads.abandoned.append(rid)
         s = self.link.session
         if s is not None and r.generation == self.link.generation:
@@ -368,7 +372,7 @@ class SchedulerSide:
                 for _, seq in r.gseq:  # the same, of several KV cache groups
                     s.forget(seq)
                 if r.load is not None:
-                    self.loads.finished(rid, r, s)
+                    self.loads.finished(rid, r, s, sent)
                 if hint is not None and hold:
                     self._retain_later[rid] = (r, hint)  # sent once its stores are answered
                 else:
