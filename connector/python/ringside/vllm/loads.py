@@ -16,7 +16,10 @@ unanswered leaves an orphan whose lease is released once the reply comes;
 and since vLLM keeps the blocks (and the request) of a request that finished
 while waiting for its load until the workers report the load finished, such
 a request still gets a LoadSpec, an empty one, that the workers report
-finished at once.
+finished at once. A request that finishes after its spec was sent keeps
+its leases until finished_recving too: a release sent at once travels on
+the scheduler's session and could reach the sidecar before the workers'
+Load, and fail it.
 
 :class:`Loads` does the I/O: it sends acquires and polls without waking the
 sidecar, collects replies within the step's wait budget, and releases.
