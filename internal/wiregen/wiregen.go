@@ -26,7 +26,7 @@
 // A record's fixed header is declared beside its offset diagram with a
 // directive,
 //
-//	//wire:struct NAME "FORMAT" FIELD... [size=CONST]
+//	//wire:struct NAME "FORMAT" FIELD... [size=CONST] [min=CONST]
 //
 // FORMAT is a little-endian Python struct format (x, B, H, I, Q and s, with
 // counts); each FIELD names one of its values, checked against the golden
@@ -35,8 +35,11 @@
 // _ (zero), a constant of the package (AttachMagic), count(F) (the items of
 // list F, or the digests of byte field F), len(F) (the UTF-8 bytes of string
 // F), or ~F (derived, not checked). size=CONST: the header's size is that
-// constant's value. The module renders it as NAME in upper snake case, a
-// struct.Struct, with the diagram as its comment.
+// constant's value. min=CONST: the record may also end at that constant's
+// value, a boundary between fields, its missing fields then 0 (fields
+// appended within a version, docs/protocol.md section 13). The module
+// renders it as NAME in upper snake case, a struct.Struct, with the
+// diagram as its comment.
 package wiregen
 
 import (
@@ -120,6 +123,8 @@ type Struct struct {
 	Size    int      // bytes
 	Fields  []string // one per value of Format: batch, count(digests), flags
 	SizeOf  string   // size=CONST: the constant whose value is Size
+	MinOf   string   // min=CONST: the constant whose value is MinSize
+	MinSize int      // the shortest record (0: Size); its missing fields are 0
 	Diagram []string // the offset diagram beside the directive (else the first sentence of its comment)
 	File    string
 }
@@ -290,7 +295,26 @@ func Load(dir string) (*Module, error) {
 			}
 		}
 	}
-	for _, s := range m.Structs {
+	for i := range m.Structs {
+		s := &m.Structs[i]
+		if s.MinOf != "" {
+			c, ok := m.Const(s.MinOf)
+			if !ok {
+				return nil, fmt.Errorf("wiregen: struct %s: min=%s is no wire constant of %s", s.Name, s.MinOf, pkg.Name())
+			}
+			items, _, _ := parseFormat(s.Format)
+			boundary, off := false, 0
+			for _, it := range items {
+				if off == int(c.Value) {
+					boundary = true
+				}
+				off += it.size
+			}
+			if c.Value == 0 || c.Value >= uint64(s.Size) || !boundary {
+				return nil, fmt.Errorf("wiregen: struct %s: min=%s (%d) is not the start of a field of %q", s.Name, s.MinOf, c.Value, s.Format)
+			}
+			s.MinSize = int(c.Value)
+		}
 		if s.SizeOf == "" {
 			continue
 		}
@@ -339,6 +363,10 @@ func parseStruct(dir string) (Struct, error) {
 	for _, f := range strings.Fields(rest[len(q):]) {
 		if v, ok := strings.CutPrefix(f, "size="); ok {
 			s.SizeOf = v
+			continue
+		}
+		if v, ok := strings.CutPrefix(f, "min="); ok {
+			s.MinOf = v
 			continue
 		}
 		s.Fields = append(s.Fields, f)
@@ -404,7 +432,11 @@ func parseFormat(f string) ([]item, int, error) {
 
 // Unpack reads the header's values from the start of b as Python's
 // struct.unpack_from does: a uint64 per integer, a []byte per byte string.
+// A record of at least MinSize bytes (min=) reads its missing fields as 0.
 func (s Struct) Unpack(b []byte) ([]any, error) {
+	if s.MinSize > 0 && len(b) >= s.MinSize && len(b) < s.Size {
+		b = append(bytes.Clone(b), make([]byte, s.Size-len(b))...)
+	}
 	if len(b) < s.Size {
 		return nil, fmt.Errorf("%s: %d bytes, the header is %d", s.Name, len(b), s.Size)
 	}
@@ -618,6 +650,9 @@ stale.
 		size := fmt.Sprintf("%d bytes", s.Size)
 		if s.SizeOf != "" {
 			size += " (" + s.SizeOf + ")"
+		}
+		if s.MinOf != "" {
+			size += fmt.Sprintf(", or %d (%s) without the fields past it", s.MinSize, s.MinOf)
 		}
 		fmt.Fprintf(&b, "%s = struct.Struct(%q)  # %s: %s\n", s.Python, s.Format, size, strings.Join(s.Fields, ", "))
 		public = append(public, s.Python)

@@ -197,18 +197,21 @@ func TestLoadSeesChanges(t *testing.T) {
 		t.Errorf("generated module has a non-wire constant or an enum:\n%s", py)
 	}
 	for src, msg := range map[string]string{
-		"package x\n\nconst (\n\tOffA = 1\n\toffA = 2\n)\n":                                      "OFF_A",
-		"package x\n\nconst Neg = -1\n":                                                          "non-negative",
-		"package x\n\n//wire:struct A \">Q\" a\ntype A struct{}\n":                               "little-endian",
-		"package x\n\n//wire:struct A \"<Qd\" a b\ntype A struct{}\n":                            "code",
-		"package x\n\n//wire:struct A \"<QI\" a\ntype A struct{}\n":                              "2 values, 1 fields",
-		"package x\n\n//wire:struct A <Q a\ntype A struct{}\n":                                   "quoted",
-		"package x\n\nconst ASize = 4\n\n//wire:struct A \"<Q\" a size=ASize\ntype A struct{}\n": "8 bytes, ASize is 4",
-		"package x\n\n//wire:struct A \"<Q\" a size=Nothing\ntype A struct{}\n":                  "no wire constant",
-		"package x\n\nconst A = 1\n\n//wire:struct A \"<Q\" a\ntype S struct{}\n":                "both map to A",
-		"package x\n\n//wire:struct A \"<Q\" a\n//wire:struct A \"<I\" a\ntype S struct{}\n":     "both map to A",
-		"package x\n\n//wire:struct A \"<Q2\" a\ntype S struct{}\n":                              "ends in a count",
-		"package x\n\n//wire:struct A \"<Q\" a\n\n//wire:struct B \"<4sx\" b\ntype S struct{}\n": "",
+		"package x\n\nconst (\n\tOffA = 1\n\toffA = 2\n)\n":                                       "OFF_A",
+		"package x\n\nconst Neg = -1\n":                                                           "non-negative",
+		"package x\n\n//wire:struct A \">Q\" a\ntype A struct{}\n":                                "little-endian",
+		"package x\n\n//wire:struct A \"<Qd\" a b\ntype A struct{}\n":                             "code",
+		"package x\n\n//wire:struct A \"<QI\" a\ntype A struct{}\n":                               "2 values, 1 fields",
+		"package x\n\n//wire:struct A <Q a\ntype A struct{}\n":                                    "quoted",
+		"package x\n\nconst ASize = 4\n\n//wire:struct A \"<Q\" a size=ASize\ntype A struct{}\n":  "8 bytes, ASize is 4",
+		"package x\n\n//wire:struct A \"<Q\" a size=Nothing\ntype A struct{}\n":                   "no wire constant",
+		"package x\n\nconst AMin = 2\n\n//wire:struct A \"<QQ\" a b min=AMin\ntype A struct{}\n":  "not the start of a field",
+		"package x\n\nconst AMin = 16\n\n//wire:struct A \"<QQ\" a b min=AMin\ntype A struct{}\n": "not the start of a field",
+		"package x\n\n//wire:struct A \"<QQ\" a b min=Nothing\ntype A struct{}\n":                 "no wire constant",
+		"package x\n\nconst A = 1\n\n//wire:struct A \"<Q\" a\ntype S struct{}\n":                 "both map to A",
+		"package x\n\n//wire:struct A \"<Q\" a\n//wire:struct A \"<I\" a\ntype S struct{}\n":      "both map to A",
+		"package x\n\n//wire:struct A \"<Q2\" a\ntype S struct{}\n":                               "ends in a count",
+		"package x\n\n//wire:struct A \"<Q\" a\n\n//wire:struct B \"<4sx\" b\ntype S struct{}\n":  "",
 	} {
 		write(src)
 		_, err := wiregen.Load(dir)
