@@ -93,7 +93,7 @@ func FuzzAcquire(f *testing.F) {
 }
 
 func FuzzRetain(f *testing.F) {
-	seeds(f, sRetain.Append(nil), sRetainEnd.Append(nil))
+	seeds(f, sRetain.Append(nil), sRetainEnd.Append(nil), sRetainOwner.Append(nil), sRetainEndOwner.Append(nil))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		fuzzCodec(t, b, decRetain, func(v any) []byte { m := v.(schema.Retain); return m.Append(nil) })
 	})

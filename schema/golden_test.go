@@ -146,7 +146,7 @@ func goldenFields(v any) (msg string, f map[string]any) {
 	case schema.Acquire:
 		return "Acquire", viewFields(m.View, map[string]any{"ttl_ms": m.TTLms})
 	case schema.Retain:
-		return "Retain", viewFields(m.View, map[string]any{"ttl_ms": m.TTLms, "priority": m.Priority, "flags": m.Flags})
+		return "Retain", viewFields(m.View, map[string]any{"ttl_ms": m.TTLms, "priority": m.Priority, "flags": m.Flags, "owner": m.Owner})
 	case schema.RegisterRegion:
 		segs := []map[string]any{}
 		for _, s := range m.Segments {

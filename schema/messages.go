@@ -336,23 +336,34 @@ func (m *Acquire) Decode(b []byte) error {
 // Retain asks the sidecar to keep the leading present blocks of a view for
 // ttl at a priority (evicted after every block without retention, the
 // lowest priority first), or, with RetainFlagEnd, ends the retention this
-// uid set on the view's blocks (docs/protocol.md, section 5.14). Added
-// within version 3: a sidecar that predates it answers status 2.
+// uid and owner set on the view's blocks (docs/protocol.md, section 5.14).
+// Added within version 3: a sidecar that predates it answers status 2.
+// The owner (a u64 at offset 24) was appended within version 3 too: a
+// Retain of RetainNoOwnerSize bytes decodes with owner 0, and Append
+// writes that shorter form when Owner is 0, so that a sidecar that
+// predates the owner still understands it.
 //
-//	0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero
+//	0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero   24 u64 owner
 //
-//wire:struct Retain "<QIIIBBH" batch start count ttl_ms priority flags _ size=RetainSize
+//wire:struct Retain "<QIIIBBHQ" batch start count ttl_ms priority flags _ owner size=RetainSize min=RetainNoOwnerSize
 type Retain struct {
 	View     View
 	TTLms    uint32 // at least 1 without RetainFlagEnd; ignored with it
 	Priority uint8  // 0..MaxRetainPriority; ignored with RetainFlagEnd
 	Flags    uint8
+	// Owner identifies, within the uid, who holds the retention (a client
+	// chooses it, e.g. a hash of a caller's session id; 0: none): only the
+	// same uid and owner renew, re-prioritise or end it.
+	Owner uint64
 }
 
-// Retain's size, flags and priorities.
+// Retain's sizes, flags and priorities.
 const (
-	// RetainSize is the encoded size of a Retain.
-	RetainSize = 24
+	// RetainSize is the encoded size of a Retain with its owner.
+	RetainSize = 32
+	// RetainNoOwnerSize is the size of a Retain without the owner (the
+	// form that Retain had when it was added, owner 0).
+	RetainNoOwnerSize = 24
 	// RetainFlagEnd ends the retention of the view's blocks instead of
 	// setting it.
 	RetainFlagEnd uint8 = 1
@@ -360,7 +371,8 @@ const (
 	MaxRetainPriority = 3
 )
 
-// Append encodes m.
+// Append encodes m: RetainNoOwnerSize bytes when m.Owner is 0, else
+// RetainSize.
 func (m *Retain) Append(dst []byte) []byte {
 	w := writer{dst}
 	m.View.append(&w)
@@ -368,10 +380,14 @@ func (m *Retain) Append(dst []byte) []byte {
 	w.u8(m.Priority)
 	w.u8(m.Flags)
 	w.u16(0)
+	if m.Owner != 0 {
+		w.u64(m.Owner)
+	}
 	return w.b
 }
 
-// Decode parses m: unknown flags, a non-zero reserved field, a priority
+// Decode parses m, of RetainNoOwnerSize bytes (owner 0) or RetainSize:
+// another length, unknown flags, a non-zero reserved field, a priority
 // past MaxRetainPriority, and a ttl of 0 without RetainFlagEnd are
 // malformed.
 func (m *Retain) Decode(b []byte) error {
@@ -381,6 +397,12 @@ func (m *Retain) Decode(b []byte) error {
 	m.Priority = r.u8()
 	m.Flags = r.u8()
 	z := r.u16()
+	m.Owner = 0
+	if rest := len(b) - r.off; r.err == nil && rest > 0 && rest < 8 {
+		r.fail("%d trailing bytes (an owner is 8)", rest)
+	} else if rest >= 8 {
+		m.Owner = r.u64()
+	}
 	switch {
 	case r.err != nil:
 	case m.Flags&^RetainFlagEnd != 0:

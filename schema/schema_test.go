@@ -90,7 +90,10 @@ var (
 	sAcquire     = schema.Acquire{View: schema.View{Batch: 0x1122334455667788, Start: 32, Count: 96}, TTLms: 2500}
 	sRetain      = schema.Retain{View: schema.View{Batch: 0x1122334455667788, Start: 8, Count: 40}, TTLms: 600000, Priority: 2}
 	sRetainEnd   = schema.Retain{View: schema.View{Batch: 0x0102030405060708, Start: 0, Count: 12}, Flags: schema.RetainFlagEnd}
-	sRegister    = schema.RegisterRegion{
+	// With an owner: the 32-byte form (appended within version 3).
+	sRetainOwner    = schema.Retain{View: schema.View{Batch: 0x1122334455667788, Start: 8, Count: 40}, TTLms: 600000, Priority: 1, Owner: 0xA1B2C3D4E5F60718}
+	sRetainEndOwner = schema.Retain{View: schema.View{Batch: 0x0102030405060708, Start: 0, Count: 12}, Flags: schema.RetainFlagEnd, Owner: 7}
+	sRegister       = schema.RegisterRegion{
 		Region: 0x01020304, Kind: schema.RegionCUDAIPC, PID: 48213, Base: 0x7F3A00000000,
 		Length: 64 << 30, PageSize: 2 << 20, PageCount: 32768,
 		Segments: []schema.Segment{
@@ -213,6 +216,8 @@ func samples() []sample {
 		// Retention hints, added within version 3
 		{"Retain", schema.TypeRetain, sRetain, func() []byte { return sRetain.Append(nil) }, decRetain, 24, false},
 		{"Retain/end", schema.TypeRetain, sRetainEnd, func() []byte { return sRetainEnd.Append(nil) }, decRetain, 24, false},
+		{"Retain/owner", schema.TypeRetain, sRetainOwner, func() []byte { return sRetainOwner.Append(nil) }, decRetain, 32, false},
+		{"Retain/end/owner", schema.TypeRetain, sRetainEndOwner, func() []byte { return sRetainEndOwner.Append(nil) }, decRetain, 32, false},
 	}
 }
 
@@ -281,6 +286,7 @@ func TestAppendKeepsPrefix(t *testing.T) {
 		"Lookup":         {sLookup.Append(bytes.Clone(pre)), sLookup.Append(nil)},
 		"Acquire":        {sAcquire.Append(bytes.Clone(pre)), sAcquire.Append(nil)},
 		"Retain":         {sRetain.Append(bytes.Clone(pre)), sRetain.Append(nil)},
+		"Retain/owner":   {sRetainOwner.Append(bytes.Clone(pre)), sRetainOwner.Append(nil)},
 		"RegisterRegion": {sRegister.Append(bytes.Clone(pre)), sRegister.Append(nil)},
 		"Load":           {sLoad.Append(bytes.Clone(pre)), sLoad.Append(nil)},
 		"Store":          {sStore.Append(bytes.Clone(pre)), sStore.Append(nil)},
@@ -346,6 +352,9 @@ func TestTruncation(t *testing.T) {
 				// prefix would fault under the race detector's bounds checks.
 				p := bytes.Clone(b[:i])
 				got, err := s.dec(p)
+				if i == schema.RetainNoOwnerSize && isRetain(s.value) {
+					continue // a Retain without its owner (TestRetainOwner)
+				}
 				if i < fixed {
 					wantMalformed(t, err, "prefix of %d/%d bytes", i, len(b))
 					continue
@@ -363,6 +372,13 @@ func TestTruncation(t *testing.T) {
 	}
 }
 
+// isRetain reports whether v is a Retain, whose owner may be cut or added
+// (the 24- and 32-byte forms).
+func isRetain(v any) bool {
+	_, ok := v.(schema.Retain)
+	return ok
+}
+
 func TestTrailingBytes(t *testing.T) {
 	for _, s := range samples() {
 		if s.tail {
@@ -371,6 +387,9 @@ func TestTrailingBytes(t *testing.T) {
 		t.Run(s.name, func(t *testing.T) {
 			for _, extra := range [][]byte{{0}, {1, 2, 3}, make([]byte, 8)} {
 				b := append(s.enc(), extra...)
+				if len(b) == schema.RetainSize && isRetain(s.value) {
+					continue // the owner of a Retain (TestRetainOwner)
+				}
 				_, err := s.dec(b)
 				wantMalformed(t, err, "%d trailing bytes", len(extra))
 				if err != nil && !strings.Contains(err.Error(), "trailing") {
@@ -513,30 +532,69 @@ func TestAcquireFlags(t *testing.T) {
 }
 
 func TestRetainRejects(t *testing.T) {
-	b := sRetain.Append(nil)
-	if len(b) != schema.RetainSize {
-		t.Fatalf("Retain is %d bytes, want %d", len(b), schema.RetainSize)
+	for _, b := range [][]byte{sRetain.Append(nil), sRetainOwner.Append(nil)} {
+		set := func(off int, v byte) []byte { c := bytes.Clone(b); c[off] = v; return c }
+		var m schema.Retain
+		for _, f := range []byte{2, 4, 0x80, 0xFF} {
+			wantMalformed(t, m.Decode(set(21, f)), "retain flags %#x", f)
+		}
+		for _, off := range []int{22, 23} {
+			wantMalformed(t, m.Decode(set(off, 1)), "retain reserved byte %d", off)
+		}
+		for _, p := range []byte{schema.MaxRetainPriority + 1, 0xFF} {
+			wantMalformed(t, m.Decode(set(20, p)), "retain priority %d", p)
+		}
+		// A ttl of 0 only ends retention.
+		noTTL := bytes.Clone(b)
+		noTTL[16], noTTL[17], noTTL[18], noTTL[19] = 0, 0, 0, 0
+		wantMalformed(t, m.Decode(noTTL), "retain ttl 0 without END")
+		if err := m.Decode(set(21, schema.RetainFlagEnd)); err != nil || m.Flags != schema.RetainFlagEnd {
+			t.Fatalf("END: %+v %v", m, err)
+		}
+		wantMalformed(t, m.Decode(b[:23]), "short retain")
+		wantMalformed(t, m.Decode(append(bytes.Clone(b), 0)), "long retain")
 	}
-	set := func(off int, v byte) []byte { c := bytes.Clone(b); c[off] = v; return c }
-	var m schema.Retain
-	for _, f := range []byte{2, 4, 0x80, 0xFF} {
-		wantMalformed(t, m.Decode(set(21, f)), "retain flags %#x", f)
+}
+
+// TestRetainOwner: the owner is the u64 at offset 24; a Retain of 24
+// bytes (what a client that predates the owner sends) decodes with owner
+// 0, and owner 0 is encoded in those 24 bytes. Any length but 24 and 32
+// is malformed.
+func TestRetainOwner(t *testing.T) {
+	b := sRetainOwner.Append(nil)
+	if len(b) != schema.RetainSize || schema.RetainSize != 32 {
+		t.Fatalf("Retain with an owner is %d bytes, want %d", len(b), schema.RetainSize)
 	}
-	for _, off := range []int{22, 23} {
-		wantMalformed(t, m.Decode(set(off, 1)), "retain reserved byte %d", off)
+	if got := binary.LittleEndian.Uint64(b[24:]); got != sRetainOwner.Owner {
+		t.Fatalf("owner at offset 24 is %#x", got)
 	}
-	for _, p := range []byte{schema.MaxRetainPriority + 1, 0xFF} {
-		wantMalformed(t, m.Decode(set(20, p)), "retain priority %d", p)
+	short := sRetain.Append(nil)
+	if len(short) != schema.RetainNoOwnerSize || schema.RetainNoOwnerSize != 24 {
+		t.Fatalf("Retain without an owner is %d bytes, want %d", len(short), schema.RetainNoOwnerSize)
 	}
-	// A ttl of 0 only ends retention.
-	noTTL := bytes.Clone(b)
-	noTTL[16], noTTL[17], noTTL[18], noTTL[19] = 0, 0, 0, 0
-	wantMalformed(t, m.Decode(noTTL), "retain ttl 0 without END")
-	if err := m.Decode(set(21, schema.RetainFlagEnd)); err != nil || m.Flags != schema.RetainFlagEnd {
-		t.Fatalf("END: %+v %v", m, err)
+	// The 24 bytes a client that predates the owner sends: owner 0.
+	m := schema.Retain{Owner: 99}
+	if err := m.Decode(short); err != nil || m.Owner != 0 || m.TTLms != sRetain.TTLms || m.Priority != sRetain.Priority {
+		t.Fatalf("24-byte Retain: %+v %v", m, err)
 	}
-	wantMalformed(t, m.Decode(b[:23]), "short retain")
-	wantMalformed(t, m.Decode(append(bytes.Clone(b), 0)), "long retain")
+	// A 32-byte Retain of owner 0 means what the 24-byte one means.
+	long := append(bytes.Clone(short), make([]byte, 8)...)
+	var z schema.Retain
+	if err := z.Decode(long); err != nil || !same(z, sRetain) {
+		t.Fatalf("32-byte Retain of owner 0: %+v %v", z, err)
+	}
+	// The owner's 24 leading bytes are the Retain without it.
+	if !bytes.Equal(b[:24], (&schema.Retain{View: sRetainOwner.View, TTLms: sRetainOwner.TTLms, Priority: sRetainOwner.Priority}).Append(nil)) {
+		t.Fatal("the owner changed the first 24 bytes")
+	}
+	for n := 0; n <= 40; n++ {
+		if n == 24 || n == 32 {
+			continue
+		}
+		c := make([]byte, n)
+		copy(c, b)
+		wantMalformed(t, m.Decode(c), "retain of %d bytes", n)
+	}
 }
 
 func TestChangesReplyLimits(t *testing.T) {
@@ -879,7 +937,7 @@ func TestConstants(t *testing.T) {
 		t.Error("the event records' constants changed")
 	}
 	// Added within version 3 (section 13): retention hints.
-	if schema.TypeRetain != 0x11 || schema.RetainSize != 24 || schema.RetainFlagEnd != 1 || schema.MaxRetainPriority != 3 {
+	if schema.TypeRetain != 0x11 || schema.RetainSize != 32 || schema.RetainNoOwnerSize != 24 || schema.RetainFlagEnd != 1 || schema.MaxRetainPriority != 3 {
 		t.Error("the Retain record's constants changed")
 	}
 }

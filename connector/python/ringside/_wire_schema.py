@@ -62,8 +62,9 @@ FLAG_APPEND = 1  # FlagAppend uint32
 FLAG_LOOKUP = 2  # FlagLookup uint32
 FLAG_REPLACE = 4  # FlagReplace uint32
 
-# Retain's size, flags and priorities.
-RETAIN_SIZE = 24  # RetainSize untyped int
+# Retain's sizes, flags and priorities.
+RETAIN_SIZE = 32  # RetainSize untyped int
+RETAIN_NO_OWNER_SIZE = 24  # RetainNoOwnerSize untyped int
 RETAIN_FLAG_END = 1  # RetainFlagEnd uint8
 MAX_RETAIN_PRIORITY = 3  # MaxRetainPriority untyped int
 
@@ -301,8 +302,8 @@ LOOKUP = struct.Struct("<QII")  # 16 bytes (ViewSize): batch, start, count
 ACQUIRE = struct.Struct("<QIIII")  # 24 bytes: batch, start, count, ttl_ms, _
 
 # Retain:
-#   0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero
-RETAIN = struct.Struct("<QIIIBBH")  # 24 bytes (RetainSize): batch, start, count, ttl_ms, priority, flags, _
+#   0 view   16 u32 ttl in milliseconds   20 u8 priority (0..3)   21 u8 flags   22 u16 zero   24 u64 owner
+RETAIN = struct.Struct("<QIIIBBHQ")  # 32 bytes (RetainSize), or 24 (RetainNoOwnerSize) without the fields past it: batch, start, count, ttl_ms, priority, flags, _, owner
 
 # Segment:
 #   SegmentSize is the encoded size of a Segment: u64 offset, stride, length.
@@ -389,7 +390,7 @@ LAYOUTS = {
     "IDRequest": (ID_REQUEST, ("id",), None),
     "Lookup": (LOOKUP, ("batch", "start", "count",), "VIEW_SIZE"),
     "Acquire": (ACQUIRE, ("batch", "start", "count", "ttl_ms", "_",), None),
-    "Retain": (RETAIN, ("batch", "start", "count", "ttl_ms", "priority", "flags", "_",), "RETAIN_SIZE"),
+    "Retain": (RETAIN, ("batch", "start", "count", "ttl_ms", "priority", "flags", "_", "owner",), "RETAIN_SIZE"),
     "Segment": (SEGMENT, ("offset", "stride", "length",), "SEGMENT_SIZE"),
     "CUDAExtra": (CUDA_EXTRA, ("gpu", "flags", "count(allocations)", "event",), "CUDA_EXTRA_HEADER_SIZE"),
     "CUDAAllocation": (CUDA_ALLOCATION, ("handle", "base", "size",), "CUDA_ALLOCATION_SIZE"),
@@ -429,6 +430,7 @@ __all__ = [
     "FLAG_LOOKUP",
     "FLAG_REPLACE",
     "RETAIN_SIZE",
+    "RETAIN_NO_OWNER_SIZE",
     "RETAIN_FLAG_END",
     "MAX_RETAIN_PRIORITY",
     "SEGMENT_SIZE",

@@ -403,7 +403,9 @@ def decode_acquire(b) -> Acquire:
 
 class Retain(NamedTuple):
     """Keep a view's blocks for ttl_ms at a priority, or (flags
-    RETAIN_FLAG_END) end that retention (added within version 3)."""
+    RETAIN_FLAG_END) end that retention (added within version 3). owner
+    identifies, within the uid, who holds the retention (0: none; the u64
+    at offset 24, appended within version 3)."""
 
     batch: int
     start: int
@@ -411,19 +413,33 @@ class Retain(NamedTuple):
     ttl_ms: int = 0
     priority: int = 0
     flags: int = 0
+    owner: int = 0
 
 
-def encode_retain(batch: int, start: int, count: int, ttl_ms: int = 0, priority: int = 0, flags: int = 0) -> bytes:
+def encode_retain(
+    batch: int, start: int, count: int, ttl_ms: int = 0, priority: int = 0, flags: int = 0, owner: int = 0
+) -> bytes:
+    """A Retain: RETAIN_NO_OWNER_SIZE bytes when owner is 0 (what a sidecar
+    that predates the owner understands), else RETAIN_SIZE."""
     try:
-        return RETAIN.pack(batch, start, count, ttl_ms, priority, flags, 0)
+        b = RETAIN.pack(batch, start, count, ttl_ms, priority, flags, 0, owner)
     except struct.error as e:
         raise SchemaError("Retain: %s" % e) from None
+    return b if owner else b[:RETAIN_NO_OWNER_SIZE]
 
 
 def decode_retain(b) -> Retain:
     what = "Retain"
-    _need(what, b, 0, RETAIN_SIZE)
-    batch, start, count, ttl, prio, flags, zero = RETAIN.unpack_from(b, 0)
+    _need(what, b, 0, RETAIN_NO_OWNER_SIZE)
+    rest = len(b) - RETAIN_NO_OWNER_SIZE
+    if 0 < rest < RETAIN_SIZE - RETAIN_NO_OWNER_SIZE:
+        raise SchemaError("%s: %d trailing bytes (an owner is 8)" % (what, rest))
+    if rest > 0:
+        batch, start, count, ttl, prio, flags, zero, owner = RETAIN.unpack_from(b, 0)
+        end = RETAIN_SIZE
+    else:
+        batch, start, count, ttl, prio, flags, zero, owner = RETAIN.unpack(bytes(b) + bytes(8))
+        end = RETAIN_NO_OWNER_SIZE
     if flags & ~RETAIN_FLAG_END:
         raise SchemaError("%s: unknown flags %#x" % (what, flags))
     if zero:
@@ -432,8 +448,8 @@ def decode_retain(b) -> Retain:
         raise SchemaError("%s: priority %d, at most %d" % (what, prio, MAX_RETAIN_PRIORITY))
     if ttl == 0 and not flags & RETAIN_FLAG_END:
         raise SchemaError("%s: ttl 0 without the END flag" % what)
-    _done(what, b, RETAIN_SIZE)
-    return Retain(batch, start, count, ttl, prio, flags)
+    _done(what, b, end)
+    return Retain(batch, start, count, ttl, prio, flags, owner)
 
 
 class Segment(NamedTuple):

@@ -67,9 +67,11 @@ CODECS = {
         None,
     ),
     "Retain": (
-        lambda f, v: S.encode_retain(f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"]),
+        lambda f, v: S.encode_retain(
+            f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"], f["owner"]
+        ),
         lambda b, v: S.decode_retain(b),
-        lambda f, v: S.Retain(f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"]),
+        lambda f, v: S.Retain(f["batch"], f["start"], f["count"], f["ttl_ms"], f["priority"], f["flags"], f["owner"]),
         None,
     ),
     "RegisterRegion": (
@@ -302,6 +304,8 @@ def test_truncated(v):
     b = _hex(v["hex"])
     n = fixed(v["fields"], v) if fixed else len(b)
     for i in range(len(b)):
+        if v["message"] == "Retain" and i == S.RETAIN_NO_OWNER_SIZE:
+            continue  # a Retain without its owner (test_retain_owner)
         if i < n:
             with pytest.raises(S.SchemaError):
                 dec(b[:i], v)
@@ -317,6 +321,8 @@ def test_trailing(v):
         dec(b + b"!", v)  # the trailing field takes it
         return
     for extra in (b"\x00", b"\x01\x02\x03", bytes(8)):
+        if v["message"] == "Retain" and len(b + extra) == S.RETAIN_SIZE:
+            continue  # the owner of a Retain (test_retain_owner)
         with pytest.raises(S.SchemaError, match="trailing"):
             dec(b + extra, v)
 
@@ -757,16 +763,40 @@ def test_names():
 
 
 def test_retain_rejects():
-    b = S.encode_retain(1, 2, 3, 4, 2)
-    assert S.decode_retain(b) == S.Retain(1, 2, 3, 4, 2, 0)
-    for off, v in ((21, 2), (21, 0x80), (22, 1), (23, 1), (20, 4)):
-        c = bytearray(b)
-        c[off] = v
+    for owner in (0, 0xA1B2C3D4E5F60718):
+        b = S.encode_retain(1, 2, 3, 4, 2, owner=owner)
+        assert S.decode_retain(b) == S.Retain(1, 2, 3, 4, 2, 0, owner)
+        for off, v in ((21, 2), (21, 0x80), (22, 1), (23, 1), (20, 4)):
+            c = bytearray(b)
+            c[off] = v
+            with pytest.raises(S.SchemaError):
+                S.decode_retain(bytes(c))
         with pytest.raises(S.SchemaError):
-            S.decode_retain(bytes(c))
+            S.decode_retain(S.encode_retain(1, 2, 3, 0, owner=owner))  # ttl 0 only ends
+        got = S.decode_retain(S.encode_retain(1, 2, 3, flags=S.RETAIN_FLAG_END, owner=owner))
+        assert got.flags == S.RETAIN_FLAG_END and got.owner == owner
+
+
+def test_retain_owner():
+    # The owner is the u64 at offset 24; owner 0 is the 24-byte form that a
+    # sidecar which predates the owner understands, and decodes as owner 0.
+    b = S.encode_retain(1, 2, 3, 4, 1, owner=0x0102030405060708)
+    assert len(b) == S.RETAIN_SIZE == 32
+    assert struct.unpack_from("<Q", b, 24)[0] == 0x0102030405060708
+    short = S.encode_retain(1, 2, 3, 4, 1)
+    assert len(short) == S.RETAIN_NO_OWNER_SIZE == 24
+    assert b[:24] == short
+    assert S.decode_retain(short) == S.Retain(1, 2, 3, 4, 1, 0, 0)
+    assert S.decode_retain(short + bytes(8)) == S.Retain(1, 2, 3, 4, 1, 0, 0)
+    for n in range(41):
+        if n in (24, 32):
+            continue
+        with pytest.raises(S.SchemaError):
+            S.decode_retain((b + bytes(8))[:n])
     with pytest.raises(S.SchemaError):
-        S.decode_retain(S.encode_retain(1, 2, 3, 0))  # ttl 0 only ends
-    assert S.decode_retain(S.encode_retain(1, 2, 3, flags=S.RETAIN_FLAG_END)).flags == S.RETAIN_FLAG_END
+        S.encode_retain(1, 2, 3, 4, owner=1 << 64)
+    with pytest.raises(S.SchemaError):
+        S.encode_retain(1, 2, 3, 4, owner=-1)
 
 
 def test_reply_status():

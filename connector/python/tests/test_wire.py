@@ -223,6 +223,8 @@ def test_record_layouts_read_the_golden_vectors():
             for vpkg, vmsg, name, vfields, b, width in vectors:
                 if (vpkg, vmsg) != (pkg, msg):
                     continue
+                if msg == "Retain" and len(b) == S.RETAIN_NO_OWNER_SIZE:
+                    b = bytes(b) + bytes(8)  # the form without the owner: owner 0
                 got = layout.unpack_from(b, 0)
                 for f, v in zip(fields, got):
                     w = _want(pkg, f, vfields, width)
@@ -406,7 +408,10 @@ def _probe_events(n):
 
 
 def _probe_retain_priority(n):
-    return [lambda: S.decode_retain(S.RETAIN.pack(1, 2, 3, 4, n, 0, 0))]
+    return [
+        lambda: S.decode_retain(S.RETAIN.pack(1, 2, 3, 4, n, 0, 0, 0)),
+        lambda: S.decode_retain(S.RETAIN.pack(1, 2, 3, 4, n, 0, 0, 0)[: S.RETAIN_NO_OWNER_SIZE]),
+    ]
 
 
 # One probe per Go limit: a new Max* constant in Go needs one here.
@@ -461,7 +466,8 @@ def test_schema_sizes_are_what_python_encodes():
     assert len(S.describe_run_header(1, 1, 0, False)) == go("schema", "DescribeRunHeaderSize")
     assert len(S.encode_event(S.EVENT_REMOVED, bytes(8))) - 8 == go("schema", "EventHeaderSize")
     assert len(S.encode_events_reply(0, False, False, 1, 2, 3, 8)) == go("schema", "EventsReplyHeaderSize")
-    assert len(S.encode_retain(1, 2, 3, 4)) == go("schema", "RetainSize")
+    assert len(S.encode_retain(1, 2, 3, 4, owner=5)) == go("schema", "RetainSize")
+    assert len(S.encode_retain(1, 2, 3, 4)) == go("schema", "RetainNoOwnerSize")
     sizes = {c["name"] for c in SCHEMA_CONSTS if c["name"].endswith("Size") and not c["name"].startswith("Max")}
     assert sizes == {
         "ViewSize",
@@ -473,6 +479,7 @@ def test_schema_sizes_are_what_python_encodes():
         "EventHeaderSize",
         "EventsReplyHeaderSize",
         "RetainSize",
+        "RetainNoOwnerSize",
     }, "a Go size without a check here"
 
 
