@@ -239,12 +239,22 @@ func (c *Client) Acquire(v schema.View, ttl time.Duration) (schema.LeaseReply, e
 // Retain keeps the leading present blocks of v for ttl (rounded up to a
 // millisecond) at priority prio (0..schema.MaxRetainPriority, the highest
 // kept longest), or, with end, ends the retention this uid set on v's
-// blocks (ttl and prio are then ignored). It returns how many blocks'
-// retention it set, renewed or ended (docs/protocol.md, section 5.14). A
-// sidecar that predates Retain answers status 2 (an *schema.Error):
-// stop sending it for the session.
+// blocks (ttl and prio are then ignored); it is RetainOwned with owner 0.
 func (c *Client) Retain(v schema.View, ttl time.Duration, prio int, end bool) (int, error) {
-	m := schema.Retain{View: v}
+	return c.RetainOwned(v, 0, ttl, prio, end)
+}
+
+// RetainOwned is Retain on behalf of owner, an identity the client
+// chooses within its uid (e.g. a hash of a caller's session id; 0: none):
+// a block's retention belongs to the uid and owner that set it, and only
+// the same uid and owner renew, re-prioritise or end it. It returns how
+// many blocks' retention it set, renewed or ended (docs/protocol.md,
+// section 5.14). Owner 0 is sent in the 24-byte form every sidecar that
+// knows Retain reads; a sidecar that predates the owner answers one with
+// an owner with status 1. A sidecar that predates Retain answers status 2
+// (an *schema.Error): stop sending it for the session.
+func (c *Client) RetainOwned(v schema.View, owner uint64, ttl time.Duration, prio int, end bool) (int, error) {
+	m := schema.Retain{View: v, Owner: owner}
 	if end {
 		m.Flags = schema.RetainFlagEnd
 	} else {

@@ -127,4 +127,25 @@ func TestRetainRequest(t *testing.T) {
 	if len(f.sent) != 4 {
 		t.Fatalf("%d requests sent, want 4", len(f.sent))
 	}
+	// An owner travels in the 32-byte form; owner 0 in the 24-byte one.
+	for _, tc := range []struct {
+		owner uint64
+		end   bool
+		want  schema.Retain
+		size  int
+	}{
+		{0xABCDEF, false, schema.Retain{View: v, TTLms: 1000, Priority: 1, Owner: 0xABCDEF}, schema.RetainSize},
+		{0xABCDEF, true, schema.Retain{View: v, Flags: schema.RetainFlagEnd, Owner: 0xABCDEF}, schema.RetainSize},
+		{0, false, schema.Retain{View: v, TTLms: 1000, Priority: 1}, schema.RetainNoOwnerSize},
+	} {
+		f.replies = append(f.replies, (&schema.Reply{Value: 3}).Append(nil))
+		if n, err := c.RetainOwned(v, tc.owner, time.Second, 1, tc.end); n != 3 || err != nil {
+			t.Fatalf("retain owned %+v: %d %v", tc, n, err)
+		}
+		p := f.sentP[len(f.sentP)-1]
+		var got schema.Retain
+		if err := got.Decode(p); err != nil || got != tc.want || len(p) != tc.size {
+			t.Fatalf("retain owned %+v sent %+v in %d bytes (%v)", tc, got, len(p), err)
+		}
+	}
 }
