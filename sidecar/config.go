@@ -191,7 +191,7 @@ var machineFlags = map[string]string{
 	"SnapshotScan": "snapshot-scan", "ChunkBytes": "copy.chunk-bytes", "CUDAChunkBytes": "copy.cuda-chunk-bytes",
 	"MaxSessions": "max-sessions", "MetaBytes": "limits.metadata-bytes", "RingBytes": "limits.ring-bytes",
 	"MaxNamespaces": "limits.namespaces", "PinShare": "limits.pin-share", "PendingShare": "limits.pending-share",
-	"UIDShare": "limits.uid-share", "SessionShare": "limits.session-share",
+	"RetainShare": "limits.retain-share", "UIDShare": "limits.uid-share", "SessionShare": "limits.session-share",
 	// L2Config's
 	"Policy": "l2.policy", "WriteSlots": "l2.write-slots", "EvictAhead": "l2.evict-ahead",
 	"MaxLookupBlocks": "l2.max-lookup-blocks", "MaxFetchBlocks": "l2.max-fetch-blocks",

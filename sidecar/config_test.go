@@ -29,6 +29,44 @@ func TestConfigValidateReportsEverything(t *testing.T) {
 	}
 }
 
+// TestConfigRetainShare: the retain share is in (0, 1] and at most the pin
+// share (a uid's retained blocks stay bounded by what its leases may pin);
+// a conflict names both flags, also when only the pin share was lowered
+// below the retain share's default.
+func TestConfigRetainShare(t *testing.T) {
+	for _, tc := range []struct {
+		pin, retain float64
+		want        []string // the flags the error names; none: accepted
+	}{
+		{0, 0, nil},
+		{0.5, 0.5, nil},
+		{1, 1, nil},
+		{0.5, 0.6, []string{"--limits.retain-share: 0.6", "--limits.pin-share"}},
+		{0.2, 0, []string{"--limits.retain-share: 0.25", "--limits.pin-share"}},
+		{0, 1.5, []string{"--limits.retain-share: 1.5 must be in (0, 1]"}},
+		{0, -0.1, []string{"--limits.retain-share: -0.1 must be in (0, 1]"}},
+	} {
+		c := Config{Dir: "/dev/shm/x", Machine: machine.Config{PinShare: tc.pin, RetainShare: tc.retain}}
+		c.EnsureDefaults()
+		err := c.Validate()
+		if len(tc.want) == 0 {
+			if err != nil {
+				t.Errorf("pin share %v, retain share %v: %v", tc.pin, tc.retain, err)
+			}
+			continue
+		}
+		if err == nil {
+			t.Errorf("pin share %v, retain share %v: accepted", tc.pin, tc.retain)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("pin share %v, retain share %v: the error does not say %q: %v", tc.pin, tc.retain, w, err)
+			}
+		}
+	}
+}
+
 // TestConfigCUDACopyBudget: the CUDA chunk size and in-flight limit default
 // to 64 MiB and 8; a value out of bounds, or more bytes in flight per GPU
 // than a slow PCIe link moves within --copy.stall, is refused naming its

@@ -216,6 +216,7 @@ type SessionState struct {
 	Leases         int    `json:"leases"`
 	MetaBytes      int64  `json:"metadata_bytes"`
 	PinnedSlots    int    `json:"pinned_slots"`
+	RetainedSlots  int    `json:"retained_slots"`
 }
 
 // State returns a snapshot of the sidecar's live state.
@@ -231,7 +232,8 @@ func (s *Server) State() State {
 	for _, in := range infos {
 		ss := s.session(in.ID)
 		e := SessionState{ID: uint64(in.ID), Instance: in.Instance, Role: in.Role, Rank: in.Rank, PID: in.PID, UID: in.UID,
-			Regions: in.Regions, Leases: in.Leases, MetaBytes: in.Meta, PinnedSlots: in.Pins}
+			Regions: in.Regions, Leases: in.Leases, MetaBytes: in.Meta, PinnedSlots: in.Pins,
+			RetainedSlots: in.Retained}
 		if ss != nil {
 			ss.lifeMu.Lock()
 			if !ss.unmapped {

@@ -48,7 +48,7 @@ func (d *realDriver) Start(c scenario.Config) (scenario.Node, error) {
 		cfg.RingCapacity = scenario.RingCapacity
 		m := &cfg.Machine
 		m.SlotBytes, m.Budget, m.ChunkBytes = c.SlotBytes, c.Budget, c.ChunkBytes
-		m.PinShare, m.PendingShare, m.SessionShare, m.MetaBytes = c.PinShare, c.PendingShare, c.SessionShare, c.MetaBytes
+		m.PinShare, m.RetainShare, m.PendingShare, m.SessionShare, m.MetaBytes = c.PinShare, c.RetainShare, c.PendingShare, c.SessionShare, c.MetaBytes
 		if t := c.Tier; t != nil {
 			// A lookup timeout far above the product's: a scenario checks
 			// what the tier holds, not how a slow one is bounded.

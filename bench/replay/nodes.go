@@ -45,8 +45,9 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		"--pool.slot-bytes", strconv.Itoa(c.PageBytes), "--pool.bytes", strconv.FormatInt(int64(capacity)*int64(c.PageBytes), 10),
 		"--budget", strconv.FormatInt(budget, 10), "--log.level", "warn",
 		// The engines of one trace are one tenant: a pin quota would shorten
-		// leases and take the hit rate off the exact LRU model.
-		"--limits.pin-share", "1",
+		// leases and take the hit rate off the exact LRU model, and a
+		// retain quota would cut the hints of --hints short.
+		"--limits.pin-share", "1", "--limits.retain-share", "1",
 		"--cache.policy", c.Policy}
 	if tiered(transport) {
 		pages := strconv.Itoa(max(w.MaxPages, 1))

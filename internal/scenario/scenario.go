@@ -44,10 +44,11 @@ type Config struct {
 	SlotBytes  uint64
 	Budget     int64  // 0: the sidecar's default
 	ChunkBytes uint64 // 0: the sidecar's default
-	// PinShare, PendingShare and SessionShare are the sidecar's --limits
-	// shares, and MetaBytes its metadata bound (0: the defaults).
-	PinShare, PendingShare, SessionShare float64
-	MetaBytes                            int64
+	// PinShare, RetainShare, PendingShare and SessionShare are the
+	// sidecar's --limits shares, and MetaBytes its metadata bound (0: the
+	// defaults).
+	PinShare, RetainShare, PendingShare, SessionShare float64
+	MetaBytes                                         int64
 	// Tier is the shared tier, which every node of the scenario with one
 	// shares; nil: none.
 	Tier *TierConfig
@@ -495,6 +496,9 @@ func (r *runner) start(a *args) (string, error) {
 		return "", err
 	}
 	if c.PinShare, err = a.float("pin-share"); err != nil {
+		return "", err
+	}
+	if c.RetainShare, err = a.float("retain-share"); err != nil {
 		return "", err
 	}
 	if c.PendingShare, err = a.float("pending-share"); err != nil {

@@ -261,7 +261,8 @@ func (r *runner) acquire(s *sess, a *args) (string, error) {
 	return fmt.Sprintf("%s blocks=%d", l.State, l.Blocks), nil
 }
 
-// retain sends a Retain: ttl-ms and prio as given, or with end its END.
+// retain sends a Retain of an owner (0: none, the 24-byte form): ttl-ms
+// and prio as given, or with end its END.
 func (r *runner) retain(s *sess, a *args) (string, error) {
 	v, err := view(a, true)
 	if err != nil {
@@ -275,15 +276,19 @@ func (r *runner) retain(s *sess, a *args) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	owner, err := a.num("owner", 0)
+	if err != nil {
+		return "", err
+	}
 	end := a.has("end")
 	if a.has("quiet") {
-		m := schema.Retain{View: v, TTLms: uint32(ttl), Priority: uint8(prio)}
+		m := schema.Retain{View: v, TTLms: uint32(ttl), Priority: uint8(prio), Owner: owner}
 		if end {
 			m.Flags = schema.RetainFlagEnd
 		}
 		return r.quiet(s, schema.TypeRetain, m.Append(nil))
 	}
-	n, err := s.c.Retain(v, time.Duration(ttl)*time.Millisecond, int(prio), end)
+	n, err := s.c.RetainOwned(v, owner, time.Duration(ttl)*time.Millisecond, int(prio), end)
 	if err != nil {
 		return errStatus(err)
 	}

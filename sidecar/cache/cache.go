@@ -218,9 +218,11 @@ type Cache struct {
 	// each block, and the distinct slots they hold.
 	pinKey   map[uint32]map[uint32]uint32
 	pinByKey map[uint32]int
-	// Retention (retain.go) of present heads: one record each; a record
-	// charges its key like a lease's pin does.
-	retains map[uint32]*retainRec
+	// Retention (retain.go) of present heads: one record each, charged to
+	// its key apart from the pins: retainByKey counts the slots of the
+	// blocks each key retains.
+	retains     map[uint32]*retainRec
+	retainByKey map[uint32]int
 
 	writers    []writerRec
 	writerFree int32
@@ -295,6 +297,7 @@ func New(cfg Config) (*Cache, error) {
 		pinKey:       make(map[uint32]map[uint32]uint32),
 		pinByKey:     make(map[uint32]int),
 		retains:      make(map[uint32]*retainRec),
+		retainByKey:  make(map[uint32]int),
 		writerFree:   -1,
 		leaseFree:    -1,
 		sizing:       newSizing(),

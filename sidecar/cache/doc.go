@@ -163,23 +163,28 @@
 //
 // # Retention
 //
-// Retain(ns, digests, charge, ttl, prio, now) keeps the leading present
-// blocks of digests for ttl at a priority 0..3: each leaves the LRU list
-// for the list of its priority (same prev/next arrays, one sentinel per
-// priority). Eviction takes the LRU's tail first and, only when the LRU is
-// empty, the tail of the lowest-priority non-empty retained list: retained
-// blocks stay evictable (counted in evictable), so retention never makes a
-// store fail; it only orders eviction. A hit moves a retained block to the
-// front of its own list; a pin takes it out of its list and the last unpin
-// puts it back there. A block carries one retention, that of the key that
-// set it (a side table from head slot to {key, priority, timer index}; the
-// deadline is in the timer heap): another key's Retain leaves it alone and
-// is not charged, the same key renews it (deadline now+ttl, new priority).
-// A retention charges its key like a lease's pin (pinKey, pinByKey;
-// PinnedCharged counts both, a block pinned and retained by one key once),
-// so Retain stops at the key's limit (short). Expiry (Reap) and EndRetain
-// end it and put the block at the LRU's tail; eviction and Clear drop it
-// with the block. Cost: O(1) per block plus O(log n) for its deadline.
+// Retain(ns, digests, charge, owner, ttl, prio, now) keeps the leading
+// present blocks of digests for ttl at a priority 0..3: each leaves the
+// LRU list for the list of its priority (same prev/next arrays, one
+// sentinel per priority). Eviction takes the LRU's tail first and, only
+// when the LRU is empty, the tail of the lowest-priority non-empty
+// retained list: retained blocks stay evictable (counted in evictable), so
+// retention never makes a store fail; it only orders eviction. A hit moves
+// a retained block to the front of its own list; a pin takes it out of its
+// list and the last unpin puts it back there. A block carries one
+// retention, that of the key and owner that set it (owner: a caller's
+// identity within the key, 0 for none; a side table from head slot to
+// {owner, key, priority, timer index}; the deadline is in the timer heap):
+// a Retain of another key, or of the same key with another owner, leaves
+// it alone and is not charged, the same key and owner renew it (deadline
+// now+ttl, new priority), and EndRetain ends only the retentions of its
+// key and owner. A retention charges its key on a counter of its own
+// (retainByKey, RetainedCharged: the slots of the blocks the key retains,
+// whatever their owners), apart from the leases' pins (pinKey, pinByKey,
+// PinnedCharged), so Retain stops at the key's retention limit (short) and
+// never takes room from the key's leases. Expiry (Reap) and EndRetain end
+// it and put the block at the LRU's tail; eviction and Clear drop it with
+// the block. Cost: O(1) per block plus O(log n) for its deadline.
 //
 // # Leases
 //

@@ -402,27 +402,33 @@ func (c *Cache) CheckInvariants() error {
 			keyPins[l.key][h]++
 		}
 	}
-	for key, heads := range retained { // a retention charges like a pin
-		if keyPins[key] == nil {
-			keyPins[key] = map[uint32]uint32{}
-		}
-		for _, h := range heads {
-			keyPins[key][h]++
-		}
-	}
 	if len(keyPins) != len(c.pinKey) || len(c.pinByKey) != len(c.pinKey) {
-		bad("pin charges: %d keys in leases and retentions, %d kept, %d counted", len(keyPins), len(c.pinKey), len(c.pinByKey))
+		bad("pin charges: %d keys in leases, %d kept, %d counted", len(keyPins), len(c.pinKey), len(c.pinByKey))
 	}
 	for key, want := range keyPins {
 		got, slots := c.pinKey[key], 0
 		for h, n := range want {
 			if got[h] != n {
-				bad("pin charge key %d block %d: %d, leases and retentions hold %d", key, h, got[h], n)
+				bad("pin charge key %d block %d: %d, leases hold %d", key, h, got[h], n)
 			}
 			slots += c.worldOf(h)
 		}
 		if len(got) != len(want) || c.pinByKey[key] != slots {
 			bad("pin charge key %d: %d slots counted, leases pin %d", key, c.pinByKey[key], slots)
+		}
+	}
+	// Retention charges: each key's counter is the slots of the blocks it
+	// retains, apart from its pins.
+	if len(retained) != len(c.retainByKey) {
+		bad("retention charges: %d keys retain, %d counted", len(retained), len(c.retainByKey))
+	}
+	for key, heads := range retained {
+		slots := 0
+		for _, h := range heads {
+			slots += c.worldOf(h)
+		}
+		if c.retainByKey[key] != slots {
+			bad("retention charge key %d: %d slots counted, its retentions hold %d", key, c.retainByKey[key], slots)
 		}
 	}
 	for h, p := range pins {

@@ -32,9 +32,11 @@ type mBlock struct {
 	ret      *mRet  // its retention, if any
 }
 
-// mRet is a block's retention (Retain).
+// mRet is a block's retention (Retain): the key charged for it and, within
+// the key, the owner that set it.
 type mRet struct {
 	key      SessionID
+	owner    uint64
 	prio     int
 	deadline int64
 	tseq     uint64
@@ -89,6 +91,7 @@ type model struct {
 
 const modelChargeLimit = 9 // slots of incomplete blocks one owner may hold
 const modelPinLimit = 2    // slots of distinct blocks one owner's leases may pin
+const modelRetainLimit = 3 // slots of the blocks one key retains, apart from its pins
 
 // pinnedBy returns the distinct blocks the leases of owner pin, as a set,
 // and their slots.
@@ -105,14 +108,19 @@ func (m *model) pinnedBy(owner SessionID) (map[mKey]bool, int) {
 			}
 		}
 	}
-	// A retention charges its key like a pin.
+	return set, slots
+}
+
+// retainedBy returns the slots of the blocks key retains, whatever their
+// owners: its retention charge, apart from its pins.
+func (m *model) retainedBy(key SessionID) int {
+	slots := 0
 	for k, b := range m.blocks {
-		if b.ret != nil && b.ret.key == owner && !set[k] {
-			set[k] = true
+		if b.ret != nil && b.ret.key == key {
 			slots += m.world[k.ns]
 		}
 	}
-	return set, slots
+	return slots
 }
 
 // toTail puts an unpinned present block at the tail of its list.
@@ -401,31 +409,33 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 		switch p := rng.IntN(110); {
 		case p >= 106: // EndRetain
 			ds, flat := query()
+			rowner := uint64(rng.IntN(2))
 			want := 0
 			for _, d := range ds {
-				if b, ok := m.blocks[mKey{n.id, d}]; ok && m.present(b) && b.ret != nil && b.ret.key == owner {
+				if b, ok := m.blocks[mKey{n.id, d}]; ok && m.present(b) && b.ret != nil && b.ret.key == owner && b.ret.owner == rowner {
 					b.ret = nil
 					m.toTail(b)
 					want++
 				}
 			}
-			got, err := c.EndRetain(n.id, flat, uint32(owner))
+			got, err := c.EndRetain(n.id, flat, uint32(owner), rowner)
 			if err != nil || got != want {
 				t.Fatalf("op %d: EndRetain = %d %v, model %d", op, got, err, want)
 			}
 		case p >= 100: // Retain
 			ds, flat := query()
+			rowner := uint64(rng.IntN(2))
 			var mine []mKey
 			for _, k := range m.leading(mKey{ns: n.id}, ds) {
-				if r := m.blocks[k].ret; r == nil || r.key == owner {
+				if r := m.blocks[k].ret; r == nil || (r.key == owner && r.owner == rowner) {
 					mine = append(mine, k)
 				}
 			}
-			set, slots := m.pinnedBy(owner)
+			slots := m.retainedBy(owner)
 			wantShort := false
 			for i, k := range mine {
-				if !set[k] {
-					if slots+n.world > modelPinLimit {
+				if m.blocks[k].ret == nil {
+					if slots+n.world > modelRetainLimit {
 						mine, wantShort = mine[:i], true
 						break
 					}
@@ -434,7 +444,7 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 			}
 			ttl := time.Duration(1+rng.IntN(100)) * time.Millisecond
 			prio := rng.IntN(RetainPriorities)
-			got, short, err := c.Retain(n.id, flat, Charge{Key: uint32(owner), Limit: modelPinLimit}, ttl, prio, now)
+			got, short, err := c.Retain(n.id, flat, Charge{Key: uint32(owner), Limit: modelRetainLimit}, rowner, ttl, prio, now)
 			if err != nil || got != len(mine) || short != wantShort {
 				t.Fatalf("op %d: Retain = %d short %v %v, model %d short %v", op, got, short, err, len(mine), wantShort)
 			}
@@ -442,7 +452,7 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 				b := m.blocks[k]
 				if b.ret == nil {
 					m.tseq++
-					b.ret = &mRet{key: owner, tseq: m.tseq}
+					b.ret = &mRet{key: owner, owner: rowner, tseq: m.tseq}
 				}
 				b.ret.prio, b.ret.deadline = prio, now+int64(ttl)
 			}
@@ -825,6 +835,9 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 			}
 			if _, want := m.pinnedBy(owners[owner]); c.PinnedCharged(uint32(owners[owner])) != want {
 				t.Fatalf("op %d: owner %d pins %d charged slots, model %d", op, owners[owner], c.PinnedCharged(uint32(owners[owner])), want)
+			}
+			if want := m.retainedBy(owners[owner]); c.RetainedCharged(uint32(owners[owner])) != want {
+				t.Fatalf("op %d: owner %d retains %d charged slots, model %d", op, owners[owner], c.RetainedCharged(uint32(owners[owner])), want)
 			}
 		}
 		if s.Used != m.used() || s.Blocks != present || s.PinnedBlocks != pinned || s.DoomedBlocks != len(m.doomed) ||

@@ -549,13 +549,13 @@ func TestMQPLevels(t *testing.T) {
 	if err := c.Release(l.ID); err != nil || c.mqp.nb[3] != 1 || c.next[c.mqp.qSent[3]] != x {
 		t.Fatalf("released: %v, queue 3 holds %d", err, c.mqp.nb[3])
 	}
-	if _, _, err := c.Retain(ns, digs(8, 1), Charge{Key: 9}, time.Hour, 2, 0); err != nil {
+	if _, _, err := c.Retain(ns, digs(8, 1), Charge{Key: 9}, 0, time.Hour, 2, 0); err != nil {
 		t.Fatal(err)
 	}
 	if c.mqp.nb[3] != 0 || c.victim() == x {
 		t.Fatal("a retained block stays in its queue, or goes before unretained ones")
 	}
-	if n, err := c.EndRetain(ns, digs(8, 1), 9); err != nil || n != 1 {
+	if n, err := c.EndRetain(ns, digs(8, 1), 9, 0); err != nil || n != 1 {
 		t.Fatalf("EndRetain %d %v", n, err)
 	}
 	if c.mqpLevelOf(x) != 0 || c.victim() != x {

@@ -11,8 +11,10 @@ import (
 // LRU's tail first and only then the tail of the lowest non-empty
 // priority's list, so retention never makes a store fail. Each retained
 // head has a record in a side table (the per-slot arrays do not grow), a
-// deadline in the timer heap, and a charge on its key's pins (pinKey,
-// pinByKey): a block both pinned and retained by a key counts once.
+// deadline in the timer heap, and a charge on its key's retention counter
+// (retainByKey), apart from the charges of its leases' pins (pinKey,
+// pinByKey): a retention never takes room a lease needs. A retention
+// belongs to its key and, within the key, to an owner the caller chooses.
 
 // RetainPriorities is the number of retention priorities (0..3; 3 is kept
 // longest).
@@ -20,10 +22,14 @@ const RetainPriorities = 4
 
 // retainRec is the retention of one present head.
 type retainRec struct {
-	key  uint32 // the key that set it (and is charged for it)
-	prio uint8
-	heap int32 // index of its deadline in the timer heap
+	owner uint64 // who set it within its key (a caller's choice; 0: none)
+	key   uint32 // the key that set it (and is charged for it)
+	prio  uint8
+	heap  int32 // index of its deadline in the timer heap
 }
+
+// holds reports whether the retention is key's and owner's.
+func (r *retainRec) holds(key uint32, owner uint64) bool { return r.key == key && r.owner == owner }
 
 // retSentinel returns the sentinel of priority p's list in prev/next.
 func (c *Cache) retSentinel(p uint8) uint32 { return c.sentinel + 1 + uint32(p) }
@@ -96,17 +102,18 @@ func (c *Cache) victim() uint32 {
 
 // Retain keeps the leading present blocks of digests (flat, namespace
 // width each; it stops at the first miss or repeat, as Lookup does) for
-// ttl from now at priority prio (0..RetainPriorities-1), charged to
-// ch.Key. A block carries one retention, the key's that set it: a block
-// another key retains is left as it is (not counted, nothing charged) and
-// the run goes on past it; the same key renews it (deadline now+ttl) and
-// may change its priority. The blocks a key retains count against the
-// same bound as its leases' pins (AcquireCharged): the run stops at the
-// first block that would take the key past ch.Limit slots (short reports
-// it). n is the number of blocks whose retention this call set or renewed.
-// When the deadline passes, Reap ends the retention and puts the block at
-// the LRU's tail.
-func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Duration, prio int, now int64) (n int, short bool, err error) {
+// ttl from now at priority prio (0..RetainPriorities-1), for ch.Key and
+// owner. A block carries one retention, that of the key and owner that set
+// it: a block another key, or the same key with another owner, retains is
+// left as it is (not counted, nothing charged) and the run goes on past
+// it; the same key and owner renew it (deadline now+ttl) and may change
+// its priority. The blocks a key retains, whatever their owners, count
+// against a bound of their own, apart from its leases' pins
+// (AcquireCharged): the run stops at the first block that would take the
+// key past ch.Limit retained slots (short reports it). n is the number of
+// blocks whose retention this call set or renewed. When the deadline
+// passes, Reap ends the retention and puts the block at the LRU's tail.
+func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, owner uint64, ttl time.Duration, prio int, now int64) (n int, short bool, err error) {
 	if ttl <= 0 {
 		return 0, false, fmt.Errorf("%w: %v", ErrBadTTL, ttl)
 	}
@@ -117,14 +124,14 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Durat
 	if err != nil {
 		return 0, false, err
 	}
-	// The blocks this key may take: not another key's.
+	// The blocks this key and owner may take: not anyone else's.
 	mine := heads[:0]
 	for _, h := range heads {
-		if r := c.retains[h]; r == nil || r.key == ch.Key {
+		if r := c.retains[h]; r == nil || r.holds(ch.Key, owner) {
 			mine = append(mine, h)
 		}
 	}
-	mine, short = c.fitPins(ch.Key, ch.Limit, mine, nsr.world)
+	mine, short = c.fitRetains(ch.Key, ch.Limit, mine, nsr.world)
 	deadline := addDeadline(now, ttl)
 	p := uint8(prio)
 	// Deadlines in view order (ties expire in creation order: the
@@ -142,12 +149,11 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Durat
 		if c.aux[h] == 0 {
 			c.unlist(h)
 		}
-		r := &retainRec{key: ch.Key, prio: p}
+		r := &retainRec{owner: owner, key: ch.Key, prio: p}
 		c.retains[h] = r
 		r.heap = int32(c.timerPush(deadline, timerRetain, h))
 		if ch.Key != 0 {
-			one := [1]uint32{h}
-			c.chargePins(ch.Key, one[:], nsr.world)
+			c.retainByKey[ch.Key] += nsr.world
 		}
 	}
 	// Most recent in reverse, as Lookup touches: the prefix's first block
@@ -161,12 +167,46 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, ttl time.Durat
 	return len(mine), short, nil
 }
 
-// EndRetain ends the retention that key set on the blocks of digests
-// (each present one, the run does not stop at a miss) and puts them at the
-// LRU's tail, the last of the view last (evicted first). Blocks another
-// key retains, or none, are left alone. It returns how many retentions
-// ended.
-func (c *Cache) EndRetain(ns NamespaceID, digests []byte, key uint32) (int, error) {
+// fitRetains cuts heads (none retained by another key or owner) before
+// the first block whose retention would take key past limit retained
+// slots (key 0 or limit 0: no bound), a block it retains already costing
+// nothing and any other world slots; short reports a cut.
+func (c *Cache) fitRetains(key uint32, limit int, heads []uint32, world int) (_ []uint32, short bool) {
+	if key == 0 || limit <= 0 {
+		return heads, false
+	}
+	room := limit - c.retainByKey[key]
+	for i, h := range heads {
+		if c.retains[h] == nil {
+			if room < world {
+				return heads[:i], true
+			}
+			room -= world
+		}
+	}
+	return heads, false
+}
+
+// RetainedCharged returns the slots of the blocks whose retention is
+// charged to key (whatever their owners).
+func (c *Cache) RetainedCharged(key uint32) int { return c.retainByKey[key] }
+
+// unchargeRetain ends the charge of retention r of head h.
+func (c *Cache) unchargeRetain(r *retainRec, h uint32) {
+	if r.key == 0 {
+		return
+	}
+	if c.retainByKey[r.key] -= c.worldOf(h); c.retainByKey[r.key] == 0 {
+		delete(c.retainByKey, r.key)
+	}
+}
+
+// EndRetain ends the retention that key and owner set on the blocks of
+// digests (each present one, the run does not stop at a miss) and puts
+// them at the LRU's tail, the last of the view last (evicted first).
+// Blocks another key or owner retains, or none, are left alone. It returns
+// how many retentions ended.
+func (c *Cache) EndRetain(ns NamespaceID, digests []byte, key uint32, owner uint64) (int, error) {
 	n, err := c.ns(ns)
 	if err != nil {
 		return 0, err
@@ -180,7 +220,7 @@ func (c *Cache) EndRetain(ns NamespaceID, digests []byte, key uint32) (int, erro
 		if h == NoSlot || !c.present(h) {
 			continue
 		}
-		if r := c.retains[h]; r != nil && r.key == key {
+		if r := c.retains[h]; r != nil && r.holds(key, owner) {
 			c.timerRemove(int(r.heap))
 			c.endRetention(h)
 			ended++
@@ -199,10 +239,7 @@ func (c *Cache) endRetention(h uint32) {
 		c.listRemove(c.retSentinel(r.prio), h)
 	}
 	delete(c.retains, h)
-	if r.key != 0 {
-		one := [1]uint32{h}
-		c.unchargePins(r.key, one[:])
-	}
+	c.unchargeRetain(r, h)
 	if c.aux[h] == 0 {
 		c.coldest(h)
 		c.listPushBack(c.listOf(h), h)
@@ -218,10 +255,7 @@ func (c *Cache) dropRetention(h uint32) {
 	}
 	c.timerRemove(int(r.heap))
 	delete(c.retains, h)
-	if r.key != 0 {
-		one := [1]uint32{h}
-		c.unchargePins(r.key, one[:])
-	}
+	c.unchargeRetain(r, h)
 }
 
 // Retained returns the blocks retained now and the slots they hold.
@@ -233,8 +267,8 @@ func (c *Cache) Retained() (blocks, slots int) {
 }
 
 // checkRetains verifies the retained lists, the side table, and their
-// timers; it returns the retained heads per key (for the pin charges) and
-// the timers they hold.
+// timers; it returns the retained heads per key (for the retention
+// charges) and the timers they hold.
 func (c *Cache) checkRetains(bad func(format string, args ...any)) (byKey map[uint32][]uint32, timers, listed int) {
 	byKey = map[uint32][]uint32{}
 	n := c.capacity

@@ -6,9 +6,15 @@ import (
 	"time"
 )
 
+// retain is Retain for key with owner 0.
 func (x *tc) retain(ns NamespaceID, ds []byte, key uint32, limit int, ttl time.Duration, prio int, now int64) (int, bool) {
 	x.t.Helper()
-	n, short, err := x.c.Retain(ns, ds, Charge{Key: key, Limit: limit}, ttl, prio, now)
+	return x.retainAs(ns, ds, key, 0, limit, ttl, prio, now)
+}
+
+func (x *tc) retainAs(ns NamespaceID, ds []byte, key uint32, owner uint64, limit int, ttl time.Duration, prio int, now int64) (int, bool) {
+	x.t.Helper()
+	n, short, err := x.c.Retain(ns, ds, Charge{Key: key, Limit: limit}, owner, ttl, prio, now)
 	if err != nil {
 		x.t.Fatal(err)
 	}
@@ -16,9 +22,15 @@ func (x *tc) retain(ns NamespaceID, ds []byte, key uint32, limit int, ttl time.D
 	return n, short
 }
 
+// endRetain is EndRetain for key with owner 0.
 func (x *tc) endRetain(ns NamespaceID, ds []byte, key uint32) int {
 	x.t.Helper()
-	n, err := x.c.EndRetain(ns, ds, key)
+	return x.endRetainAs(ns, ds, key, 0)
+}
+
+func (x *tc) endRetainAs(ns NamespaceID, ds []byte, key uint32, owner uint64) int {
+	x.t.Helper()
+	n, err := x.c.EndRetain(ns, ds, key, owner)
 	if err != nil {
 		x.t.Fatal(err)
 	}
@@ -116,7 +128,7 @@ func TestRetainExpiry(t *testing.T) {
 		x.store(ns, dig(i, 8), 0)
 	}
 	x.retain(ns, digs(8, 4), 9, 100, 10*time.Millisecond, 3, 0)
-	if got := x.c.PinnedCharged(9); got != 1 {
+	if got := x.c.RetainedCharged(9); got != 1 || x.c.PinnedCharged(9) != 0 {
 		t.Fatalf("charged %d, want 1", got)
 	}
 	if d, ok := x.c.NextDeadline(); !ok || d != 10*ms {
@@ -129,7 +141,7 @@ func TestRetainExpiry(t *testing.T) {
 		t.Fatalf("reap: %+v", r)
 	}
 	x.check()
-	if got := x.c.PinnedCharged(9); got != 0 {
+	if got := x.c.RetainedCharged(9); got != 0 {
 		t.Fatalf("charged %d after expiry", got)
 	}
 	// 4 was the most recent block; its retention ended, so it went to the
@@ -176,20 +188,20 @@ func TestRetainOneKeyPerBlock(t *testing.T) {
 	if n, short := x.retain(ns, digs(8, 1, 2, 3), 2, 10, time.Hour, 3, 0); n != 1 || short {
 		t.Fatalf("retain by key 2 = %d %v, want 1", n, short)
 	}
-	if a, b := x.c.PinnedCharged(1), x.c.PinnedCharged(2); a != 2 || b != 1 {
+	if a, b := x.c.RetainedCharged(1), x.c.RetainedCharged(2); a != 2 || b != 1 {
 		t.Fatalf("charges %d %d, want 2 1", a, b)
 	}
 	// The same key renews (and raises the priority).
 	if n, _ := x.retain(ns, digs(8, 1), 1, 10, 50*time.Millisecond, 3, 5*ms); n != 1 {
 		t.Fatalf("renew = %d", n)
 	}
-	if a := x.c.PinnedCharged(1); a != 2 {
+	if a := x.c.RetainedCharged(1); a != 2 {
 		t.Fatalf("renewal charged again: %d", a)
 	}
 	if r := x.c.Reap(20 * ms); r.Retained != 1 {
 		t.Fatalf("reap at 20ms: %+v, want block 2 only", r)
 	}
-	if a := x.c.PinnedCharged(1); a != 1 {
+	if a := x.c.RetainedCharged(1); a != 1 {
 		t.Fatalf("charge after block 2 expired: %d", a)
 	}
 	if r := x.c.Reap(55 * ms); r.Retained != 1 {
@@ -215,14 +227,25 @@ func TestRetainShare(t *testing.T) {
 	if n, short := x.retain(ns, digs(8, 1, 2, 3), 7, 3, time.Hour, 3, 0); n != 3 || short {
 		t.Fatalf("renewal = %d %v", n, short)
 	}
-	// Pins and retention share the bound; a block both pinned and retained
-	// by the key counts once.
-	l, short, err := x.c.AcquireCharged(ns, 0, digs(8, 1, 2, 3, 4), 1, time.Second, 0, Charge{Key: 7, Limit: 3})
-	if err != nil || l.Blocks != 3 || !short {
-		t.Fatalf("acquire %+v %v %v", l, short, err)
+	// The pins have a bound of their own: retention takes none of it,
+	// whether the lease pins the retained blocks or others.
+	l, short, err := x.c.AcquireCharged(ns, 0, digs(8, 4, 5, 6), 1, time.Second, 0, Charge{Key: 7, Limit: 3})
+	if err != nil || l.Blocks != 3 || short {
+		t.Fatalf("acquire of unretained blocks %+v %v %v", l, short, err)
 	}
-	if got := x.c.PinnedCharged(7); got != 3 {
-		t.Fatalf("charged %d, want 3", got)
+	if got, ret := x.c.PinnedCharged(7), x.c.RetainedCharged(7); got != 3 || ret != 3 {
+		t.Fatalf("pins %d retained %d, want 3 3", got, ret)
+	}
+	x.check()
+	if err := x.c.Release(l.ID); err != nil {
+		t.Fatal(err)
+	}
+	l, short, err = x.c.AcquireCharged(ns, 0, digs(8, 1, 2, 3, 4), 1, time.Second, 0, Charge{Key: 7, Limit: 3})
+	if err != nil || l.Blocks != 3 || !short {
+		t.Fatalf("acquire of retained blocks %+v %v %v", l, short, err)
+	}
+	if got, ret := x.c.PinnedCharged(7), x.c.RetainedCharged(7); got != 3 || ret != 3 {
+		t.Fatalf("pins %d retained %d, want 3 3", got, ret)
 	}
 	x.check()
 	// Other keys still store: retained blocks stay evictable.
@@ -234,11 +257,71 @@ func TestRetainShare(t *testing.T) {
 	}
 	x.check()
 	x.evictions(ns, 1, 2, 3)
-	if got := x.c.PinnedCharged(7); got != 0 {
+	if got := x.c.RetainedCharged(7); got != 0 {
 		t.Fatalf("charged %d after the retained blocks were evicted", got)
 	}
 	if s := x.c.Stats(); s.RetainedBlocks != 0 || s.NoSpace != 0 {
 		t.Fatalf("stats %+v", s)
+	}
+}
+
+// A retention belongs to its key and owner: another owner of the same key
+// can neither renew it, change its priority nor end it, and its Retain
+// goes on past such blocks; the owners of a key share its bound.
+func TestRetainOwners(t *testing.T) {
+	x := newTC(t, 8)
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 6; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	if n, _ := x.retainAs(ns, digs(8, 1, 2), 5, 100, 4, 10*time.Millisecond, 3, 0); n != 2 {
+		t.Fatalf("retain by owner 100 = %d", n)
+	}
+	// Owner 200 of key 5 (and owner 0) find 1 and 2 taken: they go on past
+	// them, retain 3, and change nothing of owner 100's.
+	if n, short := x.retainAs(ns, digs(8, 1, 2, 3), 5, 200, 4, time.Hour, 0, 5*ms); n != 1 || short {
+		t.Fatalf("retain by owner 200 = %d %v, want 1", n, short)
+	}
+	if n, _ := x.retain(ns, digs(8, 1, 2), 5, 4, time.Hour, 0, 5*ms); n != 0 {
+		t.Fatalf("retain by owner 0 = %d", n)
+	}
+	if n := x.endRetainAs(ns, digs(8, 1, 2), 5, 200); n != 0 {
+		t.Fatalf("owner 200 ended %d of owner 100's", n)
+	}
+	if n := x.endRetain(ns, digs(8, 1, 2), 5); n != 0 {
+		t.Fatalf("owner 0 ended %d of owner 100's", n)
+	}
+	// Another key with owner 100 is someone else too.
+	if n := x.endRetainAs(ns, digs(8, 1, 2), 6, 100); n != 0 {
+		t.Fatalf("key 6 ended %d of key 5's", n)
+	}
+	// The owners of key 5 share its bound: 3 slots retained of 4.
+	if got := x.c.RetainedCharged(5); got != 3 {
+		t.Fatalf("key 5 retains %d slots, want 3", got)
+	}
+	if n, short := x.retainAs(ns, digs(8, 4, 5), 5, 300, 4, time.Hour, 0, 5*ms); n != 1 || !short {
+		t.Fatalf("retain by owner 300 = %d %v, want 1 short", n, short)
+	}
+	// Owner 100's priority is still 3: evicted after owner 200's and 300's
+	// blocks (priority 0), and its deadline is still 10 ms.
+	r := x.c.Reap(10 * ms)
+	if r.Retained != 2 {
+		t.Fatalf("reap at 10 ms: %+v, want owner 100's 2 blocks", r)
+	}
+	x.check()
+	if n, _ := x.retainAs(ns, digs(8, 1, 2), 5, 100, 4, time.Hour, 3, 10*ms); n != 2 {
+		t.Fatalf("owner 100 retains again: %d", n)
+	}
+	if n, short := x.retainAs(ns, digs(8, 5), 5, 300, 4, time.Hour, 0, 10*ms); n != 0 || !short {
+		t.Fatalf("retain past the bound = %d %v", n, short)
+	}
+	if n := x.endRetainAs(ns, digs(8, 3, 4), 5, 200); n != 1 {
+		t.Fatalf("owner 200 ended %d of its own, want 1", n)
+	}
+	// 3 ended last: the LRU's tail, before the unretained 5 and 6; then
+	// owner 300's 4 (priority 0), then owner 100's 1 and 2 (priority 3).
+	if got, want := x.evictions(ns, 1, 2, 3, 4, 5, 6), []int{3, 5, 6, 4, 2, 1}; !sameInts(got, want) {
+		t.Fatalf("eviction order %v, want %v", got, want)
 	}
 }
 
@@ -288,7 +371,7 @@ func TestRetainTensorParallel(t *testing.T) {
 	if n, short := x.retain(ns, digs(8, 1, 2, 3), 4, 5, time.Hour, 2, 0); n != 2 || !short {
 		t.Fatalf("retain = %d %v, want 2 blocks (4 slots of 5)", n, short)
 	}
-	if got := x.c.PinnedCharged(4); got != 4 {
+	if got := x.c.RetainedCharged(4); got != 4 {
 		t.Fatalf("charged %d slots, want 4", got)
 	}
 	if got, want := x.evictions(ns, 1, 2, 3, 4), []int{3, 4, 2, 1}; !sameInts(got, want) {
@@ -320,8 +403,8 @@ func TestRetainClearAndRemove(t *testing.T) {
 		t.Fatal(err)
 	}
 	x.check()
-	if s := x.c.Stats(); s.RetainedBlocks != 0 || x.c.PinnedCharged(1) != 0 {
-		t.Fatalf("stats %+v, charge %d", s, x.c.PinnedCharged(1))
+	if s := x.c.Stats(); s.RetainedBlocks != 0 || x.c.RetainedCharged(1) != 0 {
+		t.Fatalf("stats %+v, charge %d", s, x.c.RetainedCharged(1))
 	}
 	if _, ok := x.c.NextDeadline(); ok {
 		t.Fatal("a deadline left after clear")
@@ -332,17 +415,19 @@ func TestRetainBadArguments(t *testing.T) {
 	x := newTC(t, 2)
 	ns := x.ns(8, 1, 0)
 	x.store(ns, dig(1, 8), 0)
-	if _, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, 0, 0, 0); err == nil {
+	if _, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, 0, 0, 0, 0); err == nil {
 		t.Fatal("ttl 0 accepted")
 	}
-	_, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, time.Second, RetainPriorities, 0)
+	_, _, err := x.c.Retain(ns, dig(1, 8), Charge{Key: 1}, 0, time.Second, RetainPriorities, 0)
 	wantErr(t, err, ErrBadPriority)
-	_, _, err = x.c.Retain(ns, dig(1, 8)[:5], Charge{Key: 1}, time.Second, 0, 0)
+	_, _, err = x.c.Retain(ns, dig(1, 8)[:5], Charge{Key: 1}, 0, time.Second, 0, 0)
 	wantErr(t, err, ErrBadDigest)
-	_, _, err = x.c.Retain(ns+5, dig(1, 8), Charge{Key: 1}, time.Second, 0, 0)
+	_, _, err = x.c.Retain(ns+5, dig(1, 8), Charge{Key: 1}, 0, time.Second, 0, 0)
 	wantErr(t, err, ErrUnknownNamespace)
-	_, err = x.c.EndRetain(ns+5, dig(1, 8), 1)
+	_, err = x.c.EndRetain(ns+5, dig(1, 8), 1, 0)
 	wantErr(t, err, ErrUnknownNamespace)
+	_, err = x.c.EndRetain(ns, dig(1, 8)[:5], 1, 0)
+	wantErr(t, err, ErrBadDigest)
 	x.check()
 }
 
@@ -357,6 +442,7 @@ func TestRetainRandomOps(t *testing.T) {
 		var leases []uint64
 		now := int64(0)
 		for step := 0; step < 400; step++ {
+			noSpace := x.c.Stats().NoSpace
 			ns := nss[rng.IntN(2)]
 			ds := digs(8, rng.IntN(6), rng.IntN(6), rng.IntN(6))
 			key := uint32(rng.IntN(3))
@@ -389,9 +475,9 @@ func TestRetainRandomOps(t *testing.T) {
 					leases = append(leases[:i], leases[i+1:]...)
 				}
 			case 5:
-				x.retain(ns, ds, key, 6, time.Duration(1+rng.IntN(20))*time.Millisecond, rng.IntN(RetainPriorities), now)
+				x.retainAs(ns, ds, key, uint64(rng.IntN(2)), 4, time.Duration(1+rng.IntN(20))*time.Millisecond, rng.IntN(RetainPriorities), now)
 			case 6:
-				x.endRetain(ns, ds, key)
+				x.endRetainAs(ns, ds, key, uint64(rng.IntN(2)))
 			case 7:
 				if rng.IntN(10) == 0 {
 					x.c.Clear(ns)
@@ -403,10 +489,15 @@ func TestRetainRandomOps(t *testing.T) {
 			x.check()
 			for k := uint32(1); k < 3; k++ {
 				if got := x.c.PinnedCharged(k); got > 6 {
-					t.Fatalf("seed %d step %d: key %d charged %d slots, limit 6", seed, step, k, got)
+					t.Fatalf("seed %d step %d: key %d charged %d pinned slots, limit 6", seed, step, k, got)
+				}
+				if got := x.c.RetainedCharged(k); got > 4 {
+					t.Fatalf("seed %d step %d: key %d charged %d retained slots, limit 4", seed, step, k, got)
 				}
 			}
-			if s := x.c.Stats(); s.NoSpace != 0 && s.PinnedBlocks == 0 && s.PendingBlocks == 0 {
+			// Retention never makes a store fail: only pins and
+			// incomplete blocks do.
+			if s := x.c.Stats(); s.NoSpace != noSpace && s.PinnedBlocks == 0 && s.PendingBlocks == 0 {
 				t.Fatalf("seed %d step %d: NoSpace with nothing pinned: %+v", seed, step, s)
 			}
 		}

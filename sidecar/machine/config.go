@@ -70,9 +70,12 @@ type Config struct {
 	// MaxNamespaces bounds namespaces (model, layout, salt, width, world).
 	MaxNamespaces int
 	// PinShare is the part of the pool's slots the leases of one uid may
-	// pin and its retentions (Retain) keep (distinct blocks); the rest
-	// stays evictable for others.
+	// pin (distinct blocks); the rest stays evictable for others.
 	PinShare float64
+	// RetainShare is the part of the pool's slots the blocks one uid
+	// retains (Retain) may take, counted apart from its leases' pins: a
+	// retention never takes room a lease needs. At most PinShare.
+	RetainShare float64
 	// PendingShare is the part of the pool's slots one uid may hold in
 	// incomplete blocks (written by some ranks, not yet by all).
 	PendingShare float64
@@ -107,6 +110,7 @@ const (
 	DefaultMaxSessions    = 256
 	DefaultMaxNamespaces  = 1024
 	DefaultPinShare       = 0.5
+	DefaultRetainShare    = 0.25
 	DefaultPendingShare   = 0.25
 	DefaultWorldDivisor   = 16
 	DefaultUIDShare       = 0.5
@@ -133,6 +137,7 @@ func (c *Config) EnsureDefaults() {
 	orDefault(&c.MaxSessions, DefaultMaxSessions)
 	orDefault(&c.MaxNamespaces, DefaultMaxNamespaces)
 	orDefault(&c.PinShare, DefaultPinShare)
+	orDefault(&c.RetainShare, DefaultRetainShare)
 	orDefault(&c.PendingShare, DefaultPendingShare)
 	orDefault(&c.WorldDivisor, DefaultWorldDivisor)
 	orDefault(&c.UIDShare, DefaultUIDShare)
@@ -200,10 +205,15 @@ func (c *Config) Validate() error {
 	for _, f := range []struct {
 		name string
 		v    float64
-	}{{"PinShare", c.PinShare}, {"PendingShare", c.PendingShare}, {"UIDShare", c.UIDShare}, {"SessionShare", c.SessionShare}} {
+	}{{"PinShare", c.PinShare}, {"RetainShare", c.RetainShare}, {"PendingShare", c.PendingShare}, {"UIDShare", c.UIDShare},
+		{"SessionShare", c.SessionShare}} {
 		if !(f.v > 0 && f.v <= 1) {
 			p.add(f.name, "%v must be in (0, 1] (0: default)", f.v)
 		}
+	}
+	if c.RetainShare > c.PinShare && c.RetainShare <= 1 && c.PinShare > 0 {
+		p.add("RetainShare", "%v is above the pin share, %v (--limits.pin-share): the blocks a uid retains may take "+
+			"at most what its leases may pin; lower --limits.retain-share with --limits.pin-share", c.RetainShare, c.PinShare)
 	}
 	return errors.Join(p...)
 }

@@ -192,9 +192,9 @@ func runProgram(t *testing.T, prog []byte, l2 bool) {
 			return schema.TypeEvents, (&schema.Changes{Epoch: uint64(r.byte() % 2 * 5), Seq: uint64(r.byte()), Max: uint32(r.byte() % 4)}).Append(nil)
 		case 14:
 			return schema.TypeEventSnapshot, (&schema.Snapshot{From: uint64(r.byte() % 40), Max: uint32(r.byte() % 4)}).Append(nil)
-		case 15: // retention (a ttl of 0, priority 4 or flag bit 1 are malformed)
+		case 15: // retention (a ttl of 0, priority 4 or flag bit 1 are malformed), of owner 0 to 2
 			return schema.TypeRetain, (&schema.Retain{View: schema.View{Batch: uint64(r.byte() % 4), Start: uint32(r.byte() % 3), Count: uint32(r.byte() % 6)},
-				TTLms: uint32(r.byte()) * 10, Priority: r.byte() % 5, Flags: r.byte() % 3}).Append(nil)
+				TTLms: uint32(r.byte()) * 10, Priority: r.byte() % 5, Flags: r.byte() % 3, Owner: uint64(r.byte() % 3)}).Append(nil)
 		}
 		b := make([]byte, r.byte()%40)
 		for i := range b {

@@ -272,7 +272,8 @@ func (h *handler) acquire(p []byte) error {
 	}
 	// The distinct blocks a uid's leases pin stay within its pin quota
 	// (--limits.pin-share of the pool): past it the lease is shorter (fewer
-	// hits), so that other tenants can always store.
+	// hits), so that other tenants can always store. Its retentions take
+	// none of that room (they have a share of their own, retain).
 	l, short, fetch, promised, err := h.l2Acquire(d, ttl)
 	if err != nil {
 		m.uncharge(s, s.uid, usage{meta: meta})
@@ -310,10 +311,12 @@ func (h *handler) acquire(p []byte) error {
 }
 
 // retain sets, renews or (RetainFlagEnd) ends the retention of a view's
-// blocks (docs/protocol.md, section 5.14). Retention is charged to the
-// session's uid, like its leases' pins, against the same share of the pool
-// (a block both pinned and retained counts once), and it outlives the
-// session: only its deadline, END, eviction or Clear end it.
+// blocks (docs/protocol.md, section 5.14). A retention belongs to the
+// session's uid and the record's owner: only they renew, re-prioritise or
+// end it. It is charged to the uid against a share of the pool of its own
+// (--limits.retain-share), apart from its leases' pins, so that hints
+// never shorten nor refuse a lease; and it outlives the session: only its
+// deadline, END, eviction or Clear end it.
 func (h *handler) retain(p []byte) error {
 	m, s := h.m, h.s
 	var r schema.Retain
@@ -324,9 +327,9 @@ func (h *handler) retain(p []byte) error {
 	if err != nil {
 		return err
 	}
-	key := s.uid + 1 // the pin charge key (acquire, l2.go)
+	key := s.uid + 1 // the uid's charge key (acquire, l2.go)
 	if r.Flags&schema.RetainFlagEnd != 0 {
-		n, err := m.cache.EndRetain(s.inst.ns.id, d, key)
+		n, err := m.cache.EndRetain(s.inst.ns.id, d, key, r.Owner)
 		if err != nil {
 			return internal(err)
 		}
@@ -337,14 +340,14 @@ func (h *handler) retain(p []byte) error {
 	if ttl > m.cfg.MaxRetainTTL {
 		return schema.Errorf(schema.ErrCodeTooLarge, "ttl %d ms is longer than the longest retention, %v (--retain.max-ttl)", r.TTLms, m.cfg.MaxRetainTTL)
 	}
-	n, short, err := m.cache.Retain(s.inst.ns.id, d, cache.Charge{Key: key, Limit: m.pinLimit()}, ttl, int(r.Priority), h.now)
+	n, short, err := m.cache.Retain(s.inst.ns.id, d, cache.Charge{Key: key, Limit: m.retainLimit()}, r.Owner, ttl, int(r.Priority), h.now)
 	if err != nil {
 		return internal(err)
 	}
 	if short {
-		m.st.QuotaRefusals["pins"]++
+		m.st.QuotaRefusals["retains"]++
 		if n == 0 {
-			return schema.Errorf(schema.ErrCodeTooLarge, "uid %d's leases and retained blocks take its share of the pool (--limits.pin-share): end retention or release leases", s.uid)
+			return schema.Errorf(schema.ErrCodeTooLarge, "uid %d's retained blocks take its share of the pool for retention (--limits.retain-share): end retentions or let them expire", s.uid)
 		}
 	}
 	h.ok(uint64(n))

@@ -197,10 +197,13 @@ func (m *Machine) CheckInvariants() error {
 		if cm != s.copyMeta {
 			bad("session %d: copy meta %d, copies hold %d", s.id, s.copyMeta, cm)
 		}
-		// What a uid's leases pin and its retentions keep (the same charge)
-		// stays within its share.
+		// What a uid's leases pin stays within its pin share, and what it
+		// retains within its retain share, each counted on its own.
 		if got := m.cache.PinnedCharged(s.uid + 1); got > m.pinLimit() {
-			bad("uid %d: %d slots pinned or retained, its share is %d", s.uid, got, m.pinLimit())
+			bad("uid %d: %d slots pinned, its share is %d", s.uid, got, m.pinLimit())
+		}
+		if got := m.cache.RetainedCharged(s.uid + 1); got > m.retainLimit() {
+			bad("uid %d: %d slots retained, its retain share is %d", s.uid, got, m.retainLimit())
 		}
 	}
 	return errors.Join(errs...)

@@ -304,9 +304,12 @@ func (m *Machine) uncharge(s *session, uid uint32, c usage) {
 	}
 }
 
-// pinLimit is the slots one uid's leases may pin and its retentions keep
-// (each block once).
+// pinLimit is the slots one uid's leases may pin (each block once).
 func (m *Machine) pinLimit() int { return max(int(share(int64(m.slots), m.cfg.PinShare)), 1) }
+
+// retainLimit is the slots the blocks one uid retains may take, apart
+// from its pins.
+func (m *Machine) retainLimit() int { return max(int(share(int64(m.slots), m.cfg.RetainShare)), 1) }
 
 func (m *Machine) pendingLimit() int { return max(int(share(int64(m.slots), m.cfg.PendingShare)), 1) }
 
@@ -619,7 +622,8 @@ type SessionInfo struct {
 	Regions  int
 	Leases   int
 	Meta     int64
-	Pins     int // slots the leases of its uid pin and its retentions keep (distinct blocks)
+	Pins     int // slots the leases of its uid pin (distinct blocks)
+	Retained int // slots of the blocks its uid retains
 }
 
 // Sessions lists the live sessions.
@@ -634,7 +638,8 @@ func (m *Machine) Sessions() []SessionInfo {
 			}
 		}
 		out = append(out, SessionInfo{ID: s.id, Instance: name, Role: s.role, Rank: s.rank, PID: s.pid, UID: s.uid,
-			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta + m.cache.DescOwned(s.owner), Pins: m.cache.PinnedCharged(s.uid + 1)})
+			Regions: len(s.regions), Leases: s.leases, Meta: s.use.meta + m.cache.DescOwned(s.owner), Pins: m.cache.PinnedCharged(s.uid + 1),
+			Retained: m.cache.RetainedCharged(s.uid + 1)})
 	}
 	return out
 }

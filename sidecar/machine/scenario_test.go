@@ -80,7 +80,7 @@ func (d *pure) Tick(dur time.Duration) error {
 // sidecar, mapped from the sidecar's configuration as sidecar.New maps it.
 func envConfig(c scenario.Config) machinetest.Config {
 	cfg := sidecar.Config{PoolBytes: uint64(c.Slots) * c.SlotBytes, Machine: machine.Config{SlotBytes: c.SlotBytes,
-		Budget: c.Budget, ChunkBytes: c.ChunkBytes, PinShare: c.PinShare, PendingShare: c.PendingShare,
+		Budget: c.Budget, ChunkBytes: c.ChunkBytes, PinShare: c.PinShare, RetainShare: c.RetainShare, PendingShare: c.PendingShare,
 		SessionShare: c.SessionShare, MetaBytes: c.MetaBytes}}
 	cfg.EnsureDefaults()
 	mc := machinetest.Config{Machine: cfg.Machine}

@@ -116,6 +116,7 @@ class RingsideTimeout(RingsideError, TimeoutError):
 _MAX_PENDING = 1 << 16  # unclaimed out-of-order replies kept (as Go)
 _MAX_ABANDONED = 1 << 12  # seqs of timed-out calls whose late replies are dropped
 _U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 _UNAVAILABLE = (_ring.RingPeerDead, _ring.RingPeerClosed, _ring.RingCorrupt, _ring.RingClosed, _ring.RingBadHeader)
 
@@ -681,32 +682,44 @@ class Session:
         priority: int = 0,
         end: bool = False,
         wait: bool = True,
+        *,
+        owner: int = 0,
     ) -> Optional[int]:
         """Retention hint (docs/protocol.md section 5.14): keep the leading
         present blocks of the view for ttl_ms milliseconds at priority 0..3
         (3 is kept longest; retained blocks are evicted after every block
         without retention, never instead of a store), or with end=True end
-        the retention this uid set on the view's blocks (ttl_ms and priority
-        are then ignored). Returns the number of blocks whose retention was
-        set, renewed or ended. With wait=False the request is sent fire and
-        forget (seq 0) and None is returned: a failure is counted in
-        quiet_failures. A sidecar that does not know Retain (UNKNOWN_TYPE)
-        turns retain_supported off for the session, without raising: from
-        then on retain() sends nothing and returns None. Other refusals
-        raise RingsideError: TOO_LARGE when the uid's share of the pool is
-        taken (by its retained and pinned blocks) or ttl_ms is past the
-        sidecar's --retain.max-ttl. ValueError for a priority outside 0..3
-        or a ttl_ms below 1 without end (nothing is sent)."""
+        the retention this uid and owner set on the view's blocks (ttl_ms
+        and priority are then ignored). owner (a u64 the client chooses,
+        e.g. a hash of a caller's session id; 0: none) is who holds the
+        retention within the uid: a block retained by another owner, or
+        another uid, is left alone and not counted, and only the same uid
+        and owner renew, re-prioritise or end a retention. Returns the
+        number of blocks whose retention was set, renewed or ended. With
+        wait=False the request is sent fire and forget (seq 0) and None is
+        returned: a failure is counted in quiet_failures. A sidecar that
+        does not know Retain (UNKNOWN_TYPE) turns retain_supported off for
+        the session, without raising: from then on retain() sends nothing
+        and returns None. Other refusals raise RingsideError: TOO_LARGE when
+        the blocks the uid retains take its share of the pool for retention
+        (--limits.retain-share) or ttl_ms is past the sidecar's
+        --retain.max-ttl; MALFORMED for a non-zero owner from a sidecar that
+        predates the owner (owner 0 is sent in the form every sidecar that
+        knows Retain reads). ValueError for a priority outside 0..3, a
+        ttl_ms below 1 without end, or an owner outside 0..2**64-1 (nothing
+        is sent)."""
         if not self.retain_supported:
             return None
+        if not 0 <= owner <= _U64_MAX:
+            raise ValueError("retain owner %r not in 0..2**64-1" % (owner,))
         if end:
-            p = _schema.encode_retain(batch, start, count, 0, 0, _schema.RETAIN_FLAG_END)
+            p = _schema.encode_retain(batch, start, count, 0, 0, _schema.RETAIN_FLAG_END, owner)
         else:
             if not 0 <= priority <= _schema.MAX_RETAIN_PRIORITY:
                 raise ValueError("retain priority %r not in 0..%d" % (priority, _schema.MAX_RETAIN_PRIORITY))
             if ttl_ms < 1:
                 raise ValueError("retain ttl_ms %r must be at least 1 (end=True ends a retention)" % (ttl_ms,))
-            p = _schema.encode_retain(batch, start, count, min(int(ttl_ms), _U32_MAX), priority)
+            p = _schema.encode_retain(batch, start, count, min(int(ttl_ms), _U32_MAX), priority, 0, owner)
         if not wait:
             self.send(_schema.TYPE_RETAIN, p)
             return None

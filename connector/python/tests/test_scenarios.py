@@ -39,6 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 SCENARIOS = os.path.join(REPO, "testdata", "scenarios")
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 RING_CAPACITY = 64 << 10
+# The sidecar command's --limits shares, in Sidecar's order.
+SHARES = ("pin-share", "retain-share", "pending-share", "session-share")
 
 # Under Yama ptrace_scope=1 the sidecar (our child) may not read our memory
 # with process_vm_readv unless we allow it. Harmless where Yama is absent.
@@ -260,7 +262,7 @@ class Sidecar:
     """`ringside serve` on a fresh directory, with its metrics endpoint (for
     the pool's counters and the list of sessions)."""
 
-    def __init__(self, binary, slots, slot_bytes, budget, chunk_bytes, shares=(0, 0, 0), meta_bytes=0):
+    def __init__(self, binary, slots, slot_bytes, budget, chunk_bytes, shares=(0, 0, 0, 0), meta_bytes=0):
         self.dir = tempfile.mkdtemp(prefix="rs-scen-", dir=BASE)
         self.sock = os.path.join(self.dir, "ringside.sock")
         self.metrics = "127.0.0.1:%d" % free_port()
@@ -287,7 +289,7 @@ class Sidecar:
             args += ["--budget", str(budget)]
         if chunk_bytes:
             args += ["--copy.chunk-bytes", str(chunk_bytes)]
-        for flag, share in zip(("pin-share", "pending-share", "session-share"), shares):
+        for flag, share in zip(SHARES, shares):
             if share:
                 args += ["--limits." + flag, repr(share)]
         if meta_bytes:
@@ -481,7 +483,7 @@ class Runner:
         self.slot_bytes = a.num("slot-bytes", 4096)
         budget = a.num("budget", 0)
         chunk = a.num("chunk-bytes", 0)
-        shares = tuple(a.share(k) for k in ("pin-share", "pending-share", "session-share"))
+        shares = tuple(a.share(k) for k in SHARES)
         meta = a.num("meta-bytes", 0)
         if a.has("node") or a.str("tier", "off") != "off":
             raise ScenarioError("this driver runs one sidecar, without the shared tier")
@@ -647,17 +649,17 @@ class Runner:
             return "%s blocks=%d" % (S.state_name(r.state), r.blocks)
         if cmd == "retain":
             b, start, count = self.view(a)
-            ttl, prio, end = a.num("ttl-ms", 0), a.num("prio", 0), a.has("end")
+            ttl, prio, end, owner = a.num("ttl-ms", 0), a.num("prio", 0), a.has("end"), a.num("owner", 0)
             if a.has("quiet"):  # through the client's fire and forget
                 n0 = s.quiet_failures
-                assert s.retain(b, start, count, ttl, prio, end, wait=False) is None
+                assert s.retain(b, start, count, ttl, prio, end, wait=False, owner=owner) is None
                 s.ping(1)
                 n = s.quiet_failures - n0
                 if n == 0:
                     return "no reply"
                 assert n == 1, "%d replies to one quiet request" % n
                 return status_string(s.last_quiet_failure[0])
-            got = s.retain(b, start, count, ttl, prio, end)
+            got = s.retain(b, start, count, ttl, prio, end, owner=owner)
             assert got is not None and s.retain_supported, "the sidecar does not know Retain"
             return ("ended=%d" if end else "retained=%d") % got
         if cmd == "poll":
