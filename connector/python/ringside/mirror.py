@@ -9,7 +9,9 @@ and collected the next call. Per-call work is proportional to what changed.
 
 Callers check :meth:`Mirror.fresh` before trusting it; :meth:`Mirror.answer`
 returns -1 when a request's first miss is one of the digests noted in
-:meth:`Mirror.noting` (this engine's own recent stores): ask the sidecar.
+:meth:`Mirror.noting` (this engine's own recent stores), or when its hit
+runs through a digest :meth:`Mirror.withhold` holds back (a load of it was
+refused or failed): ask the sidecar.
 A namespace larger than ``max_blocks`` turns the mirror off for the session.
 """
 
@@ -30,6 +32,11 @@ logger = logging.getLogger("ringside.mirror")
 # Entries asked for per Changes poll. A reply with fewer means the mirror has
 # caught up with the log's head as of the moment the sidecar read it.
 CHANGES_PER_POLL = 1024
+# A digest whose load was refused is withheld (answer asks the sidecar)
+# until the change log next names it, a resync, or this long at most; the
+# most digests withheld at once (the oldest go first).
+WITHHOLD_S = 10.0
+MAX_WITHHELD = 65536
 
 
 class Mirror(LogFollower):
@@ -63,6 +70,7 @@ class Mirror(LogFollower):
                 "changes": 0,
                 "lost_replies": 0,
                 "own_misses": 0,
+                "withheld": 0,
             },
         )
         self.width = width
@@ -82,6 +90,7 @@ class Mirror(LogFollower):
         self.mine: set[bytes] = set()
         self._mine_old: set[bytes] = set()
         self._mine_t = time.monotonic()
+        self.withheld: dict[bytes, float] = {}  # digest -> until when (time.monotonic)
 
     # ------------------------------------------------------------------
 
@@ -110,6 +119,16 @@ class Mirror(LogFollower):
         `mine` lately: this engine stored it, the store may not be in the
         index yet, and the caller should ask the sidecar."""
         i = self.leading(hashes, n)
+        w = self.withheld
+        if w and i and not w.keys().isdisjoint(hashes[:i]):
+            now = time.monotonic()
+            for h in hashes[:i]:
+                until = w.get(h)
+                if until is not None:
+                    if until > now:
+                        self.stats["withheld"] += 1
+                        return -1
+                    del w[h]
         if i < n:
             h = hashes[i]
             if h in self.mine or h in self._mine_old:
@@ -126,6 +145,18 @@ class Mirror(LogFollower):
         self.age(now)
         return self.mine
 
+    def withhold(self, digests) -> None:
+        """Stop offering digests (their load was refused or failed) until
+        the change log next names them, a resync, or WITHHOLD_S: a lookup
+        that reaches one asks the sidecar."""
+        w = self.withheld
+        until = time.monotonic() + WITHHOLD_S
+        for d in digests:
+            w.pop(d, None)
+            w[d] = until
+        while len(w) > MAX_WITHHELD:
+            del w[next(iter(w))]
+
     def age(self, now: float) -> None:
         """Let the digests noted in `mine` more than max_lag ago go."""
         if now - self._mine_t >= self.max_lag:
@@ -138,6 +169,7 @@ class Mirror(LogFollower):
         self.present = set()
         self.mine = set()
         self._mine_old = set()
+        self.withheld = {}
         self.state = Mirror.OFF
         self.disabled = ""
         self.session = None
@@ -146,6 +178,7 @@ class Mirror(LogFollower):
 
     def _restart(self) -> None:
         self.present = set()
+        self.withheld = {}
         self.state = Mirror.SYNC
         self._from = 0
         self._c0 = None
@@ -222,6 +255,7 @@ class Mirror(LogFollower):
         if n:
             pres = self.present
             stored, evicted, cleared = _s.OP_STORED, _s.OP_EVICTED, _s.OP_CLEARED
+            wh = self.withheld
             for op, digest in changes:
                 if op == stored:
                     pres.add(digest)
@@ -229,6 +263,9 @@ class Mirror(LogFollower):
                     pres.discard(digest)
                 elif op == cleared:
                     pres.clear()
+                    wh.clear()
+                if wh:
+                    wh.pop(digest, None)
             self.stats["changes"] += n
             if len(pres) > self.max_blocks:
                 self._off("the namespace holds more than %d blocks (mirror_max_blocks)" % self.max_blocks)

@@ -42,9 +42,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(PKG_DIR))
 @pytest.fixture(scope="session")
 def ringside_bin(tmp_path_factory):
     """The real sidecar binary, built once per test session from this tree
-    (skips the tests that use it when the Go toolchain is missing)."""
+    (skips the tests that use it when the Go toolchain is missing), or the
+    one $RINGSIDE_TEST_BIN names (to run the tests against another build)."""
     import shutil
     import subprocess
+
+    given = os.environ.get("RINGSIDE_TEST_BIN")
+    if given:
+        return given
 
     go = shutil.which("go")
     if go is None:

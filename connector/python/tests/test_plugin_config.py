@@ -34,10 +34,11 @@ def test_defaults():
     assert (c.timeout, c.lease_ttl, c.max_wait_us, c.mirror, c.overlap_saves, c.stats_path) == (
         2.0, 30.0, 100.0, True, "auto", None)  # fmt: skip
     assert Config.parse({}, SGLANG).max_batches == 4096
-    assert len(keys_of(VLLM)) == 24 and len(keys_of(SGLANG)) == 11
+    assert len(keys_of(VLLM)) == 27 and len(keys_of(SGLANG)) == 11
     assert (c.kv_events, c.kv_events_poll_ms) == ("auto", 50.0)
     assert c.store_decode_every == 1
-    assert (c.pd_producer, c.pd_wait_s) == (False, 10.0)
+    assert (c.pd_producer, c.pd_wait_s, c.pd_max_waiting) == (False, 0.0, 16)
+    assert (c.hint_sources, c.retain_max_blocks) == ("none", 1024)
 
 
 def test_values_are_converted():

@@ -2,7 +2,8 @@
 vLLM's own Scheduler (vllm_harness) against a real sidecar: a prefill
 engine announces the blocks it stored in its kv_transfer_params; a decode
 engine given them waits, step by step, until the sidecar holds them, and no
-longer than its pd_wait_s."""
+longer than its pd_wait_s; only where pd_wait_s is set, and no more
+requests at once than pd_max_waiting."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ import time
 import pytest
 import vllm_harness as H  # skips this module where vLLM is not importable
 
-from ringside.vllm import disagg
+from ringside.plugin import callerlog
+from ringside.vllm import disagg, retention
 
 PROMPT = 4 * H.BLOCK + 1  # 4 full blocks a prompt (and one output token)
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 @pytest.fixture(autouse=True)
-def _fresh_warnings():
-    disagg._warned.clear()
-    yield
-    disagg._warned.clear()
+def _fresh_limit(monkeypatch):
+    """A fresh rate limit for each test (the module's is process-wide)."""
+    limited = callerlog.Limited(retention.logger)
+    monkeypatch.setattr(retention, "warn", limited)
+    monkeypatch.setattr(disagg, "warn", limited)
 
 
 @pytest.mark.parametrize(
@@ -44,12 +47,14 @@ def test_expected(params, usable, want):
     assert disagg.expected(params, usable) == want
 
 
-def test_a_bad_count_is_logged_once(caplog):
+def test_every_bad_count_is_counted_and_logged_escaped(caplog):
+    stats = {"pd_bad_blocks": 0}
     with caplog.at_level(logging.WARNING, logger="ringside.vllm"):
-        assert disagg.expected({"ringside_pd_blocks": "x"}, 4) == 0
-        assert disagg.expected({"ringside_pd_blocks": "y"}, 4) == 0
+        assert disagg.expected({"ringside_pd_blocks": "x"}, 4, "r1", stats) == 0
+        assert disagg.expected({"ringside_pd_blocks": "y\nERROR forged"}, 4, "r2\n", stats) == 0
     said = [r.getMessage() for r in caplog.records if "ringside_pd_blocks" in r.getMessage()]
-    assert len(said) == 1, said
+    assert len(said) == 2 and all("\n" not in m for m in said), said
+    assert stats["pd_bad_blocks"] == 2
 
 
 def test_the_prefill_announces_the_blocks_it_stored(start_sidecar):
@@ -130,12 +135,58 @@ def test_the_decode_waits_no_longer_than_its_deadline(start_sidecar):
         d.shutdown()
 
 
-def test_without_pd_wait_nothing_waits(start_sidecar):
+@pytest.mark.parametrize("extra", [{}, {"pd_wait_s": 0}])
+def test_without_pd_wait_nothing_waits(start_sidecar, extra):
+    """An engine not configured as a decode engine (the default) ignores
+    the key, however many blocks a caller claims a prefill stored."""
     sc = start_sidecar()
-    d = H.Engine(sc.sock, extra={"mirror": False, "pd_wait_s": 0})
+    d = H.Engine(sc.sock, extra=dict(extra, mirror=False))
     try:
-        d.run([H.request("dec", H.prompt(6, PROMPT), 1, {"ringside_pd_blocks": 4})])
-        assert d.stats["pd_waits"] == 0 and d.stats["pd_timeouts"] == 0, d.stats
+        d.run([H.request("dec", H.prompt(6, PROMPT), 1, {"ringside_pd_blocks": 1_000_000})], max_steps=20)
+        assert d.stats["pd_waits"] == 0 and d.stats["pd_polls"] == 0 and d.stats["pd_timeouts"] == 0, d.stats
+    finally:
+        d.shutdown()
+
+
+def test_no_more_than_pd_max_waiting_wait(start_sidecar):
+    """Three requests announce blocks that never come, on a decode engine
+    that lets one wait: the first waits, the other two compute at once."""
+    sc = start_sidecar()
+    d = H.Engine(sc.sock, extra={"mirror": False, "pd_wait_s": 30, "pd_max_waiting": 1})
+    try:
+        for i in range(3):
+            d.add(H.request("dec-%d" % i, H.prompt(20 + i, PROMPT), 1, {"ringside_pd_blocks": 4}))
+        for _ in range(200):
+            if {"dec-1", "dec-2"} <= d.finished:
+                break
+            if not d.step().total_num_scheduled_tokens:
+                time.sleep(0.001)
+        assert {"dec-1", "dec-2"} <= d.finished and "dec-0" not in d.finished, d.finished
+        assert d.stats["pd_over_cap"] == 2, d.stats
+        assert d.sside.admission.pd_waiting == {"dec-0"}
+        # An aborted request frees its place.
+        d.sched.finish_requests("dec-0", H.RequestStatus.FINISHED_ABORTED)
+        assert d.sside.admission.pd_waiting == set()
+    finally:
+        d.shutdown()
+
+
+def test_a_waiting_request_polls_less_and_less(start_sidecar):
+    """A request waiting for blocks that never come: its lookups go out
+    POLL_S apart at first, then twice as far apart up to POLL_MAX_S, so
+    that in 0.6 s of steps it sends a handful, not one a step (an upper
+    bound only: a slow machine sends fewer)."""
+    sc = start_sidecar()
+    d = H.Engine(sc.sock, extra={"mirror": False, "pd_wait_s": 30})
+    try:
+        d.add(H.request("dec", H.prompt(30, PROMPT), 1, {"ringside_pd_blocks": 4}))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.6:
+            d.step()
+            time.sleep(0.0005)
+        steps, polls = d.steps, d.stats["pd_polls"]
+        # 5, 10, 20, 40, 80 ms, then 100 ms apart: at most 11 in 0.6 s.
+        assert 1 <= polls <= 12 and steps > 3 * polls, (steps, polls)
     finally:
         d.shutdown()
 

@@ -81,9 +81,14 @@ class KeyInfo:
     exclusive: bool = False  # the minimum itself is not allowed
     maximum: Optional[float] = None
     optional: bool = False  # null allowed (the default)
+    # A STRING key whose value is a comma-separated list of these words (or
+    # "none", the empty list).
+    choices: tuple = ()
 
     def allowed(self) -> str:
         """What a value must be, in words."""
+        if self.kind == STRING and self.choices:
+            return '"none" or a comma-separated list of ' + ", ".join(self.choices)
         if self.kind == STRING:
             return "a string" + (" or null" if self.optional else "")
         if self.kind == BOOLEAN:
@@ -201,14 +206,38 @@ class Config:
         plugins=(VLLM,),
     )
     pd_wait_s: float = _key(
-        10.0,
+        0.0,
         NUMBER,
         "On a decode engine: most a request waits for the blocks a prefill announced (ringside_pd_blocks) "
-        "before it computes the rest (0: never waits).",
+        "before it computes the rest (0: never waits, the key is ignored; docs/vllm.md).",
         unit="seconds",
         plugins=(VLLM,),
         minimum=0,
         maximum=600,
+    )
+    pd_max_waiting: int = _key(
+        16,
+        INTEGER,
+        "On a decode engine: most requests that wait for a prefill's blocks at once; one more computes at once.",
+        unit="requests",
+        plugins=(VLLM,),
+        minimum=0,
+    )
+    hint_sources: str = _key(
+        "none",
+        STRING,
+        "Where retention hints are honoured from: kv_hints (vLLM's KvHintsEnvelope, set through the engine's "
+        "API), kv_transfer_params (request bodies: only behind a gateway that strips them; docs/vllm.md).",
+        plugins=(VLLM,),
+        choices=("kv_hints", "kv_transfer_params"),
+    )
+    retain_max_blocks: int = _key(
+        1024,
+        INTEGER,
+        "Most leading blocks of one request that its retention hint keeps.",
+        unit="blocks",
+        plugins=(VLLM,),
+        minimum=1,
     )
     mirror: bool = _key(True, BOOLEAN, "Keep a local index of the cache (docs/architecture.md).", plugins=(VLLM,))
     mirror_max_blocks: int = _key(
@@ -371,6 +400,13 @@ def _convert(where: str, name: str, info: KeyInfo, raw: Any) -> Any:
     if kind == STRING:
         if not isinstance(raw, str):
             raise bad()
+        if info.choices:
+            words = [w.strip() for w in raw.split(",")]
+            if words == ["none"]:
+                return "none"
+            if not all(w in info.choices for w in words) or len(set(words)) != len(words):
+                raise bad()
+            return ",".join(words)
         return raw
     if kind in (BOOLEAN, AUTO_BOOLEAN):
         if isinstance(raw, bool):

@@ -51,6 +51,7 @@ class Admission:
         timeout: float,
         groups: int = 1,
         pd_wait: float = 0.0,
+        pd_max: int = 0,
     ):
         self.link = link
         self.faults = faults
@@ -66,6 +67,8 @@ class Admission:
         self.woke = False  # an arrival woke the sidecar in this step
         self.groups = groups  # KV cache groups: each uses a batch of its own (hybrid.py)
         self.pd_wait = pd_wait  # most a request waits for a prefill's blocks (disagg.py)
+        self.pd_max = pd_max  # most requests that wait for them at once
+        self.pd_waiting: set[str] = set()  # the requests waiting for them
 
     # A request may load at most min(len(block_hashes), (num_tokens - 1) //
     # block_size) blocks: at least one token is left to compute (vLLM needs
@@ -82,6 +85,7 @@ class Admission:
             if old is not None:  # a new sidecar session: keep the cursors
                 r.stored = old.stored
                 r.gstored = old.gstored
+                r.claim_cap = old.claim_cap
             self.reqs[rid] = r
         return r
 
@@ -187,6 +191,7 @@ class Admission:
                 if now < r.pd_poll_at:
                     return None, False
                 self.put_hashes(r, s, usable)
+                self.stats["pd_polls"] += 1
                 seq = r.lookup_seq = s.submit(_s.TYPE_LOOKUP, _s.LOOKUP.pack(r.batch, 0, usable))
                 r.lookup_t, r.lookup_count = now, usable
             value = -1
@@ -224,18 +229,29 @@ class Admission:
             self.faults.fail(e)
             return 0, False
         if not again and r.pd_want:
+            now = time.monotonic()
             if r.pd_want < 0:  # its first answer: does it wait for a prefill's blocks?
                 params = getattr(request, "kv_transfer_params", None) if self.pd_wait > 0 else None
-                r.pd_want = disagg.expected(params, usable) if params else 0
-                r.pd_until = time.monotonic() + self.pd_wait
+                want = disagg.expected(params, usable, request.request_id, self.stats) if params else 0
+                if want > hits and len(self.pd_waiting) >= self.pd_max:
+                    self.stats["pd_over_cap"] += 1
+                    want = 0  # loads what is there now
+                r.pd_want = want
+                r.pd_until = now + self.pd_wait
+                r.pd_every = disagg.POLL_S
             if hits < r.pd_want:
-                now = time.monotonic()
                 if now < r.pd_until:
+                    self.pd_waiting.add(request.request_id)
                     self.stats["pd_waits"] += 1
-                    r.pd_poll_at = now + disagg.POLL_S
+                    r.pd_poll_at = now + r.pd_every
+                    r.pd_every = min(2 * r.pd_every, disagg.POLL_MAX_S)
                     return None, False  # vLLM asks again next step; looked up again
                 self.stats["pd_timeouts"] += 1
             r.pd_want = 0
+            self.pd_waiting.discard(request.request_id)
+        if hits * self.block_size > r.claim_cap:
+            # A load of these blocks failed for this request: never claimed again.
+            hits = r.claim_cap // self.block_size
         r.looked, r.hits = usable, hits
         if not again:
             st = self.stats

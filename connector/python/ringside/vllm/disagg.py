@@ -13,34 +13,39 @@ tier holds them.
 - On the prefill engine (plugin key ``pd_producer``), a finished request that
   asked for a remote decode answers with ``{"ringside_pd_blocks": N}``: the N
   leading blocks of the prompt it sent for storing.
-- On the decode engine (plugin key ``pd_wait_s``), a request whose
+- On the decode engine (plugin key ``pd_wait_s``, 0 by default: an engine
+  not configured as a decode engine ignores the key), a request whose
   ``kv_transfer_params`` carry ``ringside_pd_blocks`` is looked up again
-  (every :data:`POLL_S` at most, without blocking the step) and vLLM told to
-  ask again (``None``) while the sidecar holds fewer than that many of its
-  leading blocks, for at most ``pd_wait_s`` seconds from its first answer;
-  then it loads what is there and computes the rest. Other requests are
-  scheduled meanwhile.
+  and vLLM told to ask again (``None``) while the sidecar holds fewer than
+  that many of its leading blocks, for at most ``pd_wait_s`` seconds from
+  its first answer; then it loads what is there and computes the rest.
+  Other requests are scheduled meanwhile. Its lookups are sent without
+  waiting and collected in a later step, :data:`POLL_S` apart at first and
+  twice as far apart each time up to :data:`POLL_MAX_S`; in the steps
+  between, the hook only compares a time. At most ``pd_max_waiting``
+  requests wait at once: one more loads what is there at once.
   The wait is the decode engine's own setting: a request cannot ask for a
-  longer one, and a bad value is ignored (logged once).
+  longer one, and a bad value is ignored (counted and logged under the
+  callers' rate limit, retention.py).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
-logger = logging.getLogger("ringside.vllm")
+from ..plugin.callerlog import shown
+from .retention import warn
 
 BLOCKS = "ringside_pd_blocks"
 # The key vLLM's P/D proxy sets on the prefill request (NixlConnector's).
 REMOTE_DECODE = "do_remote_decode"
 
-# A waiting decode request's lookups are this far apart at least (each may
-# ask the tier), sent without waiting and collected in a later step.
+# A waiting decode request's lookups are POLL_S apart at first (each may
+# ask the tier), then twice as far apart each time, up to POLL_MAX_S; sent
+# without waiting and collected in a later step.
 POLL_S = 0.005
-
-_warned: set[str] = set()
+POLL_MAX_S = 0.1
 
 
 def wants_remote_decode(params: Any) -> bool:
@@ -54,18 +59,19 @@ def produced(blocks: int) -> dict:
     return {BLOCKS: blocks}
 
 
-def expected(params: Any, usable: int) -> int:
+def expected(params: Any, usable: int, rid: str = "", stats: Optional[dict] = None) -> int:
     """How many leading blocks a decode request waits for: the prefill's
     count, at most ``usable`` (the blocks it may load); 0 when its
-    kv_transfer_params announce none (or a bad count: logged once)."""
+    kv_transfer_params announce none (or a bad count: counted in stats'
+    pd_bad_blocks and logged under the rate limit)."""
     if not isinstance(params, Mapping):
         return 0
     n = params.get(BLOCKS)
     if n is None:
         return 0
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        if BLOCKS not in _warned:
-            _warned.add(BLOCKS)
-            logger.warning("ringside: ignoring %s: %r is not a count of blocks", BLOCKS, n)
+        if stats is not None:
+            stats["pd_bad_blocks"] += 1
+        warn.warning("ringside: request %s: ignoring %s: %s is not a count of blocks", shown(rid), BLOCKS, shown(n))
         return 0
     return min(n, usable)

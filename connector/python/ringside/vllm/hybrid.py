@@ -188,7 +188,8 @@ class HybridAdmission:
                     r.gwin = [None] * self.n
                     hits = longest_hit(self.layout, limit, self._probe(r, s, limit))
                     r.registered = limit
-            hits = max(hits, 0)
+            # At least 0, and never past a load that failed for it (loads.py).
+            hits = min(max(hits, 0), r.claim_cap)
         except SIDECAR_ERRORS as e:
             if r is not None:
                 self._forget(r, s)

@@ -11,7 +11,14 @@ The state machine (:class:`Load`, pure)::
 
 A READY or FAILED load becomes a LoadSpec in the step's metadata: the
 blocks the lease covers are loaded, the rest are reported as load errors
-(vLLM recomputes them). A request that finishes while its acquire is
+(vLLM recomputes them). A refused load is a miss, once: whatever the
+sidecar refused or failed (its uid's share, the lease's blocks gone, no
+answer in time, an error), and whatever the workers report failed, the
+request never claims those blocks again (its ``claim_cap``: vLLM
+reschedules it once, and it computes them), the local index stops offering
+them until the change log reports them again (ringside.mirror), and the
+refusal is counted by reason (``load_refused_*``: share, short, timeout,
+error). A request that finishes while its acquire is
 unanswered leaves an orphan whose lease is released once the reply comes;
 and since vLLM keeps the blocks (and the request) of a request that finished
 while waiting for its load until the workers report the load finished, such
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from .. import schema as _s
 from ..client import Link, RingsideError, RingsideTimeout, Session
@@ -68,7 +75,7 @@ class Load:
     """One request's load (see the module doc). Pure: the methods take
     decoded replies and say what comes next."""
 
-    __slots__ = ("block_ids", "state", "lease", "blocks", "seq", "gen", "t")
+    __slots__ = ("block_ids", "state", "lease", "blocks", "seq", "gen", "t", "status")
 
     def __init__(self, block_ids: list[int], seq: int = 0, gen: int = -1, t: float = 0.0):
         self.block_ids = block_ids  # engine blocks the hit promised
@@ -79,6 +86,7 @@ class Load:
         self.seq = seq  # the acquire or poll in flight (0: none)
         self.gen = gen  # link generation the acquire was sent in
         self.t = t  # when that record was sent
+        self.status = -1  # the status of the reply that failed it (-1: none came)
 
     def acquiring(self, seq: int, gen: int, now: float) -> None:
         self.state, self.seq, self.gen, self.t = _ACQUIRING, seq, gen, now
@@ -91,6 +99,7 @@ class Load:
         self.seq = 0
         if lr is None or lr.status != _OK:
             self.state = _FAILED
+            self.status = lr.status if lr is not None else -1
             return
         if self.state == _ACQUIRING:
             self.lease = lr.lease
@@ -102,8 +111,9 @@ class Load:
             self.state = _WAITING
         elif lr.state in _GRANTED:
             self.state = _READY
-        else:
+        else:  # none of its blocks is there any more
             self.state = _FAILED
+            self.status = _OK
 
     def fail(self) -> None:
         self.seq = 0
@@ -128,11 +138,33 @@ def whole_spec(rid: str, parts: tuple) -> LoadSpec:
     return LoadSpec(rid, 0, [], [b for p in parts for b in p.block_ids], [], True)
 
 
+def _reason(parts: tuple) -> str:
+    """Why a load's leases do not cover its blocks, as a counter's suffix:
+    share (the uid's leases pin its share of the pool), short (the lease
+    covers fewer blocks than the lookup found, or none: they left the pool,
+    or the lease ended), timeout (no reply in time, or never sent), error
+    (any other refusal)."""
+    for p in parts:
+        if p.state == LoadState.FAILED:
+            st = p.status
+            if st == _s.Status.TOO_LARGE:
+                return "share"
+            if st in (_s.Status.OK, _s.Status.EXPIRED, _s.Status.UNKNOWN_LEASE):
+                return "short"
+            return "timeout" if st < 0 else "error"
+    return "short"  # granted, with fewer blocks than the lookup found
+
+
 class Loads:
     """The scheduler side's loads: acquire, collect, release (module doc)."""
 
-    def __init__(self, link: Link, faults: Faults, budget: StepBudget, timeout: float, ttl_ms: int):
+    def __init__(
+        self, link: Link, faults: Faults, budget: StepBudget, timeout: float, ttl_ms: int, block_size: int = 1
+    ):
         self.link = link
+        self.block_size = block_size
+        # The local index's Mirror.withhold (scheduler.py), or None.
+        self.withhold: Optional[Callable[[list], None]] = None
         self.faults = faults
         self.budget = budget
         self.timeout = timeout
@@ -212,7 +244,10 @@ class Loads:
                 settled = settled and done
             if not settled:
                 continue  # collected next step; the request keeps waiting for its load
-            meta.loads.append(whole_spec(rid, (ld,) + r.more) if r.whole else ld.spec(rid))
+            spec = whole_spec(rid, (ld,) + r.more) if r.whole else ld.spec(rid)
+            if spec.error_block_ids:
+                self.refused(r, len(spec.block_ids), _reason((ld,) + r.more))
+            meta.loads.append(spec)
             del waiting[rid]
 
     def _advance(self, ld: Load, rid: str, s: Optional[Session], gen: int) -> tuple[bool, Optional[Session]]:
@@ -251,6 +286,39 @@ class Loads:
             s = None
             ld.fail()
         return True, s
+
+    def refused(self, r: ReqState, loaded: int, reason: str) -> None:
+        """The request's load covers only its first `loaded` blocks (the
+        rest were refused, or failed): it never claims past them again, the
+        local index stops offering the others, and the refusal is counted."""
+        st = self.faults.stats
+        st["load_refusals"] += 1
+        st["load_refused_" + reason] += 1
+        ld = r.load
+        n = len(ld.block_ids) if ld is not None and not r.whole else 0
+        cap = r.load_from + (loaded * self.block_size if not r.whole else 0)
+        r.claim_cap = min(r.claim_cap, cap)
+        if self.withhold is not None and n > loaded:
+            first = r.load_from // self.block_size
+            self.withhold(r.request.block_hashes[first + loaded : first + n])
+
+    def failed_in_workers(self, r: ReqState, bad: Any, failed: Any, rid: str) -> None:
+        """The workers reported the request's load finished with blocks that
+        failed to load (bad: vLLM's invalid_block_ids; failed: requests whose
+        whole load failed): a refusal like the sidecar's (refused)."""
+        ld = r.load
+        if ld is None or r.claim_cap <= r.load_from:
+            return  # nothing of it was loaded (the sidecar's refusal, counted)
+        if rid in failed:
+            self.refused(r, 0, "error")
+            return
+        if bad and not r.whole:
+            # The blocks the lease covered (the others are the refusal's, counted).
+            covered = ld.block_ids[: (r.claim_cap - r.load_from) // self.block_size]
+            for i, b in enumerate(covered):
+                if b in bad:
+                    self.refused(r, i, "error")
+                    return
 
     def release_orphans(self, s: Optional[Session]) -> None:
         """Release the leases of acquires whose requests finished before the

@@ -79,10 +79,18 @@ COUNTERS = (
     "load_blocks_window",
     "described_blocks",
     "pd_waits",
+    "pd_polls",
     "pd_timeouts",
     "pd_announced_blocks",
+    "pd_over_cap",
+    "pd_bad_blocks",
     "deferred_external_blocks",
-)
+    "load_refusals",
+    "load_refused_share",
+    "load_refused_short",
+    "load_refused_timeout",
+    "load_refused_error",
+) + retention.COUNTERS
 
 
 class EngineLimits:
@@ -138,14 +146,28 @@ class SchedulerSide:
         self.index = LocalIndex(cfg, self.link, self.faults, self.budget) if cfg.mirror else None
         self.mirror = self.index.mirror if self.index is not None else None
         self.admission = Admission(
-            self.link, self.faults, self.budget, self.index, block_size, cfg.timeout, len(layout.groups), cfg.pd_wait_s
+            self.link,
+            self.faults,
+            self.budget,
+            self.index,
+            block_size,
+            cfg.timeout,
+            len(layout.groups),
+            cfg.pd_wait_s,
+            cfg.pd_max_waiting,
         )
+        # Retention hints, from the sources the operator honours (retention.py).
+        self.hints = retention.Hints(retention.sources_of(cfg.hint_sources), cfg.retain_max_blocks, self.stats)
         self.reqs = self.admission.reqs
         # Several KV cache groups: their lookups and acquires (hybrid.py).
         self.hybrid = HybridAdmission(self.admission, layout) if not layout.plain else None
         # Who answers the lookup hooks: chosen once for the layout.
         self.lookups: Admission | HybridAdmission = self.hybrid or self.admission
-        self.loads = Loads(self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)))
+        self.loads = Loads(
+            self.link, self.faults, self.budget, cfg.timeout, max(1, int(cfg.lease_ttl * 1000)), block_size
+        )
+        if self.mirror is not None:
+            self.loads.withhold = self.mirror.withhold
         # Speculative decoding schedules several tokens a step: check every
         # scheduled request every step instead.
         self.planner = StorePlanner(
@@ -220,6 +242,7 @@ class SchedulerSide:
         r.allocated = True
         if num_external_tokens <= 0:
             return
+        r.load_from = r.hit_tokens - num_external_tokens
         if self.hybrid is not None:
             parts, flags = self.hybrid.alloc(r, request, blocks, num_external_tokens)
             self.loads.acquire_parts(r, request.request_id, parts, flags)
@@ -329,13 +352,18 @@ class SchedulerSide:
             return
         s = self.link.session
         reqs = self.reqs
-        recving = self.loads.recving
+        loads = self.loads
+        recving = loads.recving
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        failed = getattr(connector_output, "failed_recving", None) or ()
         for rid in rec:
             r = reqs.get(rid)
             if r is None and recving:
                 r = recving.pop(rid, None)  # finished while its load was in flight
             if r is not None and r.load is not None:
-                self.loads.loaded(r, s)
+                if bad or failed:
+                    loads.failed_in_workers(r, bad or set(), failed, rid)
+                loads.loaded(r, s)
 
     def request_finished(
         self, request: "Request", block_ids: list[int] | tuple[list[int], ...]
@@ -352,8 +380,9 @@ class SchedulerSide:
         # (store_step 0), and a request waiting for its load is held by
         # vLLM itself until finished_recving.
         hold = bool(r.store_step) and r.store_step + self.hold_steps > self.planner.step
+        self.admission.pd_waiting.discard(rid)
         params = getattr(request, "kv_transfer_params", None)
-        hint = retention.hint_of(params) if params and self.hybrid is None else None
+        hint = self.hints.of(request) if self.hybrid is None else None
         out = None
         if self.cfg.pd_producer and r.stored and self.hybrid is None and disagg.wants_remote_decode(params):
             out = disagg.produced(r.stored)  # the decode waits for these (disagg.py)
@@ -377,7 +406,7 @@ class SchedulerSide:
                     self._retain_later[rid] = (r, hint)  # sent once its stores are answered
                 else:
                     if hint is not None:
-                        retention.send(self.admission, s, r, hint)
+                        self.hints.send(self.admission, s, r, hint)
                     if r.registered:
                         self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
@@ -396,7 +425,7 @@ class SchedulerSide:
             if s is None or r.generation != self.link.generation:
                 continue  # a new sidecar session: its batches are gone
             try:
-                retention.send(self.admission, s, r, hint)
+                self.hints.send(self.admission, s, r, hint)
                 self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)

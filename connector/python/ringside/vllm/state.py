@@ -11,6 +11,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .loads import Load
 
 
+# claim_cap of a request whose loads never failed.
+NO_CAP = 1 << 62
+
+
 class ReqState:
     """Scheduler-side state of one request in one link generation."""
 
@@ -41,6 +45,9 @@ class ReqState:
         "local",
         "ext_from",
         "ext_step",
+        "load_from",
+        "claim_cap",
+        "pd_every",
     )
 
     def __init__(self, request: Any, batch: int, generation: int):
@@ -70,7 +77,8 @@ class ReqState:
         # read yet, 0: none), and until when (time.monotonic).
         self.pd_want = -1
         self.pd_until = 0.0
-        self.pd_poll_at = 0.0  # its next poll (disagg.POLL_S apart)
+        self.pd_poll_at = 0.0  # its next poll
+        self.pd_every = 0.0  # the time from this poll to the next (doubles up to disagg.POLL_MAX_S)
         # Tokens vLLM had computed when it last asked for the request's hit
         # (its own prefix cache), -1 once the planner has used it; blocks
         # another connector loaded past them wait for vLLM's verdict on the
@@ -78,6 +86,12 @@ class ReqState:
         self.local = -1
         self.ext_from = 0
         self.ext_step = 0
+        # Its load: the tokens before its first loaded block; and the most
+        # tokens it may claim from the sidecar, cut at the first block of a
+        # load the sidecar refused or failed (a refused load is a miss once:
+        # loads.py, Loads.refused).
+        self.load_from = 0
+        self.claim_cap = NO_CAP
 
 
 class StepBudget:
