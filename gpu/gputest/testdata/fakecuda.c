@@ -9,9 +9,11 @@
 // Each behaviour that stands for something the real driver does names the
 // CUDA driver API documentation entry it follows and the device probe
 // (bench/gpu/probe_ipc.py) that checks it on a GPU: ipc-range,
-// ipc-corrupt-handle, vmm-export, ipc-event, exporter-death. A behaviour
-// no probe has confirmed yet is an assumption, not a fact about the
-// driver (the exporter's death, under Fault injection, is one).
+// ipc-corrupt-handle, vmm-export, ipc-event, vmm-fd-export, vmm-fd-import,
+// vmm-release-mapped, vmm-export-unrequested, vmm-pointer-attrs,
+// vmm-map-rules, exporter-death. A behaviour no probe has confirmed yet is
+// an assumption, not a fact about the driver (the exporter's death, under
+// Fault injection, is one).
 //
 // Build: gcc -shared -fPIC -o DIR/libcuda.so.1 fakecuda.c
 // Env:
@@ -34,6 +36,9 @@
 //                         returns (a slow driver call: the calling thread
 //                         is busy)
 //   FAKECUDA_COMPUTE_MODE=M cuDeviceGetAttribute(COMPUTE_MODE) answers M
+//   FAKECUDA_IMEX=1       this process has an IMEX channel: cuMemCreate may
+//                         request CU_MEM_HANDLE_TYPE_FABRIC (see Virtual
+//                         memory management)
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
@@ -42,6 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -50,6 +56,17 @@ typedef unsigned long long CUdeviceptr;
 typedef struct { unsigned int type; int id; } loc_t;
 typedef struct { unsigned int order; loc_t src, dst; unsigned int flags; } attrs_t;
 typedef struct { char r[64]; } ipch_t;
+// CUmemLocation, CUmemAllocationProp (32 bytes) and CUmemAccessDesc as in
+// cuda.h (64-bit Linux), as vLLM 0.34's vllm/utils/vmm_driver.py lays them out.
+typedef struct { int type; int id; } memloc_t;
+typedef struct {
+	int type, requestedHandleTypes;
+	memloc_t location;
+	void *win32HandleMetaData;
+	struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} allocprop_t;
+typedef struct { memloc_t location; int flags; } accessdesc_t;
+typedef char check_allocprop[sizeof(allocprop_t) == 32 ? 1 : -1];
 
 static __thread void *cur_ctx;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -70,6 +87,14 @@ enum counter {
 	C_CTX_RETAIN,   // cuDevicePrimaryCtxRetain calls
 	C_HOST_REG,     // successful cuMemHostRegister
 	C_STICKY,       // calls refused because the context is poisoned
+	C_VMM_ALLOC,    // VMM allocations made: cuMemCreate + cuMemImportFromShareableHandle
+	C_VMM_FREE,     // VMM allocations freed (last handle released and last mapping unmapped)
+	C_VMM_MAP,      // successful cuMemMap
+	C_VMM_UNMAP,    // successful cuMemUnmap
+	C_VMM_RESERVE,  // successful cuMemAddressReserve
+	C_VMM_ADDRFREE, // successful cuMemAddressFree
+	C_VMM_EXPORT,   // file descriptors handed out by cuMemExportToShareableHandle
+	C_VMM_IMPORT,   // successful cuMemImportFromShareableHandle
 	NCOUNT
 };
 static uint64_t *counters;
@@ -181,6 +206,63 @@ static int is_registered(uintptr_t p, size_t n) {
 	return 0;
 }
 
+// ---- Virtual memory management: the model's state ----
+// A VMM allocation (cuMemCreate, or cuMemImportFromShareableHandle of an
+// exported one) is a memfd of its size: the "physical memory". Mapping it
+// (cuMemMap) maps the memfd at the address inside a reservation
+// (cuMemAddressReserve, a PROT_NONE placeholder), and cuMemSetAccess makes
+// it readable/writable. An exported POSIX file descriptor is a descriptor
+// of the same memfd, so another process that imports it maps the same
+// bytes. The entry points, with their sources, follow the device copies.
+// vmems[i].refs counts the handle's references in this process (cuMemCreate
+// or the import: 1; each cuMemRetainAllocationHandle: +1; each cuMemRelease:
+// -1) and maps its mappings; the memfd is closed when both are 0.
+struct vmem { int used; uint64_t handle; int fd; size_t n; unsigned types; int refs, maps; };
+struct vres { uintptr_t p; size_t n; };
+struct vmap { uintptr_t p; size_t n; int mem; int access; };
+static struct vmem vmems[MAXA];
+static struct vres vress[MAXA];
+static struct vmap vmaps[MAXA];
+static uint64_t vmem_seq;
+
+#define HT_POSIX_FD 1u  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+#define HT_FABRIC 8u    // CU_MEM_HANDLE_TYPE_FABRIC
+#define ACCESS_READ 1   // CU_MEM_ACCESS_FLAGS_PROT_READ
+#define ACCESS_RW 3     // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+// The mapping holding p, or -1.
+static int find_vmap(uintptr_t p) {
+	for (int i = 0; i < MAXA; i++)
+		if (vmaps[i].p && p >= vmaps[i].p && p < vmaps[i].p + vmaps[i].n) return i;
+	return -1;
+}
+// The reservation holding p, or -1.
+static int find_vres(uintptr_t p) {
+	for (int i = 0; i < MAXA; i++)
+		if (vress[i].p && p >= vress[i].p && p < vress[i].p + vress[i].n) return i;
+	return -1;
+}
+// vmm_range reports whether [p, p+n) lies in mapped VMM memory (one
+// mapping or adjacent ones) whose access allows reading, or writing.
+static int vmm_range(uintptr_t p, size_t n, int write) {
+	uintptr_t cur = p, end = p + (n ? n : 1);
+	while (cur < end) {
+		int m = find_vmap(cur);
+		if (m < 0 || vmaps[m].access < (write ? ACCESS_RW : ACCESS_READ)) return 0;
+		cur = vmaps[m].p + vmaps[m].n;
+	}
+	return 1;
+}
+// dev_range: device memory a copy may touch, legacy or VMM. The index of
+// the cuMemAlloc/IPC allocation, DEV_VMM for mapped VMM memory with the
+// access the copy needs, -1 otherwise. Called with mu held.
+#define DEV_VMM (-2)
+static int dev_range(uintptr_t p, size_t n, int write) {
+	int a = find_alloc(p, n);
+	if (a >= 0) return a;
+	return vmm_range(p, n, write) ? DEV_VMM : -1;
+}
+
 // An exported handle: a 4-byte tag, the shm name, and a check byte at the
 // end. A handle whose bytes were corrupted anywhere fails to open with
 // CUDA_ERROR_INVALID_VALUE. Source: cuIpcOpenMemHandle and
@@ -261,29 +343,71 @@ CUresult cuMemFree(CUdeviceptr p) {
 	pthread_mutex_unlock(&mu);
 	return 0;
 }
+// For VMM memory the range is the mapping holding p: cuPointerGetAttribute's
+// CU_POINTER_ATTRIBUTE_RANGE_SIZE entry sends there ("To retrieve the size
+// of the mapped region, see cuMemGetAddressRange"). Probe: vmm-pointer-attrs.
 CUresult cuMemGetAddressRange(CUdeviceptr *b, size_t *n, CUdeviceptr p) {
 	NEEDCTX();
 	pthread_mutex_lock(&mu);
-	int i = find_alloc(p, 1);
+	int i = find_alloc(p, 1), m = i < 0 ? find_vmap(p) : -1;
 	if (i >= 0) { if (b) *b = allocs[i].p; if (n) *n = allocs[i].n; }
+	if (m >= 0) { if (b) *b = vmaps[m].p; if (n) *n = vmaps[m].n; }
 	pthread_mutex_unlock(&mu);
-	return i < 0 ? 1 : 0;
+	return i < 0 && m < 0 ? 1 : 0;
 }
+// cuPointerGetAttribute ("Unified Addressing"), the attributes ringside
+// reads: IS_LEGACY_CUDA_IPC_CAPABLE (10, int: "suitable for
+// cudaIpcGetMemHandle": 1 for cuMemAlloc memory, 0 for VMM mappings and
+// for FAKECUDA_VMM's stand-ins), RANGE_START_ADDR (11) and RANGE_SIZE (12,
+// "not necessarily the address of the mapped region, but the address of
+// the mappable address range ptr references (e.g. from
+// cuMemAddressReserve)": the reservation for VMM memory), MAPPED (13, int;
+// 0 with CUDA_SUCCESS for a reserved address with no mapping: assumption),
+// ALLOWED_HANDLE_TYPES (14, "a bitmask of the allowed handle types for an
+// allocation that may be passed to cuMemExportToShareableHandle": the
+// types requested at cuMemCreate, 0 for cuMemAlloc memory; written as 4
+// bytes, read it into a zeroed 8-byte value), MAPPING_SIZE (18) and
+// MAPPING_BASE_ADDR (19: the mapping). Any other attribute, or a pointer
+// the driver does not know, is CUDA_ERROR_INVALID_VALUE. Probe:
+// vmm-pointer-attrs.
 CUresult cuPointerGetAttribute(void *v, int attr, CUdeviceptr p) {
 	NEEDCTX();
-	if (attr != 10) return 1;
+	if (!v) return 1;
 	pthread_mutex_lock(&mu);
-	int i = find_alloc(p, 1);
-	*(int *)v = i >= 0 && !allocs[i].vmm;
+	int i = find_alloc(p, 1), m = i < 0 ? find_vmap(p) : -1, r = i < 0 && m < 0 ? find_vres(p) : -1;
+	CUresult res = 0;
+	uint64_t base = 0, size = 0, mbase = 0, msize = 0;
+	unsigned types = 0;
+	int ipc = 0;
+	if (i >= 0) {
+		base = mbase = allocs[i].p; size = msize = allocs[i].n; ipc = !allocs[i].vmm;
+	} else if (m >= 0) {
+		int rr = find_vres(p);
+		base = vress[rr].p; size = vress[rr].n; mbase = vmaps[m].p; msize = vmaps[m].n;
+		types = vmems[vmaps[m].mem].types;
+	}
+	int known = i >= 0 || m >= 0;
+	switch (attr) {
+	case 10: if (known) *(int *)v = ipc; else res = 1; break;
+	case 11: if (known) *(uint64_t *)v = base; else res = 1; break;
+	case 12: if (known) *(uint64_t *)v = size; else res = 1; break;
+	case 13: if (known || r >= 0) *(int *)v = known; else res = 1; break;
+	case 14: if (known) *(unsigned *)v = types; else res = 1; break;
+	case 18: if (known) *(uint64_t *)v = msize; else res = 1; break;
+	case 19: if (known) *(uint64_t *)v = mbase; else res = 1; break;
+	default: res = 1;
+	}
 	pthread_mutex_unlock(&mu);
-	return i < 0 ? 1 : 0;
+	return res;
 }
 // VMM memory cannot be exported with legacy IPC: cuIpcGetMemHandle fails
 // with CUDA_ERROR_INVALID_VALUE in the exporter, so the engine learns it
 // before any handle reaches the sidecar. Source: cuIpcGetMemHandle takes
 // "a pointer to the base of an existing device memory allocation created
 // with cuMemAlloc"; CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
-// (cuPointerGetAttribute) is 0 for cuMemCreate memory. Probe: vmm-export.
+// (cuPointerGetAttribute) is 0 for cuMemCreate memory. Both the mappings
+// of cuMemMap (not in allocs[]: refused) and FAKECUDA_VMM's cuMemAlloc
+// stand-ins are refused. Probes: vmm-export, vmm-pointer-attrs.
 CUresult cuIpcGetMemHandle(char *h, CUdeviceptr p) {
 	NEEDCTX();
 	pthread_mutex_lock(&mu);
@@ -352,7 +476,7 @@ CUresult cuMemHostUnregister(void *p) {
 CUresult cuMemcpyHtoD(CUdeviceptr d, const void *s, size_t n) {
 	NEEDCTX();
 	pthread_mutex_lock(&mu);
-	int ok = find_alloc(d, n) >= 0;
+	int ok = dev_range(d, n, 1) != -1;
 	pthread_mutex_unlock(&mu);
 	if (!ok) return 1;
 	memcpy((void *)(uintptr_t)d, s, n);
@@ -361,10 +485,347 @@ CUresult cuMemcpyHtoD(CUdeviceptr d, const void *s, size_t n) {
 CUresult cuMemcpyDtoH(void *d, CUdeviceptr s, size_t n) {
 	NEEDCTX();
 	pthread_mutex_lock(&mu);
-	int ok = find_alloc(s, n) >= 0;
+	int ok = dev_range(s, n, 0) != -1;
 	pthread_mutex_unlock(&mu);
 	if (!ok) return 1;
 	memcpy(d, (void *)(uintptr_t)s, n);
+	return 0;
+}
+
+// ---- Virtual memory management (cuMemCreate, cuMemMap, shareable handles) ----
+// Each behaviour names its entry in the CUDA Driver API documentation
+// (section "Virtual Memory Management", and cuPointerGetAttribute in
+// "Unified Addressing") and the device probe that checks it. What a
+// section does not say (which code a given refusal gets) is the fake's
+// choice, marked "assumption", and reported by the probe named.
+//
+// Granularity: 2 MiB for every valid property, minimum and recommended.
+// Source: cuMemGetAllocationGranularity ("either the minimal or
+// recommended granularity for a given allocation specification"); 2 MiB
+// is what vLLM's ExtensibleTensor floors its granule at. Probe:
+// vmm-pointer-attrs reports the real one.
+static CUresult check_prop(const allocprop_t *prop, int create) {
+	if (!prop || prop->type != 1 /* CU_MEM_ALLOCATION_TYPE_PINNED */) return 1;
+	if (prop->location.type != 1 /* CU_MEM_LOCATION_TYPE_DEVICE */) return 1;
+	if (prop->location.id != 0) return 101; /* CUDA_ERROR_INVALID_DEVICE, listed by cuMemCreate */
+	if (!create) return 0;
+	// Requested handle types: POSIX_FILE_DESCRIPTOR (1) and FABRIC (8),
+	// alone or together, or NONE (0); the Win32 types (2, 4) are refused
+	// on Linux (CUmemAllocationHandleType: "Permitted only on POSIX
+	// systems" is the fd type's; the code is an assumption).
+	unsigned t = (unsigned)prop->requestedHandleTypes;
+	if (t & ~(HT_POSIX_FD | HT_FABRIC)) return 1;
+	// FABRIC needs an IMEX channel the process can open (cuMemCreate: an
+	// application using FABRIC "must ensure ... at least one IMEX channel
+	// file accessible"); without FAKECUDA_IMEX the fake is a node without
+	// one and refuses with CUDA_ERROR_NOT_PERMITTED, a code vLLM 0.34's
+	// CudaVmmDriver.create falls back on (with NOT_SUPPORTED). Probe:
+	// vmm-export-unrequested reports a real node's answer.
+	if ((t & HT_FABRIC) && !getenv("FAKECUDA_IMEX")) return 800;
+	return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const allocprop_t *prop, int option) {
+	NEEDCTX();
+	if (!g || (option != 0 && option != 1)) return 1; /* MINIMUM, RECOMMENDED */
+	CUresult r = check_prop(prop, 0);
+	if (r) return r;
+	*g = GRANULE;
+	return 0;
+}
+
+static void vmem_put(int i) {
+	if (vmems[i].refs > 0 || vmems[i].maps > 0) return;
+	close(vmems[i].fd);
+	vmems[i].used = 0;
+	count(C_VMM_FREE);
+}
+// The allocation of a valid handle (one with a reference left), or -1.
+static int find_vmem(uint64_t h) {
+	for (int i = 0; i < MAXA; i++)
+		if (vmems[i].used && vmems[i].handle == h && vmems[i].refs > 0) return i;
+	return -1;
+}
+static int new_vmem(int fd, size_t n, unsigned types) {
+	for (int i = 0; i < MAXA; i++) if (!vmems[i].used) {
+		vmems[i] = (struct vmem){.used = 1, .handle = 0x564d4d0000000000ull | ++vmem_seq, .fd = fd, .n = n,
+			.types = types, .refs = 1};
+		count(C_VMM_ALLOC);
+		return i;
+	}
+	return -1;
+}
+
+// cuMemCreate: size a multiple of the granularity (cuMemCreate: "must be a
+// multiple of the the value given via cuMemGetAllocationGranularity with
+// the CU_MEM_ALLOC_GRANULARITY_MINIMUM flag"), flags 0 ("must be zero
+// now"), otherwise CUDA_ERROR_INVALID_VALUE. The allocation has no mapping
+// ("The created allocation will not have any device or host mappings").
+CUresult cuMemCreate(uint64_t *h, size_t n, const allocprop_t *prop, unsigned long long flags) {
+	NEEDCTX();
+	if (!h || flags != 0 || n == 0 || n % GRANULE) return 1;
+	CUresult r = check_prop(prop, 1);
+	if (r) return r;
+	char name[48];
+	snprintf(name, sizeof name, "fakecuda-vmm-t%u", (unsigned)prop->requestedHandleTypes);
+	int fd = memfd_create(name, MFD_CLOEXEC);
+	if (fd < 0) return 2;
+	if (ftruncate(fd, (off_t)n) != 0) { close(fd); return 2; }
+	pthread_mutex_lock(&mu);
+	int i = new_vmem(fd, n, (unsigned)prop->requestedHandleTypes);
+	if (i >= 0) *h = vmems[i].handle;
+	pthread_mutex_unlock(&mu);
+	if (i < 0) { close(fd); return 2; }
+	return 0;
+}
+
+// cuMemRelease: the handle's reference goes; the memory stays while a
+// mapping remains. Source: cuMemRelease ("The memory allocation will be
+// freed when all outstanding mappings to the memory are unmapped and when
+// all outstanding references to the handle (including it's shareable
+// counterparts) are also released. The generic memory handle can be freed
+// when there are still outstanding mappings made with this handle."). A
+// handle with no reference left is refused with CUDA_ERROR_INVALID_VALUE
+// (the documentation: undefined behaviour; the fake is a checker). Probe:
+// vmm-release-mapped.
+CUresult cuMemRelease(uint64_t h) {
+	NEEDCTX();
+	pthread_mutex_lock(&mu);
+	int i = find_vmem(h);
+	if (i >= 0) { vmems[i].refs--; vmem_put(i); }
+	pthread_mutex_unlock(&mu);
+	return i < 0 ? 1 : 0;
+}
+
+// cuMemAddressReserve: size and addr multiples of the host page size,
+// alignment a power of two or 0, flags 0 (cuMemAddressReserve), otherwise
+// CUDA_ERROR_INVALID_VALUE; addr is a hint ("treats it as a hint") the
+// fake ignores. The reservation is aligned to the granularity at least, so
+// that its start can be mapped (vLLM reserves with alignment 0 and maps at
+// the start: assumption checked by every probe that maps).
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr, unsigned long long flags) {
+	NEEDCTX();
+	size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	if (!p || flags != 0 || n == 0 || n % page || addr % page || (align & (align - 1))) return 1;
+	size_t a = align > GRANULE ? align : GRANULE;
+	char *m = mmap(NULL, n + a, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+	if (m == MAP_FAILED) return 2;
+	uintptr_t base = ((uintptr_t)m + a - 1) / a * a;
+	if (base > (uintptr_t)m) munmap(m, base - (uintptr_t)m);
+	if ((uintptr_t)m + n + a > base + n) munmap((void *)(base + n), (uintptr_t)m + n + a - (base + n));
+	pthread_mutex_lock(&mu);
+	int i;
+	for (i = 0; i < MAXA && vress[i].p; i++) {}
+	if (i < MAXA) vress[i] = (struct vres){base, n};
+	pthread_mutex_unlock(&mu);
+	if (i == MAXA) { munmap((void *)base, n); return 2; }
+	count(C_VMM_RESERVE);
+	*p = base;
+	return 0;
+}
+
+// cuMemAddressFree: ptr and size must be those of a reservation ("The size
+// must match what was given to memAddressReserve and the ptr given must
+// match what was returned"), otherwise CUDA_ERROR_INVALID_VALUE.
+// Assumption: a reservation with a mapping still in it is refused the same
+// way (the documentation does not say; the fake takes the strict side).
+// Probe: vmm-map-rules.
+CUresult cuMemAddressFree(CUdeviceptr p, size_t n) {
+	NEEDCTX();
+	pthread_mutex_lock(&mu);
+	int i;
+	for (i = 0; i < MAXA; i++) if (vress[i].p && vress[i].p == p && vress[i].n == n) break;
+	int busy = 0;
+	for (int m = 0; i < MAXA && m < MAXA; m++)
+		if (vmaps[m].p && vmaps[m].p >= p && vmaps[m].p < p + n) busy = 1;
+	if (i < MAXA && !busy) { munmap((void *)p, n); vress[i].p = 0; }
+	pthread_mutex_unlock(&mu);
+	if (i == MAXA || busy) return 1;
+	count(C_VMM_ADDRFREE);
+	return 0;
+}
+
+// cuMemMap: ptr, size and offset multiples of the granularity; offset 0
+// (the offset parameter: "Note: currently must be zero"); offset + size
+// within the allocation; the range inside one reservation ("must be an
+// address reservation previously reserved with cuMemAddressReserve") and
+// not mapped already ("cuMemMap can only create mappings on VA range
+// reservations that are not currently mapped"); flags 0. Otherwise
+// CUDA_ERROR_INVALID_VALUE (assumption for the overlap and the offset;
+// probe vmm-map-rules reports the codes). The new mapping has no access
+// ("calling cuMemMap does not make the address accessible"): until
+// cuMemSetAccess a copy touching it is refused with
+// CUDA_ERROR_INVALID_VALUE (assumption: a GPU would fault instead).
+CUresult cuMemMap(CUdeviceptr p, size_t n, size_t off, uint64_t h, unsigned long long flags) {
+	NEEDCTX();
+	if (flags != 0 || n == 0 || p % GRANULE || n % GRANULE || off % GRANULE || off != 0) return 1;
+	pthread_mutex_lock(&mu);
+	int v = find_vmem(h), r = find_vres(p), m;
+	int ok = v >= 0 && off + n <= vmems[v].n && r >= 0 && p + n <= vress[r].p + vress[r].n;
+	for (m = 0; ok && m < MAXA; m++)
+		if (vmaps[m].p && vmaps[m].p < p + n && p < vmaps[m].p + vmaps[m].n) ok = 0;
+	for (m = 0; ok && m < MAXA && vmaps[m].p; m++) {}
+	if (!ok || m == MAXA) { pthread_mutex_unlock(&mu); return 1; }
+	void *at = mmap((void *)p, n, PROT_NONE, MAP_SHARED | MAP_FIXED, vmems[v].fd, (off_t)off);
+	if (at == MAP_FAILED) { pthread_mutex_unlock(&mu); return 2; }
+	vmaps[m] = (struct vmap){p, n, v, 0};
+	vmems[v].maps++;
+	pthread_mutex_unlock(&mu);
+	count(C_VMM_MAP);
+	return 0;
+}
+
+// cuMemUnmap: the range must be exactly one mapping ("The range must be
+// the entire contiguous address range that was mapped to. In other words,
+// cuMemUnmap cannot unmap a sub-range"), otherwise
+// CUDA_ERROR_INVALID_VALUE; the range is a reservation again ("the address
+// range is converted to an address reservation"), and the memory is freed
+// if no handle or mapping is left ("Any backing memory allocations will be
+// freed if there are no existing mappings and there are no unreleased
+// memory handles"). Probes: vmm-release-mapped, vmm-map-rules.
+CUresult cuMemUnmap(CUdeviceptr p, size_t n) {
+	NEEDCTX();
+	pthread_mutex_lock(&mu);
+	int m = find_vmap(p);
+	if (m < 0 || vmaps[m].p != p || vmaps[m].n != n) { pthread_mutex_unlock(&mu); return 1; }
+	mmap((void *)p, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+	int v = vmaps[m].mem;
+	vmaps[m].p = 0;
+	vmems[v].maps--;
+	vmem_put(v);
+	pthread_mutex_unlock(&mu);
+	count(C_VMM_UNMAP);
+	return 0;
+}
+
+// cuMemSetAccess: the range must be whole mappings, contiguous ("The range
+// must be a fully mapped address range containing all allocations created
+// by cuMemMap / cuMemCreate"), otherwise CUDA_ERROR_INVALID_VALUE; each
+// descriptor names device 0 (else CUDA_ERROR_INVALID_DEVICE, listed) and
+// PROT_NONE (0), PROT_READ (1) or PROT_READWRITE (3). The fake applies the
+// access with mprotect, so a stray host access faults as a device one
+// would. Probe: every probe that maps.
+CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const accessdesc_t *desc, size_t count_) {
+	NEEDCTX();
+	if (!desc || count_ == 0) return 1;
+	int access = 0;
+	for (size_t i = 0; i < count_; i++) {
+		if (desc[i].location.type != 1) return 1;
+		if (desc[i].location.id != 0) return 101;
+		if (desc[i].flags != 0 && desc[i].flags != ACCESS_READ && desc[i].flags != ACCESS_RW) return 1;
+		access = desc[i].flags;
+	}
+	pthread_mutex_lock(&mu);
+	uintptr_t cur = p;
+	while (cur < p + n) {
+		int m = find_vmap(cur);
+		if (m < 0 || vmaps[m].p != cur || cur + vmaps[m].n > p + n) break;
+		cur += vmaps[m].n;
+	}
+	if (n == 0 || cur != p + n) { pthread_mutex_unlock(&mu); return 1; }
+	for (cur = p; cur < p + n;) {
+		int m = find_vmap(cur);
+		vmaps[m].access = access;
+		mprotect((void *)cur, vmaps[m].n, access == ACCESS_RW ? PROT_READ | PROT_WRITE : access ? PROT_READ : PROT_NONE);
+		cur += vmaps[m].n;
+	}
+	pthread_mutex_unlock(&mu);
+	return 0;
+}
+
+// cuMemRetainAllocationHandle: any address in a mapping ("can be any
+// address in a range previously mapped by cuMemMap, and not necessarily
+// the start address") gives the handle that was mapped there ("guaranteed
+// to be the same handle value used to map the memory") and one more
+// reference to release; an address that is not mapped (cuMemAlloc memory
+// included) fails ("If the address requested is not mapped, the function
+// will fail": CUDA_ERROR_INVALID_VALUE, assumption). Probes: vmm-fd-export,
+// vmm-map-rules.
+CUresult cuMemRetainAllocationHandle(uint64_t *h, void *addr) {
+	NEEDCTX();
+	if (!h) return 1;
+	pthread_mutex_lock(&mu);
+	int m = find_vmap((uintptr_t)addr);
+	if (m >= 0) {
+		struct vmem *v = &vmems[vmaps[m].mem];
+		v->refs++;
+		*h = v->handle;
+	}
+	pthread_mutex_unlock(&mu);
+	return m < 0 ? 1 : 0;
+}
+
+// cuMemExportToShareableHandle: a POSIX file descriptor (an int written to
+// *shareableHandle) of an allocation created with that type requested; a
+// new descriptor per call, which the caller closes, and which keeps the
+// memory alive on its own (cuMemExportToShareableHandle: "Once all
+// shareable handles are closed and the allocation is released, the
+// allocated memory referenced will be released back to the OS"). A type
+// not requested at cuMemCreate is refused; the section lists
+// CUDA_ERROR_INVALID_VALUE, NOT_PERMITTED and NOT_SUPPORTED without saying
+// which is this one: the fake answers CUDA_ERROR_INVALID_VALUE
+// (assumption; probe vmm-export-unrequested reports the real code). flags
+// must be 0 ("Reserved, must be zero"). A FABRIC export of an allocation
+// that requested it is not modelled (CUDA_ERROR_NOT_SUPPORTED): ringside
+// does not import fabric handles. The descriptor is not close-on-exec
+// (assumption; probe vmm-fd-export reports the real flag). Probes:
+// vmm-fd-export, vmm-export-unrequested.
+CUresult cuMemExportToShareableHandle(void *out, uint64_t h, int type, unsigned long long flags) {
+	NEEDCTX();
+	if (!out || flags != 0) return 1;
+	pthread_mutex_lock(&mu);
+	int i = find_vmem(h);
+	CUresult r = 0;
+	int fd = -1;
+	if (i < 0 || (type != (int)HT_POSIX_FD && type != (int)HT_FABRIC) || !(vmems[i].types & (unsigned)type)) r = 1;
+	else if (type == (int)HT_FABRIC) r = 801;
+	else if ((fd = fcntl(vmems[i].fd, F_DUPFD, 0)) < 0) r = 2;
+	pthread_mutex_unlock(&mu);
+	if (r) return r;
+	*(int *)out = fd;
+	count(C_VMM_EXPORT);
+	return 0;
+}
+
+// cuMemImportFromShareableHandle: osHandle is the descriptor itself, cast
+// to a pointer ((void *)(uintptr_t)fd, as NCCL and CUDA's memMapIPCDrv
+// sample pass it). A descriptor of an allocation exported by this fake
+// gives a new handle in this process (a new one per import: "There is no
+// guarantee that the contents of handle will be the same CUDA memory
+// handle for the same given OS shareable handle"), of the exported size
+// and handle types, to be mapped ("the process must use cuMemMap to map
+// the memory into its address ranges before setting accessibility with
+// cuMemSetAccess") and released ("Each time a recipient process imports a
+// shareable handle, it needs to pair it with cuMemRelease", cuMemRelease).
+// The caller keeps its descriptor and closes it. Any other descriptor is
+// refused with CUDA_ERROR_INVALID_VALUE; FABRIC with
+// CUDA_ERROR_NOT_PERMITTED without an IMEX channel ("If shHandleType is
+// CU_MEM_HANDLE_TYPE_FABRIC and the importer process has not been granted
+// access to the same IMEX channel") and as not modelled (NOT_SUPPORTED)
+// with one. The memory outlives the exporter: it is freed when every
+// handle, mapping and descriptor of it, in any process, is gone
+// (cuMemRelease, above). Probes: vmm-fd-import, vmm-release-mapped.
+CUresult cuMemImportFromShareableHandle(uint64_t *h, void *os, int type) {
+	NEEDCTX();
+	if (!h) return 1;
+	if (type == (int)HT_FABRIC) return getenv("FAKECUDA_IMEX") ? 801 : 800;
+	if (type != (int)HT_POSIX_FD) return 1;
+	int fd = (int)(intptr_t)os;
+	char path[64], link[128];
+	snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+	ssize_t k = readlink(path, link, sizeof link - 1);
+	unsigned types = 0;
+	struct stat st;
+	if (k <= 0) return 1;
+	link[k] = 0;
+	if (sscanf(link, "/memfd:fakecuda-vmm-t%u", &types) != 1 || fstat(fd, &st) != 0 || st.st_size <= 0) return 1;
+	int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+	if (own < 0) return 2;
+	pthread_mutex_lock(&mu);
+	int i = new_vmem(own, (size_t)st.st_size, types);
+	if (i >= 0) *h = vmems[i].handle;
+	pthread_mutex_unlock(&mu);
+	if (i < 0) { close(own); return 2; }
+	count(C_VMM_IMPORT);
 	return 0;
 }
 
@@ -448,11 +909,11 @@ static void push(struct stream *s, struct op o) {
 
 static CUresult copy1(int h2d, uintptr_t dst, uintptr_t src, size_t n, struct stream *st) {
 	pthread_mutex_lock(&mu);
-	int a = h2d ? find_alloc(dst, n) : find_alloc(src, n);
-	int ok = a >= 0 && (h2d ? is_registered(src, n) : is_registered(dst, n));
+	int a = h2d ? dev_range(dst, n, 1) : dev_range(src, n, 0);
+	int ok = a != -1 && (h2d ? is_registered(src, n) : is_registered(dst, n));
 	if (!ok) { pthread_mutex_unlock(&mu); return 1; }
 	int exporter = 0;
-	if (!allocs[a].own) sscanf(allocs[a].name, "/fakecuda-%d-", &exporter);
+	if (a >= 0 && !allocs[a].own) sscanf(allocs[a].name, "/fakecuda-%d-", &exporter);
 	if (exporter > 0 && pid_dead(exporter)) { // see Fault injection: exporter death
 		pthread_mutex_unlock(&mu);
 		poison(700);
@@ -495,7 +956,7 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t co
 	if (!st || na != 1 || idx[0] != 0 || a[0].order < 1 || a[0].order > 3 || count_ == 0) { *fail = (size_t)-1; return 1; }
 	for (size_t i = 0; i < count_; i++) {
 		pthread_mutex_lock(&mu);
-		int h2d = find_alloc(d[i], n[i]) >= 0;
+		int h2d = dev_range(d[i], n[i], 1) != -1;
 		pthread_mutex_unlock(&mu);
 		CUresult r = copy1(h2d, d[i], s[i], n[i], st);
 		if (r) { *fail = i; return r; }
@@ -646,7 +1107,9 @@ static const char *ename(CUresult r) {
 	case 0: return "CUDA_SUCCESS"; case 1: return "CUDA_ERROR_INVALID_VALUE"; case 100: return "CUDA_ERROR_NO_DEVICE";
 	case 201: return "CUDA_ERROR_INVALID_CONTEXT"; case 600: return "CUDA_ERROR_NOT_READY";
 	case 712: return "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; case 713: return "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED";
-	case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+	case 700: return "CUDA_ERROR_ILLEGAL_ADDRESS"; case 2: return "CUDA_ERROR_OUT_OF_MEMORY";
+	case 101: return "CUDA_ERROR_INVALID_DEVICE"; case 800: return "CUDA_ERROR_NOT_PERMITTED";
+	case 801: return "CUDA_ERROR_NOT_SUPPORTED";
 	}
 	return NULL;
 }
@@ -677,6 +1140,14 @@ static struct { const char *name; void *fn; int minver; } procs[] = {
 	{"cuStreamWaitEvent", (void *)cuStreamWaitEvent, 3020},
 	{"cuEventCreate", (void *)cuEventCreate, 2000}, {"cuEventRecord", (void *)cuEventRecord, 2000},
 	{"cuEventQuery", (void *)cuEventQuery, 2000}, {"cuEventDestroy", (void *)cuEventDestroy, 4000},
+	{"cuMemGetAllocationGranularity", (void *)cuMemGetAllocationGranularity, 10020},
+	{"cuMemCreate", (void *)cuMemCreate, 10020}, {"cuMemRelease", (void *)cuMemRelease, 10020},
+	{"cuMemAddressReserve", (void *)cuMemAddressReserve, 10020}, {"cuMemAddressFree", (void *)cuMemAddressFree, 10020},
+	{"cuMemMap", (void *)cuMemMap, 10020}, {"cuMemUnmap", (void *)cuMemUnmap, 10020},
+	{"cuMemSetAccess", (void *)cuMemSetAccess, 10020},
+	{"cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle, 11000},
+	{"cuMemExportToShareableHandle", (void *)cuMemExportToShareableHandle, 10020},
+	{"cuMemImportFromShareableHandle", (void *)cuMemImportFromShareableHandle, 10020},
 };
 
 CUresult cuGetProcAddress_v2(const char *sym, void **fn, int ver, unsigned long long flags, int *status) {
