@@ -165,6 +165,29 @@ type IPCHandle [64]byte
 // IPCEventHandle is a cudaIpcEventHandle_t / CUipcEventHandle.
 type IPCEventHandle [64]byte
 
+// MemHandle is a CUmemGenericAllocationHandle: a virtual memory
+// management allocation (cuMemCreate, or imported from another process).
+type MemHandle uint64
+
+// Handle types an allocation may be exported as (CUmemAllocationHandleType
+// bits, MemCreate's handleTypes).
+const (
+	HandleTypeNone    = 0x0 // CU_MEM_HANDLE_TYPE_NONE
+	HandleTypePOSIXFD = 0x1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	HandleTypeFabric  = 0x8 // CU_MEM_HANDLE_TYPE_FABRIC
+)
+
+// Pointer attributes (CUpointer_attribute) for PointerAttribute.
+const (
+	AttrLegacyIPCCapable   = 10 // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE (int)
+	AttrRangeStartAddr     = 11 // CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: the reservation (VMM)
+	AttrRangeSize          = 12 // CU_POINTER_ATTRIBUTE_RANGE_SIZE
+	AttrMapped             = 13 // CU_POINTER_ATTRIBUTE_MAPPED (int)
+	AttrAllowedHandleTypes = 14 // CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: HandleType* bits
+	AttrMappingSize        = 18 // CU_POINTER_ATTRIBUTE_MAPPING_SIZE: the mapping (VMM)
+	AttrMappingBaseAddr    = 19 // CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR
+)
+
 // UUID is a CUuuid.
 type UUID [16]byte
 

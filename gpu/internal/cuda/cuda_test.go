@@ -45,6 +45,18 @@ func TestInitWithoutGPU(t *testing.T) {
 	if err := Stream(0).WaitEvent(1); err == nil {
 		t.Error("WaitEvent succeeded without a driver")
 	}
+	if HasVMM() {
+		t.Error("HasVMM without a driver")
+	}
+	if _, err := MemCreate(0, 2<<20, HandleTypePOSIXFD); err == nil {
+		t.Error("MemCreate succeeded without a driver")
+	}
+	if _, err := MemImportFD(0); err == nil {
+		t.Error("MemImportFD succeeded without a driver")
+	}
+	if _, err := PointerAttribute(1, AttrAllowedHandleTypes); err == nil {
+		t.Error("PointerAttribute succeeded without a driver")
+	}
 }
 
 func TestResultError(t *testing.T) {

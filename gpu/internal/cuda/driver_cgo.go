@@ -27,6 +27,15 @@ typedef struct {                                                      // 24 byte
 	CUmemLocation dstLocHint;
 	unsigned int flags;
 } CUmemcpyAttributes;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {                                                      // 32 bytes
+	int type;                 // CUmemAllocationType
+	int requestedHandleTypes; // CUmemAllocationHandleType bits
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc; // 12 bytes
 
 enum {
 	RS_NOT_LOADED = -1,
@@ -38,6 +47,11 @@ enum {
 	CU_EVENT_INTERPROCESS = 4,
 	CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
 	CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
+	CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+	CU_MEM_LOCATION_TYPE_DEVICE = 1,
+	CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+	CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
 };
 
 static struct {
@@ -82,6 +96,18 @@ static struct {
 	CUresult (*ipcGetEventHandle)(CUipcEventHandle *, CUevent);
 	CUresult (*ipcOpenEventHandle)(CUevent *, CUipcEventHandle);
 	CUresult (*streamWaitEvent)(CUstream, CUevent, unsigned int);
+	// Virtual memory management (optional: rs_has_vmm).
+	CUresult (*memGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+	CUresult (*memCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+	CUresult (*memRelease)(CUmemGenericAllocationHandle);
+	CUresult (*memAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+	CUresult (*memAddressFree)(CUdeviceptr, size_t);
+	CUresult (*memMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+	CUresult (*memUnmap)(CUdeviceptr, size_t);
+	CUresult (*memSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+	CUresult (*memRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
+	CUresult (*memExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+	CUresult (*memImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
 } rs;
 
 static int rs_proc(const char *name, void **fn, int version) {
@@ -172,6 +198,23 @@ static int rs_load(char *err, size_t n) {
 	}
 	// Optional: absent before CUDA 12.8.
 	rs_proc("cuMemcpyBatchAsync", (void **)&rs.memcpyBatchAsync, RS_VER_BATCH);
+	// Optional: the virtual memory management entry points (CUDA 10.2+,
+	// cuMemRetainAllocationHandle 11.0+), for memory shared through file
+	// descriptors; a driver without them still serves legacy IPC.
+	struct { const char *name; void **fn; } vmm[] = {
+		{"cuMemGetAllocationGranularity", (void **)&rs.memGetAllocationGranularity},
+		{"cuMemCreate", (void **)&rs.memCreate},
+		{"cuMemRelease", (void **)&rs.memRelease},
+		{"cuMemAddressReserve", (void **)&rs.memAddressReserve},
+		{"cuMemAddressFree", (void **)&rs.memAddressFree},
+		{"cuMemMap", (void **)&rs.memMap},
+		{"cuMemUnmap", (void **)&rs.memUnmap},
+		{"cuMemSetAccess", (void **)&rs.memSetAccess},
+		{"cuMemRetainAllocationHandle", (void **)&rs.memRetainAllocationHandle},
+		{"cuMemExportToShareableHandle", (void **)&rs.memExportToShareableHandle},
+		{"cuMemImportFromShareableHandle", (void **)&rs.memImportFromShareableHandle},
+	};
+	for (size_t i = 0; i < sizeof vmm / sizeof vmm[0]; i++) rs_proc(vmm[i].name, vmm[i].fn, RS_VER);
 	rs.lib = lib;
 	return 0;
 }
@@ -179,6 +222,11 @@ static int rs_load(char *err, size_t n) {
 #define RS_CALL(fn, ...) (rs.fn ? rs.fn(__VA_ARGS__) : RS_NOT_LOADED)
 
 static int rs_has_batch(void) { return rs.memcpyBatchAsync != NULL; }
+static int rs_has_vmm(void) {
+	return rs.memGetAllocationGranularity && rs.memCreate && rs.memRelease && rs.memAddressReserve &&
+		rs.memAddressFree && rs.memMap && rs.memUnmap && rs.memSetAccess && rs.memRetainAllocationHandle &&
+		rs.memExportToShareableHandle && rs.memImportFromShareableHandle;
+}
 
 static CUresult rs_error_name(CUresult r, const char **s) { *s = NULL; return RS_CALL(getErrorName, r, s); }
 static CUresult rs_error_string(CUresult r, const char **s) { *s = NULL; return RS_CALL(getErrorString, r, s); }
@@ -205,12 +253,58 @@ static CUresult rs_ipc_capable(int *v, CUdeviceptr p) {
 	*v = 0;
 	return RS_CALL(pointerGetAttribute, v, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p);
 }
+static CUresult rs_pointer_attr(uint64_t *v, int attr, CUdeviceptr p) {
+	*v = 0; // attributes are 4 or 8 bytes wide: read into a zeroed 8-byte value
+	return RS_CALL(pointerGetAttribute, v, attr, p);
+}
 static CUresult rs_mem_alloc(CUdeviceptr *p, size_t n) { return RS_CALL(memAlloc, p, n); }
 static CUresult rs_mem_free(CUdeviceptr p) { return RS_CALL(memFree, p); }
 static CUresult rs_host_register(uintptr_t p, size_t n, unsigned int flags) { return RS_CALL(memHostRegister, (void *)p, n, flags); }
 static CUresult rs_host_unregister(uintptr_t p) { return RS_CALL(memHostUnregister, (void *)p); }
 static CUresult rs_htod(CUdeviceptr d, const void *s, size_t n) { return RS_CALL(memcpyHtoD, d, s, n); }
 static CUresult rs_dtoh(void *d, CUdeviceptr s, size_t n) { return RS_CALL(memcpyDtoH, d, s, n); }
+
+static void rs_vmm_prop(CUmemAllocationProp *prop, int device, int types) {
+	memset(prop, 0, sizeof *prop);
+	prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop->requestedHandleTypes = types;
+	prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	prop->location.id = device;
+}
+static CUresult rs_vmm_granularity(size_t *g, int device) {
+	CUmemAllocationProp prop;
+	rs_vmm_prop(&prop, device, 0);
+	return RS_CALL(memGetAllocationGranularity, g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+}
+static CUresult rs_vmm_create(uint64_t *h, size_t n, int device, int types) {
+	CUmemAllocationProp prop;
+	rs_vmm_prop(&prop, device, types);
+	return RS_CALL(memCreate, (CUmemGenericAllocationHandle *)h, n, &prop, 0);
+}
+static CUresult rs_vmm_release(uint64_t h) { return RS_CALL(memRelease, h); }
+static CUresult rs_vmm_reserve(CUdeviceptr *p, size_t n) { return RS_CALL(memAddressReserve, p, n, 0, 0, 0); }
+static CUresult rs_vmm_address_free(CUdeviceptr p, size_t n) { return RS_CALL(memAddressFree, p, n); }
+static CUresult rs_vmm_map(CUdeviceptr p, size_t n, uint64_t h) { return RS_CALL(memMap, p, n, 0, h, 0); }
+static CUresult rs_vmm_unmap(CUdeviceptr p, size_t n) { return RS_CALL(memUnmap, p, n); }
+static CUresult rs_vmm_set_access(CUdeviceptr p, size_t n, int device) {
+	CUmemAccessDesc d;
+	memset(&d, 0, sizeof d);
+	d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	d.location.id = device;
+	d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	return RS_CALL(memSetAccess, p, n, &d, 1);
+}
+static CUresult rs_vmm_retain(uint64_t *h, CUdeviceptr p) {
+	return RS_CALL(memRetainAllocationHandle, (CUmemGenericAllocationHandle *)h, (void *)(uintptr_t)p);
+}
+static CUresult rs_vmm_export_fd(int *fd, uint64_t h) {
+	*fd = -1;
+	return RS_CALL(memExportToShareableHandle, fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+}
+static CUresult rs_vmm_import_fd(uint64_t *h, int fd) {
+	return RS_CALL(memImportFromShareableHandle, (CUmemGenericAllocationHandle *)h, (void *)(uintptr_t)fd,
+		CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+}
 
 static CUresult rs_stream_create(uintptr_t *s, int priority) {
 	return RS_CALL(streamCreateWithPriority, (CUstream *)s, CU_STREAM_NON_BLOCKING, priority);
@@ -260,6 +354,8 @@ static CUresult rs_copy_batch(uint64_t *dst, uint64_t *src, uint64_t *len, size_
 }
 
 typedef char rs_check_attrs[sizeof(CUmemcpyAttributes) == 24 ? 1 : -1];
+typedef char rs_check_prop[sizeof(CUmemAllocationProp) == 32 ? 1 : -1];
+typedef char rs_check_access[sizeof(CUmemAccessDesc) == 12 ? 1 : -1];
 typedef char rs_check_size[sizeof(size_t) == sizeof(uint64_t) ? 1 : -1];
 */
 import "C"
@@ -415,6 +511,15 @@ func IPCCapable(p DevicePtr) (bool, error) {
 	return v != 0, err
 }
 
+// PointerAttribute returns a CU_POINTER_ATTRIBUTE_* of p (the Attr*
+// constants), read into a zeroed 64-bit value: the 4-byte attributes land
+// in its low half.
+func PointerAttribute(p DevicePtr, attr int) (uint64, error) {
+	var v C.uint64_t
+	err := result(Result(C.rs_pointer_attr(&v, C.int(attr), C.CUdeviceptr(p))))
+	return uint64(v), err
+}
+
 // MemAlloc allocates device memory in the current context.
 func MemAlloc(n uint64) (DevicePtr, error) {
 	var p C.CUdeviceptr
@@ -568,4 +673,86 @@ func CopyAsync(dir Dir, batch bool, dst, src, lens []uint64, s Stream) (calls, f
 		}
 	}
 	return calls, 0, nil
+}
+
+// HasVMM reports whether the driver has every virtual memory management
+// entry point the Mem* functions below call.
+func HasVMM() bool { return C.rs_has_vmm() != 0 }
+
+// MemGranularity returns the minimum allocation granularity of device d
+// (cuMemGetAllocationGranularity): sizes, offsets and addresses of VMM
+// mappings are multiples of it.
+func MemGranularity(d Device) (uint64, error) {
+	var g C.size_t
+	err := result(Result(C.rs_vmm_granularity(&g, C.int(d))))
+	return uint64(g), err
+}
+
+// MemCreate allocates n bytes on device d (cuMemCreate, pinned, a multiple
+// of MemGranularity) that can be exported as the handle types requested
+// (HandleType* bits); it has no mapping until MemMap.
+func MemCreate(d Device, n uint64, handleTypes int) (MemHandle, error) {
+	var h C.uint64_t
+	err := result(Result(C.rs_vmm_create(&h, C.size_t(n), C.int(d), C.int(handleTypes))))
+	return MemHandle(h), err
+}
+
+// Release drops one reference to the allocation (cuMemRelease); its memory
+// is freed once no handle, mapping or exported descriptor is left.
+func (h MemHandle) Release() error { return result(Result(C.rs_vmm_release(C.uint64_t(h)))) }
+
+// MemAddressReserve reserves n bytes of device address space, aligned as
+// the driver chooses.
+func MemAddressReserve(n uint64) (DevicePtr, error) {
+	var p C.CUdeviceptr
+	err := result(Result(C.rs_vmm_reserve(&p, C.size_t(n))))
+	return DevicePtr(p), err
+}
+
+// MemAddressFree frees a reservation: p and n as MemAddressReserve gave them.
+func MemAddressFree(p DevicePtr, n uint64) error {
+	return result(Result(C.rs_vmm_address_free(C.CUdeviceptr(p), C.size_t(n))))
+}
+
+// MemMap maps the first n bytes of h at p, inside a reservation; the
+// mapping has no access until MemSetAccess.
+func MemMap(p DevicePtr, n uint64, h MemHandle) error {
+	return result(Result(C.rs_vmm_map(C.CUdeviceptr(p), C.size_t(n), C.uint64_t(h))))
+}
+
+// MemUnmap unmaps exactly one mapping made by MemMap.
+func MemUnmap(p DevicePtr, n uint64) error {
+	return result(Result(C.rs_vmm_unmap(C.CUdeviceptr(p), C.size_t(n))))
+}
+
+// MemSetAccess gives device d read-write access to [p, p+n), whole
+// mappings.
+func MemSetAccess(p DevicePtr, n uint64, d Device) error {
+	return result(Result(C.rs_vmm_set_access(C.CUdeviceptr(p), C.size_t(n), C.int(d))))
+}
+
+// MemRetainHandle returns the handle of the allocation mapped at p (any
+// address of the mapping), with a reference the caller releases.
+func MemRetainHandle(p DevicePtr) (MemHandle, error) {
+	var h C.uint64_t
+	err := result(Result(C.rs_vmm_retain(&h, C.CUdeviceptr(p))))
+	return MemHandle(h), err
+}
+
+// MemExportFD exports h as a POSIX file descriptor
+// (cuMemExportToShareableHandle), which the caller owns and closes; it
+// fails unless HandleTypePOSIXFD was requested at MemCreate.
+func MemExportFD(h MemHandle) (int, error) {
+	var fd C.int
+	err := result(Result(C.rs_vmm_export_fd(&fd, C.uint64_t(h))))
+	return int(fd), err
+}
+
+// MemImportFD imports an allocation from a descriptor another process
+// exported (cuMemImportFromShareableHandle); the caller still owns fd and
+// closes it. The handle is released with Release.
+func MemImportFD(fd int) (MemHandle, error) {
+	var h C.uint64_t
+	err := result(Result(C.rs_vmm_import_fd(&h, C.int(fd))))
+	return MemHandle(h), err
 }

@@ -62,6 +62,9 @@ func AddressRange(DevicePtr) (DevicePtr, uint64, error) { return 0, 0, ErrorNotL
 // IPCCapable fails without a driver.
 func IPCCapable(DevicePtr) (bool, error) { return false, ErrorNotLoaded }
 
+// PointerAttribute fails without a driver.
+func PointerAttribute(DevicePtr, int) (uint64, error) { return 0, ErrorNotLoaded }
+
 // MemAlloc fails without a driver.
 func MemAlloc(uint64) (DevicePtr, error) { return 0, ErrorNotLoaded }
 
@@ -125,3 +128,39 @@ func (s Stream) WaitEvent(Event) error { return ErrorNotLoaded }
 func CopyAsync(Dir, bool, []uint64, []uint64, []uint64, Stream) (int, int, error) {
 	return 0, 0, ErrorNotLoaded
 }
+
+// HasVMM is false without a driver.
+func HasVMM() bool { return false }
+
+// MemGranularity fails without a driver.
+func MemGranularity(Device) (uint64, error) { return 0, ErrorNotLoaded }
+
+// MemCreate fails without a driver.
+func MemCreate(Device, uint64, int) (MemHandle, error) { return 0, ErrorNotLoaded }
+
+// Release fails without a driver.
+func (h MemHandle) Release() error { return ErrorNotLoaded }
+
+// MemAddressReserve fails without a driver.
+func MemAddressReserve(uint64) (DevicePtr, error) { return 0, ErrorNotLoaded }
+
+// MemAddressFree fails without a driver.
+func MemAddressFree(DevicePtr, uint64) error { return ErrorNotLoaded }
+
+// MemMap fails without a driver.
+func MemMap(DevicePtr, uint64, MemHandle) error { return ErrorNotLoaded }
+
+// MemUnmap fails without a driver.
+func MemUnmap(DevicePtr, uint64) error { return ErrorNotLoaded }
+
+// MemSetAccess fails without a driver.
+func MemSetAccess(DevicePtr, uint64, Device) error { return ErrorNotLoaded }
+
+// MemRetainHandle fails without a driver.
+func MemRetainHandle(DevicePtr) (MemHandle, error) { return 0, ErrorNotLoaded }
+
+// MemExportFD fails without a driver.
+func MemExportFD(MemHandle) (int, error) { return -1, ErrorNotLoaded }
+
+// MemImportFD fails without a driver.
+func MemImportFD(int) (MemHandle, error) { return 0, ErrorNotLoaded }
