@@ -2,7 +2,9 @@
 // in a second process, so that what is measured and checked is the
 // sidecar's cross-process path: a peer allocates memory (host memory for
 // the host backend, device memory exported with cudaIpcGetMemHandle for the
-// CUDA backend), reports how to reach it, and fills or dumps it on request.
+// CUDA backend, or virtual-memory-management memory whose POSIX file
+// descriptor it sends over a Unix socket), reports how to reach it, and
+// fills or dumps it on request.
 // A peer is the test binary or the ringside-bench executable re-executed with
 // PeerEnv set; its entry point is PeerMain. MapAnon gives benchmarks the
 // anonymous memory of gpu/internal/hostmem. The conformance suite that runs
@@ -15,10 +17,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"runtime"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/ringside-kv/ringside/gpu"
@@ -49,6 +53,17 @@ type EventExport struct {
 	Handle [64]byte
 }
 
+// VMMExport is a peer buffer in virtual-memory-management memory
+// (cuMemCreate + cuMemMap), shared by file descriptor (VMMSendFD).
+type VMMExport struct {
+	ID          int
+	PID         int
+	Base        uint64 // the mapping's address in the peer
+	Length      uint64 // its size: the allocation's, a multiple of Granularity
+	Granularity uint64
+	GPU         [16]byte
+}
+
 // Region returns a region of e with the given geometry.
 func (e Export) Region(pageSize uint64, pages uint32, segs []gpu.Segment) gpu.Region {
 	r := gpu.Region{PID: e.PID, Base: e.Base, Length: e.Length, PageSize: pageSize, PageCount: pages, Segments: segs}
@@ -68,6 +83,7 @@ type Peer struct {
 	out     *bufio.Reader
 	Timeout time.Duration
 	killed  bool
+	closed  bool
 }
 
 // StartPeer starts argv (the test binary, or `ringside-bench copy-peer`)
@@ -158,6 +174,42 @@ func (p *Peer) NewEvent() (EventExport, error) {
 // Record records event id on the peer's stream.
 func (p *Peer) Record(id int) error { _, err := p.do("record %d", id); return err }
 
+// VMM allocates n bytes (rounded up to the granularity) with cuMemCreate,
+// requesting handleTypes (cuda.HandleType* bits), maps them into a
+// reservation and makes them readable and writable: the way vLLM's
+// extensible KV cache allocates.
+func (p *Peer) VMM(n uint64, handleTypes int) (VMMExport, error) {
+	var e VMMExport
+	s, err := p.do("vmm %d %d", n, handleTypes)
+	if err == nil {
+		err = json.Unmarshal([]byte(s), &e)
+	}
+	return e, err
+}
+
+// VMMSendFD exports VMM buffer id as the planned worker does (the handle
+// retained from a mapped address, cuMemExportToShareableHandle with
+// CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), connects to the Unix socket
+// at path, sends the descriptor with SCM_RIGHTS and closes its copy.
+func (p *Peer) VMMSendFD(id int, path string) error {
+	_, err := p.do("vmmsend %d %s", id, path)
+	return err
+}
+
+// VMMRelease releases the handle of VMM buffer id that cuMemCreate gave,
+// leaving it mapped (and in use) in the peer.
+func (p *Peer) VMMRelease(id int) error { _, err := p.do("vmmrelease %d", id); return err }
+
+// FDs returns how many file descriptors the peer has open.
+func (p *Peer) FDs() (int, error) {
+	s, err := p.do("fds")
+	n := 0
+	if err == nil {
+		_, err = fmt.Sscan(s, &n)
+	}
+	return n, err
+}
+
 // Write fills buffer id from the start with the contents of file path.
 func (p *Peer) Write(id int, path string) error { _, err := p.do("write %d %s", id, path); return err }
 
@@ -178,11 +230,12 @@ func (p *Peer) Kill() error {
 	return nil
 }
 
-// Close stops the peer and waits for it.
+// Close stops the peer and waits for it; a second Close returns nil.
 func (p *Peer) Close() error {
-	if p.killed {
+	if p.killed || p.closed {
 		return nil
 	}
+	p.closed = true
 	p.in.Close()
 	done := make(chan error, 1)
 	go func() { done <- p.cmd.Wait() }()
@@ -201,6 +254,91 @@ type peerBuf struct {
 	dev  cuda.DevicePtr // cuda peer: allocation base
 	off  uint64
 	n    uint64
+	vmm  *vmmBuf // cuda peer, VMM memory: mapped at dev, n bytes
+}
+
+// vmmBuf is the VMM state of a peer buffer.
+type vmmBuf struct {
+	h        cuda.MemHandle
+	released bool // h was released (the mapping stays)
+}
+
+// free releases a peer buffer's device memory.
+func (b *peerBuf) free() error {
+	if b.vmm == nil {
+		return cuda.MemFree(b.dev)
+	}
+	err := errors.Join(cuda.MemUnmap(b.dev, b.n), cuda.MemAddressFree(b.dev, b.n))
+	if !b.vmm.released {
+		err = errors.Join(err, b.vmm.h.Release())
+	}
+	return err
+}
+
+// vmmAlloc makes a VMM buffer of n bytes rounded up to the granularity
+// (see Peer.VMM); on error nothing is left allocated.
+func vmmAlloc(n uint64, types int) (b *peerBuf, gran uint64, err error) {
+	d := cuda.Device(0)
+	if gran, err = cuda.MemGranularity(d); err != nil {
+		return nil, 0, fmt.Errorf("cuMemGetAllocationGranularity: %w", err)
+	}
+	n = (n + gran - 1) / gran * gran
+	h, err := cuda.MemCreate(d, n, types)
+	if err != nil {
+		return nil, 0, fmt.Errorf("cuMemCreate: %w", err)
+	}
+	p, err := cuda.MemAddressReserve(n)
+	if err != nil {
+		h.Release()
+		return nil, 0, fmt.Errorf("cuMemAddressReserve: %w", err)
+	}
+	if err = cuda.MemMap(p, n, h); err != nil {
+		err = fmt.Errorf("cuMemMap: %w", err)
+	} else if err = cuda.MemSetAccess(p, n, d); err != nil {
+		err = fmt.Errorf("cuMemSetAccess: %w", err)
+		cuda.MemUnmap(p, n)
+	}
+	if err != nil {
+		cuda.MemAddressFree(p, n)
+		h.Release()
+		return nil, 0, err
+	}
+	return &peerBuf{dev: p, n: n, vmm: &vmmBuf{h: h}}, gran, nil
+}
+
+// vmmSend exports b's allocation as a file descriptor and sends it with
+// SCM_RIGHTS to the Unix socket at path.
+func vmmSend(b *peerBuf, path string) error {
+	// The worker's path: the handle from a mapped address (not the base),
+	// then the descriptor; the retained reference is released at once.
+	h, err := cuda.MemRetainHandle(b.dev + cuda.DevicePtr(b.n/2))
+	if err != nil {
+		return fmt.Errorf("cuMemRetainAllocationHandle: %w", err)
+	}
+	fd, err := cuda.MemExportFD(h)
+	if rerr := h.Release(); err == nil && rerr != nil {
+		err = rerr
+	}
+	if err != nil {
+		if fd >= 0 {
+			syscall.Close(fd)
+		}
+		return fmt.Errorf("cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR): %w", err)
+	}
+	defer syscall.Close(fd)
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_, _, err = c.WriteMsgUnix([]byte{'f'}, syscall.UnixRights(fd), nil)
+	return err
+}
+
+// openFDs counts this process's open file descriptors.
+func openFDs() (int, error) {
+	es, err := os.ReadDir("/proc/self/fd")
+	return len(es) - 1, err // less the one ReadDir held
 }
 
 // PeerMain serves a peer's requests on stdin/stdout until stdin closes
@@ -285,7 +423,7 @@ func PeerMain(kind string) int {
 		var reply string
 		var id int
 		var b *peerBuf
-		if len(f) >= 2 && f[0] != "alloc" && f[0] != "allocn" && f[0] != "record" {
+		if len(f) >= 2 && f[0] != "alloc" && f[0] != "allocn" && f[0] != "record" && f[0] != "vmm" {
 			fmt.Sscan(f[1], &id)
 			if b = bufs[id]; b == nil {
 				say("err no buffer %d", id)
@@ -321,6 +459,29 @@ func PeerMain(kind string) int {
 				j, err = json.Marshal(es)
 				reply = string(j)
 			}
+		case f[0] == "vmm" && len(f) == 3 && kind == "cuda":
+			var n uint64
+			var types int
+			fmt.Sscan(f[1], &n)
+			fmt.Sscan(f[2], &types)
+			var g uint64
+			if b, g, err = vmmAlloc(n, types); err == nil {
+				next++
+				bufs[next] = b
+				var j []byte
+				j, err = json.Marshal(VMMExport{ID: next, PID: os.Getpid(), Base: uint64(b.dev), Length: b.n, Granularity: g, GPU: uuid})
+				reply = string(j)
+			}
+		case f[0] == "vmmsend" && len(f) == 3 && b.vmm != nil:
+			err = vmmSend(b, f[2])
+		case f[0] == "vmmrelease" && len(f) == 2 && b.vmm != nil && !b.vmm.released:
+			if err = b.vmm.h.Release(); err == nil {
+				b.vmm.released = true
+			}
+		case f[0] == "fds" && len(f) == 1:
+			var n int
+			n, err = openFDs()
+			reply = fmt.Sprint(n)
 		case f[0] == "event" && len(f) == 1 && kind == "cuda":
 			if stream == 0 {
 				stream, err = cuda.NewStream(0)
@@ -373,7 +534,7 @@ func PeerMain(kind string) int {
 			}
 		case f[0] == "free" && len(f) == 2:
 			if kind == "cuda" {
-				err = cuda.MemFree(b.dev)
+				err = b.free()
 			}
 			delete(bufs, id)
 		default:
@@ -387,7 +548,7 @@ func PeerMain(kind string) int {
 	}
 	for _, b := range bufs {
 		if kind == "cuda" {
-			cuda.MemFree(b.dev)
+			b.free()
 		}
 	}
 	for _, ev := range events {
