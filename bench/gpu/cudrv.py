@@ -24,7 +24,21 @@ CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+CU_MEM_HANDLE_TYPE_NONE = 0
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_HANDLE_TYPE_FABRIC = 8
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_NOT_READY = 600
+
+# CUpointer_attribute values the VMM probes read.
+ATTR_LEGACY_IPC = 10  # IS_LEGACY_CUDA_IPC_CAPABLE
+ATTR_RANGE_START = 11  # RANGE_START_ADDR: the reservation
+ATTR_RANGE_SIZE = 12  # RANGE_SIZE
+ATTR_MAPPED = 13  # MAPPED
+ATTR_HANDLE_TYPES = 14  # ALLOWED_HANDLE_TYPES
+ATTR_MAPPING_SIZE = 18  # MAPPING_SIZE: the mapping
+ATTR_MAPPING_BASE = 19  # MAPPING_BASE_ADDR
 
 # Errors after which a context is unusable (every later call fails the
 # same way until the process exits): illegal address, launch failures,
@@ -122,6 +136,10 @@ SIGNATURES = {
     "cuMemMap": [CUdeviceptr, _sz, _sz, ctypes.c_ulonglong, ctypes.c_ulonglong],
     "cuMemUnmap": [CUdeviceptr, _sz],
     "cuMemSetAccess": [CUdeviceptr, _sz, P(MemAccessDesc), _sz],
+    "cuMemRetainAllocationHandle": [P(ctypes.c_ulonglong), _vp],
+    "cuMemExportToShareableHandle": [_vp, ctypes.c_ulonglong, _i, ctypes.c_ulonglong],
+    "cuMemImportFromShareableHandle": [P(ctypes.c_ulonglong), _vp, _i],
+    "cuPointerGetAttribute": [_vp, _i, CUdeviceptr],
     "cuStreamCreateWithPriority": [P(_vp), _ui, _i],
     "cuStreamDestroy": [_vp],
     "cuStreamSynchronize": [_vp],
@@ -275,12 +293,109 @@ class Driver:
         self.call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), minimum)
         return g.value
 
-    def vmm_prop(self) -> MemAllocationProp:
+    def vmm_prop(self, handle_types: int = CU_MEM_HANDLE_TYPE_NONE) -> MemAllocationProp:
         prop = MemAllocationProp()
         prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.requestedHandleTypes = handle_types
         prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = self.device
         return prop
+
+    # Virtual memory management: allocations shared by file descriptor.
+
+    def vmm_create(self, n: int, handle_types: int) -> tuple[int, int]:
+        """(code, handle) of cuMemCreate of n bytes requesting handle_types."""
+        prop = self.vmm_prop(handle_types)
+        h = ctypes.c_ulonglong()
+        r = self.try_call("cuMemCreate", ctypes.byref(h), n, ctypes.byref(prop), 0)
+        return r, h.value
+
+    def access_desc(self, flags: int = CU_MEM_ACCESS_FLAGS_PROT_READWRITE) -> MemAccessDesc:
+        acc = MemAccessDesc()
+        acc.location.type, acc.location.id = CU_MEM_LOCATION_TYPE_DEVICE, self.device
+        acc.flags = flags
+        return acc
+
+    def vmm_export_fd(self, handle: int) -> tuple[int, int]:
+        """(code, fd) of cuMemExportToShareableHandle as a POSIX descriptor."""
+        fd = ctypes.c_int(-1)
+        r = self.try_call(
+            "cuMemExportToShareableHandle", ctypes.byref(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+        )
+        return r, fd.value
+
+    def vmm_import_fd(self, fd: int) -> tuple[int, int]:
+        """(code, handle) of cuMemImportFromShareableHandle of a descriptor."""
+        h = ctypes.c_ulonglong()
+        r = self.try_call(
+            "cuMemImportFromShareableHandle",
+            ctypes.byref(h),
+            ctypes.c_void_p(fd),
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+        return r, h.value
+
+    def vmm_retain(self, ptr: int) -> tuple[int, int]:
+        """(code, handle) of cuMemRetainAllocationHandle of an address."""
+        h = ctypes.c_ulonglong()
+        r = self.try_call("cuMemRetainAllocationHandle", ctypes.byref(h), ctypes.c_void_p(ptr))
+        return r, h.value
+
+    def pointer_attr(self, attr: int, ptr: int) -> tuple[int, int]:
+        """(code, value) of cuPointerGetAttribute, read into a zeroed 8-byte value."""
+        v = ctypes.c_uint64(0)
+        r = self.try_call("cuPointerGetAttribute", ctypes.byref(v), attr, ptr)
+        return r, v.value
+
+    def fill(self, ptr: int, byte: int, n: int) -> int:
+        """The code of a synchronous cuMemcpyHtoD of n bytes of byte to ptr."""
+        src = (ctypes.c_ubyte * n)(*([byte] * n))
+        return self.try_call("cuMemcpyHtoD", ptr, src, n)
+
+    def read(self, ptr: int, n: int) -> tuple[int, list[int]]:
+        """(code, the distinct byte values) of a synchronous cuMemcpyDtoH."""
+        dst = (ctypes.c_ubyte * n)()
+        r = self.try_call("cuMemcpyDtoH", dst, ptr, n)
+        return r, sorted(set(bytes(dst))) if r == 0 else []
+
+
+class VmmMapping:
+    """A VMM allocation mapped read-write in a reservation of its size plus
+    `spare` bytes left unmapped after it. Raises CudaError (undoing what it
+    made) when a step fails; close() undoes all of it."""
+
+    def __init__(self, drv: Driver, handle: int, n: int, spare: int = 0, owned: bool = True):
+        self.drv, self.h, self.n, self.reserved = drv, handle, n, n + spare
+        self.released = not owned  # nothing of ours to release
+        p = CUdeviceptr()
+        drv.call("cuMemAddressReserve", ctypes.byref(p), self.reserved, 0, 0, 0)
+        self.ptr = p.value
+        try:
+            drv.call("cuMemMap", self.ptr, n, 0, handle, 0)
+            try:
+                acc = drv.access_desc()
+                drv.call("cuMemSetAccess", self.ptr, n, ctypes.byref(acc), 1)
+            except CudaError:
+                drv.opt("cuMemUnmap", self.ptr, n)
+                raise
+        except CudaError:
+            drv.opt("cuMemAddressFree", self.ptr, self.reserved)
+            raise
+
+    def release(self) -> int:
+        """Release the handle, leaving the mapping; returns the code."""
+        self.released = True
+        return self.drv.try_call("cuMemRelease", self.h)
+
+    def close(self) -> dict[str, int]:
+        """Unmap, free the reservation, release the handle if still held;
+        the codes of each call."""
+        d = self.drv
+        codes = {"cuMemUnmap": d.try_call("cuMemUnmap", self.ptr, self.n)}
+        codes["cuMemAddressFree"] = d.try_call("cuMemAddressFree", self.ptr, self.reserved)
+        if not self.released:
+            codes["cuMemRelease"] = self.release()
+        return codes
 
 
 class PinnedBuffer:

@@ -17,6 +17,29 @@ memory. One line per probe, `PROBE <name>: <verdict> (<details>)`:
                       chain of copies; this process waits on it with
                       cuStreamWaitEvent before its own copy: is the copy
                       held back, does it see the chain's last write
+  vmm-fd-export       VMM memory created with CU_MEM_HANDLE_TYPE_POSIX_FILE_
+                      DESCRIPTOR requested (vLLM 0.34's KV cache): the child
+                      retains its handle from an address inside the mapping
+                      and exports a file descriptor (what it refers to, is
+                      it close-on-exec), sent here with SCM_RIGHTS
+  vmm-fd-import       this process imports the descriptor, maps it and
+                      moves bytes both ways with the child
+  vmm-release-mapped  both handles released while mapped, then the child
+                      unmaps and exits: do the bytes still move, does this
+                      process's mapping keep the memory
+  vmm-export-unrequested  a descriptor export of memory that requested no
+                      handle type (and a FABRIC allocation, where one can be
+                      made): which error
+  vmm-pointer-attrs   cuPointerGetAttribute (IS_LEGACY_CUDA_IPC_CAPABLE,
+                      ALLOWED_HANDLE_TYPES, MAPPED, the range and the
+                      mapping), cuMemGetAddressRange and cuIpcGetMemHandle on
+                      VMM memory and on cuMemAlloc memory, against what the
+                      stand-in driver answers
+  vmm-map-rules       in a child of its own (a refused copy may poison its
+                      context): the codes of cuMemMap, cuMemSetAccess,
+                      cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle
+                      and copies for what the documentation refuses, against
+                      the stand-in's
   exporter-death      D2H copies of a large imported allocation queued, the
                       child SIGKILLed meanwhile: which errors come back, is
                       this process's context poisoned (a sticky error)
@@ -31,10 +54,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,7 +70,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cudrv  # noqa: E402
 from cudrv import CudaError, Missing  # noqa: E402
 
-PROBES = ["ipc-range", "ipc-corrupt-handle", "vmm-export", "ipc-event", "exporter-death"]
+PROBES = [
+    "ipc-range",
+    "ipc-corrupt-handle",
+    "vmm-export",
+    "ipc-event",
+    "vmm-fd-export",
+    "vmm-fd-import",
+    "vmm-release-mapped",
+    "vmm-export-unrequested",
+    "vmm-pointer-attrs",
+    "vmm-map-rules",
+    "exporter-death",
+]
 MIB = 1 << 20
 
 
@@ -57,7 +94,9 @@ def verdict(name: str, v: str, details: str) -> None:
 
 
 class ChildState:
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket | None = None) -> None:
+        self.sock = sock  # SCM_RIGHTS to the parent
+        self.mappings: list[cudrv.VmmMapping] = []
         self.drv = cudrv.Driver()
         self.allocs: list[int] = []
         self.buffers: list[cudrv.PinnedBuffer] = []
@@ -127,8 +166,125 @@ class ChildState:
         q = d.try_call("cuEventQuery", self.event)
         return {"pending": q == cudrv.CUDA_ERROR_NOT_READY, "query": d.describe(q)}
 
+    def op_vmm_fd(self, m: dict) -> dict:
+        """A VMM allocation of `granules` granules requesting `types`, mapped
+        with one granule of its reservation left unmapped, its first half
+        filled with `fill`; exported as a descriptor from a handle retained
+        at an address inside the mapping, sent to the parent when `send`."""
+        d = self.drv
+        gran = d.granularity()
+        n = gran * int(m.get("granules", 2))
+        r, h = d.vmm_create(n, int(m["types"]))
+        out: dict = {"granularity": gran, "bytes": n, "create": r, "create_name": d.describe(r)}
+        if r != 0:
+            return out
+        vm = cudrv.VmmMapping(d, h, n, spare=gran)
+        self.mappings.append(vm)
+        out["id"] = len(self.mappings) - 1
+        out["fill"] = d.fill(vm.ptr, int(m.get("fill", 0)), n // 2)
+        r, rh = d.vmm_retain(vm.ptr + n // 2 + 4096)
+        out["retain"], out["retain_name"], out["same_handle"] = r, d.describe(r), r == 0 and rh == h
+        r, fd = d.vmm_export_fd(rh if r == 0 else h)
+        out["export"], out["export_name"] = r, d.describe(r)
+        if out["retain"] == 0:
+            out["release_retained"] = d.try_call("cuMemRelease", rh)
+        if r == 0:
+            try:
+                out["fd_target"] = os.readlink(f"/proc/self/fd/{fd}")
+                out["cloexec"] = bool(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)
+                if m.get("send") and self.sock is not None:
+                    socket.send_fds(self.sock, [b"f"], [fd])
+                    out["sent"] = True
+            finally:
+                os.close(fd)
+        return out
+
+    def op_vmm_read(self, m: dict) -> dict:
+        vm = self.mappings[int(m["id"])]
+        r, distinct = self.drv.read(vm.ptr + int(m["at"]), int(m["n"]))
+        return {"read": r, "read_name": self.drv.describe(r), "distinct": distinct}
+
+    def op_vmm_fill(self, m: dict) -> dict:
+        vm = self.mappings[int(m["id"])]
+        r = self.drv.fill(vm.ptr + int(m["at"]), int(m["byte"]), int(m["n"]))
+        return {"fill": r, "fill_name": self.drv.describe(r)}
+
+    def op_vmm_release(self, m: dict) -> dict:
+        r = self.mappings[int(m["id"])].release()
+        return {"release": r, "release_name": self.drv.describe(r)}
+
+    def op_vmm_free(self, m: dict) -> dict:
+        vm = self.mappings[int(m["id"])]
+        codes = vm.close()
+        vm.n = 0
+        return {"codes": {k: self.drv.describe(v) for k, v in codes.items()}}
+
+    def op_vmm_rules(self, _m: dict) -> dict:
+        """The codes of what the Virtual Memory Management section refuses
+        (vmm-map-rules); every call that unexpectedly succeeds is undone."""
+        d = self.drv
+        g = d.granularity()
+        codes: dict[str, int] = {}
+        r, h = d.vmm_create(2 * g, cudrv.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        if r != 0:
+            raise CudaError("cuMemCreate", r, d.error_name(r))
+        p = cudrv.CUdeviceptr()
+        d.call("cuMemAddressReserve", ctypes.byref(p), 4 * g, 0, 0, 0)
+        base = p.value
+        own = d.alloc(g)
+
+        def try_map(name: str, at: int, n: int, off: int) -> None:
+            codes[name] = d.try_call("cuMemMap", at, n, off, h, 0)
+            if codes[name] == 0:
+                d.opt("cuMemUnmap", at, n)
+
+        try:
+            r, h2 = d.vmm_create(g + 4096, cudrv.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+            codes["cuMemCreate of a size off the granularity"] = r
+            if r == 0:
+                d.opt("cuMemRelease", h2)
+            try_map("cuMemMap of a size off the granularity", base, g + 4096, 0)
+            try_map("cuMemMap at an address off the granularity", base + 4096, g, 0)
+            try_map("cuMemMap at a nonzero offset", base, g, g)
+            try_map("cuMemMap of more than the allocation", base, 3 * g, 0)
+            try_map("cuMemMap past the reservation", base + 3 * g, 2 * g, 0)
+            d.call("cuMemMap", base, 2 * g, 0, h, 0)
+            try_map("cuMemMap over a mapped range", base + g, g, 0)
+            acc = d.access_desc()
+            codes["cuMemSetAccess of part of a mapping"] = d.try_call("cuMemSetAccess", base, g, ctypes.byref(acc), 1)
+            codes["cuMemSetAccess past the mapping"] = d.try_call("cuMemSetAccess", base, 3 * g, ctypes.byref(acc), 1)
+            codes["cuMemUnmap of part of a mapping"] = d.try_call("cuMemUnmap", base, g)
+            codes["cuMemAddressFree of a mapped reservation"] = d.try_call("cuMemAddressFree", base, 4 * g)
+            codes["cuMemAddressFree of another size"] = d.try_call("cuMemAddressFree", base, 2 * g)
+            r, rh = d.vmm_retain(base + 3 * g)
+            codes["cuMemRetainAllocationHandle of a reserved address not mapped"] = r
+            if r == 0:
+                d.opt("cuMemRelease", rh)
+            r, rh = d.vmm_retain(own)
+            codes["cuMemRetainAllocationHandle of cuMemAlloc memory"] = r
+            if r == 0:
+                d.opt("cuMemRelease", rh)
+            # Last, as they may fault the context on a GPU: copies the
+            # mapping's access does not allow.
+            ro = d.access_desc(cudrv.CU_MEM_ACCESS_FLAGS_PROT_READ)
+            codes["cuMemSetAccess read-only"] = d.try_call("cuMemSetAccess", base, 2 * g, ctypes.byref(ro), 1)
+            codes["cuMemcpyHtoD into read-only memory"] = d.fill(base, 0x42, 4096)
+            codes["cuMemcpyDtoH from read-only memory"] = d.read(base, 4096)[0]
+            codes["cuMemUnmap"] = d.try_call("cuMemUnmap", base, 2 * g)
+            d.call("cuMemMap", base, 2 * g, 0, h, 0)
+            codes["cuMemcpyDtoH from memory mapped without access"] = d.read(base, 4096)[0]
+            codes["cuMemUnmap (again)"] = d.try_call("cuMemUnmap", base, 2 * g)
+        finally:
+            codes["cuMemAddressFree"] = d.try_call("cuMemAddressFree", base, 4 * g)
+            codes["cuMemRelease"] = d.try_call("cuMemRelease", h)
+            d.opt("cuMemFree", own)
+        return {"codes": codes, "names": {k: d.describe(v) for k, v in codes.items()}}
+
     def close(self) -> None:
         d = self.drv
+        for vm in self.mappings:
+            if vm.n:
+                vm.close()
         if self.stream:
             d.opt("cuStreamSynchronize", self.stream)
         if self.event:
@@ -143,13 +299,14 @@ class ChildState:
             d.opt("cuMemFree", p)
 
 
-def child_main() -> int:
+def child_main(fd_sock: int | None) -> int:
     def reply(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
+    sock = None if fd_sock is None else socket.socket(fileno=fd_sock)
     try:
-        st = ChildState()
+        st = ChildState(sock)
     except Missing as e:
         reply({"missing": e.name})
         return 0
@@ -187,14 +344,19 @@ class Child:
 
     def __init__(self, timeout: float, env: dict | None = None):
         self.timeout = timeout
+        # The child sends file descriptors here (SCM_RIGHTS), as an engine
+        # sends them on its attach socket.
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child"],
+            [sys.executable, os.path.abspath(__file__), "--child", "--fd-sock", str(theirs.fileno())],
             env={**os.environ, **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
+            pass_fds=(theirs.fileno(),),
         )
+        theirs.close()
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.info = self.ask("init")
@@ -234,10 +396,19 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()
+        self.sock.close()
 
     def kill(self) -> None:
         os.kill(self.p.pid, signal.SIGKILL)
         self.p.wait()
+
+    def recv_fd(self) -> int:
+        """A descriptor the child sent (close-on-exec here)."""
+        self.sock.settimeout(self.timeout)
+        _, fds, _, _ = socket.recv_fds(self.sock, 16, 1, socket.MSG_CMSG_CLOEXEC)
+        if len(fds) != 1:
+            raise Unsupported("failed", f"{len(fds)} descriptors received, want 1")
+        return fds[0]
 
 
 def open_or_refuse(drv: cudrv.Driver, handle: bytes) -> int:
@@ -418,6 +589,207 @@ def probe_death(drv: cudrv.Driver, child: Child, args, _st: dict) -> None:
         stand_in_cleanup(own_handle)
 
 
+def vmm_needed(drv: cudrv.Driver) -> None:
+    for name in (
+        "cuMemCreate",
+        "cuMemMap",
+        "cuMemSetAccess",
+        "cuMemRetainAllocationHandle",
+        "cuMemExportToShareableHandle",
+        "cuMemImportFromShareableHandle",
+        "cuPointerGetAttribute",
+    ):
+        if not drv.has(name):
+            raise Unsupported("unsupported by this driver", f"{name} missing")
+
+
+def probe_vmm_fd_export(drv: cudrv.Driver, child: Child, _args, st: dict) -> None:
+    vmm_needed(drv)
+    m = child.ask("vmm_fd", types=cudrv.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, fill=0x3C, granules=2, send=True)
+    if m["create"] != 0:
+        raise Unsupported("refused", f"cuMemCreate with POSIX_FILE_DESCRIPTOR requested: {m['create_name']}")
+    d = (
+        f"{m['bytes']} B (granularity {m['granularity']}); cuMemRetainAllocationHandle at an address inside the "
+        f"mapping: {m['retain_name']}, the mapped handle: {m['same_handle']}; "
+        f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR): {m['export_name']}"
+    )
+    if m["export"] != 0:
+        verdict("vmm-fd-export", f"export fails with {m['export_name']}", d)
+        return
+    st["vmm_child"] = m
+    st["vmm_fd"] = child.recv_fd()
+    d += f"; the descriptor refers to {m['fd_target']!r}, close-on-exec: {m['cloexec']}; sent with SCM_RIGHTS"
+    verdict("vmm-fd-export", "exports a file descriptor", d)
+
+
+def probe_vmm_fd_import(drv: cudrv.Driver, child: Child, _args, st: dict) -> None:
+    vmm_needed(drv)
+    fd, m = st.pop("vmm_fd", None), st.get("vmm_child")
+    if fd is None or m is None:
+        raise Unsupported("skipped", "no descriptor: vmm-fd-export did not export one")
+    r, h = drv.vmm_import_fd(fd)
+    os.close(fd)  # the import holds the memory
+    if r != 0:
+        verdict(
+            "vmm-fd-import",
+            f"import fails with {drv.describe(r)}",
+            "cuMemImportFromShareableHandle of the child's descriptor",
+        )
+        return
+    n = m["bytes"]
+    try:
+        vm = cudrv.VmmMapping(drv, h, n)
+    except CudaError as e:
+        drv.opt("cuMemRelease", h)
+        verdict("vmm-fd-import", f"mapping the import fails ({e})", "cuMemImportFromShareableHandle succeeded")
+        return
+    st["vmm_import"] = vm
+    r1, seen = drv.read(vm.ptr, n // 2)
+    r2 = drv.fill(vm.ptr + n // 2, 0xD2, n // 2)
+    back = child.ask("vmm_read", id=m["id"], at=n // 2, n=n // 2)
+    r3 = drv.fill(vm.ptr, 0x77, 4096)
+    again = child.ask("vmm_read", id=m["id"], at=0, n=4096)
+    d = (
+        f"imported and mapped {n} B; this process reads the child's first half: {drv.describe(r1)}, "
+        f"byte values {[hex(b) for b in seen]} (want ['0x3c']); writes the second half: {drv.describe(r2)}, "
+        f"the child reads {[hex(b) for b in back['distinct']]} (want ['0xd2']); a later write here "
+        f"({drv.describe(r3)}) the child reads as {[hex(b) for b in again['distinct']]} (want ['0x77'])"
+    )
+    if seen == [0x3C] and back["distinct"] == [0xD2] and again["distinct"] == [0x77]:
+        verdict("vmm-fd-import", "bytes move both ways", d)
+    else:
+        verdict("vmm-fd-import", "bytes differ", d)
+
+
+def probe_vmm_release_mapped(drv: cudrv.Driver, child: Child, _args, st: dict) -> None:
+    vm, m = st.pop("vmm_import", None), st.get("vmm_child")
+    if vm is None or m is None:
+        raise Unsupported("skipped", "no imported mapping: vmm-fd-import did not map one")
+    n = m["bytes"]
+    codes = {"cuMemRelease of the import, mapped": vm.release()}
+    codes["cuMemRelease in the child, mapped"] = child.ask("vmm_release", id=m["id"])["release"]
+    child.ask("vmm_fill", id=m["id"], at=0, byte=0x6B, n=n)
+    r1, seen = drv.read(vm.ptr, n)
+    codes["cuMemcpyDtoH after both releases"] = r1
+    freed = child.ask("vmm_free", id=m["id"])["codes"]
+    child.close()  # the exporter exits: its context and mappings go
+    r2, after = drv.read(vm.ptr, n)
+    codes["cuMemcpyDtoH after the child exited"] = r2
+    codes.update(vm.close())
+    d = (
+        "; ".join(f"{k}: {drv.describe(v)}" for k, v in codes.items())
+        + f"; the child unmapped and freed ({', '.join(f'{k} {v}' for k, v in freed.items())}) and exited; "
+        f"bytes read here after the releases {[hex(b) for b in seen]}, "
+        f"after the exit {[hex(b) for b in after]} (want ['0x6b'])"
+    )
+    if seen == [0x6B] and after == [0x6B] and not any(codes.values()):
+        verdict("vmm-release-mapped", "the memory lives until the last mapping goes", d)
+    elif seen == [0x6B]:
+        verdict("vmm-release-mapped", "released while mapped works; lost when the exporter exited", d)
+    else:
+        verdict("vmm-release-mapped", "the memory did not outlive its handles", d)
+
+
+def probe_vmm_export_unrequested(drv: cudrv.Driver, child: Child, _args, _st: dict) -> None:
+    vmm_needed(drv)
+    m = child.ask("vmm_fd", types=cudrv.CU_MEM_HANDLE_TYPE_NONE, granules=1)
+    if m["create"] != 0:
+        raise Unsupported("refused", f"cuMemCreate with no handle type requested: {m['create_name']}")
+    f = child.ask("vmm_fd", types=cudrv.CU_MEM_HANDLE_TYPE_FABRIC, granules=1)
+    fabric = f"cuMemCreate requesting FABRIC alone: {f['create_name']}"
+    if f["create"] == 0:
+        fabric += f", its POSIX_FILE_DESCRIPTOR export: {f['export_name']}"
+    d = f"requestedHandleTypes 0, cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR): {m['export_name']}; {fabric}"
+    if m["export"] != 0:
+        verdict("vmm-export-unrequested", f"export fails with {m['export_name']}", d)
+    else:
+        verdict("vmm-export-unrequested", "export succeeds", d)
+
+
+def probe_vmm_pointer_attrs(drv: cudrv.Driver, _child: Child, _args, _st: dict) -> None:
+    vmm_needed(drv)
+    g = drv.granularity()
+    n = 2 * g
+    r, h = drv.vmm_create(n, cudrv.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    if r != 0:
+        raise Unsupported("refused", f"cuMemCreate: {drv.describe(r)}")
+    vm = cudrv.VmmMapping(drv, h, n, spare=g)
+    own = drv.alloc(g)
+    try:
+        p, q = vm.ptr, vm.ptr + 12345
+        got: dict[str, tuple] = {}
+        want: dict[str, tuple] = {}
+
+        def check(name: str, value: tuple, expect: tuple) -> None:
+            got[name], want[name] = value, expect
+
+        check("VMM IS_LEGACY_CUDA_IPC_CAPABLE", drv.pointer_attr(cudrv.ATTR_LEGACY_IPC, q), (0, 0))
+        check("VMM ALLOWED_HANDLE_TYPES", drv.pointer_attr(cudrv.ATTR_HANDLE_TYPES, q), (0, 1))
+        check("VMM MAPPED", drv.pointer_attr(cudrv.ATTR_MAPPED, q), (0, 1))
+        check("MAPPED of a reserved address not mapped", drv.pointer_attr(cudrv.ATTR_MAPPED, p + n), (0, 0))
+        check("VMM RANGE_START_ADDR", drv.pointer_attr(cudrv.ATTR_RANGE_START, q), (0, p))
+        check("VMM RANGE_SIZE", drv.pointer_attr(cudrv.ATTR_RANGE_SIZE, q), (0, n + g))
+        check("VMM MAPPING_BASE_ADDR", drv.pointer_attr(cudrv.ATTR_MAPPING_BASE, q), (0, p))
+        check("VMM MAPPING_SIZE", drv.pointer_attr(cudrv.ATTR_MAPPING_SIZE, q), (0, n))
+        base, size = cudrv.CUdeviceptr(), ctypes.c_size_t()
+        r = drv.try_call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), q)
+        check("VMM cuMemGetAddressRange", (r, base.value, size.value), (0, p, n))
+        ih = cudrv.IpcHandle()
+        check("VMM cuIpcGetMemHandle", (drv.try_call("cuIpcGetMemHandle", ctypes.byref(ih), p),), (1,))
+        check("cuMemAlloc IS_LEGACY_CUDA_IPC_CAPABLE", drv.pointer_attr(cudrv.ATTR_LEGACY_IPC, own), (0, 1))
+        check("cuMemAlloc ALLOWED_HANDLE_TYPES", drv.pointer_attr(cudrv.ATTR_HANDLE_TYPES, own), (0, 0))
+    finally:
+        drv.opt("cuMemFree", own)
+        vm.close()
+    differ = [f"{k}: {got[k]} (stand-in {want[k]})" for k in got if got[k] != want[k]]
+    d = f"granularity {g}; a {n} B mapping in a {n + g} B reservation; " + "; ".join(f"{k} {v}" for k, v in got.items())
+    if differ:
+        verdict("vmm-pointer-attrs", "differs from the stand-in: " + "; ".join(differ), d)
+    else:
+        verdict("vmm-pointer-attrs", "as the stand-in models", d)
+
+
+# What the stand-in driver answers to each of op_vmm_rules' calls.
+STAND_IN_RULES = {
+    "cuMemCreate of a size off the granularity": 1,
+    "cuMemMap of a size off the granularity": 1,
+    "cuMemMap at an address off the granularity": 1,
+    "cuMemMap at a nonzero offset": 1,
+    "cuMemMap of more than the allocation": 1,
+    "cuMemMap past the reservation": 1,
+    "cuMemMap over a mapped range": 1,
+    "cuMemSetAccess of part of a mapping": 1,
+    "cuMemSetAccess past the mapping": 1,
+    "cuMemUnmap of part of a mapping": 1,
+    "cuMemAddressFree of a mapped reservation": 1,
+    "cuMemAddressFree of another size": 1,
+    "cuMemRetainAllocationHandle of a reserved address not mapped": 1,
+    "cuMemRetainAllocationHandle of cuMemAlloc memory": 1,
+    "cuMemSetAccess read-only": 0,
+    "cuMemcpyHtoD into read-only memory": 1,
+    "cuMemcpyDtoH from read-only memory": 0,
+    "cuMemUnmap": 0,
+    "cuMemcpyDtoH from memory mapped without access": 1,
+    "cuMemUnmap (again)": 0,
+    "cuMemAddressFree": 0,
+    "cuMemRelease": 0,
+}
+
+
+def probe_vmm_map_rules(_drv: cudrv.Driver, child: Child, _args, st: dict) -> None:
+    m = child.ask("vmm_rules")
+    codes, names = m["codes"], m["names"]
+    differ = [
+        f"{k}: {names[k]} (stand-in {STAND_IN_RULES.get(k)})" for k, v in codes.items() if v != STAND_IN_RULES.get(k)
+    ]
+    d = "; ".join(f"{k}: {names[k]}" for k in codes)
+    child.close()  # a refused copy may have poisoned its context
+    if differ:
+        verdict("vmm-map-rules", "differs from the stand-in: " + "; ".join(differ), d)
+    else:
+        verdict("vmm-map-rules", "as the stand-in models", d)
+
+
 def parent_main(args) -> int:
     try:
         drv = cudrv.Driver()
@@ -443,13 +815,19 @@ def parent_main(args) -> int:
             ("ipc-corrupt-handle", probe_bad_handle),
             ("vmm-export", probe_vmm),
             ("ipc-event", probe_event),
+            ("vmm-fd-export", probe_vmm_fd_export),
+            ("vmm-fd-import", probe_vmm_fd_import),
+            ("vmm-release-mapped", probe_vmm_release_mapped),
+            ("vmm-export-unrequested", probe_vmm_export_unrequested),
+            ("vmm-pointer-attrs", probe_vmm_pointer_attrs),
+            ("vmm-map-rules", probe_vmm_map_rules),
             ("exporter-death", probe_death),
         ]:
             try:
-                if name == "exporter-death" and child is not None:
-                    child.close()
+                if name in ("vmm-map-rules", "exporter-death") and child is not None:
+                    child.close()  # a fresh child: either may leave its context poisoned
                     child = None
-                if child is None:
+                if child is None or child.p.poll() is not None:
                     hold = {"FAKECUDA_EVENT_HOLD": args.stand_in_hold} if args.stand_in_hold else {}
                     child = Child(args.timeout, hold)
                 fn(drv, child, args, state)
@@ -466,12 +844,18 @@ def parent_main(args) -> int:
     finally:
         if child is not None and child.p.poll() is None:
             child.close()
+        for k in ("vmm_fd",):
+            if k in state:
+                os.close(state.pop(k))
+        if "vmm_import" in state:
+            state.pop("vmm_import").close()
     return 1 if broke else 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fd-sock", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--range-bytes", type=int, default=MIB + 4096)
     ap.add_argument("--event-bytes", type=int, default=256 * MIB)
     ap.add_argument("--event-reps", type=int, default=40, help="H2D copies of --event-bytes before the marker")
@@ -487,7 +871,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.child:
-        return child_main()
+        return child_main(args.fd_sock)
     return parent_main(args)
 
 

@@ -26,9 +26,15 @@
 # exits at start with the reason; (4) probe_torch.py: PyTorch's IPC handles,
 # allocations, strides, expandable segments and device UUID; (5)
 # probe_ipc.py: what the driver does with IPC between two processes
-# (address ranges, corrupt handles, VMM export, interprocess events, the
-# exporter's death). The probes print `PROBE <name>: <verdict> (<details>)`;
-# what a sandbox refuses is a verdict, not a failure of the run.
+# (address ranges, corrupt handles, legacy export of VMM memory,
+# interprocess events; VMM memory shared by POSIX file descriptor: export,
+# import in the second process with bytes both ways, release while mapped,
+# the export error for a handle type not requested, pointer attributes,
+# the map rules; the exporter's death). The probes print
+# `PROBE <name>: <verdict> (<details>)`; what a sandbox refuses is a
+# verdict, not a failure of the run. In the dry mode the VMM probes check
+# the stand-in's model against itself (bench/gpu's test wants its one
+# answer for each), so that they run as they will on a GPU.
 #
 # With $OUT set, results land in $OUT (7 files): gpu.txt, conformance.txt,
 # copy.jsonl (JSON Lines rows), copy.txt (the table), serve.txt,

@@ -24,7 +24,10 @@ var outFiles = []string{
 	"gpu.txt", "conformance.txt", "copy.jsonl", "copy.txt", "serve.txt", "probe_torch.txt", "probe_ipc.txt",
 }
 
-var ipcProbes = []string{"ipc-range", "ipc-corrupt-handle", "vmm-export", "ipc-event", "exporter-death"}
+var ipcProbes = []string{
+	"ipc-range", "ipc-corrupt-handle", "vmm-export", "ipc-event", "vmm-fd-export", "vmm-fd-import",
+	"vmm-release-mapped", "vmm-export-unrequested", "vmm-pointer-attrs", "vmm-map-rules", "exporter-death",
+}
 
 // goFlags are the flags this test binary was built with that change what
 // a package compiles to (-race, -tags, -trimpath): run.sh's builds reuse
@@ -181,5 +184,22 @@ func TestRunDry(t *testing.T) {
 	}
 	if r := v["ipc-range"]; r != "exact" && !strings.HasPrefix(r, "rounded up") {
 		t.Errorf("ipc-range: %q, want exact or rounded up", r)
+	}
+	// The VMM probes: the stand-in's model (fakecuda.c) has one answer each,
+	// so a probe that stops exercising it, or a model that drifts from what
+	// the probe checks on a GPU, fails here. (A prefix: the line's last
+	// parenthesis holds the details, and verdicts may hold one too.)
+	for p, want := range map[string]string{
+		"vmm-export":             "export fails with CUDA_ERROR_INVALID_VALUE (1)",
+		"vmm-fd-export":          "exports a file descriptor",
+		"vmm-fd-import":          "bytes move both ways",
+		"vmm-release-mapped":     "the memory lives until the last mapping goes",
+		"vmm-export-unrequested": "export fails with CUDA_ERROR_INVALID_VALUE (1)",
+		"vmm-pointer-attrs":      "as the stand-in models",
+		"vmm-map-rules":          "as the stand-in models",
+	} {
+		if !strings.HasPrefix(v[p], want) {
+			t.Errorf("%s: %q, want %q against the stand-in", p, v[p], want)
+		}
 	}
 }
