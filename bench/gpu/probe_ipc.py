@@ -35,14 +35,14 @@ memory. One line per probe, `PROBE <name>: <verdict> (<details>)`:
                       mapping), cuMemGetAddressRange and cuIpcGetMemHandle on
                       VMM memory and on cuMemAlloc memory, against what the
                       stand-in driver answers
-  vmm-map-rules       in a child of its own (a refused copy may poison its
-                      context): the codes of cuMemMap, cuMemSetAccess,
-                      cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle
-                      and copies for what the documentation refuses, against
-                      the stand-in's
   exporter-death      D2H copies of a large imported allocation queued, the
                       child SIGKILLed meanwhile: which errors come back, is
                       this process's context poisoned (a sticky error)
+  vmm-map-rules       last, in a child of its own (a refused copy may fault
+                      its context): the codes of cuMemMap, cuMemSetAccess,
+                      cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle
+                      and copies for what the documentation refuses, against
+                      the stand-in's
 
 Only the driver API through ctypes (cudrv.py): no toolkit, no torch. A call
 the driver lacks makes its probe `unsupported by this driver (<name>
@@ -80,8 +80,8 @@ PROBES = [
     "vmm-release-mapped",
     "vmm-export-unrequested",
     "vmm-pointer-attrs",
-    "vmm-map-rules",
     "exporter-death",
+    "vmm-map-rules",
 ]
 MIB = 1 << 20
 
@@ -820,8 +820,10 @@ def parent_main(args) -> int:
             ("vmm-release-mapped", probe_vmm_release_mapped),
             ("vmm-export-unrequested", probe_vmm_export_unrequested),
             ("vmm-pointer-attrs", probe_vmm_pointer_attrs),
-            ("vmm-map-rules", probe_vmm_map_rules),
             ("exporter-death", probe_death),
+            # Last: its child's refused copies may fault on a GPU; it uses
+            # no context of this process, which exporter-death may poison.
+            ("vmm-map-rules", probe_vmm_map_rules),
         ]:
             try:
                 if name in ("vmm-map-rules", "exporter-death") and child is not None:

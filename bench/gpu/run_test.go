@@ -26,7 +26,7 @@ var outFiles = []string{
 
 var ipcProbes = []string{
 	"ipc-range", "ipc-corrupt-handle", "vmm-export", "ipc-event", "vmm-fd-export", "vmm-fd-import",
-	"vmm-release-mapped", "vmm-export-unrequested", "vmm-pointer-attrs", "vmm-map-rules", "exporter-death",
+	"vmm-release-mapped", "vmm-export-unrequested", "vmm-pointer-attrs", "exporter-death", "vmm-map-rules",
 }
 
 // goFlags are the flags this test binary was built with that change what
