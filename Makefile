@@ -71,10 +71,11 @@ vllm-venv:
 	connector/python/scripts/install-vllm.sh $(VLLM_VENV)
 
 # The Python sources of the vLLM releases the connector supports that have no
-# CPU build to install (0.33.0), for its conformance test, which reads them
-# with ast and never imports them (test_vllm_versions.py): the .py files of
-# PyPI's wheel (a 336 MB download, 57 MB kept) in .vllm-src, checked against
-# a pinned sha256. Idempotent: fetched once, then a no-op.
+# CPU build to install (0.33.0, 0.34.0), for its conformance test, which reads
+# them with ast and runs the unit tests under their schedulers
+# (test_vllm_versions.py): the .py files of PyPI's wheels (336 and 239 MB
+# downloads, 57 and 63 MB kept) in .vllm-src, checked against pinned sha256s.
+# Idempotent: fetched once, then a no-op.
 VLLM_SRC ?= $(CURDIR)/.vllm-src
 vllm-src:
 	connector/python/scripts/fetch-vllm-src.sh $(VLLM_SRC)
