@@ -140,8 +140,12 @@ class MultiEngine(H.Engine):
         w = self.worker
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        sync = getattr(so, "has_sync_kv_loads", True)  # as vLLM's runners (vllm_harness.Engine.step)
+        if sync:
+            w.start_load_kv(None)
         toks = self._forward(so)
+        if not sync:
+            w.start_load_kv(None)
         w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
@@ -157,15 +161,7 @@ class MultiEngine(H.Engine):
             invalid_block_ids=invalid,
             kv_connector_worker_meta=wmeta,
         )
-        mro = H.ModelRunnerOutput(
-            req_ids=rids,
-            req_id_to_index={r: i for i, r in enumerate(rids)},
-            sampled_token_ids=[toks[r] for r in rids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=kvo,
-        )
+        mro = H.runner_output(rids, [toks[r] for r in rids], kvo)
         for out in self.sched.update_from_output(so, mro).values():
             for o in out.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)

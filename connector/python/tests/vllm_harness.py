@@ -168,6 +168,23 @@ def sampled(rid: str, length: int) -> int:
     return 4 + (sum(map(ord, rid)) * 31 + length * 13) % 250
 
 
+def runner_output(rids: list[str], sampled_ids: list[list[int]], kvo: Any) -> "ModelRunnerOutput":
+    """The workers' ModelRunnerOutput of a step (vLLM 0.34 dropped its
+    req_id_to_index)."""
+    kw: dict = {}
+    if "req_id_to_index" in getattr(ModelRunnerOutput, "__dataclass_fields__", {}):
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(rids)}
+    return ModelRunnerOutput(
+        req_ids=rids,
+        sampled_token_ids=sampled_ids,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kvo,
+        **kw,
+    )
+
+
 class Engine:
     """vLLM's scheduler + the connector's two sides + a model stand-in (module doc)."""
 
@@ -281,10 +298,17 @@ class Engine:
         if on_meta is not None:
             on_meta(so, meta)
         w = self.worker
+        # In the order of vLLM's model runners (0.32 to 0.34): asynchronous
+        # loads start after the forward pass, unless a connector loads
+        # synchronously in this step (start_load_kv then runs before it).
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
+        sync = getattr(so, "has_sync_kv_loads", True)
+        if sync:
+            w.start_load_kv(None)
         toks = self._forward(so)
+        if not sync:
+            w.start_load_kv(None)
         w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
@@ -299,15 +323,7 @@ class Engine:
             failed_recving=res.failed_recving,
             invalid_block_ids=invalid,
         )
-        mro = ModelRunnerOutput(
-            req_ids=rids,
-            req_id_to_index={r: i for i, r in enumerate(rids)},
-            sampled_token_ids=[toks[r] for r in rids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=kvo,
-        )
+        mro = runner_output(rids, [toks[r] for r in rids], kvo)
         for out in self.sched.update_from_output(so, mro).values():
             for o in out.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)

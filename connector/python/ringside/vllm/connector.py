@@ -64,6 +64,16 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is only a future miss
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34 and later: how the workers reach the device KV cache.
+        They share it with the sidecar through legacy CUDA IPC
+        (plugin/cudaipc.py), which cannot export memory mapped with the
+        driver's virtual memory API, so vLLM must not allocate it so: with
+        LEGACY_IPC it turns its extensible KV cache off (config/vllm.py,
+        _resolve_extensible_kv_cache; an error if it was asked for)."""
+        return legacy_ipc_access()
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         # Another vLLM release than those supported stops the engine's start here.
         versions.check(str(getattr(vllm, "__version__", "")))
@@ -326,15 +336,27 @@ def enclosing_transfer_configs(depth: int = 8) -> list:
     return out
 
 
+def legacy_ipc_access() -> Any:
+    """vLLM's KVCacheAccess.LEGACY_IPC (vllm.config.kv_transfer, vLLM 0.34
+    and later). Older releases have no such enum and never ask."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:  # vLLM before 0.34, which never calls kv_cache_access
+        return None
+    return KVCacheAccess.LEGACY_IPC
+
+
 def writes_before_hook(vllm_config: Any) -> bool:
     """Whether the engine's model runner writes blocks (zeroes new ones,
     copies into them) before it calls handle_preemptions: Model Runner V2
-    does (update_requests comes first), the V1 runner does not. Unknown
-    counts as yes (the workers then settle exposed stores at the step's end)."""
+    does (update_requests comes first), the V1 runner does not. vLLM 0.32
+    and 0.33 say which runner runs (use_v2_model_runner); 0.34 has only
+    Model Runner V2 (on CPU too) and no such property. Unknown counts as
+    yes (the workers then settle exposed stores at the step's end)."""
     try:
         return bool(vllm_config.use_v2_model_runner)
-    except Exception:  # noqa: BLE001 - without the property vLLM predates V2 (the V1 runner)
-        return hasattr(type(vllm_config), "use_v2_model_runner")
+    except Exception:  # noqa: BLE001 - no property (vLLM 0.34 and later): V2 is the only runner
+        return True
 
 
 class Unserved:

