@@ -595,17 +595,19 @@ def test_store_timeout_releases_blocks_after_the_detach(sc):
     assert b.checked_blocks > 0
 
 
-@pytest.mark.parametrize("runner", ["v2", "v1"])
+@pytest.mark.parametrize("runner", ["v2", "v2-deferred", "v1"])
 def test_preempted_blocks_never_freed_under_a_store(sc, runner):
     """Too few blocks: vLLM preempts requests whose blocks the last step's
     stores read, which frees those blocks (no request_finished) for the
     same schedule to hand on. Model Runner V2 zeroes and copies into a
     step's new blocks before handle_preemptions, the V1 runner after it: at
     that first write of each step, no block a store the workers have not
-    seen end reads is free."""
+    seen end reads is free. With a speculator, Model Runner V2 calls
+    wait_for_save after get_transfer_results (v2-deferred)."""
     eng = H.Engine(sc.sock, num_blocks=10, max_num_batched_tokens=32, extra={"overlap_saves": True})
+    eng.defer_finalize = runner == "v2-deferred"
     cw = eng.worker.connector_worker
-    cw.writes_first = runner == "v2"
+    cw.writes_first = runner != "v1"
     pool = eng.sched.kv_cache_manager.block_pool
     reqs = [H.request("p%d" % i, H.prompt(10 + i, 47 + 3 * i), max_tokens=30) for i in range(5)]
     seen = {"exposed": 0, "checked": 0}

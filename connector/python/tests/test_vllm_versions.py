@@ -824,6 +824,36 @@ def test_cpu_runner_order_034():
     assert "use_v2_model_runner" not in members  # so writes_before_hook answers True
 
 
+@pytest.mark.parametrize("version", NO_CPU_BUILD)
+def test_gpu_runner_defers_saves(version):
+    """Model Runner V2 on GPUs with a speculator (0.33, 0.34) collects the
+    finished sets (get_transfer_results) before the stores: post_forward
+    with defer_finalize, then finalize_step (wait_for_save, then the
+    metadata cleared) after the drafter. The workers settle such a step's
+    stores in wait_for_save (test_vllm_connector.py,
+    test_preempted_blocks_never_freed_under_a_store[v2-deferred])."""
+    root = os.path.join(SRC_DIR, version)
+    if not os.path.isfile(os.path.join(root, "vllm", "_version.py")):
+        why = "vLLM %s's sources are not in %s: `make vllm-src` fetches them once" % (version, root)
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    t = Tree(root)
+    kvc = "vllm.v1.worker.gpu.kv_connector"
+    post = _method(t, kvc, "ActiveKVConnector", "post_forward")
+    calls = _calls(post, "self.kv_connector")
+    assert calls.index("wait_for_save") < calls.index("get_transfer_results"), calls
+    skip = [n for n in ast.walk(post) if isinstance(n, ast.If) and ast.unparse(n.test) == "not defer_finalize"]
+    assert sorted(c for n in skip for c in _calls(n, "self.kv_connector")) == [
+        "clear_connector_metadata",
+        "wait_for_save",
+    ]
+    fin = _method(t, kvc, "ActiveKVConnector", "finalize_step")
+    assert _calls(fin, "self.kv_connector") == ["wait_for_save", "clear_connector_metadata"]
+    src = ast.unparse(_method(t, "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"))
+    assert "defer_kv_finalize = self.speculator is not None" in src
+
+
 # -- sleep mode (vLLM 0.33) -----------------------------------------------------------------
 
 

@@ -222,6 +222,7 @@ class Engine:
         self.null_id = self.sched.kv_cache_manager.block_pool.null_block.block_id
         self.worker.register_kv_caches(self.kv)
         self.steps = 0
+        self.defer_finalize = False  # wait_for_save after get_transfer_results (step)
         self.metas: list = []  # every step's RingsideConnectorMetadata
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
@@ -309,9 +310,15 @@ class Engine:
         toks = self._forward(so)
         if not sync:
             w.start_load_kv(None)
-        w.wait_for_save()
+        # Model Runner V2 with a speculator (vLLM 0.33 and 0.34 on GPUs)
+        # collects the finished sets before it stores: post_forward with
+        # defer_finalize, then finalize_step after the drafter.
+        if not self.defer_finalize:
+            w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
+        if self.defer_finalize:
+            w.wait_for_save()
         w.clear_connector_metadata()
         # Nothing ever writes vLLM's null block: no load lands in it.
         for t in self.tensors:

@@ -365,6 +365,11 @@ class WorkerSide:
             self._finish_saves(_POLL)
         elif not self._deferred_saves:
             self._finish_saves(_ALL)
+        elif self.writes_first and meta is self._noted and meta.settle_saves:
+            # get_finished saw this step's metadata before these stores were
+            # sent (Model Runner V2 with a speculator stores after it): they
+            # are settled here, as _settle does for the stores before them.
+            self._finish_saves(_ALL)
 
     def handle_preemptions(self, meta: Any) -> None:
         # vLLM calls this at the start of every step, before the step's
