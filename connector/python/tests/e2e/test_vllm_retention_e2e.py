@@ -4,8 +4,10 @@ body carries ``kv_transfer_params`` with ``ringside_retain_s``; after a
 flood of other prompts through the same server, the sidecar still holds the
 hinted prompt's blocks and has evicted an unhinted one stored at the same
 time (the eviction order), which a repeat of each prompt shows in the
-sidecar's hit counter. A later turn with ``ringside_session_end`` gives the
-retention up.
+sidecar's hit counter. A later turn of the same session
+(``ringside_session``) with ``ringside_session_end`` gives the retention up.
+The engine honours request bodies' hints (``hint_sources``), as one behind
+a gateway would.
 
 vLLM's own prefix cache is off, so every hit is the sidecar's; the local
 index is off, so every lookup reaches the sidecar and is counted in
@@ -62,16 +64,19 @@ def test_retention_hint_in_the_request_body(model_dir, ringside_bin, tmp_path): 
         ringside_bin,
         pool="512KiB",  # 16 blocks of 32 KiB
         slot="32KiB",
+        args=["--limits.retain-share", "0.5"],  # 8 blocks may be retained: the prompt's 6
         metrics=True,
         log=os.path.join(tmp, "sidecar.log"),
         prefix="rs-e2e-",
     )
     srv = None
     try:
-        srv = Server(model_dir, tmp, ringside_config(sc.sock))
+        # Request bodies' hints honoured, as behind a gateway (docs/vllm.md).
+        srv = Server(model_dir, tmp, ringside_config(sc.sock, hint_sources="kv_transfer_params"))
         n = blocks(KEPT)
         assert n == blocks(PLAIN) >= 4
-        srv.complete(KEPT, {"ringside_retain_s": 600, "ringside_priority": 1})
+        session = {"ringside_session": "conversation-1"}
+        srv.complete(KEPT, dict(session, ringside_retain_s=600, ringside_priority=1))
         srv.complete(PLAIN)
         settle(sc, srv, n)
         assert counter(sc, "ringside_retains_total") >= n
@@ -82,7 +87,7 @@ def test_retention_hint_in_the_request_body(model_dir, ringside_bin, tmp_path): 
         assert hit_blocks(sc, srv, PLAIN) == 0, "the unhinted prompt outlived the flood"
         assert hit_blocks(sc, srv, KEPT) == n, "the retained prompt did not outlive the flood"
         # The session's last turn: its blocks lose their retention.
-        srv.complete(KEPT + " And that is all.", {"ringside_session_end": True})
+        srv.complete(KEPT + " And that is all.", dict(session, ringside_session_end=True))
         settle(sc, srv, 0)
         assert counter(sc, "ringside_retains_ended_total") >= n
     finally:
