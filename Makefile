@@ -175,6 +175,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzAcquire$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzRegisterRegion$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzCUDAExtra$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzFDExtra$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
+	$(GO) test -run '^$$' -fuzz '^FuzzRegionDescriptors$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzLoad$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzStore$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzChanges$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/

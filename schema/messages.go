@@ -510,6 +510,7 @@ func (m *CUDAExtra) Decode(b []byte) error {
 const (
 	RegionHostProcess uint8 = 1 // host memory of the engine process, by pid and address
 	RegionCUDAIPC     uint8 = 2 // GPU memory exported with a CUDA IPC handle
+	RegionCUDAFD      uint8 = 3 // GPU memory shared by POSIX file descriptors: only in a RegionDescriptors message
 )
 
 // RegisterRegion registers engine memory that loads and stores copy to and
@@ -520,7 +521,8 @@ const (
 //	24 u64 length                     32 u64 page size
 //	40 u32 page count                 44 u32 segment count
 //	48 segments: u64 offset, u64 stride, u64 length each
-//	.. kind-specific bytes to the end (CUDA IPC: CUDAExtra)
+//	.. kind-specific bytes to the end (CUDA IPC: CUDAExtra; CUDA by
+//	   descriptor: FDExtra)
 //
 //wire:struct RegisterRegion "<IB3xQQQQII" region kind pid base length page_size page_count count(segments)
 type RegisterRegion struct {
@@ -572,7 +574,7 @@ func (m *RegisterRegion) Decode(b []byte) error {
 	if r.err == nil && n > MaxSegments {
 		r.fail("%d segments, at most %d", n, MaxSegments)
 	}
-	if r.err == nil && m.Kind != RegionHostProcess && m.Kind != RegionCUDAIPC {
+	if r.err == nil && m.Kind != RegionHostProcess && m.Kind != RegionCUDAIPC && m.Kind != RegionCUDAFD {
 		r.fail("unknown region kind %d", m.Kind)
 	}
 	m.Segments = m.Segments[:0]

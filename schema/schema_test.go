@@ -218,6 +218,8 @@ func samples() []sample {
 		{"Retain/end", schema.TypeRetain, sRetainEnd, func() []byte { return sRetainEnd.Append(nil) }, decRetain, 24, false},
 		{"Retain/owner", schema.TypeRetain, sRetainOwner, func() []byte { return sRetainOwner.Append(nil) }, decRetain, 32, false},
 		{"Retain/end/owner", schema.TypeRetain, sRetainEndOwner, func() []byte { return sRetainEndOwner.Append(nil) }, decRetain, 32, false},
+		// GPU memory shared by file descriptors, added within version 3 (descriptors_test.go)
+		descriptorSamples()[0], descriptorSamples()[1], descriptorSamples()[2],
 	}
 }
 
@@ -507,12 +509,14 @@ func TestRegisterRegionLimits(t *testing.T) {
 	wantMalformed(t, got.Decode(m.Append(nil)), "%d segments", schema.MaxSegments+1)
 	wantMalformed(t, got.Decode(m.Append(nil)[:48]), "segment count over the limit, no segments")
 
-	for _, kind := range []uint8{0, 3, 0x80, 0xff} {
+	for _, kind := range []uint8{0, 4, 0x80, 0xff} {
 		m := sRegister
 		m.Kind = kind
 		wantMalformed(t, got.Decode(m.Append(nil)), "region kind %d", kind)
 	}
-	for _, kind := range []uint8{schema.RegionHostProcess, schema.RegionCUDAIPC} {
+	// RegionCUDAFD decodes (a RegionDescriptors carries it); the sidecar
+	// refuses it on the ring.
+	for _, kind := range []uint8{schema.RegionHostProcess, schema.RegionCUDAIPC, schema.RegionCUDAFD} {
 		m := sRegister
 		m.Kind = kind
 		if err := got.Decode(m.Append(nil)); err != nil || got.Kind != kind {

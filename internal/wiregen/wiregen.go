@@ -72,7 +72,7 @@ func Output(pkg string) string { return "connector/python/ringside/_wire_" + pkg
 
 // Renames are the Python names that are not the mechanical ones (Go's
 // acronym runs), by package and Go name.
-var Renames = map[string]string{"schema.RegionCUDAIPC": "REGION_CUDA_IPC"}
+var Renames = map[string]string{"schema.RegionCUDAIPC": "REGION_CUDA_IPC", "schema.RegionCUDAFD": "REGION_CUDA_FD"}
 
 // Enum renders the constants of one named type as a Python IntEnum.
 type Enum struct {

@@ -12,6 +12,25 @@ stale.
 import struct
 from enum import IntEnum
 
+# schema/descriptors.go
+
+# Magics of the descriptor messages on the attach socket.
+DESCRIPTORS_MAGIC = 0x44465352  # DescriptorsMagic uint32: "RSFD"
+DESCRIPTORS_REPLY_MAGIC = 0x4b465352  # DescriptorsReplyMagic uint32: "RSFK"
+
+# MaxDescriptors is the most descriptors one RegionDescriptors message carries (and so the most
+# allocations of an FDExtra): Linux's SCM_MAX_FD, the most one sendmsg passes.
+MAX_DESCRIPTORS = 253  # MaxDescriptors untyped int
+
+# The extra bytes of a RegionCUDAFD region: the GPU, an optional interprocess CUDA event that stores
+# wait for, and every allocation the region's segments lie in, each naming the descriptor of the
+# message that carries it.
+FD_EXTRA_HEADER_SIZE = 88  # FDExtraHeaderSize untyped int
+FD_ALLOCATION_SIZE = 24  # FDAllocationSize untyped int
+
+# RegionDescriptorsHeaderSize is the bytes before the RegisterRegion.
+REGION_DESCRIPTORS_HEADER_SIZE = 24  # RegionDescriptorsHeaderSize untyped int
+
 # schema/events.go
 
 # Limits of the event records.
@@ -81,6 +100,7 @@ MAX_ALLOCATIONS = 1024  # MaxAllocations untyped int
 # Region kinds.
 REGION_HOST_PROCESS = 1  # RegionHostProcess uint8: host memory of the engine process, by pid and address
 REGION_CUDA_IPC = 2  # RegionCUDAIPC uint8: GPU memory exported with a CUDA IPC handle
+REGION_CUDA_FD = 3  # RegionCUDAFD uint8: GPU memory shared by POSIX file descriptors: only in a RegionDescriptors message
 
 # ChangesFlagResync is ChangesReply's flags bit 0: the cursor is behind the log (or from another
 # epoch), resynchronise from a snapshot.
@@ -237,6 +257,32 @@ TYPE_NAMES = {
 # Record layouts: each fixed header as a struct.Struct (format and size), its fields
 # named as in the Go directive (_ a zero word, ~F derived), beside the Go offset diagram.
 
+# schema/descriptors.go
+
+# FDExtra:
+#    0 u8[16] GPU UUID   16 u32 flags (CUDAExtraFlagEvent)   20 u32 allocation count n
+#   24 u8[64] cudaIpcEventHandle_t (zero without CUDAExtraFlagEvent)
+#   88 n × (u32 descriptor index, u32 zero, u64 base, u64 size)
+FD_EXTRA = struct.Struct("<16sII64s")  # 88 bytes (FDExtraHeaderSize): gpu, flags, count(allocations), event
+
+# FDAllocation:
+#    0 u8[16] GPU UUID   16 u32 flags (CUDAExtraFlagEvent)   20 u32 allocation count n
+#   24 u8[64] cudaIpcEventHandle_t (zero without CUDAExtraFlagEvent)
+#   88 n × (u32 descriptor index, u32 zero, u64 base, u64 size)
+FD_ALLOCATION = struct.Struct("<IIQQ")  # 24 bytes (FDAllocationSize): index, _, base, size
+
+# RegionDescriptors:
+#    0 u32 magic "RSFD"   4 u16 version   6 u16 zero
+#    8 u64 session id (AttachReply)   16 u64 epoch (AttachReply)
+#   24 a RegisterRegion of kind RegionCUDAFD (its extra an FDExtra), to the end
+REGION_DESCRIPTORS = struct.Struct("<IHHQQ")  # 24 bytes (RegionDescriptorsHeaderSize): DescriptorsMagic, version, _, session, epoch
+
+# RegionDescriptorsReply:
+#    0 u32 magic "RSFK"   4 u16 version   6 u16 zero
+#    8 u32 status        12 u32 region id
+#   16 message (UTF-8, to the end)
+REGION_DESCRIPTORS_REPLY = struct.Struct("<IHHII")  # 16 bytes: DescriptorsReplyMagic, version, _, status, region
+
 # schema/events.go
 
 # DescribeRun:
@@ -327,7 +373,8 @@ CUDA_ALLOCATION = struct.Struct("<64sQQ")  # 80 bytes (CUDAAllocationSize): hand
 #   24 u64 length                     32 u64 page size
 #   40 u32 page count                 44 u32 segment count
 #   48 segments: u64 offset, u64 stride, u64 length each
-#   .. kind-specific bytes to the end (CUDA IPC: CUDAExtra)
+#   .. kind-specific bytes to the end (CUDA IPC: CUDAExtra; CUDA by
+#      descriptor: FDExtra)
 REGISTER_REGION = struct.Struct("<IB3xQQQQII")  # 48 bytes: region, kind, pid, base, length, page_size, page_count, count(segments)
 
 # Load:
@@ -380,6 +427,10 @@ SNAPSHOT_REPLY = struct.Struct("<IIQQQIB3x")  # 40 bytes: status, ~flags, epoch,
 
 # Each layout by its Go message name: (layout, its fields, the name of the constant that is its size).
 LAYOUTS = {
+    "FDExtra": (FD_EXTRA, ("gpu", "flags", "count(allocations)", "event",), "FD_EXTRA_HEADER_SIZE"),
+    "FDAllocation": (FD_ALLOCATION, ("index", "_", "base", "size",), "FD_ALLOCATION_SIZE"),
+    "RegionDescriptors": (REGION_DESCRIPTORS, ("DescriptorsMagic", "version", "_", "session", "epoch",), "REGION_DESCRIPTORS_HEADER_SIZE"),
+    "RegionDescriptorsReply": (REGION_DESCRIPTORS_REPLY, ("DescriptorsReplyMagic", "version", "_", "status", "region",), None),
     "DescribeRun": (DESCRIBE_RUN, ("blocks", "tokens_per_block", "extra_len", "flags",), "DESCRIBE_RUN_HEADER_SIZE"),
     "EventHeader": (EVENT_HEADER, ("op", "flags", "tokens", "extra_len",), "EVENT_HEADER_SIZE"),
     "Describe": (DESCRIBE, ("count(runs)", "_",), None),
@@ -408,6 +459,12 @@ LAYOUTS = {
 }
 
 __all__ = [
+    "DESCRIPTORS_MAGIC",
+    "DESCRIPTORS_REPLY_MAGIC",
+    "MAX_DESCRIPTORS",
+    "FD_EXTRA_HEADER_SIZE",
+    "FD_ALLOCATION_SIZE",
+    "REGION_DESCRIPTORS_HEADER_SIZE",
     "MAX_DESCRIBE_BLOCKS",
     "MAX_DESCRIBE_TOKENS",
     "MAX_DESCRIBE_EXTRA",
@@ -440,6 +497,7 @@ __all__ = [
     "MAX_ALLOCATIONS",
     "REGION_HOST_PROCESS",
     "REGION_CUDA_IPC",
+    "REGION_CUDA_FD",
     "CHANGES_FLAG_RESYNC",
     "CHANGE_HEADER_SIZE",
     "OP_STORED",
@@ -480,6 +538,10 @@ __all__ = [
     "State",
     "STATE_NAMES",
     "TYPE_NAMES",
+    "FD_EXTRA",
+    "FD_ALLOCATION",
+    "REGION_DESCRIPTORS",
+    "REGION_DESCRIPTORS_REPLY",
     "DESCRIBE_RUN",
     "EVENT_HEADER",
     "DESCRIBE",

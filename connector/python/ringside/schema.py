@@ -500,7 +500,7 @@ def decode_register_region(b) -> RegisterRegion:
     region, kind, pid, base, length, page_size, page_count, n = REGISTER_REGION.unpack_from(b, 0)
     if n > MAX_SEGMENTS:
         raise SchemaError("%s: %d segments, at most %d" % (what, n, MAX_SEGMENTS))
-    if kind not in (REGION_HOST_PROCESS, REGION_CUDA_IPC):
+    if kind not in (REGION_HOST_PROCESS, REGION_CUDA_IPC, REGION_CUDA_FD):
         raise SchemaError("%s: unknown region kind %d" % (what, kind))
     _need(what, b, 48, n * SEGMENT_SIZE)
     off = 48 + n * SEGMENT_SIZE
@@ -565,6 +565,135 @@ def decode_cuda_extra(b) -> CUDAExtra:
             raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
         allocs.append(CUDAAllocation(h, base, size))
     return CUDAExtra(gpu, event if flags & CUDA_EXTRA_FLAG_EVENT else None, tuple(allocs))
+
+
+# GPU memory shared by POSIX file descriptors (added within version 3): a
+# REGION_CUDA_FD region travels in a RegionDescriptors message on a
+# connection of its own to the attach socket, with the descriptors of its
+# allocations (SCM_RIGHTS); see client.Session.register_fd_region.
+
+
+class FDAllocation(NamedTuple):
+    index: int  # position of its descriptor in the message's SCM_RIGHTS array
+    base: int  # where the engine maps the allocation (whole)
+    size: int  # its size in bytes
+
+
+class FDExtra(NamedTuple):
+    gpu: bytes  # the device's UUID (16 bytes)
+    event: Optional[bytes]  # cudaIpcEventHandle_t (64 bytes) that stores wait for, or None
+    allocations: Tuple[FDAllocation, ...]
+
+
+def encode_fd_extra(
+    gpu_uuid: bytes, allocations: Sequence[Tuple[int, int, int]], event: Optional[bytes] = None
+) -> bytes:
+    """RegisterRegion extra bytes for REGION_CUDA_FD: the GPU's UUID, an
+    optional interprocess event handle, and each (descriptor index, base,
+    size) allocation the region's segments lie in; the indexes name each of
+    the message's descriptors once."""
+    what = "CUDA descriptor extra"
+    if len(gpu_uuid) != 16:
+        raise SchemaError("%s: GPU UUID of %d bytes, want 16" % (what, len(gpu_uuid)))
+    if event is not None and len(event) != 64:
+        raise SchemaError("%s: event handle of %d bytes, want 64" % (what, len(event)))
+    n = len(allocations)
+    if not 1 <= n <= MAX_DESCRIPTORS:
+        raise SchemaError("%s: %d allocations, want 1 to %d" % (what, n, MAX_DESCRIPTORS))
+    if sorted(int(a[0]) for a in allocations) != list(range(n)):
+        raise SchemaError("%s: the descriptor indexes are not 0..%d, each once" % (what, n - 1))
+    flags = CUDA_EXTRA_FLAG_EVENT if event is not None else 0
+    parts = [FD_EXTRA.pack(bytes(gpu_uuid), flags, n, bytes(event or bytes(64)))]
+    for i, (index, base, size) in enumerate(allocations):
+        if size <= 0 or base < 0 or base + size >= 1 << 64:
+            raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
+        parts.append(FD_ALLOCATION.pack(index, 0, base, size))
+    return b"".join(parts)
+
+
+def decode_fd_extra(b) -> FDExtra:
+    what = "CUDA descriptor extra"
+    _need(what, b, 0, FD_EXTRA_HEADER_SIZE)
+    gpu, flags, n, event = FD_EXTRA.unpack_from(b, 0)
+    if flags & ~CUDA_EXTRA_FLAG_EVENT:
+        raise SchemaError("%s: unknown flags %#x" % (what, flags))
+    if not 1 <= n <= MAX_DESCRIPTORS:
+        raise SchemaError("%s: %d allocations, want 1 to %d" % (what, n, MAX_DESCRIPTORS))
+    if not flags & CUDA_EXTRA_FLAG_EVENT and any(event):
+        raise SchemaError("%s: an event handle without the event flag" % what)
+    _need(what, b, FD_EXTRA_HEADER_SIZE, n * FD_ALLOCATION_SIZE)
+    end = FD_EXTRA_HEADER_SIZE + n * FD_ALLOCATION_SIZE
+    _done(what, b, end)
+    allocs, seen = [], set()
+    for i, (index, zero, base, size) in enumerate(FD_ALLOCATION.iter_unpack(_view(b)[FD_EXTRA_HEADER_SIZE:end])):
+        if index >= n:
+            raise SchemaError("%s: allocation %d: descriptor index %d, the message carries %d" % (what, i, index, n))
+        if index in seen:
+            raise SchemaError("%s: allocation %d: descriptor index %d is named twice" % (what, i, index))
+        if zero:
+            raise SchemaError("%s: allocation %d: reserved word %#x, not zero" % (what, i, zero))
+        if size == 0 or base + size >= 1 << 64:
+            raise SchemaError("%s: allocation %d: base %#x size %d" % (what, i, base, size))
+        seen.add(index)
+        allocs.append(FDAllocation(index, base, size))
+    return FDExtra(gpu, event if flags & CUDA_EXTRA_FLAG_EVENT else None, tuple(allocs))
+
+
+class RegionDescriptors(NamedTuple):
+    version: int
+    session: int  # the AttachReply's session id
+    epoch: int  # the AttachReply's epoch
+    region: RegisterRegion  # of kind REGION_CUDA_FD
+
+
+def encode_region_descriptors(version: int, session: int, epoch: int, region_payload) -> bytes:
+    """The RegionDescriptors message: its header and a RegisterRegion
+    payload (encode_register_region) of kind REGION_CUDA_FD."""
+    try:
+        head = REGION_DESCRIPTORS.pack(DESCRIPTORS_MAGIC, version, 0, session, epoch)
+    except struct.error as e:
+        raise SchemaError("RegionDescriptors: %s" % e) from None
+    return head + bytes(region_payload)
+
+
+def decode_region_descriptors(b) -> RegionDescriptors:
+    what = "RegionDescriptors"
+    _need(what, b, 0, REGION_DESCRIPTORS_HEADER_SIZE)
+    magic, version, _zero, session, epoch = REGION_DESCRIPTORS.unpack_from(b, 0)
+    if magic != DESCRIPTORS_MAGIC:
+        raise SchemaError("%s: magic %#x" % (what, magic))
+    region = decode_register_region(_view(b)[REGION_DESCRIPTORS_HEADER_SIZE:])
+    if region.kind != REGION_CUDA_FD:
+        raise SchemaError("%s: region kind %d, want %d (CUDA by descriptor)" % (what, region.kind, REGION_CUDA_FD))
+    return RegionDescriptors(version, session, epoch, region)
+
+
+class RegionDescriptorsReply(NamedTuple):
+    version: int
+    status: int
+    region: int
+    message: str
+
+    def err(self) -> Optional[RingsideError]:
+        return _err(self.status, self.message)
+
+
+def encode_region_descriptors_reply(version: int, status: int, region: int, message: str = "") -> bytes:
+    try:
+        return REGION_DESCRIPTORS_REPLY.pack(DESCRIPTORS_REPLY_MAGIC, version, 0, status, region) + _enc_str(
+            message, "RegionDescriptorsReply"
+        )
+    except struct.error as e:
+        raise SchemaError("RegionDescriptorsReply: %s" % e) from None
+
+
+def decode_region_descriptors_reply(b) -> RegionDescriptorsReply:
+    what = "RegionDescriptorsReply"
+    _need(what, b, 0, REGION_DESCRIPTORS_REPLY.size)
+    magic, version, _zero, status, region = REGION_DESCRIPTORS_REPLY.unpack_from(b, 0)
+    if magic != DESCRIPTORS_REPLY_MAGIC:
+        raise SchemaError("%s: magic %#x" % (what, magic))
+    return RegionDescriptorsReply(version, status, region, _dec_str(_view(b)[REGION_DESCRIPTORS_REPLY.size :]))
 
 
 class Load(NamedTuple):

@@ -242,6 +242,60 @@ CODECS["EventsReply"] = (
     None,
 )
 
+
+def _region_fields(f):
+    return (
+        f["region"],
+        f["kind"],
+        f["pid"],
+        f["base"],
+        f["length"],
+        f["page_size"],
+        f["page_count"],
+    )
+
+
+def _region_value(f):
+    segs = tuple(S.Segment(s["offset"], s["stride"], s["length"]) for s in f["segments"])
+    return S.RegisterRegion(*_region_fields(f), segs, _hex(f["extra"]))
+
+
+CODECS["FDExtra"] = (
+    lambda f, v: S.encode_fd_extra(
+        _hex(f["gpu"]),
+        [(a["index"], a["base"], a["size"]) for a in f["allocations"]],
+        _hex(f["event"]) if f["flags"] & S.CUDA_EXTRA_FLAG_EVENT else None,
+    ),
+    lambda b, v: S.decode_fd_extra(b),
+    lambda f, v: S.FDExtra(
+        _hex(f["gpu"]),
+        _hex(f["event"]) if f["flags"] & S.CUDA_EXTRA_FLAG_EVENT else None,
+        tuple(S.FDAllocation(a["index"], a["base"], a["size"]) for a in f["allocations"]),
+    ),
+    None,
+)
+CODECS["RegionDescriptors"] = (
+    lambda f, v: S.encode_region_descriptors(
+        f["version"],
+        f["session"],
+        f["epoch"],
+        S.encode_register_region(
+            *_region_fields(f["region"]),
+            [(s["offset"], s["stride"], s["length"]) for s in f["region"]["segments"]],
+            _hex(f["region"]["extra"]),
+        ),
+    ),
+    lambda b, v: S.decode_region_descriptors(b),
+    lambda f, v: S.RegionDescriptors(f["version"], f["session"], f["epoch"], _region_value(f["region"])),
+    lambda f, v: S.REGION_DESCRIPTORS_HEADER_SIZE + _region_fixed(f["region"], v),
+)
+CODECS["RegionDescriptorsReply"] = (
+    lambda f, v: S.encode_region_descriptors_reply(f["version"], f["status"], f["region"], f["message"]),
+    lambda b, v: S.decode_region_descriptors_reply(b),
+    lambda f, v: S.RegionDescriptorsReply(f["version"], f["status"], f["region"], f["message"]),
+    lambda f, v: S.REGION_DESCRIPTORS_REPLY.size,
+)
+
 IDS = [v["name"] for v in VECTORS]
 
 
@@ -278,7 +332,8 @@ def test_golden_decode(v):
 @pytest.mark.parametrize("v", VECTORS, ids=IDS)
 def test_record_type(v):
     rt = v["record_type"]
-    if v["message"].startswith("Attach") or v["message"] == "CUDAExtra":  # not ring records
+    if v["message"].startswith(("Attach", "RegionDescriptors")) or v["message"] in ("CUDAExtra", "FDExtra"):
+        # not ring records
         assert rt == 0
         return
     assert not S.type_name(rt).startswith("type(")
@@ -421,10 +476,11 @@ def test_register_region_limits():
         S.decode_register_region(raw(nseg=S.MAX_SEGMENTS + 1))
     with pytest.raises(S.SchemaError, match="segments"):
         S.decode_register_region(raw(nseg=S.MAX_SEGMENTS + 1)[:48])
-    for kind in (0, 3, 0xFF):
+    for kind in (0, 4, 0xFF):
         with pytest.raises(S.SchemaError, match="kind"):
             S.decode_register_region(raw(kind=kind))
     assert S.decode_register_region(raw(kind=S.REGION_CUDA_IPC)).kind == S.REGION_CUDA_IPC
+    assert S.decode_register_region(raw(kind=S.REGION_CUDA_FD)).kind == S.REGION_CUDA_FD  # only in a RegionDescriptors
     with pytest.raises(S.SchemaError):
         S.encode_register_region(1, 1, 2, 3, 4, 5, 6, [(0, 0, 0)] * (S.MAX_SEGMENTS + 1))
     m = S.decode_register_region(S.encode_register_region(1, 1, 2, 3, 4, 5, 6))

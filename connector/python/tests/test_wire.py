@@ -299,7 +299,7 @@ def test_region_kinds_are_the_go_ones():
         if _accepts(lambda k=k: S.decode_register_region(S.encode_register_region(1, k, 1, 1, 1, 1, 1)))
     ]
     assert got == want
-    assert sorted((S.REGION_HOST_PROCESS, S.REGION_CUDA_IPC)) == want
+    assert sorted((S.REGION_HOST_PROCESS, S.REGION_CUDA_IPC, S.REGION_CUDA_FD)) == want
 
 
 # --------------------------------------------------------------------------
@@ -344,6 +344,16 @@ def _probe_allocations(n):
     return [
         lambda: S.decode_cuda_extra(raw),
         lambda: S.encode_cuda_extra(bytes(16), [(bytes(64), 1, 1)] * n),
+    ]
+
+
+def _probe_descriptors(n):
+    raw = struct.pack("<16sII64s", bytes(16), 0, n, bytes(64)) + b"".join(
+        struct.pack("<IIQQ", i, 0, (i + 1) << 21, 1 << 21) for i in range(n)
+    )
+    return [
+        lambda: S.decode_fd_extra(raw),
+        lambda: S.encode_fd_extra(bytes(16), [(i, (i + 1) << 21, 1 << 21) for i in range(n)]),
     ]
 
 
@@ -420,6 +430,7 @@ LIMIT_PROBES = {
     "MaxPagesPerRecord": _probe_pages,
     "MaxSegments": _probe_segments,
     "MaxAllocations": _probe_allocations,
+    "MaxDescriptors": _probe_descriptors,
     "MaxStringLen": _probe_string,
     "MaxChangesPerReply": _probe_changes,
     "MaxSnapshotPerReply": _probe_snapshot,
@@ -468,6 +479,16 @@ def test_schema_sizes_are_what_python_encodes():
     assert len(S.encode_events_reply(0, False, False, 1, 2, 3, 8)) == go("schema", "EventsReplyHeaderSize")
     assert len(S.encode_retain(1, 2, 3, 4, owner=5)) == go("schema", "RetainSize")
     assert len(S.encode_retain(1, 2, 3, 4)) == go("schema", "RetainNoOwnerSize")
+    one = S.encode_fd_extra(bytes(16), [(0, 1, 2)])
+    two = S.encode_fd_extra(bytes(16), [(0, 1, 2), (1, 3, 2)], event=bytes(64))
+    assert len(one) == go("schema", "FDExtraHeaderSize") + go("schema", "FDAllocationSize")
+    assert len(two) - len(one) == go("schema", "FDAllocationSize")
+    head = S.encode_region_descriptors(3, 1, 2, b"")
+    assert len(head) == go("schema", "RegionDescriptorsHeaderSize")
+    assert struct.unpack_from("<I", head)[0] == go("schema", "DescriptorsMagic")
+    assert struct.unpack_from("<I", S.encode_region_descriptors_reply(3, 0, 1))[0] == go(
+        "schema", "DescriptorsReplyMagic"
+    )
     sizes = {c["name"] for c in SCHEMA_CONSTS if c["name"].endswith("Size") and not c["name"].startswith("Max")}
     assert sizes == {
         "ViewSize",
@@ -480,6 +501,9 @@ def test_schema_sizes_are_what_python_encodes():
         "EventsReplyHeaderSize",
         "RetainSize",
         "RetainNoOwnerSize",
+        "FDExtraHeaderSize",
+        "FDAllocationSize",
+        "RegionDescriptorsHeaderSize",
     }, "a Go size without a check here"
 
 
