@@ -25,10 +25,11 @@
 //     never across two allocations) before any backend call, and one Op is
 //     issued with as few calls as the backend allows (Result.Ranges,
 //     Result.Calls report it).
-//   - A CUDAIPC region names every device allocation its segments lie in
-//     (IPCMem): each segment inside one allocation, no allocation without
-//     a segment, none overlapping (Validate); the CUDA backend also bounds
-//     each allocation by its own mapping of the handle.
+//   - A CUDAIPC or CUDAFD region names every device allocation its
+//     segments lie in (IPCMem): each segment inside one allocation, no
+//     allocation without a segment, none overlapping (Validate); the CUDA
+//     backend also bounds each CUDAIPC allocation by its own mapping of
+//     the handle, and maps exactly the declared size of a CUDAFD one.
 //   - Completion: an accepted Op's done callback runs exactly once, on a
 //     backend goroutine, with bytes copied, queueing and copy time, and the
 //     error. A failed copy (fault, dead process) is an error wrapping

@@ -55,7 +55,16 @@ const (
 	// handle (Region.IPC); only the CUDA backend serves it. The host
 	// backend rejects it with ErrUnsupported.
 	CUDAIPC
+	// CUDAFD is device memory another process allocated with the virtual
+	// memory management API and shares by POSIX file descriptor, one per
+	// allocation (Region.IPC, each allocation's FD); only the CUDA backend
+	// serves it.
+	CUDAFD
 )
+
+// CUDA reports whether k is device memory (CUDAIPC or CUDAFD): the CUDA
+// backend's kinds.
+func (k Kind) CUDA() bool { return k == CUDAIPC || k == CUDAFD }
 
 func (k Kind) String() string {
 	switch k {
@@ -65,6 +74,8 @@ func (k Kind) String() string {
 		return "host-shared"
 	case CUDAIPC:
 		return "cuda-ipc"
+	case CUDAFD:
+		return "cuda-fd"
 	}
 	return fmt.Sprintf("Kind(%d)", uint8(k))
 }
@@ -102,26 +113,28 @@ type Segment struct {
 
 // Region describes engine KV memory. All addresses are in the engine's
 // address space: for HostProcess, virtual addresses in process PID; for
-// HostShared, offsets into Mapped; for CUDAIPC, device addresses.
+// HostShared, offsets into Mapped; for CUDAIPC and CUDAFD, device
+// addresses in the exporter.
 //
 // Without Segments, page p is the single range [Base+p*PageSize, +PageSize).
 // With Segments, page p is one range per segment and PageSize must equal
 // the sum of the segment lengths: it is always the size of a pool block.
 type Region struct {
 	Kind      Kind
-	PID       int    // HostProcess (and CUDAIPC exporter)
+	PID       int    // HostProcess (and the CUDA exporter)
 	Base      uint64 // start of the region
 	Length    uint64 // bytes from Base that pages may touch
 	PageSize  uint64 // bytes per page, = pool bytes per page
 	PageCount uint32
 	Segments  []Segment
 	Mapped    []byte // HostShared only: the sidecar's mapping
-	IPC       IPCMem // CUDAIPC only: how to open the exporter's allocation
+	IPC       IPCMem // CUDAIPC and CUDAFD only: how to open the exporter's allocations
 }
 
-// IPCMem names device memory of another process for a CUDAIPC region: the
-// GPU holding it (its UUID), every device allocation the region's segments
-// lie in, and optionally an interprocess event that stores wait for.
+// IPCMem names device memory of another process for a CUDAIPC or CUDAFD
+// region: the GPU holding it (its UUID), every device allocation the
+// region's segments lie in, and optionally an interprocess event that
+// stores wait for.
 // Region.Base and the segments are addresses in the exporter's address
 // space; the CUDA backend translates them through the allocations. vLLM
 // allocates the KV cache one tensor (one cudaMalloc) per layer, so a region
@@ -138,14 +151,22 @@ type IPCMem struct {
 	Allocations []IPCAllocation
 }
 
-// IPCAllocation is one device allocation of the exporter: the
-// cudaIpcMemHandle_t of its base, and its base address and size in the
-// exporter's address space. The CUDA backend bounds it by the smaller of
-// Size and the size of its own mapping of the handle.
+// IPCAllocation is one device allocation of the exporter: how to open it
+// (CUDAIPC: the cudaIpcMemHandle_t of its base; CUDAFD: a file descriptor
+// of it, cuMemExportToShareableHandle's), and its base address and size in
+// the exporter's address space. The CUDA backend bounds a CUDAIPC
+// allocation by the smaller of Size and the size of its own mapping of the
+// handle, and maps Size bytes of a CUDAFD allocation (refused if the
+// allocation is smaller).
 type IPCAllocation struct {
 	Handle [64]byte
-	Base   uint64
-	Size   uint64
+	// FD is the descriptor of a CUDAFD allocation, in the registering
+	// process. Register neither keeps nor closes it: the caller closes it
+	// once Register has returned (the imported allocation holds the
+	// memory). Unused (0) for CUDAIPC.
+	FD   int
+	Base uint64
+	Size uint64
 }
 
 // Validate checks the region's geometry: non-zero sizes, every page and
@@ -170,14 +191,14 @@ func (r *Region) Validate() error {
 		} else if end, c := bits.Add64(r.Base, r.Length, 0); c != 0 || end > uint64(len(r.Mapped)) {
 			bad("host-shared region [%d,+%d) outside mapping of %d bytes", r.Base, r.Length, len(r.Mapped))
 		}
-	case CUDAIPC:
+	case CUDAIPC, CUDAFD:
 		if r.Mapped != nil {
-			bad("cuda-ipc region must not set Mapped")
+			bad("%v region must not set Mapped", r.Kind)
 		}
 	default:
 		bad("unknown kind %d", uint8(r.Kind))
 	}
-	if r.Kind != CUDAIPC && (len(r.IPC.Allocations) > 0 || r.IPC.HasEvent) {
+	if !r.Kind.CUDA() && (len(r.IPC.Allocations) > 0 || r.IPC.HasEvent) {
 		bad("%v region must not name CUDA allocations or an event", r.Kind)
 	}
 	if r.Length == 0 {
@@ -223,7 +244,7 @@ func (r *Region) Validate() error {
 			bad("segment lengths sum to %d, page size is %d", sum, r.PageSize)
 		}
 	}
-	if r.Kind == CUDAIPC && len(errs) == 0 {
+	if r.Kind.CUDA() && len(errs) == 0 {
 		// The allocation checks need sound geometry: segment spans that
 		// do not overflow.
 		_, err := r.SegmentAllocations()
@@ -249,9 +270,11 @@ func (r *Region) SegmentSpans() [][2]uint64 {
 	return out
 }
 
-// SegmentAllocations checks a CUDAIPC region's allocations against its
-// segments (docs/protocol.md, RegisterRegion): at least one allocation,
-// each with a handle, a non-zero size and no overflow; no two overlap;
+// SegmentAllocations checks a CUDAIPC or CUDAFD region's allocations
+// against its segments (docs/protocol.md, RegisterRegion): at least one
+// allocation, each with a handle (CUDAIPC) or a descriptor (CUDAFD: a
+// non-negative FD and no handle), a non-zero size and no overflow; no two
+// overlap;
 // every segment span lies inside one allocation; every allocation holds at
 // least one segment; an event handle only with HasEvent. It returns the
 // allocation index of each segment (of the one span of a flat region), or
@@ -269,13 +292,18 @@ func (r *Region) SegmentAllocations() ([]int, error) {
 		bad("HasEvent without an event handle")
 	}
 	if len(m.Allocations) == 0 {
-		bad("cuda-ipc region without an allocation (an IPC handle, base and size)")
+		bad("%v region without an allocation (a handle or descriptor, base and size)", r.Kind)
 		return nil, errors.Join(errs...)
 	}
 	order := make([]int, len(m.Allocations))
 	for i, a := range m.Allocations {
 		order[i] = i
-		if a.Handle == ([64]byte{}) {
+		switch {
+		case r.Kind == CUDAFD && a.FD < 0:
+			bad("allocation %d without a descriptor (fd %d)", i, a.FD)
+		case r.Kind == CUDAFD && a.Handle != ([64]byte{}):
+			bad("allocation %d of a cuda-fd region with an IPC handle", i)
+		case r.Kind == CUDAIPC && a.Handle == ([64]byte{}):
 			bad("allocation %d without an IPC handle", i)
 		}
 		if _, c := bits.Add64(a.Base, a.Size, 0); a.Size == 0 || c != 0 {

@@ -1,5 +1,6 @@
 // Package cuda is the copy engine's GPU backend (a gpu.Engine): CUDA IPC
-// regions copied with cuMemcpyBatchAsync through the cgo shim in
+// regions and regions shared by file descriptor (virtual memory management
+// allocations) copied with cuMemcpyBatchAsync through the cgo shim in
 // gpu/internal/cuda, which loads libcuda.so.1 with dlopen. docs/architecture.md
 // ("The copy path") has the ordering rules and the IPC pitfalls.
 package cuda
@@ -129,8 +130,14 @@ func (p PinInfo) MemlockBelowPool() bool {
 // host-to-device and device-to-host memory operations,
 // cuStreamCreateWithPriority: they order nothing here.) A region may carry
 // an interprocess event: every store on it first makes the store stream
-// wait for the event's latest record. Other region kinds are rejected with
-// gpu.ErrUnsupported; a gpu.Router combines it with the host backend.
+// wait for the event's latest record. A gpu.CUDAFD region's allocations
+// come as file descriptors (cuMemExportToShareableHandle in the engine):
+// each is imported (cuMemImportFromShareableHandle), mapped whole into a
+// reservation of its own (cuMemAddressReserve, cuMemMap) and made
+// accessible to the device (cuMemSetAccess); unregistering the region, or
+// Close, unmaps it, frees the reservation and releases the handle. Other
+// region kinds are rejected with gpu.ErrUnsupported; a gpu.Router combines
+// it with the host backend.
 type Engine struct {
 	pool     []byte
 	poolAddr uint64
@@ -177,7 +184,10 @@ type cudaDevInfo struct {
 type cudaRegion struct {
 	r    gpu.Region
 	dev  *cudaDevice
-	keys []ipcKey // one per allocation, each opened once by Register
+	keys []ipcKey // CUDAIPC: one per allocation, each opened once by Register
+	// vmm (CUDAFD): one mapping per allocation, imported from its
+	// descriptor by Register and owned by this region alone.
+	vmm []*vmmMapping
 	// segs translates each segment (the one span of a flat region) from
 	// the exporter's addresses to this process's: local = engine + delta
 	// (mod 2^64), inside the mapping of allocation alloc.
@@ -211,6 +221,18 @@ type ipcMapping struct {
 	ptr  driver.DevicePtr
 	size uint64
 	refs int
+}
+
+// vmmMapping is an allocation imported from a descriptor
+// (cuMemImportFromShareableHandle), mapped whole into a reservation of its
+// own and made accessible to the device: released by unmapping it,
+// freeing the reservation and releasing the handle.
+type vmmMapping struct {
+	h    driver.MemHandle
+	ptr  driver.DevicePtr // 0 until reserved
+	size uint64
+	// mapped: cuMemMap succeeded (cuMemUnmap is due).
+	mapped bool
 }
 
 type cudaJob struct {
@@ -403,8 +425,8 @@ func (e *Engine) BatchDisabled() error {
 // Name returns "cuda".
 func (e *Engine) Name() string { return "cuda" }
 
-// Supports reports true for gpu.CUDAIPC only.
-func (e *Engine) Supports(k gpu.Kind) bool { return k == gpu.CUDAIPC }
+// Supports reports true for device memory: gpu.CUDAIPC and gpu.CUDAFD.
+func (e *Engine) Supports(k gpu.Kind) bool { return k.CUDA() }
 
 // Register opens the handle of each of the region's allocations in the
 // context of the GPU named by r.IPC.GPU (once per allocation and device:
@@ -415,10 +437,16 @@ func (e *Engine) Supports(k gpu.Kind) bool { return k == gpu.CUDAIPC }
 // first registration on a GPU retains its primary context (a GPU in
 // EXCLUSIVE_PROCESS or PROHIBITED compute mode is refused), the first on
 // any GPU starts pinning the pool, and every registration waits for the
-// pinning (PinWait). A failed GPU (gpu.ErrDeviceFailed) refuses it.
+// pinning (PinWait). A failed GPU (gpu.ErrDeviceFailed) refuses it. A
+// gpu.CUDAFD region's allocations are imported from their descriptors and
+// mapped instead of opened (each region its own, never shared); Register
+// keeps none of the descriptors, which the caller closes once it returns.
 func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
-	if r.Kind != gpu.CUDAIPC {
-		return 0, fmt.Errorf("%w: the CUDA backend serves only %v regions, not %v", gpu.ErrUnsupported, gpu.CUDAIPC, r.Kind)
+	if !r.Kind.CUDA() {
+		return 0, fmt.Errorf("%w: the CUDA backend serves only %v and %v regions, not %v", gpu.ErrUnsupported, gpu.CUDAIPC, gpu.CUDAFD, r.Kind)
+	}
+	if r.Kind == gpu.CUDAFD && !driver.HasVMM() {
+		return 0, fmt.Errorf("%w: the CUDA driver lacks the virtual memory management entry points (cuMemImportFromShareableHandle, cuMemMap, ...) that memory shared by file descriptor needs", gpu.ErrUnsupported)
 	}
 	if err := r.Validate(); err != nil {
 		return 0, err
@@ -464,6 +492,9 @@ func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
 	}); err != nil {
 		return 0, err
 	}
+	for i := range reg.r.IPC.Allocations {
+		reg.r.IPC.Allocations[i].FD = -1 // the caller closes its descriptors: the imports hold the memory
+	}
 	h, err := e.regions.Add(reg)
 	if err != nil {
 		d.call(func() error { d.release(reg); return nil })
@@ -479,7 +510,27 @@ func (d *cudaDevice) open(reg *cudaRegion, segAlloc []int) error {
 	r := &reg.r
 	local := make([]uint64, len(r.IPC.Allocations))
 	mapped := make([]uint64, len(r.IPC.Allocations))
+	if r.Kind == gpu.CUDAFD {
+		gran, err := driver.MemGranularity(d.info.dev)
+		if err != nil || gran == 0 {
+			return fmt.Errorf("%w: cuMemGetAllocationGranularity: %v", gpu.ErrUnsupported, err)
+		}
+		for i, a := range r.IPC.Allocations {
+			m, err := d.vmmImport(i, a, gran)
+			if m != nil {
+				reg.vmm = append(reg.vmm, m)
+			}
+			if err != nil {
+				d.release(reg)
+				return err
+			}
+			local[i], mapped[i] = uint64(m.ptr), m.size
+		}
+	}
 	for i, a := range r.IPC.Allocations {
+		if r.Kind != gpu.CUDAIPC {
+			break
+		}
 		key := ipcKey{pid: r.PID, handle: a.Handle}
 		m, err := d.ipcOpen(key)
 		if err != nil {
@@ -522,6 +573,10 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 		d.ipcRelease(k)
 	}
 	reg.keys = nil
+	for _, m := range reg.vmm {
+		d.vmmRelease(m)
+	}
+	reg.vmm = nil
 	if reg.event != 0 {
 		d.ipcEventRelease(reg.eventKey)
 		reg.event = 0
@@ -529,7 +584,9 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 }
 
 // Unregister waits for the region's ops and releases its allocations'
-// mappings (each closed when no other region uses it) and its event.
+// mappings (an IPC mapping closed when no other region uses it; a mapping
+// imported from a descriptor unmapped, its reservation freed and its
+// handle released) and its event.
 func (e *Engine) Unregister(h gpu.Handle) error {
 	reg, err := e.regions.Remove(h)
 	if err != nil {
@@ -708,7 +765,8 @@ func (e *Engine) device(di cudaDevInfo) (*cudaDevice, error) {
 		return nil, fmt.Errorf("%w: GPU %d (%s) is in PROHIBITED compute mode: no process may create a context on it", gpu.ErrUnsupported, di.ordinal, di.uuid)
 	}
 	d := &cudaDevice{e: e, info: di, jobs: make(chan *cudaJob, e.queue), calls: make(chan func()),
-		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}, ipcEvent: map[ipcEventKey]*ipcEvent{}}
+		quit: make(chan struct{}), exited: make(chan struct{}), ipc: map[ipcKey]*ipcMapping{}, ipcEvent: map[ipcEventKey]*ipcEvent{},
+		vmm: map[*vmmMapping]struct{}{}}
 	ready := make(chan error, 1)
 	go d.run(ready)
 	if err := <-ready; err != nil {
@@ -743,7 +801,8 @@ type cudaDevice struct {
 	// Owned by the device goroutine.
 	ipc           map[ipcKey]*ipcMapping
 	ipcEvent      map[ipcEventKey]*ipcEvent
-	loads, stores []*cudaJob // issued, in stream order
+	vmm           map[*vmmMapping]struct{} // every CUDAFD allocation imported and not yet released
+	loads, stores []*cudaJob               // issued, in stream order
 }
 
 // failed returns the device's failure (wrapping gpu.ErrDeviceFailed), or nil.
@@ -916,6 +975,9 @@ func (d *cudaDevice) teardown() {
 		driver.IPCClose(m.ptr)
 		delete(d.ipc, k)
 	}
+	for m := range d.vmm {
+		d.vmmRelease(m)
+	}
 	for k, ev := range d.ipcEvent {
 		ev.ev.Destroy()
 		delete(d.ipcEvent, k)
@@ -968,6 +1030,54 @@ func (d *cudaDevice) ipcRelease(key ipcKey) {
 		driver.IPCClose(m.ptr)
 		delete(d.ipc, key)
 	}
+}
+
+// vmmImport imports allocation i of a CUDAFD region from its descriptor,
+// reserves address space for it, maps its a.Size bytes and gives the
+// device read-write access (on the device goroutine). What it made is in
+// the mapping it returns, also with an error; vmmRelease undoes it.
+func (d *cudaDevice) vmmImport(i int, a gpu.IPCAllocation, gran uint64) (*vmmMapping, error) {
+	if a.Size%gran != 0 {
+		return nil, fmt.Errorf("%w: allocation %d: %d bytes is not a multiple of the GPU's allocation granularity (%d bytes): "+
+			"a VMM allocation is mapped whole, and its size is a multiple of the granularity", gpu.ErrInvalidRegion, i, a.Size, gran)
+	}
+	h, err := driver.MemImportFD(a.FD)
+	if err != nil {
+		return nil, fmt.Errorf("%w: allocation %d: cuMemImportFromShareableHandle of its descriptor failed: %w: the descriptor is not "+
+			"a CUDA allocation exported as a POSIX file descriptor (cuMemExportToShareableHandle of memory created with "+
+			"CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), or the driver cannot import it here", gpu.ErrUnsupported, i, err)
+	}
+	m := &vmmMapping{h: h, size: a.Size}
+	d.vmm[m] = struct{}{}
+	if m.ptr, err = driver.MemAddressReserve(a.Size); err != nil {
+		m.ptr = 0
+		return m, fmt.Errorf("%w: allocation %d: cuMemAddressReserve of %d bytes: %w", gpu.ErrUnsupported, i, a.Size, err)
+	}
+	if err := driver.MemMap(m.ptr, a.Size, h); err != nil {
+		return m, fmt.Errorf("%w: allocation %d: cuMemMap of %d bytes failed: %w: the allocation behind the descriptor is smaller "+
+			"than the %d bytes declared", gpu.ErrInvalidRegion, i, a.Size, err, a.Size)
+	}
+	m.mapped = true
+	if err := driver.MemSetAccess(m.ptr, a.Size, d.info.dev); err != nil {
+		return m, fmt.Errorf("%w: allocation %d: cuMemSetAccess: %w", gpu.ErrUnsupported, i, err)
+	}
+	return m, nil
+}
+
+// vmmRelease unmaps m, frees its reservation and releases its handle (on
+// the device goroutine).
+func (d *cudaDevice) vmmRelease(m *vmmMapping) {
+	if _, ok := d.vmm[m]; !ok {
+		return
+	}
+	delete(d.vmm, m)
+	if m.mapped {
+		driver.MemUnmap(m.ptr, m.size)
+	}
+	if m.ptr != 0 {
+		driver.MemAddressFree(m.ptr, m.size)
+	}
+	m.h.Release()
 }
 
 // ipcEventOpen opens key's event once per context and counts its users.

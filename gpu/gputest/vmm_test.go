@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/gpu"
+	"github.com/ringside-kv/ringside/gpu/cuda"
 	driver "github.com/ringside-kv/ringside/gpu/internal/cuda"
 )
 
@@ -527,5 +529,163 @@ func TestVMMDescriptorHygiene(t *testing.T) {
 	vmmLive(t, fc, fmt.Sprintf("after %d cycles", cycles))
 	if fc != nil && fc.get(cVMMImport) < cycles {
 		t.Errorf("%d imports counted, want at least %d", fc.get(cVMMImport), cycles)
+	}
+}
+
+// TestVMMEngine: the copy engine's CUDAFD regions (what the sidecar
+// registers from a RegionDescriptors message). The peer allocates one VMM
+// allocation per layer, as vLLM 0.34's extensible KV cache does with one
+// physical allocation per segment, and sends their descriptors; the
+// engine imports, maps and bounds them, stores and loads byte-exact, and
+// an Unregister (and the engine's Close, for a region still registered)
+// unmaps, frees and releases everything it made. Refused registrations
+// (a descriptor that is no allocation's, a declared size past the
+// allocation or off the granularity) leave nothing either.
+func TestVMMEngine(t *testing.T) {
+	fc := fakeCounters(t)
+	c, pool := newCUDA(t, 8<<20, cuda.CopyAuto)
+	peer := startPeer(t, "cuda")
+	l := listenFD(t)
+	const layers, page = 3, 64 << 10 // a page: 64 KiB of each layer
+	var exps []VMMExport
+	for range layers {
+		exp, err := peer.p.VMM(2<<20, driver.HandleTypePOSIXFD)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { peer.p.Free(exp.ID) })
+		exps = append(exps, exp)
+	}
+	rng := rand.New(rand.NewPCG(21, 22))
+	datas := make([][]byte, layers)
+	for i, exp := range exps {
+		datas[i] = randBytes(rng, exp.Length)
+		peer.write(t, Export{ID: exp.ID, Kind: "cuda", Length: exp.Length}, datas[i])
+	}
+	before := openFDsHere(t)
+	// region builds the region over the allocations with freshly sent
+	// descriptors; size overrides allocation 0's declared size.
+	region := func(size uint64, fd0 int) (gpu.Region, []int) {
+		t.Helper()
+		base := exps[0].Base
+		for _, e := range exps {
+			base = min(base, e.Base)
+		}
+		r := gpu.Region{Kind: gpu.CUDAFD, PID: exps[0].PID, Base: base, PageSize: layers * page, PageCount: 16}
+		r.IPC.GPU = exps[0].GPU
+		var fds []int
+		for i, e := range exps {
+			fd, err := l.sendFD(peer.p, e.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			fds = append(fds, fd)
+			a := gpu.IPCAllocation{FD: fd, Base: e.Base, Size: e.Length}
+			if i == 0 {
+				a.Size = size
+				if fd0 >= 0 {
+					a.FD = fd0
+				}
+			}
+			r.IPC.Allocations = append(r.IPC.Allocations, a)
+			r.Segments = append(r.Segments, gpu.Segment{Offset: e.Base - base, Stride: page, Length: page})
+			r.Length = max(r.Length, e.Base-base+e.Length)
+		}
+		return r, fds
+	}
+	closeAll := func(fds []int) {
+		for _, fd := range fds {
+			syscall.Close(fd)
+		}
+	}
+
+	// Refusals first: each leaves nothing made.
+	null, err := syscall.Open("/dev/null", syscall.O_RDWR|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c2 := range []struct {
+		what string
+		size uint64
+		fd0  int
+		want error
+	}{
+		{"a descriptor of /dev/null", exps[0].Length, null, gpu.ErrUnsupported},
+		{"a size past the allocation", 2 * exps[0].Length, -1, gpu.ErrInvalidRegion},
+		{"a size off the granularity", exps[0].Length - 4096, -1, gpu.ErrInvalidRegion},
+	} {
+		r, fds := region(c2.size, c2.fd0)
+		_, err := c.Register(r)
+		closeAll(fds)
+		if !errors.Is(err, c2.want) {
+			t.Errorf("%s: Register = %v, want %v", c2.what, err, c2.want)
+		} else {
+			t.Logf("%s: %v", c2.what, err)
+		}
+		vmmLive(t, fc, c2.what)
+	}
+	syscall.Close(null)
+
+	r, fds := region(exps[0].Length, -1)
+	h, err := c.Register(r)
+	closeAll(fds) // at once: the imports hold the memory
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Store 8 pages into pool blocks 7..0 and compare with the peer's bytes.
+	pages := []uint32{0, 3, 5, 8, 10, 12, 14, 15}
+	offs := make([]uint64, len(pages))
+	for i := range pages {
+		offs[i] = uint64(len(pages)-1-i) * layers * page
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.EngineToPool, Region: h, Pages: pages, PoolOffsets: offs}); err != nil {
+		t.Fatal(err)
+	}
+	for i, p := range pages {
+		for k := range layers {
+			got := pool[offs[i]+uint64(k)*page:][:page]
+			if !bytes.Equal(got, datas[k][uint64(p)*page:][:page]) {
+				t.Fatalf("stored page %d, layer %d differs", p, k)
+			}
+		}
+	}
+	// Load them back into other pages and read them through the peer.
+	into := []uint32{1, 2, 4, 6, 7, 9, 11, 13}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: into, PoolOffsets: offs}); err != nil {
+		t.Fatal(err)
+	}
+	for k, e := range exps {
+		got := peer.read(t, Export{ID: e.ID, Kind: "cuda", Length: e.Length})
+		for i, p := range into {
+			if !bytes.Equal(got[uint64(p)*page:][:page], datas[k][uint64(pages[i])*page:][:page]) {
+				t.Fatalf("loaded page %d, layer %d differs", p, k)
+			}
+		}
+	}
+	// Every copy is bounded by the region: page 16 is past it.
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{16}, PoolOffsets: []uint64{0}}); !errors.Is(err, gpu.ErrOutOfBounds) {
+		t.Errorf("a page past the region: %v, want ErrOutOfBounds", err)
+	}
+	if err := c.Unregister(h); err != nil {
+		t.Fatal(err)
+	}
+	vmmLive(t, fc, "after Unregister")
+	// (The stand-in keeps a descriptor of each imported memfd while it is
+	// imported: its "physical memory". Counted once everything is gone.)
+	if n := openFDsHere(t); n != before {
+		t.Errorf("%d descriptors open after Unregister, %d before", n, before)
+	}
+
+	// A region still registered when the engine closes is released too.
+	r, fds = region(exps[0].Length, -1)
+	_, err = c.Register(r)
+	closeAll(fds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	vmmLive(t, fc, "after the engine's Close")
+	if n := openFDsHere(t); n != before {
+		t.Errorf("%d descriptors open at the end, %d before", n, before)
 	}
 }

@@ -30,7 +30,8 @@ type Options struct {
 // Engine is the CPU backend: gpu.HostShared regions are copied with
 // copy(), gpu.HostProcess regions with process_vm_readv/process_vm_writev,
 // batching all ranges of one op into as few system calls as possible.
-// gpu.CUDAIPC regions are rejected with gpu.ErrUnsupported.
+// Device memory regions (gpu.CUDAIPC, gpu.CUDAFD) are rejected with
+// gpu.ErrUnsupported.
 type Engine struct {
 	pool []byte
 
@@ -91,13 +92,13 @@ func (h *Engine) Name() string { return "host" }
 // Supports reports true for gpu.HostProcess and gpu.HostShared.
 func (h *Engine) Supports(k gpu.Kind) bool { return k == gpu.HostProcess || k == gpu.HostShared }
 
-// Register validates r and registers it. gpu.CUDAIPC regions fail with an
-// error wrapping gpu.ErrUnsupported.
+// Register validates r and registers it. Device memory regions fail with
+// an error wrapping gpu.ErrUnsupported.
 func (h *Engine) Register(r gpu.Region) (gpu.Handle, error) {
 	if err := r.Validate(); err != nil {
 		return 0, err
 	}
-	if r.Kind == gpu.CUDAIPC {
+	if r.Kind.CUDA() {
 		return 0, fmt.Errorf("%w: host backend cannot reach %v regions", gpu.ErrUnsupported, r.Kind)
 	}
 	r.Segments = append([]gpu.Segment(nil), r.Segments...) // caller may reuse theirs
