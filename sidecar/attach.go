@@ -1,6 +1,7 @@
 package sidecar
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -39,20 +40,37 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 		fail(schema.ErrCodeNotPermitted, "%v", err)
 		return
 	}
-	if !s.uidAllowed(cred.UID) {
-		// Take the request off the socket first (bounded): closing with it
+	// The first message: an AttachRequest, or a RegionDescriptors
+	// (descriptors.go) with the descriptors it names. Whatever descriptors
+	// come are closed on every path.
+	allowed := s.uidAllowed(cred.UID)
+	wait := 5 * time.Second
+	if !allowed {
+		// Take the message off the socket first (bounded): closing with it
 		// unread resets the connection, and the client would lose the
 		// refusal.
-		conn.SetReadDeadline(time.Now().Add(time.Second))
-		conn.Read(make([]byte, 8192))
-		fail(schema.ErrCodeNotPermitted, "uid %d is not allowed to attach (see --allow-uid)", cred.UID)
+		wait = time.Second
+	}
+	buf := make([]byte, maxFirstMessage)
+	conn.SetReadDeadline(time.Now().Add(wait))
+	n, fds, truncated, err := sys.ReadFDs(conn, buf, schema.MaxDescriptors)
+	if n >= 4 && binary.LittleEndian.Uint32(buf) == schema.DescriptorsMagic {
+		s.registerDescriptors(conn, cred, allowed, buf[:n], fds, truncated, err)
 		return
 	}
-	buf := make([]byte, 8192)
-	conn.SetReadDeadline(time.Now().Add(5 * time.Second))
-	n, err := conn.Read(buf)
-	if err != nil {
+	sys.CloseFDs(fds)
+	switch {
+	case !allowed:
+		fail(schema.ErrCodeNotPermitted, "uid %d is not allowed to attach (see --allow-uid)", cred.UID)
+		return
+	case err != nil:
 		fail(schema.ErrCodeMalformed, "reading the attach request: %v", err)
+		return
+	case len(fds) > 0:
+		fail(schema.ErrCodeMalformed, "the attach request carries %d descriptors: only a RegionDescriptors message carries any (all closed)", len(fds))
+		return
+	case truncated:
+		fail(schema.ErrCodeMalformed, "the attach request is longer than %d bytes", len(buf))
 		return
 	}
 	var req schema.AttachRequest
@@ -108,7 +126,9 @@ func (s *Server) attach(conn *net.UnixConn, accepted time.Time) {
 	conn.SetReadDeadline(time.Time{})
 	// The socket now only tells when the peer is gone. A client that writes
 	// on it breaks the protocol (and could keep a sidecar thread busy
-	// reading): its session ends.
+	// reading): its session ends. (Descriptors come on a connection of
+	// their own, descriptors.go; any sent here are discarded by the kernel
+	// with the message.)
 	go func() {
 		b := make([]byte, 64)
 		if _, err := conn.Read(b); err != nil {

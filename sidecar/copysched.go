@@ -124,12 +124,12 @@ func newLane(eng gpu.Engine, b budget, stallAfter time.Duration) *lane {
 }
 
 // route records the region the engine registered as h, before any copy of
-// it is submitted: a CUDA IPC region's chunks go to its GPU's lane, any
-// other's to the host's.
+// it is submitted: a CUDA region's chunks (CUDA IPC or by descriptor) go
+// to its GPU's lane, any other's to the host's.
 func (s *scheduler) route(h gpu.Handle, r gpu.Region) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if r.Kind != gpu.CUDAIPC {
+	if !r.Kind.CUDA() {
 		delete(s.routes, h)
 		return
 	}
@@ -146,7 +146,8 @@ func (s *scheduler) unroute(h gpu.Handle) {
 }
 
 // kind reports the kind of region h names, as far as scheduling goes:
-// gpu.CUDAIPC for a routed CUDA region, else gpu.HostProcess.
+// gpu.CUDAIPC for a routed CUDA region (of either CUDA kind), else
+// gpu.HostProcess.
 func (s *scheduler) kind(h gpu.Handle) gpu.Kind {
 	s.mu.RLock()
 	_, ok := s.routes[h]

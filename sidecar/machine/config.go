@@ -26,8 +26,9 @@ type Config struct {
 	// MaxRetainTTL bounds the time a Retain may keep blocks for
 	// (DefaultMaxRetainTTL): a longer one is refused (status 7).
 	MaxRetainTTL time.Duration
-	// CUDAIPC reports whether the copy engine serves CUDA IPC regions
-	// (the sidecar sets it from its copy engine).
+	// CUDAIPC reports whether the copy engine serves GPU memory: CUDA IPC
+	// regions and regions shared by file descriptor (the sidecar sets it
+	// from its copy engine).
 	CUDAIPC bool
 	// SnapshotScan bounds the pool slots one Snapshot page scans.
 	SnapshotScan int

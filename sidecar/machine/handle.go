@@ -395,40 +395,89 @@ func (h *handler) release(p []byte) error {
 }
 
 func (h *handler) registerRegion(p []byte) error {
-	m, s := h.m, h.s
 	var r schema.RegisterRegion
 	if err := r.Decode(p); err != nil {
 		return malformed(err)
 	}
-	cudaIPC := r.Kind == schema.RegionCUDAIPC && m.cfg.CUDAIPC
+	if r.Kind == schema.RegionCUDAFD {
+		// Its descriptors cannot travel through a ring.
+		return schema.Errorf(schema.ErrCodeMalformed, "region kind %d (GPU memory shared by file descriptor) is registered with a "+
+			"RegionDescriptors message on the attach socket, which carries the descriptors, not on the ring", r.Kind)
+	}
+	g, meta, err := h.m.checkRegion(h.s, &r, 0)
+	if err != nil {
+		return err
+	}
+	h.m.addRegion(h.s, r.Region, g, meta, h.seq, false)
+	return nil
+}
+
+// RegisterDescriptors handles a RegionDescriptors message that came on the
+// attach socket for session id (the caller checked that its sender is the
+// process that attached the session), carrying descriptors descriptors:
+// r is its RegisterRegion, of kind schema.RegionCUDAFD. It checks what a
+// RegisterRegion on the ring is checked for, and that the FDExtra names
+// exactly the descriptors that came. On success out.Registers holds the
+// region to register, whose allocations' FD fields are the indexes of
+// their descriptors in the message (the caller substitutes the
+// descriptors); its RegisterDone sends nothing on the ring and returns
+// the outcome. Otherwise the returned error says why (a *schema.Error),
+// and nothing was registered.
+func (m *Machine) RegisterDescriptors(now int64, id SessionID, r *schema.RegisterRegion, descriptors int, out *Output) error {
+	out.reset()
+	m.out = out
+	defer func() { m.out = nil }()
+	s := m.sessions[id]
 	switch {
-	case r.Kind != schema.RegionHostProcess && !cudaIPC:
-		return schema.Errorf(schema.ErrCodeNotPermitted, "region kind %d needs the CUDA copy backend, which this sidecar does not run", r.Kind)
+	case s == nil:
+		return schema.Errorf(schema.ErrCodeNotPermitted, "session %d is not attached", id)
+	case r.Kind != schema.RegionCUDAFD:
+		return schema.Errorf(schema.ErrCodeMalformed, "a RegionDescriptors message registers a region of kind %d, not %d", schema.RegionCUDAFD, r.Kind)
+	}
+	g, meta, err := m.checkRegion(s, r, descriptors)
+	if err != nil {
+		return err
+	}
+	m.addRegion(s, r.Region, g, meta, 0, true)
+	m.check()
+	return nil
+}
+
+// checkRegion makes the checks of a registration (docs/protocol.md,
+// RegisterRegion) and returns the copy engine's region and the metadata it
+// charges. descriptors is how many descriptors came with a RegionCUDAFD
+// region.
+func (m *Machine) checkRegion(s *session, r *schema.RegisterRegion, descriptors int) (gpu.Region, int64, error) {
+	cuda := (r.Kind == schema.RegionCUDAIPC || r.Kind == schema.RegionCUDAFD) && m.cfg.CUDAIPC
+	switch {
+	case r.Kind != schema.RegionHostProcess && !cuda:
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeNotPermitted, "region kind %d needs the CUDA copy backend, which this sidecar does not run", r.Kind)
 	case r.Kind == schema.RegionHostProcess && s.pid <= 0:
-		return schema.Errorf(schema.ErrCodeNotPermitted, "the sidecar cannot see this process (SO_PEERCRED gave pid %d: another pid namespace): host-memory regions need the engine and the sidecar in one pid namespace (shareProcessNamespace in Kubernetes)", s.pid)
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeNotPermitted, "the sidecar cannot see this process (SO_PEERCRED gave pid %d: another pid namespace): host-memory regions need the engine and the sidecar in one pid namespace (shareProcessNamespace in Kubernetes)", s.pid)
 	case r.PID != uint64(s.pid):
-		return schema.Errorf(schema.ErrCodeNotPermitted, "region pid %d is not the attached process (%d): a session may only register its own memory", r.PID, s.pid)
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeNotPermitted, "region pid %d is not the attached process (%d): a session may only register its own memory", r.PID, s.pid)
 	case r.PageSize > m.cfg.SlotBytes:
-		return schema.Errorf(schema.ErrCodeTooLarge, "page size %d is larger than the pool slot (%d bytes, --pool.slot-bytes)", r.PageSize, m.cfg.SlotBytes)
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeTooLarge, "page size %d is larger than the pool slot (%d bytes, --pool.slot-bytes)", r.PageSize, m.cfg.SlotBytes)
 	case s.regions[r.Region] != nil:
-		return schema.Errorf(schema.ErrCodeDuplicate, "region %d is already registered", r.Region)
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeDuplicate, "region %d is already registered", r.Region)
 	case len(s.regions) >= m.cfg.MaxRegions:
-		return m.refuse("regions", "%d regions registered in this session, the maximum", len(s.regions))
+		return gpu.Region{}, 0, m.refuse("regions", "%d regions registered in this session, the maximum", len(s.regions))
 	}
 	g := gpu.Region{Kind: gpu.HostProcess, PID: int(r.PID), Base: r.Base, Length: r.Length, PageSize: r.PageSize, PageCount: r.PageCount}
 	for _, sg := range r.Segments {
 		g.Segments = append(g.Segments, gpu.Segment{Offset: sg.Offset, Stride: sg.Stride, Length: sg.Length})
 	}
-	if cudaIPC {
+	switch r.Kind {
+	case schema.RegionCUDAIPC:
 		if len(r.Extra) == schema.CUDAExtraHeaderSize {
 			// Version 2's extra: one handle, the GPU, an offset (88 bytes).
 			// A version 3 extra is longer: it names at least one allocation.
-			return schema.Errorf(schema.ErrCodeNotPermitted, "the CUDA IPC extra is %d bytes, the one-allocation form of protocol version 2: "+
+			return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeNotPermitted, "the CUDA IPC extra is %d bytes, the one-allocation form of protocol version 2: "+
 				"this sidecar needs every device allocation of the region (protocol version 3): upgrade the engine plugin", len(r.Extra))
 		}
 		var x schema.CUDAExtra
 		if err := x.Decode(r.Extra); err != nil {
-			return malformed(err)
+			return gpu.Region{}, 0, malformed(err)
 		}
 		g.Kind = gpu.CUDAIPC
 		g.IPC = gpu.IPCMem{GPU: x.GPU, Event: x.Event, HasEvent: x.Flags&schema.CUDAExtraFlagEvent != 0,
@@ -436,22 +485,47 @@ func (h *handler) registerRegion(p []byte) error {
 		for i, a := range x.Allocations {
 			g.IPC.Allocations[i] = gpu.IPCAllocation{Handle: a.Handle, Base: a.Base, Size: a.Size}
 		}
+	case schema.RegionCUDAFD:
+		var x schema.FDExtra
+		if err := x.Decode(r.Extra); err != nil {
+			return gpu.Region{}, 0, malformed(err)
+		}
+		if len(x.Allocations) != descriptors {
+			return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeMalformed, "the message names %d descriptors and carries %d: "+
+				"every allocation's descriptor comes with the message that names it, and nothing else", len(x.Allocations), descriptors)
+		}
+		g.Kind = gpu.CUDAFD
+		g.IPC = gpu.IPCMem{GPU: x.GPU, Event: x.Event, HasEvent: x.Flags&schema.CUDAExtraFlagEvent != 0,
+			Allocations: make([]gpu.IPCAllocation, len(x.Allocations))}
+		for i, a := range x.Allocations {
+			g.IPC.Allocations[i] = gpu.IPCAllocation{FD: int(a.Index), Base: a.Base, Size: a.Size}
+		}
 	}
 	if err := g.Validate(); err != nil {
-		return schema.Errorf(schema.ErrCodeOutOfRange, "%v", err)
+		return gpu.Region{}, 0, schema.Errorf(schema.ErrCodeOutOfRange, "%v", err)
 	}
 	meta := int64(regionMeta + 24*len(r.Segments) + schema.CUDAAllocationSize*len(g.IPC.Allocations))
 	if err := m.chargeMeta(s, s.uid, meta); err != nil {
-		return err
+		return gpu.Region{}, 0, err
 	}
-	s.regions[r.Region] = &region{pageBytes: r.PageSize, pages: r.PageCount, pending: true, meta: meta, seq: h.seq}
-	h.out.Registers = append(h.out.Registers, Register{Session: s.id, ID: r.Region, Region: g})
-	return nil
+	return g, meta, nil
+}
+
+// addRegion records a region whose registration is in flight and asks the
+// caller to register it with the copy engine. socket: it came in a
+// RegionDescriptors message, answered on its own connection.
+func (m *Machine) addRegion(s *session, id uint32, g gpu.Region, meta int64, seq uint64, socket bool) {
+	s.regions[id] = &region{pageBytes: g.PageSize, pages: g.PageCount, pending: true, meta: meta, seq: seq, socket: socket}
+	m.out.Registers = append(m.out.Registers, Register{Session: s.id, ID: id, Region: g})
 }
 
 // RegisterDone completes a registration: h is the copy engine's handle, or
-// err why it refused the region.
-func (m *Machine) RegisterDone(now int64, id SessionID, regionID uint32, hd gpu.Handle, err error, out *Output) {
+// err why it refused the region. It returns the registration's outcome:
+// nil when the region is registered, else why not (a *schema.Error; the
+// same status a ring reply carries). A region registered on the ring is
+// answered there too; one from a RegionDescriptors message (its caller
+// answers on the message's connection) is not.
+func (m *Machine) RegisterDone(now int64, id SessionID, regionID uint32, hd gpu.Handle, err error, out *Output) error {
 	out.reset()
 	m.out = out
 	defer func() { m.out = nil }()
@@ -460,7 +534,7 @@ func (m *Machine) RegisterDone(now int64, id SessionID, regionID uint32, hd gpu.
 		if err == nil {
 			out.Unregister = append(out.Unregister, hd) // the session ended meanwhile
 		}
-		return
+		return schema.Errorf(schema.ErrCodeUnknownRegion, "the session ended before region %d was registered", regionID)
 	}
 	r := s.regions[regionID]
 	seq := r.seq
@@ -473,15 +547,19 @@ func (m *Machine) RegisterDone(now int64, id SessionID, regionID uint32, hd gpu.
 			// a GPU the sidecar does not see): a configuration problem.
 			st = schema.ErrCodeNotPermitted
 		}
-		failReply(out, s, schema.TypeRegisterRegion, seq, schema.Errorf(st, "%v", err))
-		return
+		se := schema.Errorf(st, "%v", err)
+		if !r.socket {
+			failReply(out, s, schema.TypeRegisterRegion, seq, se)
+		}
+		return se
 	}
 	r.handle, r.pending = hd, false
-	if seq != 0 {
+	if seq != 0 && !r.socket {
 		rep := schema.Reply{}
 		out.reply(s.id, schema.TypeRegisterRegion, seq, rep.Append)
 	}
 	m.check()
+	return nil
 }
 
 func (h *handler) changes(p []byte) error {

@@ -119,6 +119,7 @@ type region struct {
 	pending   bool   // registration in flight
 	seq       uint64 // its request's seq, while pending
 	meta      int64
+	socket    bool // registered by a RegionDescriptors message: answered on its connection, not the ring
 }
 
 // instance is one engine instance: the sessions (scheduler and ranks) that

@@ -238,6 +238,8 @@ class Session:
         self._peer_gone = False  # the sidecar closed the session's rings, or its process is gone
         self._closed = False
         self._unwoken = False  # records published with wake=False since the last wake
+        # The sidecar's socket (attach sets it): register_fd_region connects to it.
+        self.socket_path: Optional[str] = None
 
     # -- attach / detach -------------------------------------------------------
 
@@ -320,7 +322,9 @@ class Session:
                         r.close()
                 raise RingsideUnavailable("opening the session rings: %s" % e) from None
             sock.setblocking(True)  # only its closing matters from now on
-            return cls(sock, info, sub, cmp, prod, cons, digest_width=digest_width, timeout=timeout)
+            s = cls(sock, info, sub, cmp, prod, cons, digest_width=digest_width, timeout=timeout)
+            s.socket_path = socket_path
+            return s
         except BaseException:
             sock.close()
             raise
@@ -760,6 +764,78 @@ class Session:
             region_id, kind, os.getpid() if pid is None else pid, base, length, page_size, page_count, segments, extra
         )
         self._call(_schema.TYPE_REGISTER_REGION, p, _dec_value)
+
+    def register_fd_region(
+        self,
+        region_id: int,
+        base: int,
+        length: int,
+        page_size: int,
+        page_count: int,
+        segments: Sequence[Tuple[int, int, int]],
+        extra,
+        fds: Sequence[int],
+        pid: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Register GPU memory shared by file descriptor (REGION_CUDA_FD,
+        docs/protocol.md section 5.5.2): a RegionDescriptors message on a
+        connection of its own to the sidecar's socket, carrying fds (the
+        descriptors the FDExtra ``extra`` names by index, in that order)
+        with SCM_RIGHTS; the sidecar answers on that connection. The
+        descriptors stay the caller's: close them once this returns or
+        raises (the sidecar has its own copies, which it closes once it
+        imported them). Raises RingsideError with the refusal's status and
+        message; UNKNOWN_TYPE when the sidecar predates descriptor regions
+        (it answers the message as a malformed attach); RingsideTimeout or
+        RingsideUnavailable as any call."""
+        self._check()
+        if self.socket_path is None:
+            raise RingsideUnavailable("register_fd_region: the session's socket path is unknown")
+        region = _schema.encode_register_region(
+            region_id,
+            _schema.REGION_CUDA_FD,
+            os.getpid() if pid is None else pid,
+            base,
+            length,
+            page_size,
+            page_count,
+            segments,
+            extra,
+        )
+        msg = _schema.encode_region_descriptors(_schema.VERSION, self.info.session, self.info.epoch, region)
+        t = self.timeout if timeout is None else timeout
+        c = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)  # close-on-exec by default
+        try:
+            try:
+                c.settimeout(t)
+                c.connect(self.socket_path)
+                _socket.send_fds(c, [msg], list(fds))
+                b = c.recv(65536)
+            except _socket.timeout:
+                raise RingsideTimeout("register_fd_region: no answer within %.3gs" % t) from None
+            except OSError as e:
+                raise RingsideUnavailable("register_fd_region on %s: %s" % (self.socket_path, e)) from None
+        finally:
+            c.close()
+        if len(b) < 4:
+            raise RingsideUnavailable("register_fd_region: the sidecar closed the connection without an answer")
+        if struct.unpack_from("<I", b)[0] == _schema.ATTACH_REPLY_MAGIC:
+            try:
+                old = _schema.decode_attach_reply(b).message
+            except _schema.SchemaError:
+                old = "an attach reply"
+            raise RingsideError(
+                Status.UNKNOWN_TYPE,
+                "the sidecar does not take GPU memory shared by file descriptor (it predates RegionDescriptors "
+                "and answered: %s)" % old,
+            )
+        try:
+            rep = _schema.decode_region_descriptors_reply(b)
+        except _schema.SchemaError as e:
+            raise _malformed(e) from None
+        if rep.status != 0:
+            raise RingsideError(rep.status, rep.message)
 
     def load(self, lease: int, region: int, first: int, pages) -> int:
         """Copy lease blocks first.. into the given pages of a region and wait

@@ -1,7 +1,10 @@
 """The CUDA driver calls that share an engine's GPU memory with the sidecar.
 
 The engine's KV cache is exported allocation by allocation with the CUDA
-driver itself, through ctypes on ``libcuda.so.1`` (or the library named by
+driver itself: a legacy IPC handle per ``cudaMalloc`` allocation, or, for
+memory allocated with the virtual memory management API (vLLM 0.34's
+extensible KV cache), a POSIX file descriptor per allocation
+(:func:`export_fds`). Through ctypes on ``libcuda.so.1`` (or the library named by
 ``RINGSIDE_LIBCUDA``): never through torch's private ``_share_cuda_``, which
 takes the runtime's handle of a different size and enters the memory into
 torch's own IPC bookkeeping (a reference-counting file in /dev/shm, and a
@@ -42,6 +45,10 @@ CU_DEVICE_ATTRIBUTE_COMPUTE_MODE = 20
 CU_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
 
 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 14  # a uint64_t bitmask of CU_MEM_HANDLE_TYPE_*
+
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CU_MEM_HANDLE_TYPE_FABRIC = 0x8
 
 HANDLE_SIZE = 64  # CUipcMemHandle and CUipcEventHandle
 UUID_SIZE = 16
@@ -65,6 +72,10 @@ _PROTOS: dict[str, tuple] = {
     "cuEventRecord": (_vp, _vp),  # CUevent, CUstream
     "cuEventDestroy": (_vp,),  # _v2
     "cuIpcGetEventHandle": (ctypes.c_char_p, _vp),  # CUipcEventHandle *, CUevent
+    # Virtual memory management (the file-descriptor path)
+    "cuMemRetainAllocationHandle": (ctypes.POINTER(_u64), _vp),  # CUmemGenericAllocationHandle *, void *addr
+    "cuMemExportToShareableHandle": (_vp, _u64, _int, ctypes.c_ulonglong),  # void *, handle, type, flags
+    "cuMemRelease": (_u64,),
 }
 
 
@@ -211,6 +222,36 @@ class Driver:
             raise
         return buf.raw
 
+    def allowed_handle_types(self, ptr: int) -> Optional[int]:
+        """CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES of the allocation holding
+        ptr: the CU_MEM_HANDLE_TYPE_* bits it may be exported as (0 for
+        cudaMalloc memory); None when the driver cannot say."""
+        if self.fn("cuPointerGetAttribute") is None:
+            return None
+        v = _u64(0)  # the attribute is a uint64_t; a driver may write 4 bytes of it
+        try:
+            self.call("cuPointerGetAttribute", ctypes.byref(v), CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, ptr)
+        except CudaError:
+            return None
+        return v.value
+
+    def retain_allocation(self, ptr: int) -> int:
+        """The handle of the VMM allocation mapped at ptr
+        (cuMemRetainAllocationHandle), with a reference to release_allocation."""
+        h = _u64()
+        self.call("cuMemRetainAllocationHandle", ctypes.byref(h), ptr)
+        return h.value
+
+    def release_allocation(self, handle: int) -> None:
+        self.call("cuMemRelease", handle)
+
+    def export_fd(self, handle: int) -> int:
+        """A new POSIX file descriptor of a VMM allocation
+        (cuMemExportToShareableHandle), the caller's to close."""
+        fd = _int(-1)
+        self.call("cuMemExportToShareableHandle", ctypes.byref(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        return fd.value
+
     def ipc_event(self) -> "IpcEvent":
         """A new interprocess event (no timing) in the current context."""
         ev = _vp()
@@ -230,6 +271,74 @@ NOT_SHAREABLE = (
     "which CUDA IPC cannot export; run the engine with PyTorch's native allocator "
     "without expandable_segments"
 )
+
+
+def fd_refusal(base: int, types: Optional[int]) -> Optional[str]:
+    """Why the VMM allocation at base, whose ALLOWED_HANDLE_TYPES are types,
+    cannot be shared as a POSIX file descriptor; None if it can (or the
+    driver cannot say)."""
+    if types is None or types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+        return None
+    if types & CU_MEM_HANDLE_TYPE_FABRIC:
+        return (
+            "the KV cache allocation at %#x can be exported as a FABRIC handle only, not as a POSIX file "
+            "descriptor, which is what the sidecar imports: vLLM 0.34 asks the driver for FABRIC alone wherever "
+            "an IMEX channel is available, even when POSIX file descriptors are requested "
+            "(vllm/utils/vmm_driver.py)" % base
+        )
+    return (
+        "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is 0 for the KV cache allocation at %#x, and it was "
+        "created without a shareable handle type (ALLOWED_HANDLE_TYPES %#x): neither CUDA IPC nor a POSIX file "
+        "descriptor can export it (a descriptor needs CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR at cuMemCreate). %s"
+        % (base, types, NOT_SHAREABLE[0].upper() + NOT_SHAREABLE[1:])
+    )
+
+
+class FdExport:
+    """The descriptors of VMM allocations exported for one registration,
+    and the allocation handles retained for them. ``close()`` closes each
+    descriptor exactly once and releases each handle; it never raises."""
+
+    def __init__(self, drv: Driver):
+        self.drv = drv
+        self.fds: list[int] = []
+        self.handles: list[int] = []
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        handles, self.handles = self.handles, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for h in handles:
+            try:
+                self.drv.release_allocation(h)
+            except CudaError:
+                pass
+
+
+def export_fds(drv: Driver, bases: "list[int] | tuple[int, ...]") -> FdExport:
+    """Export the VMM allocations mapped at bases, in order, as POSIX file
+    descriptors: for each, cuMemRetainAllocationHandle at its base, its
+    ALLOWED_HANDLE_TYPES checked for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    (NotShareable otherwise: vLLM 0.34 asks for FABRIC alone where an IMEX
+    channel exists), cuMemExportToShareableHandle. The caller sends the
+    descriptors and then closes the export (FdExport.close: the descriptors
+    closed, the handles released); on an error nothing is left open."""
+    exp = FdExport(drv)
+    try:
+        for b in bases:
+            exp.handles.append(drv.retain_allocation(b))
+            why = fd_refusal(b, drv.allowed_handle_types(b))
+            if why is not None:
+                raise NotShareable("cuPointerGetAttribute", None, detail=why)
+            exp.fds.append(drv.export_fd(exp.handles[-1]))
+    except BaseException:
+        exp.close()
+        raise
+    return exp
 
 
 class IpcEvent:

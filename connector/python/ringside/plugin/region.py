@@ -16,7 +16,11 @@ strided tensors:
 
 The tensors are duck-typed (``data_ptr``, ``shape``, ``stride``,
 ``element_size``, ``device``). GPU memory is exported with the CUDA driver
-(cudaipc.py), one IPC handle per device allocation the blocks lie in.
+(cudaipc.py), one IPC handle per device allocation the blocks lie in; memory
+of the driver's virtual memory management API (vLLM 0.34's extensible KV
+cache), which CUDA IPC cannot export, one POSIX file descriptor per
+allocation instead (REGION_CUDA_FD), exported afresh at every registration
+and sent with it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..schema import MAX_SEGMENTS, REGION_CUDA_IPC, REGION_HOST_PROCESS, encode_cuda_extra
+from ..schema import (
+    MAX_DESCRIPTORS,
+    MAX_SEGMENTS,
+    REGION_CUDA_FD,
+    REGION_CUDA_IPC,
+    REGION_HOST_PROCESS,
+    encode_cuda_extra,
+    encode_fd_extra,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..client import Session
@@ -44,7 +56,9 @@ class RegionError(ValueError):
 class Region:
     """One region: see the module doc. ``segments`` are (offset from base,
     stride, length) in bytes. A CUDA region carries its store ``event``
-    (cudaipc.IpcEvent, whose handle is in ``extra``)."""
+    (cudaipc.IpcEvent, whose handle is in ``extra``); a REGION_CUDA_FD one
+    its ``exporter`` (FdExporter: the allocations whose descriptors each
+    registration sends)."""
 
     base: int
     length: int
@@ -54,6 +68,7 @@ class Region:
     kind: int = REGION_HOST_PROCESS
     extra: bytes = b""
     event: Any = field(default=None, compare=False, repr=False)
+    exporter: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_segments(
@@ -73,7 +88,15 @@ class Region:
         laid end to end (what RegisterRegion means by no segments)."""
         if len(self.segments) == 1 and self.segments[0] == (0, self.page_size, self.page_size):
             return Region(
-                self.base, self.length, self.page_size, self.page_count, (), self.kind, self.extra, self.event
+                self.base,
+                self.length,
+                self.page_size,
+                self.page_count,
+                (),
+                self.kind,
+                self.extra,
+                self.event,
+                self.exporter,
             )
         return self
 
@@ -82,7 +105,27 @@ class Region:
         return self.segments or ((0, self.page_size, self.page_size),)
 
     def register(self, session: Session, region_id: int) -> None:
-        """Register it in a client.Session (raises like any session call)."""
+        """Register it in a client.Session (raises like any session call).
+        A REGION_CUDA_FD region exports its allocations' descriptors now,
+        sends them with the registration and closes them (and releases the
+        handles retained for them) whatever happens; a failure to export
+        raises RegionError."""
+        if self.kind == REGION_CUDA_FD:
+            exp = self.exporter.export()
+            try:
+                session.register_fd_region(
+                    region_id,
+                    self.base,
+                    self.length,
+                    self.page_size,
+                    self.page_count,
+                    self.segments,
+                    self.extra,
+                    exp.fds,
+                )
+            finally:
+                exp.close()
+            return
         session.register_region(
             region_id,
             self.base,
@@ -272,7 +315,9 @@ def _joined(starts: Sequence[tuple[int, int, int]], pages: int, alloc_of: Any = 
 
 
 def _cuda_region(tensors: Sequence[tuple[str, Any]], starts: list, nb: int, drv: Any) -> Region:
-    """The CUDA IPC region of GPU tensors (see from_block_tensors)."""
+    """The CUDA region of GPU tensors (see from_block_tensors): CUDA IPC for
+    cudaMalloc memory, POSIX file descriptors (REGION_CUDA_FD) for memory of
+    the virtual memory management API."""
     ev = None
     try:
         with _engine_device([t for _, t in tensors]):
@@ -290,7 +335,9 @@ def _cuda_region(tensors: Sequence[tuple[str, Any]], starts: list, nb: int, drv:
                 )
             uuid = drv.device_uuid(dev)
             # The allocation of every piece: its first page's start, and its
-            # last page's end in the same allocation.
+            # last page's end in the same allocation. (For VMM memory the
+            # driver reports the mapping holding the address: one physical
+            # allocation.)
             ranges: dict[int, tuple[int, int]] = {}
             alloc: dict[int, int] = {}
             for a, st, n in starts:
@@ -304,17 +351,61 @@ def _cuda_region(tensors: Sequence[tuple[str, Any]], starts: list, nb: int, drv:
                 ranges[base] = (base, size)
                 alloc[a] = base
             segs = _joined(starts, nb, alloc.get)
-            handles = [(drv.ipc_mem_handle(b), b, s) for b, s in sorted(ranges.values())]
-            ev = drv.ipc_event()
-            extra = encode_cuda_extra(uuid, handles, event=ev.handle)
+            allocs = sorted(ranges.values())
+            legacy = {drv.ipc_capable(b) for b, _ in allocs}
+            if False not in legacy:
+                handles = [(drv.ipc_mem_handle(b), b, s) for b, s in allocs]
+                ev = drv.ipc_event()
+                extra = encode_cuda_extra(uuid, handles, event=ev.handle)
+                kind, exporter = REGION_CUDA_IPC, None
+            elif legacy != {False}:
+                raise RegionError(
+                    "the KV cache lies partly in cudaMalloc memory and partly in memory of the virtual memory "
+                    "management API: one region cannot share both"
+                )
+            else:
+                if len(allocs) > MAX_DESCRIPTORS:
+                    raise RegionError(
+                        "the KV cache lies in %d driver allocations; one registration carries at most %d descriptors"
+                        % (len(allocs), MAX_DESCRIPTORS)
+                    )
+                from . import cudaipc
+
+                for b, _ in allocs:
+                    why = cudaipc.fd_refusal(b, drv.allowed_handle_types(b))
+                    if why is not None:
+                        raise RegionError(why)
+                ev = drv.ipc_event()
+                extra = encode_fd_extra(uuid, [(i, b, s) for i, (b, s) in enumerate(allocs)], event=ev.handle)
+                kind, exporter = REGION_CUDA_FD, FdExporter(drv, tuple(b for b, _ in allocs))
     except RegionError:
         _close(ev)
         raise
     except Exception as e:  # noqa: BLE001 - never fail the engine's start over the cache
         _close(ev)
         raise RegionError("cannot share the GPU KV cache with the sidecar: %s" % e) from e
-    r = Region.from_segments(segs, nb, REGION_CUDA_IPC, extra)
-    return Region(r.base, r.length, r.page_size, r.page_count, r.segments, r.kind, r.extra, ev)
+    r = Region.from_segments(segs, nb, kind, extra)
+    return Region(r.base, r.length, r.page_size, r.page_count, r.segments, r.kind, r.extra, ev, exporter)
+
+
+class FdExporter:
+    """What a REGION_CUDA_FD region's registration exports: the VMM
+    allocations mapped at ``bases``, descriptor i being bases[i]'s. Each
+    registration exports them afresh (cudaipc.export_fds), in the calling
+    thread's CUDA context (the engine's)."""
+
+    def __init__(self, drv: Any, bases: tuple[int, ...]):
+        self.drv, self.bases = drv, bases
+
+    def export(self) -> Any:
+        """A cudaipc.FdExport of the allocations (close it after sending);
+        RegionError when the driver refuses one."""
+        from . import cudaipc
+
+        try:
+            return cudaipc.export_fds(self.drv, self.bases)
+        except cudaipc.CudaError as e:
+            raise RegionError("cannot share the GPU KV cache with the sidecar: %s" % e) from e
 
 
 def _close(ev: Any) -> None:

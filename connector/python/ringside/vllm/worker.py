@@ -46,6 +46,7 @@ REGION_ID = 1
 # their blocks that long; it must be at least the sidecar's write timeout.
 SIDECAR_WRITE_TIMEOUT = 30.0
 _ALL, _LAST, _POLL = 0, 1, 2  # how _finish_saves collects the stores' replies
+_CUDA_KINDS = (_s.REGION_CUDA_IPC, _s.REGION_CUDA_FD)  # GPU memory: by IPC handle, or by file descriptor
 
 
 class WorkerSide:
@@ -177,6 +178,12 @@ class WorkerSide:
             self.faults.fail(e)
             if e.status is not None:  # refused (not a lost sidecar): it would be refused again
                 self.region = None
+            return None
+        except RegionError as e:
+            # Memory shared by file descriptor is exported at each
+            # registration: the driver refused it.
+            logger.warning("ringside: %s; serving without the cache", e)
+            self.region = None
             return None
         self._region_gen = self.link.generation
         logger.info(
@@ -318,7 +325,7 @@ class WorkerSide:
         ev = getattr(self, "store_event", None)
         if ev is not None:
             ev.record()  # on the current stream; the sidecar's store stream waits on it
-        elif self.region.kind == _s.REGION_CUDA_IPC:
+        elif self.region.kind in _CUDA_KINDS:
             import torch
 
             torch.cuda.current_stream().synchronize()
@@ -399,7 +406,7 @@ class WorkerSide:
         on the project's 2-vCPU VM), so they are waited for before it."""
         o = self._overlap
         if o == "auto":
-            return self.region is not None and self.region.kind == _s.REGION_CUDA_IPC
+            return self.region is not None and self.region.kind in _CUDA_KINDS
         return bool(o)
 
     def _settle(self, meta: RingsideConnectorMetadata) -> Optional[set[str]]:
