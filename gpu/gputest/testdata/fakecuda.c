@@ -305,6 +305,17 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
 }
 CUresult cuDevicePrimaryCtxRelease(int d) { (void)d; return 0; }
 CUresult cuCtxSetCurrent(void *c) { cur_ctx = c; return 0; }
+// cuCtxGetCurrent, cuCtxGetDevice: the thread's context (NULL, with
+// success, when none is current: cuCtxGetCurrent) and its device
+// (CUDA_ERROR_INVALID_CONTEXT without one), as vLLM 0.34's
+// vllm/utils/vmm_driver.py CudaVmmDriver.ensure_context asks them.
+CUresult cuCtxGetCurrent(void **c) { if (!c) return 1; *c = cur_ctx; return 0; }
+CUresult cuCtxGetDevice(int *d) {
+	if (!d) return 1;
+	if (!cur_ctx) return 201;
+	*d = (int)((uintptr_t)cur_ctx - 0x1000);
+	return 0;
+}
 CUresult cuCtxGetStreamPriorityRange(int *l, int *g) { NEEDCTX(); *l = 0; *g = -5; return 0; }
 
 CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
@@ -1124,6 +1135,7 @@ static struct { const char *name; void *fn; int minver; } procs[] = {
 	{"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain, 7000},
 	{"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease, 7000},
 	{"cuCtxSetCurrent", (void *)cuCtxSetCurrent, 4000},
+	{"cuCtxGetCurrent", (void *)cuCtxGetCurrent, 4000}, {"cuCtxGetDevice", (void *)cuCtxGetDevice, 2000},
 	{"cuCtxGetStreamPriorityRange", (void *)cuCtxGetStreamPriorityRange, 5050},
 	{"cuIpcGetMemHandle", (void *)cuIpcGetMemHandle, 4010}, {"cuIpcOpenMemHandle", (void *)cuIpcOpenMemHandle, 4010},
 	{"cuIpcCloseMemHandle", (void *)cuIpcCloseMemHandle, 4010},
