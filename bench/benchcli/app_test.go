@@ -6,6 +6,10 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 // TestCommands pins the subcommands: the benchmarks keep the names they
@@ -61,5 +65,22 @@ func TestNoRingside(t *testing.T) {
 	}
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("a benchmark with no sidecar made its directory (stat: %v)", err)
+	}
+}
+
+// TestPolicyDefaultIsServes: the benchmarks that start or build a cache
+// default to the eviction policy `ringside serve` runs by default, so
+// that a replay without --cache.policy measures the product as shipped.
+func TestPolicyDefaultIsServes(t *testing.T) {
+	for _, c := range App().Commands {
+		for _, f := range c.Flags {
+			if f.Names()[0] != "cache.policy" {
+				continue
+			}
+			sf, ok := f.(*cli.StringFlag)
+			if !ok || sf.Value != cache.DefaultPolicy.String() {
+				t.Errorf("%s --cache.policy defaults to %v, want serve's %s", c.Name, f, cache.DefaultPolicy)
+			}
+		}
 	}
 }

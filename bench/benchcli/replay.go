@@ -13,6 +13,7 @@ import (
 
 	"github.com/ringside-kv/ringside/bench/replay"
 	"github.com/ringside-kv/ringside/internal/units"
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 // benchReplayCommand is `ringside-bench replay`: a trace replayed through
@@ -47,7 +48,7 @@ func benchReplayCommand() *cli.Command {
 			&cli.IntFlag{Name: "block-tokens", Value: 512, Usage: "tokens per trace block (hash id)", EnvVars: e("block-tokens")},
 			&cli.IntSliceFlag{Name: "capacity-pages", Usage: "pool capacity in pages, one run each (repeatable or comma separated; default: 1, 4, 16 and 64 GiB of model KV)", EnvVars: e("capacity-pages")},
 			&cli.IntFlag{Name: "engines", Value: replay.DefaultEngines, Usage: "simulated engine instances (sessions), each with its own memory", EnvVars: e("engines")},
-			&cli.StringFlag{Name: "cache.policy", Value: "lru", Usage: "the sidecars' eviction policy (serve --cache.policy): lru or mqp; the runs are checked against its exact offline model (LRU, or MQP: bench/replay/mqp.go)", EnvVars: e("cache.policy")},
+			&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "the sidecars' eviction policy (serve --cache.policy, and serve's default): lru or mqp; the runs are checked against its exact offline model (LRU, or MQP: bench/replay/mqp.go); --nodes and the tier are modelled with lru only", EnvVars: e("cache.policy")},
 			&cli.BoolFlag{Name: "hints", Usage: "also run each capacity with retention hints: each request's hint (the agentic workload's; a trace line's optional session, session_end, retain_s, priority) sent as a Retain after its store, a session's last request ending its retentions, priority -1 sending nothing (transport ring+hints; not checked against a model)", EnvVars: e("hints")},
 			&cli.BoolFlag{Name: "sequential", Usage: "one request at a time in trace order: deterministic hit rates, equal to the offline LRU's", EnvVars: e("sequential")},
 			&cli.Float64Flag{Name: "pace", Usage: "0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)", EnvVars: e("pace")},

@@ -15,6 +15,7 @@ import (
 	"github.com/ringside-kv/ringside/bench/benchcli"
 	"github.com/ringside-kv/ringside/bench/internal/benchtest"
 	"github.com/ringside-kv/ringside/internal/redistest"
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 func TestMain(m *testing.M) { benchtest.Main(m, "RINGSIDE_REPLAY_TEST_CHILD") }
@@ -40,7 +41,7 @@ func TestBenchReplayCommand(t *testing.T) {
 	app.Writer, app.ErrWriter = &stdout, &stderr
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential",
+	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--cache.policy", "lru",
 		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
 		"--capacity-pages", "200", "--capacity-pages", "2000", "--uds-capacity-pages", "200",
 		"--engines", "2", "--dir", dir, "--out", out, "--timeout", "60s"}, benchtest.Ringside(t)...))
@@ -170,7 +171,8 @@ func TestBenchReplayCommand(t *testing.T) {
 }
 
 // TestBenchReplayText checks the human-readable report: the tables, the
-// oracle column and the verdicts, from a short concurrent run.
+// oracle column and the verdicts, from a short concurrent run under the
+// default policy, serve's (named in the report and its verdict).
 func TestBenchReplayText(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a sidecar")
@@ -189,7 +191,7 @@ func TestBenchReplayText(t *testing.T) {
 	s := stdout.String()
 	for _, want := range []string{"hit ratio", "oracle", "step (delta)", "step (walk)", "p99.9",
 		"target lookup p99 < 20 µs", "target acquire-and-poll p99 < 50 µs", "target sidecar CPU < 25%",
-		"target hit rate equal to the offline LRU", "GiB equiv",
+		"target hit rate equal to the offline " + strings.ToUpper(cache.DefaultPolicy.String()), "eviction policy " + cache.DefaultPolicy.String(), "GiB equiv",
 		"prefix-hit ratio by policy", "ARC (vLLM)", "optimum (bound)", "following MIN"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("output lacks %q:\n%s", want, s)
@@ -211,7 +213,7 @@ func TestBenchReplayAgentic(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
-		"--workload", "agentic", "--seed", "3", "--limit", "400", "--page-tokens", "512",
+		"--cache.policy", "lru", "--workload", "agentic", "--seed", "3", "--limit", "400", "--page-tokens", "512",
 		"--capacity-pages", "64", "--capacity-pages", "1024", "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {
 		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
@@ -261,7 +263,7 @@ func TestBenchReplayNodesSharingATier(t *testing.T) {
 		dir = filepath.Join(t.TempDir(), "sidecars")
 	}
 	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
-		"--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
+		"--cache.policy", "lru", "--trace", "testdata/conversation_trace_300.jsonl", "--limit", requests,
 		"--capacity-pages", "200", "--capacity-pages", "2000", "--engines", "2", "--nodes", "2",
 		"--l2.redis.addrs", srv.Addr, "--dir", dir, "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
 	if err != nil {

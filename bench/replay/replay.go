@@ -28,6 +28,7 @@ import (
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
 // Defaults.
@@ -67,8 +68,10 @@ type Config struct {
 	Ringside        string        // the ringside executable run as the sidecars (`serve`; default: see harness.FindRingside)
 	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
 	// Policy is the sidecars' eviction policy (serve --cache.policy): "lru"
-	// (the default) or "mqp". The runs are checked against the offline
-	// model of it: OraclePages for LRU, MQPPages for MQP.
+	// or "mqp"; empty is serve's default (cache.DefaultPolicy). The runs
+	// are checked against the offline model of it: OraclePages for LRU,
+	// MQPPages for MQP. Several nodes or the tier are modelled with LRU
+	// pools only.
 	Policy string
 	// Hints adds, at every capacity, a run that sends each request's
 	// retention hint (RequestMeta, hintOf) to the sidecar: transport
@@ -165,13 +168,14 @@ func (c *Config) defaults() error {
 	if c.L2Start != "" && len(c.L2Addrs) > 0 {
 		return errors.New("--l2.start and --l2.redis.addrs: give one")
 	}
+	if c.Policy == "" {
+		c.Policy = cache.DefaultPolicy.String()
+	}
 	switch c.Policy {
-	case "":
-		c.Policy = "lru"
 	case "lru":
 	case "mqp":
 		if c.Nodes > 1 || len(c.L2Addrs) > 0 || c.L2Start != "" {
-			return errors.New("--cache.policy mqp: the offline model of MQP is of one node without a tier (give --nodes 1, no --l2.*)")
+			return fmt.Errorf("--cache.policy %s: its offline model is of one node without a tier; the model of several nodes and the tier is of LRU pools (give --cache.policy lru, or --nodes 1 and no --l2.*)", c.Policy)
 		}
 	default:
 		return fmt.Errorf("--cache.policy %q: want lru or mqp", c.Policy)
