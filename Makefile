@@ -190,6 +190,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzEventsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzRetain$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./schema/
 	$(GO) test -run '^$$' -fuzz '^FuzzSession$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/
+	$(GO) test -run '^$$' -fuzz '^FuzzDescriptors$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/
 	$(GO) test -run '^$$' -fuzz '^FuzzMachine$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeBatch$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./internal/kvevents/
 	$(GO) test -run '^$$' -fuzz '^FuzzMachineL2$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/

@@ -45,6 +45,7 @@ func (s *Server) registerDescriptors(conn *net.UnixConn, cred sys.Cred, allowed 
 		fds = nil
 		conn.SetWriteDeadline(time.Now().Add(time.Second))
 		conn.Write(rep.Append(nil))
+		drainDescriptors(conn)
 	}
 	var m schema.RegionDescriptors
 	switch err := m.Decode(msg); {
@@ -123,3 +124,25 @@ func (s *Server) registerDescriptors(conn *net.UnixConn, cred sys.Cred, allowed 
 	}
 	answer(res)
 }
+
+// drainDescriptors reads (bounded: drainMessages datagrams within
+// drainWait) what a client sent after its RegionDescriptors, closing the
+// descriptors that came with it, until the client closes its end:
+// closing a connection with datagrams unread resets it, and the client
+// would lose the answer.
+func drainDescriptors(conn *net.UnixConn) {
+	conn.SetReadDeadline(time.Now().Add(drainWait))
+	buf := make([]byte, 64)
+	for range drainMessages {
+		n, fds, _, err := sys.ReadFDs(conn, buf, schema.MaxDescriptors)
+		sys.CloseFDs(fds)
+		if err != nil || (n == 0 && len(fds) == 0) {
+			return
+		}
+	}
+}
+
+const (
+	drainMessages = 64
+	drainWait     = 100 * time.Millisecond
+)
