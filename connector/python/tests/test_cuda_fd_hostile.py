@@ -57,6 +57,18 @@ def fds_of(pid):
     return len(os.listdir("/proc/%d/fd" % pid))
 
 
+def steady(pid):
+    """The descriptor count of pid once it stopped moving (a connection the
+    sidecar answered is closed a moment after the answer)."""
+    prev = None
+    while True:
+        n = fds_of(pid)
+        if n == prev:
+            return n
+        prev = n
+        time.sleep(0.2)
+
+
 def settle(pid, want, what):
     """Wait (bounded) for pid to hold want descriptors."""
     deadline = time.monotonic() + 5
@@ -147,7 +159,7 @@ def arena(cuda_sidecar, sim):
     by.check()
     hostile = cuda_sidecar.attach(instance="hostile", timeout=10.0)
     pid = cuda_sidecar.proc.pid
-    yield cuda_sidecar, sim, by, hostile, fds_of(pid)
+    yield cuda_sidecar, sim, by, hostile, steady(pid)
     by.check()
     hostile.close()
     by.s.close()
