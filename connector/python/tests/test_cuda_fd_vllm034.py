@@ -139,6 +139,18 @@ def fds(pid):
     return len(os.listdir("/proc/%d/fd" % pid))
 
 
+def steady(pid):
+    # The count once it stopped moving: a descriptor connection the sidecar
+    # answered is closed a moment after the answer.
+    prev = None
+    while True:
+        n = fds(pid)
+        if n == prev:
+            return n
+        prev = n
+        time.sleep(0.2)
+
+
 def fill(tag, blocks):
     for i in range(LAYERS):
         for b in blocks:
@@ -176,7 +188,7 @@ assert _lib.cuStreamCreateWithPriority(ctypes.byref(_s), 0, 0) == 0
 STREAM = _s.value
 
 out = {}
-base_fds = fds(sidecar_pid)
+base_fds = steady(sidecar_pid)
 ws = WorkerSide(
     Config.parse({"socket": sock, "reattach_interval": 0.0, "timeout": 10.0}, VLLM),
     dict(instance="vllm034-fd", model="m", layout="l", salt="", world_size=1, digest_width=32),
@@ -192,7 +204,7 @@ ws.register_kv_caches(views())
 assert ws.region is not None and ws.region.kind == S.REGION_CUDA_FD, ws.region
 assert ws.region.page_count == 512 and ws.region.page_size == LAYERS * PAGE
 gen = ws.link.generation
-out["imported_after_first"] = fds(sidecar_pid) - base_fds
+out["imported_after_first"] = steady(sidecar_pid) - base_fds
 round_trip(ws, 1, [0, 5, 511, 200], [10, 11, 12, 13])
 
 # A second extension (the cache re-initialised): new allocations at the
@@ -200,7 +212,7 @@ round_trip(ws, 1, [0, 5, 511, 200], [10, 11, 12, 13])
 kv.commit(1024, defragment=True, shrink=True)
 ws.register_kv_caches(views())
 assert ws.region.page_count == 1024 and ws.link.generation == gen + 1
-out["imported_after_second"] = fds(sidecar_pid) - base_fds
+out["imported_after_second"] = steady(sidecar_pid) - base_fds
 round_trip(ws, 2, [1000, 3, 700], [1023, 512, 600])
 
 # Sleep mode: the memory released and mapped afresh, the registration
@@ -211,7 +223,7 @@ kv.recommit()
 ws.restore_kv_caches()
 assert ws.region is not None and ws.link.generation == gen + 2
 round_trip(ws, 3, [7, 8], [900, 901])
-out["imported_after_sleep"] = fds(sidecar_pid) - base_fds
+out["imported_after_sleep"] = steady(sidecar_pid) - base_fds
 
 ws.shutdown()
 deadline = time.monotonic() + 5
