@@ -34,7 +34,7 @@ def test_defaults():
     assert (c.timeout, c.lease_ttl, c.max_wait_us, c.mirror, c.overlap_saves, c.stats_path) == (
         2.0, 30.0, 100.0, True, "auto", None)  # fmt: skip
     assert Config.parse({}, SGLANG).max_batches == 4096
-    assert len(keys_of(VLLM)) == 27 and len(keys_of(SGLANG)) == 11
+    assert len(keys_of(VLLM)) == 28 and len(keys_of(SGLANG)) == 11
     assert (c.kv_events, c.kv_events_poll_ms) == ("auto", 50.0)
     assert c.store_decode_every == 1
     assert (c.pd_producer, c.pd_wait_s, c.pd_max_waiting) == (False, 0.0, 16)
@@ -123,3 +123,11 @@ def test_deploy_rule_keys_are_the_configuration():
         "`python -m ringside.plugin.config --deploy-keys > deploy/testdata/connector-keys.json`"
     )
     assert set(json.loads(got)) == set(keys_of(VLLM)) == set(deploy_keys())
+
+
+def test_kv_cache_access_is_one_of_two():
+    assert Config.parse({}, VLLM).kv_cache_access == "exports_fd"
+    assert Config.parse({"kv_cache_access": " legacy_ipc"}, VLLM).kv_cache_access == "legacy_ipc"
+    for bad in ("fd", "", "exports_fd,legacy_ipc", 1, None):
+        with pytest.raises(ConfigError, match="kv_cache_access.*one of exports_fd, legacy_ipc"):
+            Config.parse({"kv_cache_access": bad}, VLLM)

@@ -1,13 +1,14 @@
 """What the connector declares to vLLM 0.34 about its use of the KV cache
-(``RingsideConnector.kv_cache_access``), and what vLLM 0.34's own code does
-with it.
+(``RingsideConnector.kv_cache_access``, ringside/vllm/access.py), and what
+vLLM 0.34's own code does with it.
 
-The workers share the engine's KV cache with the sidecar through legacy
-CUDA IPC (ringside/plugin/cudaipc.py), which cannot export memory mapped
-with the driver's virtual memory API; 0.34 allocates its "extensible" KV
-cache so on CUDA by default. The connector declares
-``KVCacheAccess.LEGACY_IPC``, and 0.34 then turns that cache off
-(``VllmConfig._resolve_extensible_kv_cache`` in vllm/config/vllm.py).
+On a CUDA engine the plugin key ``kv_cache_access`` chooses: ``exports_fd``
+(the default) keeps 0.34's extensible KV cache, allocated exportable as
+POSIX file descriptors, which the workers send to the sidecar;
+``legacy_ipc`` makes 0.34 turn that cache off, and the workers share the
+cache through legacy CUDA IPC. Where a choice cannot work, the engine stops
+at start with one message naming the key. Elsewhere (this CPU build) the
+connector declares IN_PROCESS.
 
 vLLM 0.34 has no CPU build on PyPI: these tests run in the child process of
 test_vllm_versions.py::test_unit_tests_under_vllm[0.34.0], which imports
@@ -37,9 +38,17 @@ from ringside.vllm import RingsideConnector, register_plugin
 RINGSIDE = dict(kv_connector="RingsideConnector", kv_connector_module_path="ringside.vllm", kv_role="kv_both")
 # NixlConnector on device memory: REGISTERS | EXPORTS_FABRIC (UCX cuda_ipc within a host).
 NIXL = dict(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cuda")
-LEGACY_MESSAGE = (
-    "enable_extensible_kv_cache: a KV connector (e.g. LMCacheMPConnector) shares the KV cache "
-    "through legacy CUDA IPC, which cannot export driver-mapped memory."
+# Imported now, while the platform answers as this CPU does: under the
+# stood-in CUDA platform their imports would reach for CUDA kernels.
+KVConnectorFactory.get_connector_class(KVTransferConfig(**NIXL))
+from vllm.v1.worker.extensible_kv_cache import kv_cache_export_handle_types  # noqa: E402
+
+LEGACY = dict(RINGSIDE, kv_connector_extra_config={"kv_cache_access": "legacy_ipc"})
+FD, IPC, FABRIC, REG = (
+    KVCacheAccess.EXPORTS_FD,
+    KVCacheAccess.LEGACY_IPC,
+    KVCacheAccess.EXPORTS_FABRIC,
+    KVCacheAccess.REGISTERS,
 )
 
 
@@ -49,29 +58,53 @@ def multi(*children: dict) -> KVTransferConfig:
     )
 
 
-def test_the_connector_declares_legacy_ipc():
+@pytest.fixture
+def cuda(monkeypatch):
+    """The platform answering as CUDA does (no GPU here)."""
+    from vllm.platforms import current_platform
+
+    for name, v in (("is_cuda", True), ("is_cuda_alike", True), ("is_rocm", False)):
+        monkeypatch.setattr(current_platform, name, lambda v=v: v, raising=False)
+
+
+def test_on_this_cpu_the_connector_asks_for_nothing():
+    """The CPU build (or ROCm): IN_PROCESS whatever the key says, since
+    0.34 refuses EXPORTS_FD where its extensible cache is unsupported."""
+    for kvt in (KVTransferConfig(**RINGSIDE), KVTransferConfig(**LEGACY)):
+        assert RingsideConnector.kv_cache_access(kvt) is KVCacheAccess.IN_PROCESS
+        assert kvt.kv_cache_access() == KVCacheAccess.IN_PROCESS
+
+
+def test_the_declaration_on_cuda(cuda):
     kvt = KVTransferConfig(**RINGSIDE)
-    assert RingsideConnector.kv_cache_access(kvt) is KVCacheAccess.LEGACY_IPC
+    assert RingsideConnector.kv_cache_access(kvt) is FD
     # As vLLM asks: through its factory, by module path and by the plugin's registered name.
-    assert KVConnectorFactory.kv_cache_access(kvt) == KVCacheAccess.LEGACY_IPC
-    assert kvt.kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    assert KVConnectorFactory.kv_cache_access(kvt) == FD
+    assert kvt.kv_cache_access() == FD
     if "RingsideConnector" not in KVConnectorFactory._registry:
         register_plugin()
     by_name = KVTransferConfig(kv_connector="RingsideConnector", kv_role="kv_both")
-    assert by_name.kv_cache_access() == KVCacheAccess.LEGACY_IPC
-    # Not a connector that needs one physical allocation per segment.
-    assert not kvt.registers_kv_cache_memory()
+    assert by_name.kv_cache_access() == FD
+    # One physical allocation per segment: what a descriptor export needs.
+    assert kvt.registers_kv_cache_memory()
+    legacy = KVTransferConfig(**LEGACY)
+    assert legacy.kv_cache_access() == IPC and not legacy.registers_kv_cache_memory()
 
 
-def test_beside_nixl_under_multiconnector():
+def test_a_bad_value_is_named(cuda):
+    kvt = KVTransferConfig(**dict(RINGSIDE, kv_connector_extra_config={"kv_cache_access": "fd"}))
+    with pytest.raises(ValueError, match="kv_cache_access"):
+        kvt.kv_cache_access()
+
+
+def test_beside_nixl_under_multiconnector(cuda):
     """0.34's MultiConnector ORs its children's flags: NIXL's and ringside's,
     in either order."""
-    assert multi(NIXL).kv_cache_access() == KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
-    want = KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC | KVCacheAccess.LEGACY_IPC
-    assert multi(NIXL, RINGSIDE).kv_cache_access() == want
-    assert multi(RINGSIDE, NIXL).kv_cache_access() == want
-    # NIXL still registers its memory: one physical allocation per segment.
-    assert multi(NIXL, RINGSIDE).registers_kv_cache_memory()
+    assert multi(NIXL).kv_cache_access() == REG | FABRIC
+    assert multi(NIXL, RINGSIDE).kv_cache_access() == REG | FABRIC | FD
+    assert multi(RINGSIDE, NIXL).kv_cache_access() == REG | FABRIC | FD
+    assert multi(NIXL, LEGACY).kv_cache_access() == REG | FABRIC | IPC
+    assert multi(NIXL, LEGACY).registers_kv_cache_memory()
 
 
 class _Records(logging.Handler):
@@ -84,25 +117,25 @@ class _Records(logging.Handler):
 
 
 @pytest.fixture
-def on_cuda(monkeypatch):
-    """0.34's resolution of its extensible KV cache, with the platform
-    answering as CUDA does (no GPU here); imex says whether an IMEX channel
-    exists. Returns resolve(kv_transfer_config, requested=None, imex=True):
-    (enable_extensible_kv_cache, resolved_gpu_memory_utilization, log
-    lines), or the ValueError that stops the engine's start."""
+def on_cuda(cuda, monkeypatch):
+    """0.34's resolution of its extensible KV cache on CUDA; imex says
+    whether an IMEX channel exists. Returns resolve(kv_transfer_config,
+    requested=None, imex=True, **cache): (enable_extensible_kv_cache,
+    resolved_gpu_memory_utilization, vLLM's log lines, the export handle
+    types 0.34's workers request), or the ValueError that stops the
+    engine's start."""
     import vllm.utils.vmm_driver as vmm
-    from vllm.platforms import current_platform
 
-    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True, raising=False)
-    monkeypatch.setattr(current_platform, "is_rocm", lambda: False, raising=False)
     log = logging.getLogger("vllm.config.vllm")
 
-    def resolve(kvt, requested=None, imex=True):
+    def resolve(kvt, requested=None, imex=True, **cache):
         vc = H.vllm_config({"socket": "/nonexistent"})
         vc.kv_transfer_config = kvt
         cc = vc.cache_config
         cc._extensible_kv_cache_resolved = False  # resolved once already, for this CPU
         cc.enable_extensible_kv_cache = requested
+        for k, v in cache.items():
+            setattr(cc, k, v)
         monkeypatch.setattr(vmm, "imex_channel_available", lambda: imex)
         rec, level = _Records(), log.level
         log.addHandler(rec)
@@ -112,38 +145,76 @@ def on_cuda(monkeypatch):
         finally:
             log.setLevel(level)
             log.removeHandler(rec)
-        return cc.enable_extensible_kv_cache, cc.resolved_gpu_memory_utilization, rec.lines
+        return (
+            cc.enable_extensible_kv_cache,
+            cc.resolved_gpu_memory_utilization,
+            rec.lines,
+            (kv_cache_export_handle_types(vc)),
+        )
 
     return resolve
 
 
-def test_vllm_turns_the_extensible_cache_off(on_cuda, monkeypatch):
-    # Without a connector, or with NIXL and an IMEX channel: on, and
-    # gpu_memory_utilization defaults to 1.0.
-    assert on_cuda(None) == (True, 1.0, [])
-    assert on_cuda(multi(NIXL)) == (True, 1.0, [])
-    # NIXL without an IMEX channel: off, and vLLM says why (which shows that
-    # its log lines are seen here).
-    on, util, lines = on_cuda(multi(NIXL), imex=False)
-    assert (on, util) == (False, 0.92) and len(lines) == 1 and "without an IMEX channel" in lines[0], lines
-    # With ringside: off without a word from vLLM, and gpu_memory_utilization
-    # defaults to 0.92 again; the engine starts.
-    assert on_cuda(KVTransferConfig(**RINGSIDE)) == (False, 0.92, [])
-    # Beside NIXL, with or without an IMEX channel: off, for ringside.
-    assert on_cuda(multi(NIXL, RINGSIDE)) == (False, 0.92, [])
-    assert on_cuda(multi(RINGSIDE, NIXL), imex=False) == (False, 0.92, [])
-    # Without the declaration (vLLM's default, IN_PROCESS) it would be on,
-    # in memory that CUDA IPC cannot export.
-    monkeypatch.setattr(RingsideConnector, "kv_cache_access", classmethod(lambda cls, kvt: KVCacheAccess.IN_PROCESS))
-    assert on_cuda(KVTransferConfig(**RINGSIDE)) == (True, 1.0, [])
+def test_exports_fd_keeps_vllms_extensible_cache(on_cuda):
+    """The default: 0.34's extensible cache stays on (gpu_memory_utilization
+    1.0), its segments requested exportable as POSIX file descriptors."""
+    assert on_cuda(None)[:3] == (True, 1.0, [])
+    on, util, lines, types = on_cuda(KVTransferConfig(**RINGSIDE))
+    assert (on, util, lines) == (True, 1.0, [])
+    assert types == vmm_fd()
 
 
-def test_asking_for_the_extensible_cache_with_ringside_stops_the_start(on_cuda):
-    """--enable-extensible-kv-cache with the connector: vLLM refuses at
-    start, naming legacy CUDA IPC."""
+def vmm_fd() -> int:
+    from vllm.utils.vmm_driver import MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    return MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+@pytest.mark.parametrize(
+    "requested, cache, why",
+    [
+        (False, {}, "--no-enable-extensible-kv-cache"),
+        (None, {"kv_cache_memory_bytes": 8 << 30}, "kv_cache_memory_bytes"),
+        (None, {"num_gpu_blocks_override": 1000}, "num_gpu_blocks_override"),
+    ],
+)
+def test_exports_fd_where_vllm_cannot_have_it_stops_with_the_key(on_cuda, requested, cache, why):
+    """Where the extensible cache cannot be on, 0.34 refuses EXPORTS_FD at
+    start; the connector says so first, naming the key and what to set."""
     for kvt in (KVTransferConfig(**RINGSIDE), multi(NIXL, RINGSIDE)):
         with pytest.raises(ValueError) as e:
-            on_cuda(kvt, requested=True)
-        assert str(e.value) == LEGACY_MESSAGE
-    # Turned off explicitly: fine.
-    assert on_cuda(KVTransferConfig(**RINGSIDE), requested=False)[:2] == (False, 0.92)
+            on_cuda(kvt, requested=requested, **cache)
+        msg = str(e.value)
+        assert "kv_cache_access" in msg and "legacy_ipc" in msg and why in msg, msg
+    # With legacy_ipc the same engine starts, without the extensible cache.
+    assert on_cuda(KVTransferConfig(**LEGACY), requested=requested, **cache)[:2] == (False, 0.92)
+
+
+def test_legacy_ipc_turns_the_extensible_cache_off(on_cuda, monkeypatch):
+    """legacy_ipc: off without a word from vLLM (the connector logs why),
+    gpu_memory_utilization defaults to 0.92; asking for the extensible cache
+    stops the start, naming the key."""
+    assert on_cuda(KVTransferConfig(**LEGACY))[:3] == (False, 0.92, [])
+    with pytest.raises(ValueError, match="kv_cache_access is legacy_ipc"):
+        on_cuda(KVTransferConfig(**LEGACY), requested=True)
+    # Without any declaration (vLLM's default, IN_PROCESS) it would be on,
+    # in memory that nothing exports.
+    monkeypatch.setattr(RingsideConnector, "kv_cache_access", classmethod(lambda cls, kvt: KVCacheAccess.IN_PROCESS))
+    assert on_cuda(KVTransferConfig(**RINGSIDE))[:3] == (True, 1.0, [])
+    assert on_cuda(KVTransferConfig(**RINGSIDE))[3] == 0
+
+
+def test_beside_nixl_both_choices_start(on_cuda):
+    """Beside NixlConnector both start. With exports_fd the extensible cache
+    is on and the workers request descriptors and FABRIC handles together,
+    which 0.34 turns into FABRIC alone where an IMEX channel exists (its
+    vmm_driver.py): the sidecar cannot import that, and the connector's
+    refusal then names the key (test_cuda_fd.py). With legacy_ipc the cache
+    is off and both children share it as in 0.33."""
+    from vllm.utils.vmm_driver import MEM_HANDLE_TYPE_FABRIC
+
+    for imex in (True, False):
+        on, _, _, types = on_cuda(multi(NIXL, RINGSIDE), imex=imex)
+        assert on and types == vmm_fd() | MEM_HANDLE_TYPE_FABRIC
+        assert on_cuda(multi(NIXL, LEGACY), imex=imex)[:2] == (False, 0.92)
+        assert on_cuda(multi(LEGACY, NIXL), imex=imex)[:2] == (False, 0.92)

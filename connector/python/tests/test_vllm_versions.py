@@ -700,7 +700,7 @@ def test_kv_cache_access_where_vllm_has_none():
     except ImportError:
         KVCacheAccess = None
     assert RingsideConnector.kv_cache_access(H.vllm_config({}).kv_transfer_config) == (
-        None if KVCacheAccess is None else KVCacheAccess.LEGACY_IPC
+        None if KVCacheAccess is None else KVCacheAccess.IN_PROCESS  # on this CPU
     )
 
 

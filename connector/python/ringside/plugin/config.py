@@ -84,9 +84,13 @@ class KeyInfo:
     # A STRING key whose value is a comma-separated list of these words (or
     # "none", the empty list).
     choices: tuple = ()
+    # A STRING key whose value is one of these words.
+    one_of: tuple = ()
 
     def allowed(self) -> str:
         """What a value must be, in words."""
+        if self.kind == STRING and self.one_of:
+            return "one of " + ", ".join(self.one_of)
         if self.kind == STRING and self.choices:
             return '"none" or a comma-separated list of ' + ", ".join(self.choices)
         if self.kind == STRING:
@@ -222,6 +226,15 @@ class Config:
         unit="requests",
         plugins=(VLLM,),
         minimum=0,
+    )
+    kv_cache_access: str = _key(
+        "exports_fd",
+        STRING,
+        "How vLLM 0.34 and later allocates a CUDA KV cache for the sidecar: exports_fd (its extensible cache, "
+        "shared by file descriptor) or legacy_ipc (the extensible cache off: beside NixlConnector, or with a "
+        "cache sized by hand; docs/vllm.md).",
+        plugins=(VLLM,),
+        one_of=("exports_fd", "legacy_ipc"),
     )
     hint_sources: str = _key(
         "none",
@@ -400,6 +413,10 @@ def _convert(where: str, name: str, info: KeyInfo, raw: Any) -> Any:
     if kind == STRING:
         if not isinstance(raw, str):
             raise bad()
+        if info.one_of:
+            if raw.strip() not in info.one_of:
+                raise bad()
+            return raw.strip()
         if info.choices:
             words = [w.strip() for w in raw.split(",")]
             if words == ["none"]:

@@ -284,7 +284,8 @@ def fd_refusal(base: int, types: Optional[int]) -> Optional[str]:
             "the KV cache allocation at %#x can be exported as a FABRIC handle only, not as a POSIX file "
             "descriptor, which is what the sidecar imports: vLLM 0.34 asks the driver for FABRIC alone wherever "
             "an IMEX channel is available, even when POSIX file descriptors are requested "
-            "(vllm/utils/vmm_driver.py)" % base
+            "(vllm/utils/vmm_driver.py), as beside NixlConnector. Set the plugin key kv_cache_access to "
+            "legacy_ipc there (docs/vllm.md, GPU engines)" % base
         )
     return (
         "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is 0 for the KV cache allocation at %#x, and it was "

@@ -38,8 +38,8 @@ except ImportError:  # vLLM without failed_recving
 
 from ..plugin.config import VLLM, Config
 from ..plugin.stats import counters
+from . import access, versions
 from . import events as kv_events
-from . import versions
 from .engine import hash_seed_warning, namespace, tp_rank
 from .groups import layout_of
 from .metadata import RingsideConnectorMetadata
@@ -66,13 +66,11 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
-        """vLLM 0.34 and later: how the workers reach the device KV cache.
-        They share it with the sidecar through legacy CUDA IPC
-        (plugin/cudaipc.py), which cannot export memory mapped with the
-        driver's virtual memory API, so vLLM must not allocate it so: with
-        LEGACY_IPC it turns its extensible KV cache off (config/vllm.py,
-        _resolve_extensible_kv_cache; an error if it was asked for)."""
-        return legacy_ipc_access()
+        """vLLM 0.34 and later: how the sidecar reaches the device KV cache,
+        as the plugin key kv_cache_access chooses: by file descriptor from
+        vLLM's extensible KV cache, or through legacy CUDA IPC with that
+        cache off (access.py; docs/vllm.md, GPU engines)."""
+        return access.declared(kv_transfer_config)
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
         # Another vLLM release than those supported stops the engine's start here.
@@ -334,16 +332,6 @@ def enclosing_transfer_configs(depth: int = 8) -> list:
                 out.append(kvt)
         f = f.f_back
     return out
-
-
-def legacy_ipc_access() -> Any:
-    """vLLM's KVCacheAccess.LEGACY_IPC (vllm.config.kv_transfer, vLLM 0.34
-    and later). Older releases have no such enum and never ask."""
-    try:
-        from vllm.config.kv_transfer import KVCacheAccess
-    except ImportError:  # vLLM before 0.34, which never calls kv_cache_access
-        return None
-    return KVCacheAccess.LEGACY_IPC
 
 
 def writes_before_hook(vllm_config: Any) -> bool:
