@@ -15,7 +15,8 @@
 #                             RINGSIDE_GPU_DRY=1 does the same. This tests
 #                             the script, not the driver.
 #
-# Steps: (1) the conformance suite with RINGSIDE_REQUIRE_GPU=1, so a missing
+# Steps: (1) the conformance suite (and the VMM tests: memory shared by file
+# descriptor, imported by the copy engine) with RINGSIDE_REQUIRE_GPU=1, so a missing
 # driver or GPU fails instead of skipping: random layouts, 4 KiB-2 MiB
 # pages, every byte checked, CUDA IPC refusals, against a second process
 # that allocates device memory and exports IPC handles; (2) `ringside-bench
@@ -142,7 +143,7 @@ set +e
 # The test binary runs in its package directory (testdata/ is relative).
 # shellcheck disable=SC2086 # conf_args is a list of flags
 (cd gpu/gputest && RINGSIDE_REQUIRE_GPU=1 timeout 130 "$bin/gputest.test" -test.count=1 -test.v $conf_args \
-	-test.run '^(TestConformance|TestCUDARegister)$') >"$conf" 2>&1
+	-test.run '^(TestConformance|TestCUDARegister|TestVMM[A-Za-z]*)$') >"$conf" 2>&1
 st=$?
 set -e
 grep -E '^\s*--- (PASS|FAIL|SKIP): [^/]+(/[^/]+)?(/(merged|bounds|lifecycle|random-layouts))? |CUDA driver|batching|^(PASS|FAIL)' "$conf" || true
