@@ -42,8 +42,9 @@ ATTR_MAPPING_BASE = 19  # MAPPING_BASE_ADDR
 
 # Errors after which a context is unusable (every later call fails the
 # same way until the process exits): illegal address, launch failures,
-# hardware and ECC errors, unknown.
-STICKY = {700, 714, 715, 716, 717, 718, 719, 999}
+# hardware, uncorrectable ECC (214) and NVLink (220) errors, unknown: the
+# sidecar's classification (gpu/internal/cuda Sticky).
+STICKY = {214, 220, 700, 714, 715, 716, 717, 718, 719, 999}
 
 CUdeviceptr = ctypes.c_ulonglong
 

@@ -50,6 +50,8 @@ const (
 	ErrorInvalidContext              Result = 201
 	ErrorMapFailed                   Result = 205
 	ErrorAlreadyMapped               Result = 208
+	ErrorECCUncorrectable            Result = 214
+	ErrorNVLinkUncorrectable         Result = 220
 	ErrorInvalidHandle               Result = 400
 	ErrorNotFound                    Result = 500
 	ErrorNotReady                    Result = 600
@@ -76,6 +78,7 @@ var names = map[Result]string{
 	ErrorStubLibrary: "CUDA_ERROR_STUB_LIBRARY", ErrorNoDevice: "CUDA_ERROR_NO_DEVICE",
 	ErrorInvalidDevice: "CUDA_ERROR_INVALID_DEVICE", ErrorInvalidContext: "CUDA_ERROR_INVALID_CONTEXT",
 	ErrorMapFailed: "CUDA_ERROR_MAP_FAILED", ErrorAlreadyMapped: "CUDA_ERROR_ALREADY_MAPPED",
+	ErrorECCUncorrectable: "CUDA_ERROR_ECC_UNCORRECTABLE", ErrorNVLinkUncorrectable: "CUDA_ERROR_NVLINK_UNCORRECTABLE",
 	ErrorInvalidHandle: "CUDA_ERROR_INVALID_HANDLE", ErrorNotFound: "CUDA_ERROR_NOT_FOUND",
 	ErrorNotReady: "CUDA_ERROR_NOT_READY", ErrorIllegalAddress: "CUDA_ERROR_ILLEGAL_ADDRESS",
 	ErrorHostMemoryAlreadyRegistered: "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
@@ -113,8 +116,12 @@ func (r Result) Error() string {
 // CUDA_ERROR_INVALID_ADDRESS_SPACE (717), CUDA_ERROR_INVALID_PC (718) and
 // CUDA_ERROR_LAUNCH_FAILED (719) as leaving "the process in an inconsistent
 // state and any further CUDA work will return the same error"; the
-// process must be terminated and relaunched. CUDA_ERROR_UNKNOWN (999) is
-// treated the same way: nothing says what state it leaves.
+// process must be terminated and relaunched. CUDA_ERROR_UNKNOWN (999),
+// CUDA_ERROR_ECC_UNCORRECTABLE (214: "an uncorrectable ECC error was
+// detected during execution") and CUDA_ERROR_NVLINK_UNCORRECTABLE (220:
+// "an uncorrectable NVLink error was detected during the execution") are
+// treated the same way: the documentation does not say what state they
+// leave, and a hardware fault does not go away for the next call.
 func Sticky(err error) bool {
 	var r Result
 	if !errors.As(err, &r) {
@@ -122,7 +129,8 @@ func Sticky(err error) bool {
 	}
 	switch r {
 	case ErrorIllegalAddress, ErrorHardwareStackError, ErrorIllegalInstruction, ErrorMisalignedAddress,
-		ErrorInvalidAddressSpace, ErrorInvalidPC, ErrorLaunchFailed, ErrorUnknown:
+		ErrorInvalidAddressSpace, ErrorInvalidPC, ErrorLaunchFailed, ErrorUnknown,
+		ErrorECCUncorrectable, ErrorNVLinkUncorrectable:
 		return true
 	}
 	return false

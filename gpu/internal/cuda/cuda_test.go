@@ -83,8 +83,9 @@ func TestResultError(t *testing.T) {
 }
 
 // TestSticky: the codes after which the CUDA documentation says the
-// process must be relaunched (and CUDA_ERROR_UNKNOWN) are sticky, wrapped
-// or not; per-op failures and non-driver errors are not.
+// process must be relaunched (and CUDA_ERROR_UNKNOWN, and the uncorrectable
+// ECC and NVLink errors) are sticky, wrapped or not; per-op failures and
+// non-driver errors are not.
 func TestSticky(t *testing.T) {
 	for _, tc := range []struct {
 		err  error
@@ -98,6 +99,8 @@ func TestSticky(t *testing.T) {
 		{Result(718), true},
 		{ErrorLaunchFailed, true},
 		{ErrorUnknown, true},
+		{Result(214), true}, // CUDA_ERROR_ECC_UNCORRECTABLE
+		{Result(220), true}, // CUDA_ERROR_NVLINK_UNCORRECTABLE
 		{fmt.Errorf("enqueueing range 3 of 9: %w", ErrorIllegalAddress), true},
 		{errors.Join(errors.New("recording"), fmt.Errorf("x: %w", Result(719))), true},
 		{Success, false},
@@ -107,6 +110,8 @@ func TestSticky(t *testing.T) {
 		{ErrorMapFailed, false},
 		{ErrorHostMemoryNotRegistered, false},
 		{Result(713), false},
+		{Result(215), false}, // CUDA_ERROR_UNSUPPORTED_LIMIT
+		{Result(219), false}, // CUDA_ERROR_INVALID_GRAPHICS_CONTEXT
 		{Result(720), false},
 		{ErrorNotLoaded, false},
 		{errors.New("cuda: CUDA_ERROR_ILLEGAL_ADDRESS (700)"), false},
@@ -124,5 +129,11 @@ func TestSticky(t *testing.T) {
 	}
 	if got := ErrorMisalignedAddress.Error(); !strings.Contains(got, "CUDA_ERROR_MISALIGNED_ADDRESS (716)") {
 		t.Errorf("716 reads %q", got)
+	}
+	if got := Result(214).Error(); !strings.Contains(got, "CUDA_ERROR_ECC_UNCORRECTABLE (214)") {
+		t.Errorf("214 reads %q", got)
+	}
+	if got := Result(220).Error(); !strings.Contains(got, "CUDA_ERROR_NVLINK_UNCORRECTABLE (220)") {
+		t.Errorf("220 reads %q", got)
 	}
 }
