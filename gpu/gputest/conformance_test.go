@@ -635,8 +635,13 @@ func TestCUDARegister(t *testing.T) {
 	}{
 		{"host region", func(r *gpu.Region) { r.Kind = gpu.HostProcess }, gpu.ErrUnsupported, "only cuda-ipc", false},
 		{"no handle", func(r *gpu.Region) { r.IPC.Allocations[0].Handle = [64]byte{} }, gpu.ErrInvalidRegion, "without an IPC handle", false},
-		{"garbage handle", func(r *gpu.Region) { r.IPC.Allocations[0].Handle[0] ^= 0xff; r.IPC.Allocations[0].Handle[1] ^= 0xff }, gpu.ErrUnsupported, "cuIpcOpenMemHandle", false},
-		// Probe ipc-corrupt-handle: whether a real driver refuses any corrupted byte.
+		// A handle is opaque and the CUDA documentation does not say what
+		// opening a corrupted one does (it may even succeed, if the bytes
+		// are unused): both cases are the simulator's expectation only.
+		// Probe ipc-corrupt-handle flips bytes 0-1 on a GPU and reports
+		// what the driver does; until it confirms a refusal, a real
+		// driver's conformance run does not check them.
+		{"garbage handle", func(r *gpu.Region) { r.IPC.Allocations[0].Handle[0] ^= 0xff; r.IPC.Allocations[0].Handle[1] ^= 0xff }, gpu.ErrUnsupported, "cuIpcOpenMemHandle", true},
 		{"corrupted handle byte", func(r *gpu.Region) { r.IPC.Allocations[0].Handle[40] ^= 0x01 }, gpu.ErrUnsupported, "cuIpcOpenMemHandle", true},
 		{"other GPU", func(r *gpu.Region) { r.IPC.GPU[0] ^= 0xff }, gpu.ErrUnsupported, "not visible", false},
 		{"past the declared size", func(r *gpu.Region) { r.IPC.Allocations[0].Size -= 8192 }, gpu.ErrInvalidRegion, "runs past the end of allocation 0", false},
