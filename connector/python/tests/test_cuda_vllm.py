@@ -31,7 +31,7 @@ from ringside import schema as S
 from ringside.plugin import cudaipc
 from ringside.plugin.config import VLLM, Config
 from ringside.plugin.region import from_block_tensors
-from ringside.vllm.worker import WorkerSide
+from ringside.vllm.worker import REGION_ID, WorkerSide
 
 torch = H.torch
 
@@ -129,6 +129,88 @@ def test_kernel_blocks_make_one_page_of_a_block(sim):
         want = [a for n in sorted(views) for a in byte_addresses(views[n][2 * i]) + byte_addresses(views[n][2 * i + 1])]
         got = [r.base + o + i * st + k for o, st, ln in r.page_segments() for k in range(ln)]
         assert got == want
+
+
+# -- the engine's blocks, whatever the kernel blocks ---------------------------------
+
+
+def connector_worker(sock, nb, names):
+    """The connector's worker as vLLM builds it: RingsideConnector with the
+    engine's KVCacheConfig (nb blocks; one group of the layers names)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from ringside.vllm import RingsideConnector
+
+    vc = H.vllm_config({"socket": sock, "timeout": 2.0, "reattach_interval": 0.0})
+    # The group's spec at the engine's block size (the views' spec, SPEC,
+    # has the stand-in's small blocks; the worker reads only the count).
+    spec = FullAttentionSpec(block_size=H.BLOCK, num_kv_heads=2, head_size=D, dtype=torch.float16)
+    kcc = KVCacheConfig(num_blocks=nb, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    return RingsideConnector(vc, KVConnectorRole.WORKER, kcc)
+
+
+def test_the_worker_registers_the_engines_blocks_not_kernel_blocks(sim, start_sidecar, libcuda, monkeypatch):  # noqa: F811
+    # vLLM splits a block into kernel blocks where the attention backend
+    # does not take the block size (--block-size 128 with FlashInfer or
+    # FlashMLA): its views count kernel blocks while block ids count the
+    # scheduler's blocks. The connector's worker, given only the views,
+    # must still make page b engine block b: a store of block b reads, and
+    # a load into block c writes, both of its kernel blocks and nothing else.
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="4MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    nb = 6
+    p, views = vllm_views(sim, KVCacheLayout.LBNHC, nb, kernel_block_size=BS // 2)
+    assert next(iter(views.values())).shape[0] == 2 * nb
+    conn = connector_worker(sc.sock, nb, list(views))
+    ws = conn.connector_worker
+    conn.register_kv_caches({n: Cuda(v) for n, v in views.items()})
+    r = ws.region
+    assert r is not None and r.page_count == nb, "the region counts kernel blocks: %s" % (r,)
+    assert r.page_size == 3 * SPEC.page_size_bytes
+    raw = torch.frombuffer((ctypes.c_char * (nb * 3 * SPEC.page_size_bytes)).from_address(p), dtype=torch.int8)
+    raw.fill_(0)
+    for n, v in views.items():  # every kernel block of every layer its own bytes
+        for k in range(2 * nb):
+            v[k].view(torch.int8).fill_((k * 7 + list(views).index(n) * 31 + 1) % 127)
+    before = raw.clone()
+    half = SPEC.page_size_bytes // 2  # a kernel block of a layer: contiguous in LBNHC
+
+    def at(n, k):  # the byte offset of kernel block k of layer n in the buffer
+        return views[n][k].data_ptr() - p
+
+    s = ws.link.session
+    ws.store_event.record(sim.stream())  # what wait_for_save does before its stores
+    assert s.put_hashes(7, bytes([9]) * 32) == 1
+    rep = s.store(7, 0, 1, REGION_ID, [4])
+    assert rep.status == 0 and rep.stored == 1, rep
+    lease = s.acquire(7, 0, 1)
+    assert lease.blocks == 1, lease
+    assert s.load(lease.lease, REGION_ID, 0, [1]) == 1
+    s.release(lease.lease)
+    # Block 1 (kernel blocks 2 and 3 of every layer) now holds block 4's
+    # (kernel blocks 8 and 9); no other byte changed.
+    want = before.clone()
+    for n in views:
+        for k in (0, 1):
+            want[at(n, 2 + k) : at(n, 2 + k) + half] = before[at(n, 8 + k) : at(n, 8 + k) + half]
+    assert bool(torch.equal(raw, want)), "the load wrote other bytes than block 4's into block 1"
+    conn.shutdown()
+
+
+def test_a_cache_of_another_block_count_is_refused(sim, caplog):
+    # Views whose block dimension is not the engine's block count (nor a
+    # multiple of it) describe other blocks than the scheduler's: the
+    # engine serves without the cache rather than store the wrong ones.
+    nb = 6
+    _, views = vllm_views(sim, KVCacheLayout.LBNHC, nb)
+    conn = connector_worker("/nonexistent/ringside.sock", nb + 1, list(views))
+    with caplog.at_level(logging.WARNING, logger="ringside.vllm"):
+        conn.register_kv_caches({n: Cuda(v) for n, v in views.items()})
+    assert conn.connector_worker.region is None
+    warned = [r.getMessage() for r in caplog.records if "serving without the cache" in r.getMessage()]
+    assert len(warned) == 1 and "7" in warned[0] and "6" in warned[0], warned
+    conn.shutdown()
 
 
 def worker(sock="/nonexistent/ringside.sock"):

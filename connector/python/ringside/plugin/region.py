@@ -242,9 +242,12 @@ def _block_pieces(t: Any, num_blocks: Optional[int], seen: Optional[int]) -> tup
 
 def from_block_tensors(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None, drv: Any = None) -> Region:
     """vLLM's KV cache (layer name -> tensor, or a list/tuple whose first
-    element is the tensor) as one region: page i is block i of every layer
-    (num_blocks: the engine's, when a tensor counts kernel blocks). Layers
-    sharing one tensor are stored once.
+    element is the tensor) as one region: page i is block i of every layer.
+    num_blocks is the engine's block count: a tensor whose block dimension
+    is num_blocks * k (vLLM's kernel blocks, k to a block) makes a page of
+    k of them, and any other count is refused, so that page i is always
+    the block the scheduler calls i. Layers sharing one tensor are stored
+    once.
 
     The page is the layers in sorted name order, each layer's block as its
     contiguous pieces in address order; a piece that begins where the one
@@ -285,6 +288,11 @@ def from_block_tensors(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
     assert nb is not None
     if nb < 1:
         raise RegionError("no blocks")
+    if num_blocks is not None and nb != num_blocks:
+        raise RegionError(
+            "the KV cache tensors hold %d blocks, the engine has %d (nor a multiple of it): "
+            "their pages are not the engine's blocks" % (nb, num_blocks)
+        )
     if "cuda" not in devices:
         return Region.from_segments(_joined(starts, nb), nb)
     return _cuda_region(tensors, starts, nb, drv)

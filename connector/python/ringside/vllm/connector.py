@@ -128,7 +128,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
             self._bind_hooks()
         else:
             deferred = "handle_preemptions" in vars(KVConnectorBase_V1)
-            self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred)
+            self.connector_worker = WorkerSide(cfg, attach, tp_rank(), deferred, engine_blocks(kv_cache_config))
             self.connector_worker.writes_first = writes_before_hook(vllm_config)
         logger.info("ringside: %s connector for instance %s (%s, %s)", role.name.lower(), self.instance, model, layout)
         if not groups.plain and role == KVConnectorRole.SCHEDULER:
@@ -332,6 +332,13 @@ def enclosing_transfer_configs(depth: int = 8) -> list:
                 out.append(kvt)
         f = f.f_back
     return out
+
+
+def engine_blocks(kv_cache_config: Any) -> Optional[int]:
+    """The engine's block count (the scheduler's block ids are below it),
+    None where vLLM gives the connector no KV cache configuration."""
+    n = getattr(kv_cache_config, "num_blocks", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def writes_before_hook(vllm_config: Any) -> bool:

@@ -52,8 +52,12 @@ _CUDA_KINDS = (_s.REGION_CUDA_IPC, _s.REGION_CUDA_FD)  # GPU memory: by IPC hand
 class WorkerSide:
     """Implementation of the worker-side connector methods."""
 
-    def __init__(self, cfg: Config, attach: dict, rank: int, deferred_saves: bool):
+    def __init__(self, cfg: Config, attach: dict, rank: int, deferred_saves: bool, num_blocks: Optional[int] = None):
         self.cfg = cfg
+        # The engine's block count (KVCacheConfig.num_blocks): block ids are
+        # the scheduler's, whatever kernel blocks vLLM splits them into in the
+        # tensors it registers; a region of another page count is refused.
+        self.num_blocks = num_blocks
         self.rank = rank
         self.stats = counters(COUNTERS, role="WORKER")
         self.link = make_link(cfg, dict(attach, role=_s.ROLE_WORKER, rank=rank))
@@ -105,7 +109,7 @@ class WorkerSide:
         if self.region is not None:
             self._release_region()
         try:
-            region = from_block_tensors(kv_caches)
+            region = from_block_tensors(kv_caches, self.num_blocks)
         except RegionError as e:
             logger.warning("ringside: %s; serving without the cache", e)
             return
