@@ -174,8 +174,9 @@ BLOCK = BS * H * D * ES  # one block of K (or V) of one layer: 128 bytes
 
 def test_flash_attention_32_allocations(sim):
     # One allocation a layer, [2, blocks, bs, h, d]: K and V of block i are
-    # two pieces per layer; the page is the layers in name order ("layers.10"
-    # before "layers.2"), whatever order the allocations are in, K then V.
+    # two pieces per layer; the page is the layers in layer-index order
+    # ("layers.2" before "layers.10"), whatever order the allocations are
+    # in, K then V.
     layers, starts, allocs = {}, {}, []
     for i in range(32):
         p = sim.alloc(2 * NB * BLOCK)
@@ -183,7 +184,7 @@ def test_flash_attention_32_allocations(sim):
         layers[name] = T(p, (2, NB, BS, H, D))
         starts[name] = [(p, BLOCK, BLOCK), (p + NB * BLOCK, BLOCK, BLOCK)]
         allocs.append((p, GRANULE))
-    starts = [s for name in sorted(starts) for s in starts[name]]
+    starts = [s for i in range(32) for s in starts["model.layers.%d.attn" % i]]
     r = from_block_tensors(layers, drv=sim.drv)
     expected_region(sim, starts, NB, allocs, r)
     assert len(r.segments) == 64 and len(extra_of(r).allocations) == 32

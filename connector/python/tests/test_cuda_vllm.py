@@ -108,12 +108,29 @@ def test_every_vllm_layout_pages_byte_by_byte(sim, layout):
     r = from_block_tensors({n: Cuda(v) for n, v in views.items()}, drv=sim.drv)
     assert r.page_count == nb and r.page_size == 3 * SPEC.page_size_bytes
     for i in range(nb):
-        want = [a for n in sorted(views) for a in byte_addresses(views[n][i])]
+        want = [a for n in views for a in byte_addresses(views[n][i])]  # the layers in index order
         got = [r.base + o + i * st + k for o, st, ln in r.page_segments() for k in range(ln)]
         assert got == want, i
     assert len(r.segments) == SEGMENTS[layout.name]
     x = S.decode_cuda_extra(r.extra)
     assert x.allocations == (S.CUDAAllocation(sim.handle(p), p, GRANULE),)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.BLNHC, KVCacheLayout.BLHNC], ids=lambda lay: lay.name)
+def test_a_block_outermost_page_of_many_layers_is_one_run(sim, layout):
+    # vLLM packs a block-outermost layout's layers in layer-index order: a
+    # page of 12 layers is one run of memory when the layers are taken in
+    # that order ("layers.2" before "layers.10"), not in name order.
+    nb = 4
+    p, views = vllm_views(sim, layout, nb, layers=12)
+    shuffled = {n: Cuda(views[n]) for n in sorted(views)}  # the engine's dict order is no order
+    r = from_block_tensors(shuffled, drv=sim.drv)
+    assert r.page_count == nb and r.page_size == 12 * SPEC.page_size_bytes
+    assert r.segments == ((0, 12 * SPEC.page_size_bytes, 12 * SPEC.page_size_bytes),), r.segments
+    for i in range(nb):
+        want = [a for n in views for a in byte_addresses(views[n][i])]
+        got = [r.base + o + i * st + k for o, st, ln in r.page_segments() for k in range(ln)]
+        assert got == want, i
 
 
 def test_kernel_blocks_make_one_page_of_a_block(sim):

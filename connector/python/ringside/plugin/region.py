@@ -8,9 +8,9 @@ strided tensors:
 
 - vLLM (:func:`from_block_tensors`): one tensor per layer whose first
   dimension (or second, after a K/V dimension of 2) is the block; page ``i``
-  is block ``i`` of every layer, K and V: the layers in name order, each
-  layer's block as its contiguous pieces in address order (pieces that
-  touch joined), copied raw.
+  is block ``i`` of every layer, K and V: the layers in layer-index order
+  (:func:`layer_order`), each layer's block as its contiguous pieces in
+  address order (pieces that touch joined), copied raw.
 - SGLang (:func:`from_page_views`): the host pool's view of page 0, 1 and the
   last; page ``p`` is the contiguous runs of the view of page ``p``.
 
@@ -26,6 +26,7 @@ and sent with it.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -240,6 +241,14 @@ def _block_pieces(t: Any, num_blocks: Optional[int], seen: Optional[int]) -> tup
     return nb, pieces
 
 
+def layer_order(name: str) -> tuple:
+    """The sort key of a layer name: its runs of digits as numbers, the
+    rest as text, so that "model.layers.2.attn" comes before
+    "model.layers.10.attn" (a layer's index, wherever the name has it)."""
+    parts = re.split(r"(\d+)", name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
+
+
 def from_block_tensors(kv_caches: Mapping[str, Any], num_blocks: Optional[int] = None, drv: Any = None) -> Region:
     """vLLM's KV cache (layer name -> tensor, or a list/tuple whose first
     element is the tensor) as one region: page i is block i of every layer.
@@ -249,18 +258,19 @@ def from_block_tensors(kv_caches: Mapping[str, Any], num_blocks: Optional[int] =
     the block the scheduler calls i. Layers sharing one tensor are stored
     once.
 
-    The page is the layers in sorted name order, each layer's block as its
-    contiguous pieces in address order; a piece that begins where the one
-    before it ends, in the same device allocation, joins it (a
-    block-outermost layout's layers in a row are one segment, a
-    cross-layer tensor is one). Not address order across layers: engines
-    that share blocks must lay out a page alike, and where the allocator
-    put each layer differs between processes (sorted names is also the
-    order the plugin always used). GPU memory is exported with drv
+    The page is the layers in layer-index order (layer_order: "layers.2"
+    before "layers.10"), each layer's block as its contiguous pieces in
+    address order; a piece that begins where the one before it ends, in
+    the same device allocation, joins it (a block-outermost layout's
+    layers in a row are one segment, a cross-layer tensor is one). Not
+    address order across layers: engines that share blocks must lay out a
+    page alike, and where the allocator put each layer differs between
+    processes; the layer index is the order vLLM packs a block-outermost
+    layout's layers in. GPU memory is exported with drv
     (cudaipc.Driver; default: the process's). Raises RegionError."""
     tensors = []
     seen = set()
-    for name in sorted(kv_caches):
+    for name in sorted(kv_caches, key=layer_order):
         t = kv_caches[name]
         if isinstance(t, (list, tuple)):
             t = t[0]

@@ -34,6 +34,9 @@ def namespace(vllm_config: "VllmConfig", layout: Optional[Layout] = None) -> tup
         "tp": int(pc.tensor_parallel_size),
         "pp": int(pc.pipeline_parallel_size),
         "device": str(getattr(vllm_config.device_config, "device_type", "")),
+        # A page is every layer's block in layer-index order (plugin/region.py,
+        # layer_order): another order would be other bytes under one name.
+        "page": "layer-index",
     }
     part = layout.fingerprint_part() if layout is not None else None
     if part is not None:
