@@ -49,6 +49,13 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		// retain quota would cut the hints of --hints short.
 		"--limits.pin-share", "1", "--limits.retain-share", "1",
 		"--cache.policy", c.Policy}
+	if c.Sequential {
+		// One copy worker: a store's chunks commit in prefix order, as the
+		// models commit a request's pages (with two, a request of more
+		// pages than a chunk holds, such as thousands of 16-token pages,
+		// committed its chunks in whatever order they finished).
+		args = append(args, "--copy.workers", "1")
+	}
 	if tiered(transport) {
 		pages := strconv.Itoa(max(w.MaxPages, 1))
 		args = append(args, "--l2.redis.addrs", strings.Join(c.L2Addrs, ","),
