@@ -245,8 +245,8 @@ func (c *Config) Validate() error {
 	if c.WriteTimeout <= 0 {
 		bad("write-timeout", "%v must be positive", c.WriteTimeout)
 	}
-	if c.CachePolicy != cache.PolicyLRU && c.CachePolicy != cache.PolicyMQP {
-		bad("cache.policy", "%v is not lru|mqp", c.CachePolicy)
+	if !c.CachePolicy.Valid() {
+		bad("cache.policy", "%v is not %s", c.CachePolicy, cache.PolicyNames)
 	}
 	if !ringCapacityOK(c.RingCapacity, ring.MaxCapacity) {
 		bad("ring.capacity", "%d must be a power of two in [%d KiB, %d GiB]", c.RingCapacity, minRingCapacity>>10, ring.MaxCapacity>>30)

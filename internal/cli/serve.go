@@ -29,7 +29,7 @@ func serveFlags() []cli.Flag {
 		&cli.DurationFlag{Name: "lease.ttl", Value: machine.DefaultLeaseTTL, Usage: "default lease lifetime: a query still waiting when its lease ends resolves as a miss (the engine recomputes); loads renew the lease while they copy", EnvVars: env("lease.ttl")},
 		&cli.DurationFlag{Name: "lease.max-ttl", Value: machine.DefaultMaxLeaseTTL, Usage: "longest lease lifetime a client may ask for", EnvVars: env("lease.max-ttl")},
 		&cli.DurationFlag{Name: "retain.max-ttl", Value: machine.DefaultMaxRetainTTL, Usage: "longest time a Retain may keep blocks for (a retention hint: its blocks are evicted after every block without one, never refused a store); a longer one is refused", EnvVars: env("retain.max-ttl")},
-		&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "eviction policy of the pool's unretained blocks: lru (least recently used), or mqp (four LRU queues by reuse count, with per-request prefix history, a measured lifetime and a scan guard per namespace: more hits on agentic and conversation traces, 3.5 more bytes of index per slot; docs/architecture.md)", EnvVars: env("cache.policy")},
+		&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "eviction policy of the pool's unretained blocks: lru (least recently used), mqp (four LRU queues by reuse count, with per-request prefix history, a measured lifetime and a scan guard per namespace: more hits on agentic and conversation traces at 512-token blocks, 3.5 more bytes of index per slot), or mqp2 (mqp revised for engine page sizes: a learned tip offset, a lifetime relative to the pool, a scan guard for one-off requests, repeated lookups counted once; 3.6 more bytes of index per slot); docs/architecture.md", EnvVars: env("cache.policy")},
 		&cli.DurationFlag{Name: "write-timeout", Value: cache.DefaultWriteTimeout, Usage: "a block left half-written this long (a store begun, not finished by every rank) is reclaimed", EnvVars: env("write-timeout")},
 		&cli.StringFlag{Name: "ring.capacity", Value: units.FormatBytes(sidecar.DefaultRingCapacity), Usage: "data capacity of each session ring (a power of two)", EnvVars: env("ring.capacity")},
 		&cli.DurationFlag{Name: "ring.spin", Value: ring.DefaultWait.Spin, Usage: "how long a session loop busy-polls before yielding, then parking on a futex (what an idle session costs: docs/architecture.md, \"The ring\")", EnvVars: env("ring.spin")},
@@ -185,7 +185,7 @@ func serveSettings(c *cli.Context) (sidecar.Config, []string) {
 	}
 	pol, err := cache.ParsePolicy(c.String("cache.policy"))
 	if err != nil {
-		errs = append(errs, fmt.Sprintf("--cache.policy: %q is not lru|mqp", c.String("cache.policy")))
+		errs = append(errs, fmt.Sprintf("--cache.policy: %q is not %s", c.String("cache.policy"), cache.PolicyNames))
 	}
 	cfg.CachePolicy = pol
 	cfg.L2 = l2Config(c, &errs)

@@ -125,7 +125,7 @@ func (c *Config) Validate() error {
 	if c.Epoch == 0 {
 		errs = append(errs, fmt.Errorf("%w: epoch must be non-zero", ErrBadConfig))
 	}
-	if c.Policy != PolicyLRU && c.Policy != PolicyMQP {
+	if !c.Policy.Valid() {
 		errs = append(errs, fmt.Errorf("%w: unknown eviction policy %d", ErrBadConfig, uint8(c.Policy)))
 	}
 	if c.InitialLogSize <= 0 || c.InitialLogSize&(c.InitialLogSize-1) != 0 || c.InitialLogSize > c.DeltaLogSize {
@@ -271,7 +271,7 @@ func New(cfg Config) (*Cache, error) {
 	}
 	n := uint32(cfg.Capacity)
 	nodes := n + 1 + RetainPriorities
-	if cfg.Policy == PolicyMQP {
+	if cfg.Policy.multiQueue() {
 		nodes += mqpExtraNodes
 	}
 	c := &Cache{
@@ -314,8 +314,8 @@ func New(cfg Config) (*Cache, error) {
 	for s := n; s < n+1+RetainPriorities; s++ {
 		c.prev[s], c.next[s] = s, s // empty LRU and retained lists
 	}
-	if cfg.Policy == PolicyMQP {
-		m := newMQP(n)
+	if cfg.Policy.multiQueue() {
+		m := newMQP(n, cfg.Policy)
 		m.qSent[0] = n
 		for q := uint32(1); q < mqpQueues; q++ {
 			s := n + RetainPriorities + q

@@ -86,6 +86,19 @@
 //	                      (bench delta's heap growth 63.44), within the
 //	                      64-byte budget
 //
+// PolicyMQP2 (mqp2.go) has MQP's arrays, with these sizes changed and one
+// fixed table added:
+//
+//	sfp/sep uint16  0.25  distance sampler: max(1024, capacity/16) entries
+//	hint    uint32  0.25  hints: max(4096, capacity/64) buckets of 4
+//	                      (MQP: capacity/128), and their hands
+//	learner          ~0   the tip offset's and the fresh lookups' records:
+//	                      1,024 entries of fp16 and a tag byte, fixed
+//	                      (3.3 KB)
+//	                 ---
+//	                3.58 bytes per slot: 63.07 in total at 10M slots
+//	                      (heap growth 63.19)
+//
 // The index uses linear probing with backward-shift deletion (no
 // tombstones) and a multiply-shift range reduction, so its size need not
 // be a power of two. Side tables scale with in-flight work, not with
@@ -107,7 +120,8 @@
 //
 // # Eviction policy (Config.Policy)
 //
-// PolicyLRU (the zero Config.Policy) is the list above. PolicyMQP keeps present,
+// PolicyLRU (the zero Config.Policy) is the list above. PolicyMQP (and
+// PolicyMQP2, below) keeps present,
 // unpinned, unretained heads in four LRU queues by a per-block count
 // (level 0: count 1, 1: 2-3, 2: 4-7, 3: 8+; queue 0 is the LRU list's
 // sentinel) and evicts from the LRU end of queue 0, then 1, 2, 3; the
@@ -160,6 +174,20 @@
 // tip or hint only means a lower count. The tests replay a synthetic
 // agentic workload and the Mooncake trace through the cache's calls and
 // get the research simulator's hits block for block.
+//
+// PolicyMQP2 is MQP with six changes, each of which stops the policy
+// depending on how many pages a prompt is cut into (mqp2.go has the
+// details): the tip is the digest at a learned offset from a lookup's end
+// (MQP's, the last digest, lay in the part of a prompt the next request
+// does not send at 16- and 32-token pages); the lifetime's histogram
+// counts distances relative to the capacity; the distance sampler takes
+// one tip in 4 into at least 1,024 entries; a fresh lookup (no hit, no tip
+// found) leaves a cold mark for its blocks when fresh lookups rarely come
+// back (a scan inside one namespace); a lookup repeating one of its
+// namespace's last 16 is a probe and changes nothing; and every digest
+// past the hits gets a hint, zero included, a store finding none taking
+// its namespace's last one (a lost hint no longer cuts a long chain). The
+// probe ring and the last hint live in the namespace record.
 //
 // # Retention
 //

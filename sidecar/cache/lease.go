@@ -89,8 +89,14 @@ func (c *Cache) Lookup(ns NamespaceID, digests []byte) (int, error) {
 	if c.mqp != nil {
 		// MQP's per-request step (mqp.go): Lookup is the call the
 		// engine makes once per request with its full digest list.
-		c.mqpBegin(n, ns, digests, len(heads))
-		for i := len(heads) - 1; i >= 0; i-- {
+		// Under MQP2 a repeated lookup is a probe and changes nothing.
+		probe := false
+		if c.mqp.r2 == nil {
+			c.mqpBegin(n, ns, digests, len(heads))
+		} else {
+			probe = c.mqpBegin2(n, ns, digests, len(heads))
+		}
+		for i := len(heads) - 1; i >= 0 && !probe; i-- {
 			c.mqpAccess(heads[i], c.mqp.inf[i])
 		}
 	} else {

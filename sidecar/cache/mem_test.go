@@ -40,7 +40,7 @@ func TestMemoryPerBlock(t *testing.T) {
 	if raceEnabled {
 		t.Skip("10M-slot allocation is slow under -race")
 	}
-	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP, PolicyMQP2} {
 		t.Run(pol.String(), func(t *testing.T) { memoryPerBlock(t, pol) })
 	}
 }

@@ -80,13 +80,44 @@ type model struct {
 	wt       int64
 	// retainedEvicted counts evicted blocks that had a retention.
 	retainedEvicted int
-	// Under PolicyMQP the model does not know which unretained block the
+	// Under PolicyMQP (and MQP2) the model does not know which unretained block the
 	// policy evicts: gone holds the blocks the cache's call evicted, and
 	// evictOne takes an unretained one of them while any unretained
 	// block is evictable (else the exact retained victim, which must be
 	// among them).
 	mqp  bool
 	gone map[mKey]bool
+	// Under PolicyMQP2 a lookup that repeats one of its namespace's last
+	// mqp2Probes (mqp2.go) is a probe and touches nothing: probes holds
+	// each namespace's last lookups' fingerprints (nil: not MQP2).
+	probes map[NamespaceID]*mProbes
+}
+
+type mProbes struct {
+	fp [mqp2Probes]uint64
+	at int
+}
+
+// probe reports whether a lookup of flat (k digests) in ns is an MQP2
+// probe, recording it when it is not.
+func (m *model) probe(ns NamespaceID, flat []byte, k int) bool {
+	if m.probes == nil || k == 0 {
+		return false
+	}
+	p := m.probes[ns]
+	if p == nil {
+		p = &mProbes{}
+		m.probes[ns] = p
+	}
+	fp := mqp2ProbeFP(tipKey(uint16(ns), flat[len(flat)-len(flat)/k:]), k)
+	for _, x := range p.fp {
+		if x == fp {
+			return true
+		}
+	}
+	p.fp[p.at] = fp
+	p.at = (p.at + 1) % mqp2Probes
+	return false
 }
 
 const modelChargeLimit = 9 // slots of incomplete blocks one owner may hold
@@ -326,7 +357,7 @@ func TestModelRandomized(t *testing.T) {
 	if testing.Short() {
 		ops = 30_000
 	}
-	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP, PolicyMQP2} {
 		for _, seed := range []uint64{1, 2} {
 			t.Run(fmt.Sprintf("%v/seed%d", pol, seed), func(t *testing.T) { runModel(t, pol, seed, ops/2) })
 		}
@@ -359,7 +390,10 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 	m := &model{capacity: capacity, world: map[NamespaceID]int{}, blocks: map[mKey]*mBlock{},
 		leases: map[uint64]*mLease{}, tickets: map[uint64]*mTicket{}, doomed: map[*mDoomed]bool{},
 		loads: map[uint64][]mKey{}, charge: map[mKey]SessionID{}, wt: int64(50 * time.Millisecond),
-		mqp: pol == PolicyMQP, gone: map[mKey]bool{}}
+		mqp: pol.multiQueue(), gone: map[mKey]bool{}}
+	if pol == PolicyMQP2 {
+		m.probes = map[NamespaceID]*mProbes{}
+	}
 	for _, n := range nss {
 		m.world[n.id] = n.world
 	}
@@ -533,7 +567,8 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 			if err != nil || got != len(want) {
 				t.Fatalf("op %d: Lookup = %d %v, model %d", op, got, err, len(want))
 			}
-			for i := len(want) - 1; i >= 0; i-- {
+			probe := m.probe(n.id, flat, len(ds))
+			for i := len(want) - 1; i >= 0 && !probe; i-- {
 				m.touch(m.blocks[want[i]])
 			}
 		case p < 80: // Acquire
@@ -755,6 +790,9 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 			id, err := c.AddNamespace(key)
 			if err != nil || id != n.id {
 				t.Fatalf("op %d: re-adding namespace %d gave %d %v", op, n.id, id, err)
+			}
+			if m.probes != nil {
+				delete(m.probes, id) // a namespace's MQP2 state starts afresh
 			}
 			removed++
 		case p < 98: // Clear

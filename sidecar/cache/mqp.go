@@ -17,6 +17,10 @@ const (
 	// PolicyMQP is the multi-queue policy with tip history, a measured
 	// lifetime and a per-namespace scan guard (mqp.go, doc.go).
 	PolicyMQP
+	// PolicyMQP2 is MQP revised for engine page sizes: a learned tip
+	// offset, a lifetime relative to the capacity, a scan guard for
+	// fresh requests, probes that count nothing (mqp2.go, doc.go).
+	PolicyMQP2
 )
 
 // String returns the policy's flag name.
@@ -26,6 +30,8 @@ func (p Policy) String() string {
 		return "lru"
 	case PolicyMQP:
 		return "mqp"
+	case PolicyMQP2:
+		return "mqp2"
 	}
 	return fmt.Sprintf("policy(%d)", uint8(p))
 }
@@ -37,16 +43,27 @@ func (p Policy) String() string {
 // Config.Policy is LRU: a library user that sets no policy gets exact LRU.
 const DefaultPolicy = PolicyMQP
 
-// ParsePolicy parses a policy name: lru or mqp.
+// PolicyNames lists the policies' flag names: lru|mqp|mqp2.
+const PolicyNames = "lru|mqp|mqp2"
+
+// ParsePolicy parses a policy name: lru, mqp or mqp2.
 func ParsePolicy(s string) (Policy, error) {
 	switch s {
 	case "lru":
 		return PolicyLRU, nil
 	case "mqp":
 		return PolicyMQP, nil
+	case "mqp2":
+		return PolicyMQP2, nil
 	}
-	return 0, fmt.Errorf("%w: eviction policy %q is not lru|mqp", ErrBadConfig, s)
+	return 0, fmt.Errorf("%w: eviction policy %q is not %s", ErrBadConfig, s, PolicyNames)
 }
+
+// Valid reports whether p is a policy of this package.
+func (p Policy) Valid() bool { return p <= PolicyMQP2 }
+
+// multiQueue reports whether p is MQP or MQP2 (mqpState).
+func (p Policy) multiQueue() bool { return p == PolicyMQP || p == PolicyMQP2 }
 
 // MQP (PolicyMQP), the policy of the research simulator's variant
 // MQP/ldiv=1/compact=1/hb=1, ported to the slot arrays:
@@ -144,6 +161,8 @@ type mqpState struct {
 
 	inf  []uint8
 	keys []uint64
+
+	r2 *mqp2State // PolicyMQP2's additions (mqp2.go); nil under MQP
 }
 
 // nsGuard is a namespace's scan-guard state (reset with the namespace).
@@ -151,21 +170,32 @@ type nsGuard struct {
 	hr      float64 // EWMA of the hit ratio of its lookups; -1: none yet
 	cold    bool
 	explore uint32
+
+	// MQP2 (mqp2.go): the namespace's last lookups (probes repeat one)
+	// and the last hint its stores took.
+	probes   [mqp2Probes]uint64
+	probeAt  uint8
+	lastHint uint8
 }
 
-func newMQP(capacity uint32) *mqpState {
+func newMQP(capacity uint32, policy Policy) *mqpState {
 	c := int(capacity)
 	m := &mqpState{pol: make([]uint8, capacity)}
 	m.tnb = uint64(max(1, c/4))
 	m.tip = make([]uint16, m.tnb*4)
 	m.tipHand = make([]uint8, (m.tnb+3)/4)
-	se := max(64, int(float64(c)/16))
+	sMin, hMin, hDiv := 64, mqpHintMin, 128
+	if policy == PolicyMQP2 {
+		sMin, hMin, hDiv = mqp2SampleMin, mqp2HintMin, 64
+		m.r2 = &mqp2State{capacity: int64(c)}
+	}
+	se := max(sMin, int(float64(c)/16))
 	m.snb = uint64(se / 4)
 	m.sfp = make([]uint16, m.snb*4)
 	m.sep = make([]uint16, m.snb*4)
 	m.sHand = make([]uint8, (m.snb+3)/4)
 	m.sG = max(1, int64(c/64))
-	m.hnb = uint64(max(mqpHintMin, c/128))
+	m.hnb = uint64(max(hMin, c/hDiv))
 	m.hint = make([]uint32, m.hnb*4)
 	m.hHand = make([]uint8, (m.hnb+3)/4)
 	m.dmin = int64(0.25 * float64(c))
@@ -186,9 +216,13 @@ const mqpExtraNodes = mqpQueues - 1 + mqpMarkers
 // bytes is the memory MQP adds that scales with capacity (prev/next's
 // extra entries are counted with prev/next).
 func (m *mqpState) bytes() int64 {
-	return int64(len(m.pol)) + 2*int64(len(m.tip)) + int64(len(m.tipHand)) +
+	b := int64(len(m.pol)) + 2*int64(len(m.tip)) + int64(len(m.tipHand)) +
 		2*int64(len(m.sfp)+len(m.sep)) + int64(len(m.sHand)) +
 		4*int64(len(m.hint)) + int64(len(m.hHand))
+	if m.r2 != nil {
+		b += mqp2FixedBytes
+	}
+	return b
 }
 
 func mix64(x uint64) uint64 {
@@ -512,6 +546,9 @@ func (c *Cache) mqpLevelOf(head uint32) uint8 {
 // list; a pinned one only counts (its last unpin lists it).
 func (c *Cache) mqpAccess(h uint32, inf uint8) {
 	m := c.mqp
+	if m.r2 != nil && inf == mqp2FreshHint {
+		inf = 0 // a fresh lookup's mark is no count
+	}
 	cnt := min(15, max(c.mqpCount(h)+1, inf+1))
 	if c.aux[h] != 0 {
 		m.pol[h] = mqpLevel(cnt)<<4 | cnt
@@ -542,6 +579,13 @@ func (c *Cache) mqpPlace(h uint32) {
 // namespace is cold and it is brand new (except every mqpExplore-th).
 func (c *Cache) mqpCommit(n *namespace, h uint32) {
 	m := c.mqp
+	if m.r2 != nil && m.pol[h]&15 == mqp2FreshHint {
+		// MQP2: a block of a cold fresh lookup (a scan's).
+		m.pol[h] = 1
+		c.listPushBack(m.qSent[0], h)
+		c.mqpTick()
+		return
+	}
 	cnt := min(15, m.pol[h]&15+1)
 	m.pol[h] = cnt
 	if cnt == 1 && n.guard.cold {

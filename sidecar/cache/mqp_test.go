@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 )
@@ -400,7 +401,7 @@ func TestMQPScanGuard(t *testing.T) {
 }
 
 func TestPolicyConfig(t *testing.T) {
-	for _, p := range []Policy{PolicyLRU, PolicyMQP} {
+	for _, p := range []Policy{PolicyLRU, PolicyMQP, PolicyMQP2} {
 		got, err := ParsePolicy(p.String())
 		if err != nil || got != p {
 			t.Fatalf("ParsePolicy(%q) = %v %v", p.String(), got, err)
@@ -420,13 +421,17 @@ func TestPolicyConfig(t *testing.T) {
 	if lru.mqp != nil || mqp.mqp == nil || mqp.MemoryBytes() <= lru.MemoryBytes() {
 		t.Fatalf("policy state: lru %v mqp %v, bytes %d %d", lru.mqp != nil, mqp.mqp != nil, lru.MemoryBytes(), mqp.MemoryBytes())
 	}
+	mqp2, _ := New(Config{Capacity: 1000, Epoch: 1, Policy: PolicyMQP2})
+	if mqp.mqp.r2 != nil || mqp2.mqp == nil || mqp2.mqp.r2 == nil || mqp2.MemoryBytes() <= mqp.MemoryBytes() {
+		t.Fatalf("policy state: mqp2 %v, bytes %d (mqp %d)", mqp2.mqp != nil, mqp2.MemoryBytes(), mqp.MemoryBytes())
+	}
 }
 
 // BenchmarkPolicy: a Lookup of 64 hits, and a store that evicts, under
 // each policy, on a full pool of 2^20 slots.
 func BenchmarkPolicy(b *testing.B) {
 	const size = 1 << 20
-	for _, pol := range []Policy{PolicyLRU, PolicyMQP} {
+	for _, pol := range []Policy{PolicyLRU, PolicyMQP, PolicyMQP2} {
 		c, _ := New(Config{Capacity: size, Epoch: 1, Policy: pol})
 		ns, _ := c.AddNamespace(NamespaceKey{DigestWidth: 32, WorldSize: 1})
 		fill(b, c, ns, 0, size)
@@ -625,5 +630,129 @@ func TestMQPExtensionInherits(t *testing.T) {
 		if err := c.CheckInvariants(); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestMQP2ScanInOneNamespace is TestMQPScanGuard with the hot prefixes
+// and the scan in one namespace (one tenant's sessions and its scan, or
+// an engine's requests): MQP's guard, per namespace, cannot see the scan,
+// which flushes the prefixes under LRU and more than half the time under
+// MQP (whose levels keep the rest); MQP2's fresh-request
+// guard (a lookup that hits nothing and finds no tip, when such lookups
+// rarely come back) stores the scan's blocks at the cold end once it has
+// seen enough of them (32 records of one fresh lookup in 8), and the
+// prefixes stay: measured over the scan's second half.
+func TestMQP2ScanInOneNamespace(t *testing.T) {
+	const capacity, prefixes, plen = 512, 16, 16
+	w := &simWorkload{}
+	var next int64 = 1
+	hot := make([][]int64, prefixes)
+	for i := range hot {
+		for j := 0; j < plen; j++ {
+			hot[i] = append(hot[i], next)
+			next++
+		}
+	}
+	for round := 0; round < 3*prefixes; round++ {
+		w.raw = append(w.raw, hot[round%prefixes])
+		w.tenants = append(w.tenants, 0)
+	}
+	var warm int
+	for round := 0; round < 40*prefixes; round++ {
+		if round == 20*prefixes {
+			warm = len(w.raw) // the guard has seen enough fresh lookups
+		}
+		w.raw = append(w.raw, hot[round%prefixes])
+		w.tenants = append(w.tenants, 0)
+		for k := 0; k < 2; k++ {
+			var scan []int64
+			for j := 0; j < 24; j++ {
+				scan = append(scan, next)
+				next++
+			}
+			w.raw = append(w.raw, scan)
+			w.tenants = append(w.tenants, 0)
+		}
+	}
+	w.intern()
+	warmOnly := &simWorkload{raw: w.raw[:warm], tenants: w.tenants[:warm]}
+	warmOnly.intern()
+	asked := int64(20 * prefixes * plen)
+	for _, tc := range []struct {
+		pol      Policy
+		min, max float64
+	}{{PolicyLRU, 0, 0.05}, {PolicyMQP, 0, 0.6}, {PolicyMQP2, 0.95, 1}} {
+		all, _ := replay(t, w, capacity, tc.pol, true)
+		warmHits, _ := replay(t, warmOnly, capacity, tc.pol, true)
+		r := float64(all-warmHits) / float64(asked)
+		t.Logf("%v: %.3f of the hot prefixes hit during the scan", tc.pol, r)
+		if r < tc.min || r > tc.max {
+			t.Errorf("%v: hit ratio of the hot prefixes during the scan %.3f, want %.2f..%.2f", tc.pol, r, tc.min, tc.max)
+		}
+	}
+}
+
+// mqpSnapshot is everything MQP2's eviction order depends on: the queues
+// in order, the counts and levels, the tip table, the clock.
+func mqpSnapshot(c *Cache) string {
+	var b strings.Builder
+	for q, sent := range c.mqp.qSent {
+		fmt.Fprintf(&b, "q%d:", q)
+		for s := c.next[sent]; s != sent; s = c.next[s] {
+			if s >= c.capacity {
+				fmt.Fprintf(&b, " marker%d", s)
+				continue
+			}
+			fmt.Fprintf(&b, " %d/%d", s, c.mqp.pol[s])
+		}
+		b.WriteString("\n")
+	}
+	fmt.Fprintf(&b, "tips %v now %d life %d\n", c.mqp.tip, c.mqp.now, c.mqp.life)
+	return b.String()
+}
+
+// TestMQP2Probe: a lookup that repeats one of the namespace's last 16
+// (same length, same last digest) returns its hits and changes nothing
+// (no count, no recency, no tip); one that differs counts as a request.
+func TestMQP2Probe(t *testing.T) {
+	c, err := New(Config{Capacity: 64, Epoch: 1, Policy: PolicyMQP2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, _ := c.AddNamespace(NamespaceKey{DigestWidth: 32, WorldSize: 1})
+	digests := func(from, to int) []byte {
+		var d []byte
+		for i := from; i < to; i++ {
+			x := make([]byte, 32)
+			putDigest(x, i)
+			d = append(d, x...)
+		}
+		return d
+	}
+	for _, r := range [][2]int{{0, 8}, {100, 104}, {0, 12}} {
+		d := digests(r[0], r[1])
+		h, _ := c.Lookup(ns, d)
+		for i := h; i < r[1]-r[0]; i++ {
+			tk, st, _ := c.BeginStore(ns, 0, d[32*i:32*i+32], 1, 0)
+			if st == Allocated {
+				c.CommitStore(tk)
+			}
+		}
+	}
+	before := mqpSnapshot(c)
+	if h, _ := c.Lookup(ns, digests(0, 8)); h != 8 {
+		t.Fatalf("repeated lookup hit %d, want 8", h)
+	}
+	if after := mqpSnapshot(c); after != before {
+		t.Fatalf("a probe changed the policy's state:\nbefore\n%s\nafter\n%s", before, after)
+	}
+	if h, _ := c.Lookup(ns, digests(0, 6)); h != 6 {
+		t.Fatalf("new lookup hit %d, want 6", h)
+	}
+	if after := mqpSnapshot(c); after == before {
+		t.Fatal("a new lookup changed nothing")
+	}
+	if err := c.CheckInvariants(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -108,7 +108,7 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 					c.touch(head)
 				} else if rank == 0 {
 					// Once per block and request: rank 0's store.
-					c.mqpAccess(head, c.mqp.hintTake(tipKey(uint16(ns), digest)))
+					c.mqpAccess(head, c.mqpTake(n, ns, digest))
 				} else if c.retains[head] != nil {
 					c.touch(head) // the retained lists stay LRU
 				}
@@ -136,7 +136,7 @@ func (c *Cache) BeginStoreCharged(ns NamespaceID, rank int, digest []byte, owner
 	head = c.allocGroup(uint16(ns), digest, w)
 	if c.mqp != nil {
 		// The count its lookup inherited, until the commit (mqpCommit).
-		c.mqp.pol[head] = c.mqp.hintTake(tipKey(uint16(ns), digest))
+		c.mqp.pol[head] = c.mqpTake(n, ns, digest)
 	}
 	n.pending++
 	if ch.Key != 0 {
