@@ -118,7 +118,7 @@ func soakTable(reqs [][]uint64) (ids [][]uint32, digests []byte) {
 }
 
 // soakPolicy is the sidecar's eviction policy in the soak: RINGSIDE_SOAK_POLICY
-// (lru or mqp), else the sidecar's default. The exact check uses its
+// (lru, mqp or mqp2), else the sidecar's default. The exact check uses its
 // offline model.
 func soakPolicy() string {
 	if p := os.Getenv("RINGSIDE_SOAK_POLICY"); p != "" {
@@ -352,7 +352,7 @@ func TestSoak(t *testing.T) {
 	}
 	const engines = 3
 	row := record(t, "Soak", fmt.Sprintf("%v: %d engine processes replay the conversation trace one request at a time in trace order (the test process hands each request, from a random starting point and wrapping around, to a randomly chosen engine and waits until it is done; one page per 512-token block id, at most %d blocks a request, chained digests, every loaded block verified, the missed blocks stored while the hits' lease is held), with random SIGKILL restarts of an idle engine every 2-8 s, against a 16 MiB pool; kills in the middle of an operation are TestEngineSIGKILLRounds' (200 rounds)", dur, engines, soakBlocks),
-		"sidecar VmRSS at the end within 2% of its level at the end of warm-up (the first minute, or half the run if shorter); goroutines and fds back to their idle level; zero leaked leases, pins or writes; zero corrupt loads; hit rate equal to the exact offline model of the sidecar's eviction policy at the same capacity (the sidecar's default, or RINGSIDE_SOAK_POLICY=lru|mqp: replay.OraclePages for LRU, replay.MQPPages for MQP, over the requests in the order they completed): hit blocks and looked-up blocks exactly equal, and the sidecar's own lookup, hit, store, NoSpace (LRU; MQP's model counts none: present+NoSpace checked as a sum), eviction and resident-block counts equal the model's",
+		"sidecar VmRSS at the end within 2% of its level at the end of warm-up (the first minute, or half the run if shorter); goroutines and fds back to their idle level; zero leaked leases, pins or writes; zero corrupt loads; hit rate equal to the exact offline model of the sidecar's eviction policy at the same capacity (the sidecar's default, or RINGSIDE_SOAK_POLICY=lru|mqp|mqp2: replay.OraclePages for LRU, replay.MQPPages for MQP, replay.MQP2Pages for MQP2, over the requests in the order they completed): hit blocks and looked-up blocks exactly equal, and the sidecar's own lookup, hit, store, NoSpace (LRU; MQP's and MQP2's models count none: present+NoSpace checked as a sum), eviction and resident-block counts equal the model's",
 		"1. leaks / pins never released; 2. restart / fault tolerance")
 	reqs, src := loadTrace(tracePath())
 	policy := soakPolicy()
@@ -456,11 +456,14 @@ func TestSoak(t *testing.T) {
 	}
 	var o replay.OracleResult
 	model := "offline LRU"
-	if policy == "mqp" {
-		// MQP's model counts no refused or present stores: their sum,
-		// the missed blocks not stored, is checked instead.
+	if policy == "mqp" || policy == "mqp2" {
+		// MQP's (and MQP2's) model counts no refused or present stores:
+		// their sum, the missed blocks not stored, is checked instead.
 		m := replay.MQPPages(seq, nil, numIDs, slots)
 		model = "offline MQP"
+		if policy == "mqp2" {
+			m, model = replay.MQP2Pages(seq, nil, numIDs, slots), "offline MQP2"
+		}
 		o = replay.OracleResult{TotalPages: m.TotalPages, HitPages: m.HitPages, StoredPages: m.StoredPages, Evictions: m.Evictions,
 			Resident: int(m.StoredPages - m.Evictions), PresentPages: -1, SkippedPages: -1}
 		if present+skipped != m.TotalPages-m.HitPages-m.StoredPages {
@@ -478,7 +481,7 @@ func TestSoak(t *testing.T) {
 	}
 	p := st.Pool
 	noSpace := p.NoSpace
-	if policy == "mqp" {
+	if policy == "mqp" || policy == "mqp2" {
 		noSpace = uint64(o.SkippedPages) // not modelled
 	}
 	if p.Lookups != uint64(len(order)) || p.LookupBlocks != uint64(asked) || p.HitBlocks != uint64(hit) ||

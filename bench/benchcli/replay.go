@@ -22,7 +22,7 @@ func benchReplayCommand() *cli.Command {
 	e := func(name string) []string { return env("bench.replay." + name) }
 	return &cli.Command{
 		Name:  "replay",
-		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU, vLLM's ARC, the offline optimum and the candidate MQP; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
+		Usage: "replay request traces (Mooncake JSONL) through live sidecars over a capacity sweep, against an exact offline LRU, vLLM's ARC, the offline optimum and the multi-queue policies MQP and MQP2; latency, step cost, sidecar CPU; table, JSON Lines, CSV and PNG plots",
 		Description: "Expands each trace block into --page-tokens pages (chained hashes), starts `ringside serve`\n" +
 			"(--ringside) once per --capacity-pages, and drives it from --engines simulated engine\n" +
 			"instances, each its own session with its own registered memory: per request, register the\n" +
@@ -32,8 +32,9 @@ func benchReplayCommand() *cli.Command {
 			"sidecar's --cache.policy (LRU, or MQP) of the same semantics; with --sequential (one request\n" +
 			"at a time, trace order) they must be equal.\n" +
 			"Beside them, offline: ARC as vLLM's offloading connector runs it, and the optimum's bound\n" +
-			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits), and MQP, the\n" +
-			"candidate eviction policy (multi-queue, tip history, measured lifetime, scan guard).\n" +
+			"(Belady's MIN with bypass: its block hits bound any policy's prefix hits), and the cache's\n" +
+			"multi-queue policies MQP and MQP2 (tip history, measured lifetime, scan guards).\n" +
+			"--offline runs those alone, no sidecar.\n" +
 			"--workload agentic replays a generated agentic workload (sessions, tool calls, forks, a scan)\n" +
 			"instead of --trace.\n" +
 			"A Unix-socket run of the same replay (through a relay process) is the transport baseline.\n" +
@@ -42,13 +43,14 @@ func benchReplayCommand() *cli.Command {
 		Flags: []cli.Flag{
 			ringsideFlag(e("ringside")),
 			&cli.StringSliceFlag{Name: "trace", Usage: "trace file, JSON Lines {timestamp ms, input_length, output_length, hash_ids} (repeatable: merged by timestamp, sharing no blocks)", EnvVars: e("trace")},
-			&cli.StringFlag{Name: "workload", Value: "trace", Usage: "trace (the --trace files) or agentic (generated: agent sessions with tool calls, forks, long idle gaps and a one-off scan; docs/benchmarks.md)", EnvVars: e("workload")},
+			&cli.StringFlag{Name: "workload", Value: "trace", Usage: "trace (the --trace files), agentic (generated: agent sessions with tool calls, forks, long idle gaps and a one-off scan; docs/benchmarks.md), or agentic-scan (the same with a scan three times as long, of longer prompts)", EnvVars: e("workload")},
 			&cli.Uint64Flag{Name: "seed", Value: 1, Usage: "seed of the generated workload", EnvVars: e("seed")},
 			&cli.IntFlag{Name: "page-tokens", Value: replay.DefaultPageTokens, Usage: "tokens per engine page", EnvVars: e("page-tokens")},
 			&cli.IntFlag{Name: "block-tokens", Value: 512, Usage: "tokens per trace block (hash id)", EnvVars: e("block-tokens")},
 			&cli.IntSliceFlag{Name: "capacity-pages", Usage: "pool capacity in pages, one run each (repeatable or comma separated; default: 1, 4, 16 and 64 GiB of model KV)", EnvVars: e("capacity-pages")},
 			&cli.IntFlag{Name: "engines", Value: replay.DefaultEngines, Usage: "simulated engine instances (sessions), each with its own memory", EnvVars: e("engines")},
-			&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "the sidecars' eviction policy (serve --cache.policy, and serve's default): lru or mqp; the runs are checked against its exact offline model (LRU, or MQP: bench/replay/mqp.go); --nodes and the tier are modelled with lru only", EnvVars: e("cache.policy")},
+			&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "the sidecars' eviction policy (serve --cache.policy, and serve's default): lru, mqp or mqp2; the runs are checked against its exact offline model (LRU, MQP or MQP2: bench/replay/mqp.go, mqp2.go); --nodes and the tier are modelled with lru only", EnvVars: e("cache.policy")},
+			&cli.BoolFlag{Name: "offline", Usage: "run no sidecar: the offline policies alone (LRU, ARC, the optimum, MQP, MQP2) at the --capacity-pages; bounded by CPU, not /dev/shm", EnvVars: e("offline")},
 			&cli.BoolFlag{Name: "hints", Usage: "also run each capacity with retention hints: each request's hint (the agentic workload's; a trace line's optional session, session_end, retain_s, priority) sent as a Retain after its store, a session's last request ending its retentions, priority -1 sending nothing (transport ring+hints; not checked against a model)", EnvVars: e("hints")},
 			&cli.BoolFlag{Name: "sequential", Usage: "one request at a time in trace order: deterministic hit rates, equal to the offline LRU's", EnvVars: e("sequential")},
 			&cli.Float64Flag{Name: "pace", Usage: "0: as fast as possible; F: at the trace's timestamps divided by F (1 = real time)", EnvVars: e("pace")},
@@ -99,6 +101,7 @@ func benchReplayCommand() *cli.Command {
 				CapacityPages:   c.IntSlice("capacity-pages"),
 				Engines:         c.Int("engines"),
 				Sequential:      c.Bool("sequential"),
+				Offline:         c.Bool("offline"),
 				Policy:          c.String("cache.policy"),
 				Hints:           c.Bool("hints"),
 				Pace:            c.Float64("pace"),

@@ -52,6 +52,13 @@ var DefaultAgentic = AgenticConfig{
 	HintProb: 0.5, ScanRequests: 2000, ScanTokens: [2]int{1024, 8192}, ScanAt: 0.4, ScanRate: 10,
 }
 
+// ScanHeavy is the agentic workload with a scan three times as long, of
+// longer one-off prompts (`--workload agentic-scan`): 6,000 requests of
+// 2,048 to 16,384 tokens at 20 a second from 40% of the sessions' span,
+// about half the workload's pages, none read twice. Where the default's
+// scan is one tenant among eight, this one is a batch job beside them.
+var ScanHeavy = AgenticConfig{ScanRequests: 6000, ScanRate: 20, ScanTokens: [2]int{2048, 16384}}
+
 func (c *AgenticConfig) defaults() {
 	d := DefaultAgentic
 	setI := func(v *int, dv int) {
@@ -93,7 +100,12 @@ func (c *AgenticConfig) defaults() {
 }
 
 // String names the workload and its seed.
-func (c AgenticConfig) String() string { return fmt.Sprintf("agentic (generated, seed %d)", c.Seed) }
+func (c AgenticConfig) String() string {
+	if c.ScanRequests == ScanHeavy.ScanRequests && c.ScanRate == ScanHeavy.ScanRate && c.ScanTokens == ScanHeavy.ScanTokens {
+		return fmt.Sprintf("agentic-scan (generated, seed %d)", c.Seed)
+	}
+	return fmt.Sprintf("agentic (generated, seed %d)", c.Seed)
+}
 
 // genBlockTokens is the generator's block size: ids name 512-token blocks
 // as the Mooncake trace's do.

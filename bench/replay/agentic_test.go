@@ -144,3 +144,27 @@ func TestAgenticShape(t *testing.T) {
 		t.Errorf("%d gaps over 60 s, %d over 100 requests apart: want long idle gaps", gapsOver60s, interleaved)
 	}
 }
+
+// TestScanHeavy: --workload agentic-scan is the agentic workload with
+// 6,000 one-off scan requests of 2,048-16,384 tokens, named apart.
+func TestScanHeavy(t *testing.T) {
+	c := ScanHeavy
+	c.Sessions = 50
+	raw := Agentic(c)
+	scans := 0
+	for _, r := range raw {
+		if r.meta.Priority == -1 {
+			scans++
+			if *r.InputLength < 2048 || *r.InputLength > 16384 {
+				t.Fatalf("scan prompt of %d tokens", *r.InputLength)
+			}
+		}
+	}
+	if scans != 6000 {
+		t.Errorf("%d scan requests, want 6000", scans)
+	}
+	w, err := Generate(ScanHeavy, LoadOptions{PageTokens: 512, Limit: 10})
+	if err != nil || w.Files[0] != "agentic-scan (generated, seed 1)" {
+		t.Errorf("named %v (%v)", w.Files, err)
+	}
+}

@@ -174,7 +174,7 @@ func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
 	state := make([]uint8, len(m.st))
 	used, resident, leased := 0, 0, 0
 	var written []uint32
-	var wpos []int
+	var hint []uint8
 	for ri, pages := range reqs {
 		var n uint8
 		if ns != nil {
@@ -191,21 +191,27 @@ func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
 			h++
 		}
 		res.HitPages += int64(h)
-		m.begin(n, pages, h)
-		for i := h - 1; i >= 0; i-- {
-			m.touch(pages[i], i)
+		if m.r2 != nil {
+			m.begin2(n, pages, h)
+		} else {
+			m.begin(n, pages, h)
+		}
+		if m.r2 == nil || !m.r2.probe { // a probe touches nothing
+			for i := h - 1; i >= 0; i-- {
+				m.touch(pages[i], m.inf[i])
+			}
 		}
 		for i := 0; i < h; i++ {
 			m.pin(pages[i])
 			state[pages[i]] = pinned
 			leased++
 		}
-		written, wpos = written[:0], wpos[:0]
+		written, hint = written[:0], hint[:0]
 		for i := h; i < len(pages); i++ {
 			p := pages[i]
 			switch state[p] {
 			case present:
-				m.touch(p, i)
+				m.touch(p, m.storeHint(p, i))
 				continue
 			case writing, pinned:
 				continue
@@ -226,12 +232,12 @@ func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
 			state[p] = writing
 			used++
 			written = append(written, p)
-			wpos = append(wpos, i)
+			hint = append(hint, m.storeHint(p, i))
 		}
 		for k, p := range written {
 			state[p] = present
 			resident++
-			m.commit(p, wpos[k])
+			m.commit(p, hint[k])
 			res.StoredPages++
 		}
 		for i := h - 1; i >= 0; i-- {
@@ -292,6 +298,8 @@ type mqp struct {
 	nsTick  [mqpNS]int
 	gHR     float64
 	nsKnown [mqpNS]bool
+
+	r2 *mqp2State // MQP2's additions (mqp2.go); nil: MQP
 }
 
 func newMQP(numIDs, capacity int) *mqp {
@@ -571,9 +579,24 @@ func (m *mqp) place(p uint32) {
 	m.tick()
 }
 
-func (m *mqp) touch(p uint32, pos int) {
+// storeHint is the count the request's lookup left for page p at
+// position pos past its leading hits: inf[pos] under MQP; under MQP2 the
+// hint table's entry, taken (mqp2Fresh: a fresh request's cold block).
+func (m *mqp) storeHint(p uint32, pos int) uint8 {
+	if m.r2 == nil {
+		return m.inf[pos]
+	}
+	return m.r2.hintTake(m.ns, m.key(p))
+}
+
+// touch is a reuse of p by a request that inherited count inf (a
+// fresh request's mark counts as none).
+func (m *mqp) touch(p uint32, inf uint8) {
+	if m.r2 != nil && inf == mqp2FreshHint {
+		inf = 0
+	}
 	m.unlink(p)
-	c := min(mqpMaxCount, max(m.st[p]&15+1, m.inf[pos]+1))
+	c := min(mqpMaxCount, max(m.st[p]&15+1, inf+1))
 	m.st[p] = m.st[p]&0x30 | c
 	m.place(p)
 }
@@ -581,8 +604,17 @@ func (m *mqp) touch(p uint32, pos int) {
 func (m *mqp) pin(p uint32)   { m.unlink(p) }
 func (m *mqp) unpin(p uint32) { m.pushFront(m.level(p), p) }
 
-func (m *mqp) commit(p uint32, pos int) {
-	c := min(mqpMaxCount, m.inf[pos]+1)
+// commit places new block p at the count its request's lookup left for
+// it plus one (under MQP2, a fresh request's cold block at the LRU end
+// of queue 0).
+func (m *mqp) commit(p uint32, inf uint8) {
+	if m.r2 != nil && inf == mqp2FreshHint {
+		m.st[p] = 1
+		m.pushBack(0, p)
+		m.tick()
+		return
+	}
+	c := min(mqpMaxCount, inf+1)
 	m.st[p] = c
 	if c == 1 && m.nsCold[m.ns] {
 		m.nsTick[m.ns]++

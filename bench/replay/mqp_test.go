@@ -88,7 +88,7 @@ func TestMQPPinnedNeverVictim(t *testing.T) {
 	m := newMQP(4, 4)
 	m.begin(0, []uint32{0, 1, 2}, 0)
 	for p := range 3 {
-		m.commit(uint32(p), p)
+		m.commit(uint32(p), m.inf[p])
 	}
 	m.pin(0)
 	var got []uint32

@@ -230,7 +230,7 @@ func (rep *Report) plotPolicies(path string) error {
 		"pool capacity, pages (log scale)", "hit ratio (%)")
 	p.X.Scale = plot.LogScale{}
 	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
-	var lru, arc, minPrefix, bound, mqp, live plotter.XYs
+	var lru, arc, minPrefix, bound, mqp, mqp2, live plotter.XYs
 	top := rep.Unbound * 100
 	for _, pt := range rep.PolicyCurve {
 		x := float64(pt.CapacityPages)
@@ -239,6 +239,7 @@ func (rep *Report) plotPolicies(path string) error {
 		minPrefix = append(minPrefix, plotter.XY{X: x, Y: pt.MIN.HitRatio() * 100})
 		bound = append(bound, plotter.XY{X: x, Y: pt.MIN.BlockHitRatio() * 100})
 		mqp = append(mqp, plotter.XY{X: x, Y: pt.MQP.HitRatio() * 100})
+		mqp2 = append(mqp2, plotter.XY{X: x, Y: pt.MQP2.HitRatio() * 100})
 		top = math.Max(top, pt.MIN.BlockHitRatio()*100)
 	}
 	for _, r := range rep.runsOf("ring") {
@@ -257,7 +258,8 @@ func (rep *Report) plotPolicies(path string) error {
 		{minPrefix, "prefix hits following MIN's decisions", 1.5, false},
 		{arc, "ARC as vLLM's offloading connector runs it", 1.5, false},
 		{lru, "LRU, the sidecar's policy (offline oracle)", 2, false},
-		{mqp, "MQP (candidate)", 2, false},
+		{mqp, "MQP", 2, false},
+		{mqp2, "MQP2", 2, false},
 	} {
 		l, err := plotter.NewLine(s.xy)
 		if err != nil {
@@ -278,7 +280,7 @@ func (rep *Report) plotPolicies(path string) error {
 		}
 		s.GlyphStyle.Shape = draw.CircleGlyph{}
 		s.GlyphStyle.Radius = vg.Points(4)
-		s.Color = plotutil.Color(5)
+		s.Color = plotutil.Color(6)
 		p.Add(s)
 		p.Legend.Add("live sidecar (this run)", s)
 	}

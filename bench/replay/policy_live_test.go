@@ -46,22 +46,28 @@ func num(row map[string]any, k string) float64 { v, _ := row[k].(float64); retur
 // returns, per capacity, whether the MQP differed from the offline LRU.
 func checkMQPExact(t *testing.T, rows []map[string]any) map[float64]bool {
 	t.Helper()
+	return checkModelExact(t, rows, "mqp")
+}
+
+// checkModelExact is checkMQPExact for policy mqp or mqp2 (MQP2Pages).
+func checkModelExact(t *testing.T, rows []map[string]any, policy string) map[float64]bool {
+	t.Helper()
 	differs := map[float64]bool{}
 	runs := 0
 	for _, row := range rows {
 		switch row["bench"] {
 		case "replay":
 			runs++
-			if row["policy"] != "mqp" || row["oracle_match"] != true || num(row, "hit_pages") != num(row, "oracle_hit_pages") ||
+			if row["policy"] != policy || row["oracle_match"] != true || num(row, "hit_pages") != num(row, "oracle_hit_pages") ||
 				num(row, "stored_pages") != num(row, "oracle_stored_pages") || num(row, "view_blocks") != num(row, "oracle_resident_pages") {
-				t.Errorf("live MQP differs from the offline MQP: %v", row)
+				t.Errorf("live %s differs from its offline model: %v", policy, row)
 			}
 			if num(row, "oracle_skipped_pages") != -1 {
-				t.Errorf("the MQP model counts no refused stores (-1): %v", row)
+				t.Errorf("the %s model counts no refused stores (-1): %v", policy, row)
 			}
 		case "replay_policy":
-			if row["policy"] != "mqp" || row["live_equals_model"] != true || num(row, "live_hit_ratio") != num(row, "mqp_hit_ratio") {
-				t.Errorf("live MQP differs from the offline MQP: %v", row)
+			if row["policy"] != policy || row["live_equals_model"] != true || num(row, "live_hit_ratio") != num(row, policy+"_hit_ratio") {
+				t.Errorf("live %s differs from its offline model: %v", policy, row)
 			}
 			differs[num(row, "capacity_pages")] = row["live_equals_lru"] != true
 		}
@@ -113,5 +119,37 @@ func TestBenchReplayMQPExactMooncake(t *testing.T) {
 		"--page-tokens", "512", "--capacity-pages", "1024"))
 	if !differs[1024] {
 		t.Errorf("at 1024 pages MQP hit what LRU hits: the check cannot tell the policies apart")
+	}
+}
+
+// TestBenchReplayMQP2Exact replays through live sidecars run with
+// --cache.policy mqp2, one request at a time, at engine page sizes: the
+// generated agentic workload's first 400 requests in 16-token pages (its
+// scan's fresh requests, sessions whose new tails inherit, requests of
+// thousands of pages in several copy chunks), and, where the machine has
+// the whole Mooncake trace, its first 2,000 requests in 32-token pages
+// (where the tip offset is learned and the lifetime measured): the live
+// hits, stores and resident blocks equal the offline MQP2's, and differ
+// from the LRU's.
+func TestBenchReplayMQP2Exact(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts sidecars")
+	}
+	differs := checkModelExact(t, replayJSON(t, "--sequential", "--cache.policy", "mqp2", "--workload", "agentic", "--limit", "400",
+		"--page-tokens", "16", "--capacity-pages", "2000", "--capacity-pages", "8000"), "mqp2")
+	if !differs[2000] {
+		t.Errorf("at 2000 pages MQP2 hit what LRU hits: the check cannot tell the policies apart (%v)", differs)
+	}
+	path := os.Getenv("RINGSIDE_MOONCAKE_TRACE")
+	if path == "" {
+		path = "/work/shared/traces/conversation_trace.jsonl"
+	}
+	if _, err := os.Stat(path); err != nil || raceEnabled {
+		t.Skipf("the whole trace's part: no trace at %s, or the race detector", path)
+	}
+	differs = checkModelExact(t, replayJSON(t, "--sequential", "--cache.policy", "mqp2", "--trace", path, "--limit", "2000",
+		"--page-tokens", "32", "--capacity-pages", "16000"), "mqp2")
+	if !differs[16000] {
+		t.Errorf("at 16000 pages MQP2 hit what LRU hits: the check cannot tell the policies apart")
 	}
 }

@@ -47,7 +47,7 @@ var DefaultCapacityGiB = []int{1, 4, 16, 64}
 // Config configures a run. Zero fields take defaults.
 type Config struct {
 	Traces          []string
-	Workload        string        // "trace" (default: the Traces) or "agentic" (generated, AgenticConfig)
+	Workload        string        // "trace" (default: the Traces), "agentic" (generated, AgenticConfig) or "agentic-scan" (ScanHeavy)
 	Seed            uint64        // the generated workload's seed (default 1)
 	PageTokens      int           // tokens per engine page (default 16)
 	BlockTokens     int           // tokens per trace block (default 512)
@@ -67,12 +67,17 @@ type Config struct {
 	Exe             string        // the bench executable, re-run as the relays (`replay-relay`; default os.Executable())
 	Ringside        string        // the ringside executable run as the sidecars (`serve`; default: see harness.FindRingside)
 	Timeout         time.Duration // bound on startup, every call and every child (default 1m)
-	// Policy is the sidecars' eviction policy (serve --cache.policy): "lru"
-	// or "mqp"; empty is serve's default (cache.DefaultPolicy). The runs
-	// are checked against the offline model of it: OraclePages for LRU,
-	// MQPPages for MQP. Several nodes or the tier are modelled with LRU
-	// pools only.
+	// Policy is the sidecars' eviction policy (serve --cache.policy): "lru",
+	// "mqp" or "mqp2"; empty is serve's default (cache.DefaultPolicy). The
+	// runs are checked against the offline model of it: OraclePages for
+	// LRU, MQPPages for MQP, MQP2Pages for MQP2. Several nodes or the tier
+	// are modelled with LRU pools only.
 	Policy string
+	// Offline runs no sidecar: the offline policies alone, at the sweep's
+	// capacities (the policy rows, without live columns). Bounded by CPU
+	// and memory, not by /dev/shm: what a sweep at engine page sizes and
+	// large pools needs.
+	Offline bool
 	// Hints adds, at every capacity, a run that sends each request's
 	// retention hint (RequestMeta, hintOf) to the sidecar: transport
 	// "ring+hints", beside the plain "ring" run. No model covers hints:
@@ -103,11 +108,13 @@ func (c *Config) defaults() error {
 		}
 		c.Exe = exe
 	}
-	ringside, err := harness.FindRingside(c.Ringside, c.Exe)
-	if err != nil {
-		return err
+	if !c.Offline {
+		ringside, err := harness.FindRingside(c.Ringside, c.Exe)
+		if err != nil {
+			return err
+		}
+		c.Ringside = ringside
 	}
-	c.Ringside = ringside
 	if c.PageTokens <= 0 {
 		c.PageTokens = DefaultPageTokens
 	}
@@ -117,12 +124,12 @@ func (c *Config) defaults() error {
 	switch c.Workload {
 	case "", "trace":
 		c.Workload = "trace"
-	case "agentic":
+	case "agentic", "agentic-scan":
 		if len(c.Traces) > 0 {
-			return errors.New("--workload agentic generates its requests: give no --trace")
+			return fmt.Errorf("--workload %s generates its requests: give no --trace", c.Workload)
 		}
 	default:
-		return fmt.Errorf("--workload %q: want trace or agentic", c.Workload)
+		return fmt.Errorf("--workload %q: want trace, agentic or agentic-scan", c.Workload)
 	}
 	if c.KVBytesPerToken <= 0 {
 		c.KVBytesPerToken = DefaultKVBytesPerToken
@@ -173,12 +180,15 @@ func (c *Config) defaults() error {
 	}
 	switch c.Policy {
 	case "lru":
-	case "mqp":
+	case "mqp", "mqp2":
 		if c.Nodes > 1 || len(c.L2Addrs) > 0 || c.L2Start != "" {
 			return fmt.Errorf("--cache.policy %s: its offline model is of one node without a tier; the model of several nodes and the tier is of LRU pools (give --cache.policy lru, or --nodes 1 and no --l2.*)", c.Policy)
 		}
 	default:
-		return fmt.Errorf("--cache.policy %q: want lru or mqp", c.Policy)
+		return fmt.Errorf("--cache.policy %q: want lru, mqp or mqp2", c.Policy)
+	}
+	if c.Offline && (c.Hints || c.Nodes > 1 || len(c.L2Addrs) > 0 || c.L2Start != "") {
+		return errors.New("--offline runs no sidecar: not with --hints, --nodes or --l2.*")
 	}
 	if c.Hints && (len(c.L2Addrs) > 0 || c.L2Start != "") {
 		return errors.New("--hints: not with the tier (give one of --hints, --l2.*)")
@@ -218,8 +228,8 @@ type Report struct {
 	// doublings of the largest up to the trace's distinct pages (cheap:
 	// no sidecar), for the hit-rate plot.
 	OracleCurve []OracleResult
-	// PolicyCurve is vLLM's ARC, the optimum (MIN) and the candidate MQP
-	// at the same capacities, beside the LRU (policies.go, mqp.go).
+	// PolicyCurve is vLLM's ARC, the optimum (MIN), MQP and MQP2 at the
+	// same capacities, beside the LRU (policies.go, mqp.go, mqp2.go).
 	PolicyCurve []PolicyPoint
 	Rows        []any // the JSON Lines rows, in order
 	Verdicts    []string
@@ -246,22 +256,27 @@ type RunResult struct {
 	Fleet        *FleetResult
 	FetchedPages int64
 	// ARC and MIN are the reference policy and the optimum at this
-	// capacity, offline (policies.go); MQP the candidate (mqp.go).
-	ARC, MIN, MQP PolicyResult
+	// capacity, offline (policies.go); MQP and MQP2 (mqp.go, mqp2.go).
+	ARC, MIN, MQP, MQP2 PolicyResult
 }
 
 // PolicyPoint is the offline policies at one capacity.
 type PolicyPoint struct {
-	CapacityPages int
-	LRU           OracleResult
-	ARC, MIN, MQP PolicyResult
+	CapacityPages       int
+	LRU                 OracleResult
+	ARC, MIN, MQP, MQP2 PolicyResult
 }
 
 // loadWorkload loads the traces or generates the workload.
 func (c *Config) loadWorkload() (*Workload, error) {
 	o := LoadOptions{PageTokens: c.PageTokens, BlockTokens: c.BlockTokens, Limit: c.Limit}
-	if c.Workload == "agentic" {
+	switch c.Workload {
+	case "agentic":
 		return Generate(AgenticConfig{Seed: c.Seed}, o)
+	case "agentic-scan":
+		a := ScanHeavy
+		a.Seed = c.Seed
+		return Generate(a, o)
 	}
 	return Load(c.Traces, o)
 }
@@ -308,7 +323,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			os.RemoveAll(cfg.Dir)
 		}
 	}()
-	if err := cfg.checkSpace(w); err != nil {
+	if err := cfg.checkSpace(w); err != nil && !cfg.Offline {
 		return nil, err
 	}
 	type plan struct {
@@ -325,6 +340,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Config.L2Addrs = cfg.L2Addrs
 	}
 	for _, c := range cfg.CapacityPages {
+		if cfg.Offline {
+			break
+		}
 		plans = append(plans, plan{c, "ring"})
 		if len(cfg.L2Addrs) > 0 {
 			plans = append(plans, plan{c, "ring+l2"})
@@ -333,7 +351,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			plans = append(plans, plan{c, "ring+hints"})
 		}
 	}
-	if !cfg.NoUDS {
+	if !cfg.NoUDS && !cfg.Offline {
 		plans = append(plans, plan{cfg.UDSCapacity, "uds"})
 	}
 	oracles := map[int]OracleResult{} // the offline LRU
@@ -367,16 +385,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			o = Oracle(w, c)
 		}
 		rep.OracleCurve = append(rep.OracleCurve, o)
-		pt := PolicyPoint{CapacityPages: c, LRU: o, ARC: ARC(w, c), MIN: MIN(w, c), MQP: MQP(w, c)}
+		pt := PolicyPoint{CapacityPages: c, LRU: o, ARC: ARC(w, c), MIN: MIN(w, c), MQP: MQP(w, c), MQP2: MQP2(w, c)}
 		rep.PolicyCurve = append(rep.PolicyCurve, pt)
 		policies[c] = pt
 	}
 	for _, p := range plans {
 		if _, ok := policies[p.capacity]; !ok {
-			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity), MQP: MQP(w, p.capacity)}
+			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity), MQP: MQP(w, p.capacity), MQP2: MQP2(w, p.capacity)}
 		}
 	}
-	logf("offline policies: LRU, ARC, MIN and MQP at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
+	logf("offline policies: LRU, ARC, MIN, MQP and MQP2 at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
 	prog := newProgress(cfg.Progress && !cfg.Quiet, cfg.Log, int64(len(plans)*len(w.Requests)))
 	defer prog.finish()
 	if prog.bar != nil {
@@ -390,9 +408,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
 		r.Oracle, r.LRU = oracles[p.capacity], oracles[p.capacity]
-		r.ARC, r.MIN, r.MQP = policies[p.capacity].ARC, policies[p.capacity].MIN, policies[p.capacity].MQP
-		if cfg.Policy == "mqp" {
+		pp := policies[p.capacity]
+		r.ARC, r.MIN, r.MQP, r.MQP2 = pp.ARC, pp.MIN, pp.MQP, pp.MQP2
+		switch cfg.Policy {
+		case "mqp":
 			r.Oracle = mqpModel(r.MQP)
+		case "mqp2":
+			r.Oracle = mqpModel(r.MQP2)
 		}
 		if f := fleets[p]; f != nil {
 			r.Fleet, r.Oracle = f, f.OracleResult

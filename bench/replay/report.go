@@ -69,8 +69,10 @@ type CapacityRow struct {
 // beside the offline policies' of the same workload (bench
 // "replay_policy"). The optimum is MIN's block-hit ratio, an upper bound
 // on every policy's prefix hits (policies.go, MINPages); MIN's prefix
-// ratio is that of following MIN's decisions, not an optimum. MQP is the
-// candidate policy (mqp.go), measured here before it goes into the cache.
+// ratio is that of following MIN's decisions, not an optimum. MQP and MQP2
+// are the cache's multi-queue policies (mqp.go, mqp2.go), offline. With
+// --offline (transport "offline") no sidecar ran: the live fields are
+// zero.
 type PolicyRow struct {
 	Bench             string  `json:"bench"` // "replay_policy"
 	Workload          string  `json:"workload"`
@@ -84,17 +86,22 @@ type PolicyRow struct {
 	LiveHitRatio      float64 `json:"live_hit_ratio"`       // the sidecar's policy, live
 	LRUHitRatio       float64 `json:"lru_hit_ratio"`        // exact offline LRU (the oracle)
 	LiveEqualsLRU     bool    `json:"live_equals_lru"`      // hit pages equal
-	LiveEqualsModel   bool    `json:"live_equals_model"`    // hit pages equal to the offline model of the live policy's (LRU or MQP)
+	LiveEqualsModel   bool    `json:"live_equals_model"`    // hit pages equal to the offline model of the live policy's (LRU, MQP or MQP2)
 	ARCHitRatio       float64 `json:"arc_hit_ratio"`        // vLLM's ARC offloading manager
 	MINBlockHitRatio  float64 `json:"min_block_hit_ratio"`  // the optimum's block hits: the bound
 	MINPrefixHitRatio float64 `json:"min_prefix_hit_ratio"` // prefix hits following MIN's decisions
-	MQPHitRatio       float64 `json:"mqp_hit_ratio"`        // the candidate policy, MQP (mqp.go)
+	MQPHitRatio       float64 `json:"mqp_hit_ratio"`        // MQP (mqp.go)
 	MQPOverLRU        float64 `json:"mqp_over_lru"`
+	MQP2HitRatio      float64 `json:"mqp2_hit_ratio"` // MQP2 (mqp2.go)
+	MQP2OverLRU       float64 `json:"mqp2_over_lru"`
+	MQP2OverARC       float64 `json:"mqp2_over_arc"`
+	MQP2OverMIN       float64 `json:"mqp2_over_min"` // of the optimum's bound
 	LiveOverLRU       float64 `json:"live_over_lru"`
 	LRUBlockHitRatio  float64 `json:"lru_block_hit_ratio"`
 	ARCBlockHitRatio  float64 `json:"arc_block_hit_ratio"`
 	ARCFailedStores   int64   `json:"arc_failed_stores"`
 	MQPBlockHitRatio  float64 `json:"mqp_block_hit_ratio"`
+	MQP2BlockHitRatio float64 `json:"mqp2_block_hit_ratio"`
 	UnboundedHitRatio float64 `json:"unbounded_hit_ratio"` // a cache that never evicts
 	// LiveHintsHitRatio is the live run's with retention hints at the
 	// same capacity (--hints; absent without).
@@ -186,6 +193,13 @@ func (rep *Report) build() {
 		}
 		rep.Rows = append(rep.Rows, cr)
 	}
+	if c.Offline {
+		for _, pt := range rep.PolicyCurve {
+			if slices.Contains(c.CapacityPages, pt.CapacityPages) {
+				rep.Rows = append(rep.Rows, rep.policyRow(pt, "offline"))
+			}
+		}
+	}
 	for _, r := range rep.runsOf("ring") {
 		live := ratio(r.Counts.HitPages, r.Counts.TotalPages)
 		var withHints *float64
@@ -195,17 +209,11 @@ func (rep *Report) build() {
 				withHints = &x
 			}
 		}
-		rep.Rows = append(rep.Rows, PolicyRow{
-			LiveHintsHitRatio: withHints,
-			Bench:             "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: r.CapacityPages, Transport: r.Transport,
-			PageTokens: w.PageTokens, Sequential: c.Sequential, Policy: c.Policy, Requests: len(w.Requests), Pages: r.Counts.TotalPages,
-			LiveHitRatio: live, LRUHitRatio: r.LRU.HitRatio(), LiveEqualsLRU: r.Counts.HitPages == r.LRU.HitPages,
-			LiveEqualsModel: r.Counts.HitPages == r.Oracle.HitPages,
-			ARCHitRatio:     r.ARC.HitRatio(), MINBlockHitRatio: r.MIN.BlockHitRatio(), MINPrefixHitRatio: r.MIN.HitRatio(),
-			MQPHitRatio: r.MQP.HitRatio(), MQPOverLRU: r.MQP.HitRatio() / max(r.LRU.HitRatio(), 1e-12), MQPBlockHitRatio: r.MQP.BlockHitRatio(),
-			LiveOverLRU: live / max(r.LRU.HitRatio(), 1e-12), LRUBlockHitRatio: r.LRU.BlockHitRatio(),
-			ARCBlockHitRatio: r.ARC.BlockHitRatio(), ARCFailedStores: r.ARC.FailedStores, UnboundedHitRatio: rep.Unbound,
-		})
+		row := rep.policyRow(PolicyPoint{CapacityPages: r.CapacityPages, LRU: r.LRU, ARC: r.ARC, MIN: r.MIN, MQP: r.MQP, MQP2: r.MQP2}, r.Transport)
+		row.LiveHintsHitRatio, row.Pages = withHints, r.Counts.TotalPages
+		row.LiveHitRatio, row.LiveEqualsLRU, row.LiveEqualsModel = live, r.Counts.HitPages == r.LRU.HitPages, r.Counts.HitPages == r.Oracle.HitPages
+		row.LiveOverLRU = live / max(r.LRU.HitRatio(), 1e-12)
+		rep.Rows = append(rep.Rows, row)
 	}
 	for _, r := range rep.Runs {
 		for _, k := range opKeys() {
@@ -229,6 +237,23 @@ func (rep *Report) build() {
 		rep.Rows = append(rep.Rows, sr)
 	}
 	rep.Verdicts = rep.verdicts()
+}
+
+// policyRow is the offline policies' row at one capacity (the live
+// fields left for the caller).
+func (rep *Report) policyRow(pt PolicyPoint, transport string) PolicyRow {
+	c, w := &rep.Config, rep.Workload
+	lru := max(pt.LRU.HitRatio(), 1e-12)
+	return PolicyRow{
+		Bench: "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: pt.CapacityPages, Transport: transport,
+		PageTokens: w.PageTokens, Sequential: c.Sequential, Policy: c.Policy, Requests: len(w.Requests), Pages: pt.LRU.TotalPages,
+		LRUHitRatio: pt.LRU.HitRatio(), ARCHitRatio: pt.ARC.HitRatio(), MINBlockHitRatio: pt.MIN.BlockHitRatio(), MINPrefixHitRatio: pt.MIN.HitRatio(),
+		MQPHitRatio: pt.MQP.HitRatio(), MQPOverLRU: pt.MQP.HitRatio() / lru, MQPBlockHitRatio: pt.MQP.BlockHitRatio(),
+		MQP2HitRatio: pt.MQP2.HitRatio(), MQP2OverLRU: pt.MQP2.HitRatio() / lru, MQP2BlockHitRatio: pt.MQP2.BlockHitRatio(),
+		MQP2OverARC: pt.MQP2.HitRatio() / max(pt.ARC.HitRatio(), 1e-12), MQP2OverMIN: pt.MQP2.HitRatio() / max(pt.MIN.BlockHitRatio(), 1e-12),
+		LRUBlockHitRatio: pt.LRU.BlockHitRatio(), ARCBlockHitRatio: pt.ARC.BlockHitRatio(), ARCFailedStores: pt.ARC.FailedStores,
+		UnboundedHitRatio: rep.Unbound,
+	}
 }
 
 // merged returns the histograms of every run of a transport, merged.
@@ -408,8 +433,8 @@ func (rep *Report) verdicts() []string {
 		}
 	}
 	for _, pt := range rep.PolicyCurve {
-		if b := pt.MIN.BlockHitPages; b < pt.LRU.BlockHitPages || b < pt.ARC.BlockHitPages || b < pt.MQP.BlockHitPages {
-			out = append(out, fmt.Sprintf("check: at %d pages MIN's block hits %d are below LRU's %d, ARC's %d or MQP's %d (MIN must bound them)", pt.CapacityPages, b, pt.LRU.BlockHitPages, pt.ARC.BlockHitPages, pt.MQP.BlockHitPages))
+		if b := pt.MIN.BlockHitPages; b < pt.LRU.BlockHitPages || b < pt.ARC.BlockHitPages || b < pt.MQP.BlockHitPages || b < pt.MQP2.BlockHitPages {
+			out = append(out, fmt.Sprintf("check: at %d pages MIN's block hits %d are below LRU's %d, ARC's %d, MQP's %d or MQP2's %d (MIN must bound them)", pt.CapacityPages, b, pt.LRU.BlockHitPages, pt.ARC.BlockHitPages, pt.MQP.BlockHitPages, pt.MQP2.BlockHitPages))
 		}
 	}
 	for _, r := range rep.Runs {
@@ -463,6 +488,14 @@ func (rep *Report) print() error {
 	fmt.Fprintf(out, "page bytes %s copied per page; a model page (%s per token x %d tokens) is %s, so GiB equivalents are at %s per page%s\n",
 		bytesStr(float64(c.PageBytes)), bytesStr(float64(c.KVBytesPerToken)), c.PageTokens, bytesStr(float64(c.modelPageBytes())), bytesStr(float64(c.modelPageBytes())),
 		scaleNote(c))
+	if c.Offline {
+		fmt.Fprintf(out, "offline: no sidecar; the policies one request at a time; %d CPUs, load average %s after the run\n", runtime.NumCPU(), harness.LoadAvg())
+		if err := rep.printPolicies(out); err != nil {
+			return err
+		}
+		harness.Verdicts(out, c.Log, false, c.Quiet, rep.Verdicts)
+		return nil
+	}
 	pace := "as fast as possible"
 	if c.Pace > 0 {
 		pace = fmt.Sprintf("at the trace's timestamps / %g", c.Pace)
@@ -692,14 +725,19 @@ func (rep *Report) printPolicies(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "\nprefix-hit ratio by policy (%s, %d-token pages, one request at a time for the offline ones):\n", rows[0].Workload, rows[0].PageTokens)
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "capacity\tlive sidecar\tLRU\tARC (vLLM)\toptimum (bound)\tfollowing MIN\tMQP (candidate)\tlive/LRU\tMQP/LRU\t")
+	fmt.Fprintln(tw, "capacity\tlive sidecar\tLRU\tARC (vLLM)\toptimum (bound)\tfollowing MIN\tMQP\tMQP2\tlive/LRU\tMQP/LRU\tMQP2/LRU\tMQP2/ARC\tMQP2/optimum\t")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.3f\t%.3f\t\n", r.CapacityPages, 100*r.LiveHitRatio, 100*r.LRUHitRatio,
-			100*r.ARCHitRatio, 100*r.MINBlockHitRatio, 100*r.MINPrefixHitRatio, 100*r.MQPHitRatio, r.LiveOverLRU, r.MQPOverLRU)
+		live, liveLRU := "-", "-"
+		if r.Transport != "offline" {
+			live, liveLRU = fmt.Sprintf("%.2f%%", 100*r.LiveHitRatio), fmt.Sprintf("%.3f", r.LiveOverLRU)
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%.2f%%\t%s\t%.3f\t%.3f\t%.3f\t%.3f\t\n", r.CapacityPages, live, 100*r.LRUHitRatio,
+			100*r.ARCHitRatio, 100*r.MINBlockHitRatio, 100*r.MINPrefixHitRatio, 100*r.MQPHitRatio, 100*r.MQP2HitRatio, liveLRU, r.MQPOverLRU,
+			r.MQP2OverLRU, r.MQP2OverARC, r.MQP2OverMIN)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; MQP (candidate): the policy proposed for the cache, offline; never evicting: %.2f%%\n", 100*rep.Unbound)
+	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; MQP, MQP2: the cache's multi-queue policies, offline; never evicting: %.2f%%\n", 100*rep.Unbound)
 	return nil
 }

@@ -1,0 +1,249 @@
+package replay
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/ringside-kv/ringside/sidecar/cache"
+)
+
+// cachePolicyReplay drives sidecar/cache in process under pol with the
+// engine's calls (as cacheReplay does) and returns the hits per request,
+// the stored pages and the evictions.
+func cachePolicyReplay(t *testing.T, w *Workload, reqs [][]uint32, capacity int, pol cache.Policy) (hits []int, stored, evictions int64) {
+	t.Helper()
+	c, err := cache.New(cache.Config{Capacity: capacity, Epoch: 1, Policy: pol})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := c.AddNamespace(cache.NamespaceKey{Model: "m", Layout: 1, DigestWidth: DigestWidth, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var now int64
+	for _, pages := range reqs {
+		now++
+		d := w.AppendDigests(nil, pages)
+		h, err := c.Lookup(ns, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hits = append(hits, h)
+		var lease cache.Lease
+		if h > 0 {
+			if lease, err = c.Acquire(ns, 0, d[:h*DigestWidth], 1, time.Minute, now); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var tickets []cache.Ticket
+		for i := h; i < len(pages); i++ {
+			tk, st, err := c.BeginStore(ns, 0, d[i*DigestWidth:(i+1)*DigestWidth], 1, now)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st == cache.Allocated {
+				tickets = append(tickets, tk)
+			}
+		}
+		for _, tk := range tickets {
+			if err := c.CommitStore(tk); err != nil {
+				t.Fatal(err)
+			}
+			stored++
+		}
+		if err := c.Release(lease.ID); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.CheckInvariants(); err != nil {
+		t.Fatal(err)
+	}
+	return hits, stored, int64(c.Stats().Evictions)
+}
+
+// checkMQP2Exact compares MQP2Pages with the cache under PolicyMQP2 on
+// reqs (namespace 0 of the model is the replay's namespace); on a
+// difference it finds the first request whose running hits differ.
+func checkMQP2Exact(t *testing.T, name string, w *Workload, reqs [][]uint32, capacity int) PolicyResult {
+	t.Helper()
+	model := MQP2Pages(reqs, nil, w.NumPageIDs(), capacity)
+	hits, stored, evictions := cachePolicyReplay(t, w, reqs, capacity, cache.PolicyMQP2)
+	var sum int64
+	cum := make([]int64, len(hits))
+	for i, h := range hits {
+		sum += int64(h)
+		cum[i] = sum
+	}
+	if model.HitPages == sum && model.StoredPages == stored && model.Evictions == evictions {
+		return model
+	}
+	lo, hi := 0, len(reqs)
+	for lo+1 < hi {
+		mid := (lo + hi) / 2
+		if MQP2Pages(reqs[:mid], nil, w.NumPageIDs(), capacity).HitPages == cum[mid-1] {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	t.Errorf("%s at %d pages: model hits %d, stored %d, evictions %d; cache %d, %d, %d; first difference at request %d",
+		name, capacity, model.HitPages, model.StoredPages, model.Evictions, sum, stored, evictions, hi-1)
+	return model
+}
+
+// TestMQP2MatchesCache checks MQP2's offline model against the sidecar's
+// cache under PolicyMQP2, call for call: the agentic workload in 16-token
+// pages (a scan of fresh requests, sessions whose new tails inherit,
+// requests of thousands of pages that overflow hint buckets), the shipped
+// trace in 32-token pages (a learned tip offset), and both with every
+// fifth request repeated at once (a probe).
+func TestMQP2MatchesCache(t *testing.T) {
+	n := 900
+	if testing.Short() {
+		n = 300
+	}
+	ag, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: 16, Limit: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := Load([]string{testTrace}, LoadOptions{PageTokens: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	probes := func(reqs [][]uint32) [][]uint32 {
+		var out [][]uint32
+		for i, r := range reqs {
+			out = append(out, r)
+			if i%5 == 0 {
+				out = append(out, r)
+			}
+		}
+		return out
+	}
+	lru := func(w *Workload, reqs [][]uint32, c int) int64 { return OraclePages(reqs, w.NumPageIDs(), c).HitPages }
+	type wl struct {
+		name   string
+		w      *Workload
+		caps   []int
+		differ bool // from LRU at the first capacity: the check can tell them apart
+	}
+	cases := []wl{{"agentic, 16-token pages", ag, []int{2000, 8000}, true}, {"trace, 32-token pages", tr, []int{4000, 16000}, false}}
+	if p := mooncakeTrace(); p != "" && !testing.Short() {
+		// 300 requests are too few for a lifetime; 2,000 are not.
+		big, err := Load([]string{p}, LoadOptions{PageTokens: 32, Limit: 2000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cases = append(cases, wl{"the whole trace's first 2,000 requests, 32-token pages", big, []int{16000}, true})
+	}
+	for _, tc := range cases {
+		reqs := workloadPages(tc.w)
+		for _, c := range tc.caps {
+			m := checkMQP2Exact(t, tc.name, tc.w, reqs, c)
+			if tc.differ && c == tc.caps[0] && m.HitPages == lru(tc.w, reqs, c) {
+				t.Errorf("%s at %d pages: MQP2 hits what LRU hits; the check cannot tell them apart", tc.name, c)
+			}
+			checkMQP2Exact(t, tc.name+", with probes", tc.w, probes(reqs), c)
+		}
+	}
+}
+
+// TestMQP2LearnsTipOffset: conversations whose every prompt ends in 5
+// pages no later prompt shares (the traces' partial last block, in small
+// pages), among twice as many one-off prompts of the same shape after
+// the same shared head. MQP's tip, a prompt's last page, is never found
+// again: MQP hits what LRU hits, which keeps the latest prompts of
+// either kind. MQP2 learns to put the tip 7 pages back (the smallest of
+// the offsets 0, 1, 3, 7, ... past the unshared pages), finds the
+// conversations' tips, keeps their chains above the one-offs and hits
+// more.
+func TestMQP2LearnsTipOffset(t *testing.T) {
+	const convs, oneOffs, turns, shared, grow, tail = 20, 40, 16, 4, 6, 5
+	var reqs [][]uint32
+	next := uint32(shared)
+	page := func() uint32 { next++; return next - 1 }
+	hist := make([][]uint32, convs)
+	for c := range hist {
+		hist[c] = []uint32{0, 1, 2, 3}
+	}
+	for turn := 0; turn < turns; turn++ {
+		for c := range convs {
+			for range grow {
+				hist[c] = append(hist[c], page())
+			}
+			r := append([]uint32(nil), hist[c]...)
+			for range tail { // this turn's own ending, never sent again
+				r = append(r, page())
+			}
+			reqs = append(reqs, r)
+			for range oneOffs / convs {
+				o := []uint32{0, 1, 2, 3}
+				for range grow*(turn+1) + tail {
+					o = append(o, page())
+				}
+				reqs = append(reqs, o)
+			}
+		}
+	}
+	capacity := convs * (turns*grow + shared + tail) * 5 / 4
+	m := newMQP2(int(next), capacity)
+	got := m.replay(reqs, nil, capacity)
+	if m.r2.off != 7 {
+		t.Errorf("learned tip offset %d, want 7 (offsets found: %v of %v)", m.r2.off, m.r2.offFnd, m.r2.offIns)
+	}
+	lru := OraclePages(reqs, int(next), capacity)
+	mqp := MQPPages(reqs, nil, int(next), capacity)
+	if mqp.HitPages != lru.HitPages {
+		t.Errorf("MQP hits %d, LRU %d: MQP should find no tip here", mqp.HitPages, lru.HitPages)
+	}
+	if got.HitPages <= lru.HitPages*5/4 {
+		t.Errorf("MQP2 hits %d, not 1.25x LRU's %d", got.HitPages, lru.HitPages)
+	}
+}
+
+// TestMQP2PageSizes: on the agentic workload's first 3,000 requests the
+// prefix-hit ratio of MQP2 at 16- and 32-token pages is within 5% of its
+// ratio at 512-token pages, at the same pool size in bytes, and at or
+// above LRU's and ARC's at each page size (MQP at 16-token pages, whose
+// tips are never found again there, hits what LRU hits: logged).
+func TestMQP2PageSizes(t *testing.T) {
+	if testing.Short() {
+		t.Skip("a few seconds of replays")
+	}
+	const requests, blocks = 3000, 1000
+	ratios := map[int]float64{}
+	for _, pt := range []int{512, 32, 16} {
+		w, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: pt, Limit: requests})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := blocks * 512 / pt
+		m2, lru, arc := MQP2(w, c), Oracle(w, c), ARC(w, c)
+		ratios[pt] = m2.HitRatio()
+		if m2.HitPages < lru.HitPages || m2.HitPages < arc.HitPages {
+			t.Errorf("%d-token pages: MQP2 %.4f under LRU %.4f or ARC %.4f", pt, m2.HitRatio(), lru.HitRatio(), arc.HitRatio())
+		}
+		if pt == 16 {
+			t.Logf("16-token pages: MQP2 %.4f, MQP %.4f, LRU %.4f, ARC %.4f", m2.HitRatio(), MQP(w, c).HitRatio(), lru.HitRatio(), arc.HitRatio())
+		}
+	}
+	for _, pt := range []int{32, 16} {
+		if r := ratios[pt] / ratios[512]; r < 0.95 || r > 1.05 {
+			t.Errorf("%d-token pages: MQP2 hits %.4f, %.3f of its %.4f at 512-token pages", pt, ratios[pt], r, ratios[512])
+		}
+	}
+}
+
+// mooncakeTrace is the whole Mooncake conversation trace when the
+// machine has it ($RINGSIDE_MOONCAKE_TRACE or /work/shared/traces), else "".
+func mooncakeTrace() string {
+	p := os.Getenv("RINGSIDE_MOONCAKE_TRACE")
+	if p == "" {
+		p = "/work/shared/traces/conversation_trace.jsonl"
+	}
+	if _, err := os.Stat(p); err != nil {
+		return ""
+	}
+	return p
+}
