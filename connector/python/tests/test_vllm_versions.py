@@ -116,7 +116,6 @@ INHERITED = {
     "get_external_cache_hit_sources": "unspecified: a hit comes from the sidecar's pool or from a shared tier",
     "register_finished_partial_tail": "False: a finished request's partial last block is not stored",
     "has_pending_push_work": "False: nothing is pushed to another engine",
-    "get_required_kvcache_layout": "None: every KV cache layout is registered as it is",
     "requires_piecewise_for_cudagraph": "False: no per-layer hooks run inside the model",
     "get_finished_count": "None: every worker reports its own finished sets",
     "build_kv_connector_stats": "None (get_kv_connector_stats)",
@@ -704,6 +703,58 @@ def test_kv_cache_access_where_vllm_has_none():
     )
 
 
+def _resolved_layout(vc: Any, supported: list) -> str:
+    """The layout vLLM's own resolution picks for vc, its workers' backends
+    supporting the layouts named in supported (most preferred first)."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    vc.cache_config.kv_cache_layout = None
+    return resolve_kv_cache_layout(vc, [supported]).name
+
+
+DEFAULT_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # a backend that takes any
+
+
+def test_block_outermost_layout_asked_where_it_changes_no_kernel_block(monkeypatch):
+    """On CUDA engines with 16-token blocks, alone, the connector asks for
+    BLNHC (a page is one run of memory), and vLLM's own resolution takes it
+    where the backends support it; with other block sizes (where a backend
+    may need kernel blocks, which vLLM never makes under a block-outermost
+    layout), on the CPU, and under MultiConnector (beside NixlConnector,
+    which asks for LBHNC) it asks for nothing."""
+    from ringside.vllm import access
+
+    vc = H.vllm_config({})  # (made on the CPU: vLLM 0.34 validates the KV cache access then)
+    monkeypatch.setattr(access, "_on_cuda", lambda: True)
+    assert vc.cache_config.block_size == 16
+    assert RingsideConnector.get_required_kvcache_layout(vc) == "BLNHC"
+    assert _resolved_layout(vc, DEFAULT_LAYOUTS) == "BLNHC"
+    # FlashInfer on Blackwell takes LBHNC and BLHNC only: vLLM keeps its own.
+    assert _resolved_layout(vc, ["LBHNC", "BLHNC"]) == "LBHNC"
+    vc.cache_config.block_size = 128
+    assert RingsideConnector.get_required_kvcache_layout(vc) is None
+    assert _resolved_layout(vc, DEFAULT_LAYOUTS) == "LBNHC"
+    vc.cache_config.block_size = 16
+    # Beside NixlConnector under vLLM's MultiConnector: NIXL's ask stands.
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    ours = dict(vc.kv_transfer_config.__dict__.items())
+    child = {k: ours[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role", "kv_connector_extra_config")}
+    vc.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [child, {"kv_connector": "NixlConnector", "kv_role": "kv_both"}]},
+    )
+    assert MultiConnector.get_required_kvcache_layout(vc) == "LBHNC"
+    vc.kv_transfer_config.kv_connector_extra_config["connectors"] = [child, dict(child)]
+    assert MultiConnector.get_required_kvcache_layout(vc) is None
+    # Not on CUDA: nothing (the CPU backend takes LBHNC only).
+    monkeypatch.setattr(access, "_on_cuda", lambda: False)
+    vc.kv_transfer_config = H.vllm_config({}).kv_transfer_config
+    assert RingsideConnector.get_required_kvcache_layout(vc) is None
+
+
 # -- the unit tests under the own schedulers of 0.33 and 0.34 -------------------------------
 
 # The connector's unit tests that run again with a release's scheduler, KV
@@ -722,6 +773,12 @@ UNDER_NEWER = [
     "test_vllm_versions.py::test_sleep_mode_drops_and_restores_the_registration",
     "test_vllm_versions.py::test_unsupported_vllm_refused_at_start",
     "test_vllm_versions.py::test_kv_cache_access_where_vllm_has_none",
+    "test_vllm_versions.py::test_block_outermost_layout_asked_where_it_changes_no_kernel_block",
+    # vLLM's own views of the KV cache: every layout, kernel blocks
+    "test_cuda_vllm.py::test_every_vllm_layout_pages_byte_by_byte",
+    "test_cuda_vllm.py::test_a_block_outermost_page_of_many_layers_is_one_run",
+    "test_cuda_vllm.py::test_kernel_blocks_make_one_page_of_a_block",
+    "test_cuda_vllm.py::test_the_worker_registers_the_engines_blocks_not_kernel_blocks",
     "test_vllm_multi.py::test_load_failure_is_recomputed[pair]",
     "test_vllm_multi.py::test_frees_wait_for_every_holding_connector[ringside]",
 ]

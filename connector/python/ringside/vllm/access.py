@@ -110,6 +110,64 @@ def conflict(mode: str, vllm_config: Any) -> Optional[str]:
     )
 
 
+# The block-outermost layout the connector asks vLLM for (get_required_kvcache_layout).
+BLOCK_OUTERMOST = "BLNHC"
+# The block size under which no attention backend of vLLM splits a block
+# into kernel blocks (16 tokens is vLLM's default on CUDA, and the smallest
+# kernel block there is): asking for a block-outermost layout, under which
+# vLLM never splits, then cannot change the kernel blocks a backend gets.
+NEVER_SPLIT = 16
+
+
+def required_layout(vllm_config: Any) -> Optional[str]:
+    """The KV cache layout the connector asks vLLM for
+    (get_required_kvcache_layout), or None to leave vLLM its default.
+
+    "BLNHC" (block-outermost: a block of every layer is one run of memory,
+    so a page is one copy range instead of one a layer; the layers inside
+    a block are [N, H, C] as vLLM's default LBNHC has them, so a page's
+    bytes are the same under both) on CUDA engines whose block size is 16
+    tokens, when the connector is the engine's only one. Not elsewhere:
+
+    - on other platforms the backends declare their layouts (the CPU
+      backend takes LBHNC only), and vLLM would warn and ignore the ask;
+    - with another block size a backend may need kernel blocks (FlashInfer
+      or FlashMLA at --block-size 128), which vLLM never makes under a
+      block-outermost layout: the ask could hand a backend a block size it
+      does not take;
+    - under vLLM's MultiConnector, which refuses to start when two children
+      ask for different layouts (NixlConnector asks for LBHNC): the
+      children's answers cannot be seen from here, so none is given.
+
+    vLLM takes the ask only where every attention backend of the engine
+    supports the layout, and else warns and keeps its own choice (FlashInfer
+    on Blackwell takes LBHNC and BLHNC only)."""
+    if not _on_cuda():
+        return None
+    try:
+        bs = int(vllm_config.cache_config.block_size)
+    except Exception:  # noqa: BLE001 - no block size to read: ask for nothing
+        return None
+    if bs != NEVER_SPLIT or _inside_another_connector():
+        return None
+    return BLOCK_OUTERMOST
+
+
+def _inside_another_connector(depth: int = 8) -> bool:
+    """Whether this get_required_kvcache_layout call comes from another
+    connector's (vLLM's MultiConnector asking its children)."""
+    f: Optional[FrameType] = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name == "get_required_kvcache_layout":
+            cls = f.f_locals.get("cls")
+            if cls is not None and not getattr(cls, "_ringside", False):
+                return True
+        f = f.f_back
+    return False
+
+
 def _on_cuda() -> bool:
     try:
         from vllm.platforms import current_platform

@@ -64,6 +64,15 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is only a future miss
 
+    _ringside = True  # access.required_layout: a call of its own, not another connector's
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """A block-outermost layout ("BLNHC": a page is one run of memory)
+        on CUDA engines with 16-token blocks, as the only connector; None
+        (vLLM's choice) elsewhere (access.required_layout says why)."""
+        return access.required_layout(vllm_config)
+
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """vLLM 0.34 and later: how the sidecar reaches the device KV cache,
