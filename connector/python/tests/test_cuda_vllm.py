@@ -393,6 +393,74 @@ def test_connector_stores_loads_and_reregisters(sim, start_sidecar, libcuda, mon
     assert b.checked_blocks > 0
 
 
+# -- a store event that cannot be recorded ---------------------------------------
+
+
+class _Stream:
+    """torch.cuda.current_stream() of the CPU build, which has none: counts
+    synchronize() calls, or fails them."""
+
+    def __init__(self, fail=False):
+        self.synced, self.fail = 0, fail
+
+    def synchronize(self):
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.synced += 1
+
+
+@pytest.mark.parametrize("sync", ["works", "fails"])
+def test_a_store_event_that_cannot_be_recorded_never_fails_the_step(
+    sim,
+    start_sidecar,
+    libcuda,  # noqa: F811 - the fixture of the same name
+    monkeypatch,
+    caplog,
+    sync,
+):
+    # cuEventRecord raising in wait_for_save (no current context on the
+    # calling thread, a context error of the engine's) must not leave the
+    # hook: the worker drops the event and waits for the engine's stream
+    # instead, so the stores read only what the forward pass wrote; where
+    # that fails too, the step's stores are skipped (a future miss).
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])
+    eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=32)
+    ws = eng.worker.connector_worker
+    ev = ws.store_event
+    calls = []
+
+    def record(stream=None):
+        calls.append(stream)
+        raise cudaipc.CudaError("cuEventRecord", 201, "CUDA_ERROR_INVALID_CONTEXT")
+
+    ev.record = record
+    stream = _Stream(fail=sync == "fails")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
+    with caplog.at_level(logging.WARNING, logger="ringside.vllm"):
+        eng.run([H.request("e%d" % i, H.prompt(30 + i, 40), max_tokens=4) for i in range(2)])  # no exception
+        reset(eng)
+        eng.run([H.request("e2", H.prompt(40, 40), max_tokens=4)])
+        reset(eng)
+    assert len(calls) == 1, "the event was recorded again after it failed: %d calls" % len(calls)
+    assert ws.store_event is None
+    warned = [r.getMessage() for r in caplog.records if "store event" in r.getMessage()]
+    assert warned and "CUDA_ERROR_INVALID_CONTEXT" in warned[0], warned
+    if sync == "works":
+        # Three prompts of two full blocks each, stored after a synchronize.
+        assert stream.synced >= 2, stream.synced
+        assert ws.stats["stored_blocks"] == 6 and ws.stats["store_errors"] == 0, ws.stats
+        # What they stored loads back byte-exact (the harness checks).
+        loaded = ws.stats["loaded_blocks"]
+        eng.run([H.request("e3", H.prompt(40, 45), max_tokens=2)])
+        assert ws.stats["loaded_blocks"] == loaded + 2 and ws.stats["load_error_blocks"] == 0, ws.stats
+    else:
+        assert ws.stats["stored_blocks"] == 0 and ws.stats["stores_skipped"] == 6, ws.stats
+        skipped = [r.getMessage() for r in caplog.records if "not stored (skipped)" in r.getMessage()]
+        assert len(skipped) == 1, skipped  # said once
+    eng.shutdown()
+
+
 # -- stores in flight: finished and preempted requests --------------------------
 
 

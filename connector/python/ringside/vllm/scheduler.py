@@ -66,6 +66,7 @@ COUNTERS = (
     "deferred_lookups",
     "batches_reused",
     "saves_unwaited",
+    "stores_skipped",
     "planned_stores",
     "planned_blocks",
     "step_ns_total",

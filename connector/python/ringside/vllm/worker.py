@@ -74,6 +74,7 @@ class WorkerSide:
         # memory): recorded on the engine's stream before a Store, the
         # sidecar's store copies wait for it.
         self.store_event: Any = None
+        self._dead_event: Any = None  # a store event given up (a failed record), destroyed with the region
         self._wbatch = 0
         # Stores sent by wait_for_save, awaited at the start of the next step
         # (handle_preemptions) instead of blocking the step that sent them;
@@ -158,8 +159,11 @@ class WorkerSide:
             # (the link's reattach interval paces attempts after failures).
             self.link._next_try = 0.0
         self._region_gen = -1
-        ev, self.store_event, self.region = self.store_event, None, None
-        if ev is not None:
+        evs = (self.store_event, self._dead_event)
+        self.store_event = self._dead_event = self.region = None
+        for ev in evs:
+            if ev is None:
+                continue
             try:
                 ev.close()
             except Exception as e:  # noqa: BLE001 - a leaked event is no reason to stop
@@ -326,13 +330,8 @@ class WorkerSide:
             return
         # The sidecar's device-to-host copies run on its own streams: they
         # must not start before the forward pass that wrote these blocks.
-        ev = getattr(self, "store_event", None)
-        if ev is not None:
-            ev.record()  # on the current stream; the sidecar's store stream waits on it
-        elif self.region.kind in _CUDA_KINDS:
-            import torch
-
-            torch.cuda.current_stream().synchronize()
+        if not self._stores_ordered(meta):
+            return
         # The step's digests go into one batch of this worker's own (ids
         # with the top bit set, per rank: never the scheduler's), the stores
         # refer to it, and it is dropped after them: all pipelined, one wait.
@@ -381,6 +380,48 @@ class WorkerSide:
             # sent (Model Runner V2 with a speculator stores after it): they
             # are settled here, as _settle does for the stores before them.
             self._finish_saves(_ALL)
+
+    def _stores_ordered(self, meta: RingsideConnectorMetadata) -> bool:
+        """Order the step's stores after the forward pass that wrote their
+        blocks: record the store event on the engine's current stream (the
+        sidecar's store stream waits for it), or, for GPU memory without
+        one, wait for that stream here. A record that fails (no context on
+        this thread, an error of the engine's context) never fails the step:
+        the event is given up (the sidecar's waits on its earlier records are
+        over) and the stream is waited for instead, now and in later steps;
+        if that fails too, the step's stores are skipped (False): a future
+        miss, never a copy of pages still being written."""
+        ev = self.store_event
+        if ev is not None:
+            try:
+                ev.record()  # on the current stream; the sidecar's store stream waits on it
+                return True
+            except Exception as e:  # noqa: BLE001 - a store is never worth the engine's step
+                logger.warning(
+                    "ringside: recording the store event failed (%s); the stores wait for the engine's stream "
+                    "from now on",
+                    e,
+                )
+                self.store_event, self._dead_event = None, ev
+        if self.region is None or self.region.kind not in _CUDA_KINDS:
+            return True
+        try:
+            import torch
+
+            torch.cuda.current_stream().synchronize()
+            return True
+        except Exception as e:  # noqa: BLE001
+            n = len(meta.store_block_ids)
+            st = self.stats
+            if not st["stores_skipped"]:
+                logger.warning(
+                    "ringside: waiting for the engine's stream failed (%s); %d blocks not stored (skipped), "
+                    "and so every step's blocks while it fails (counter stores_skipped)",
+                    e,
+                    n,
+                )
+            st["stores_skipped"] += n
+            return False
 
     def handle_preemptions(self, meta: Any) -> None:
         # vLLM calls this at the start of every step, before the step's
