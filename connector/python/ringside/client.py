@@ -381,6 +381,28 @@ class Session:
         """The sidecar closed the session's rings, or its process is gone."""
         return self._peer_gone
 
+    def gone(self) -> bool:
+        """Whether the sidecar closed this session's rings or exited, never
+        waiting: it closes them only once it has ended the session and
+        withdrawn the session's copies not yet issued (unlike the Detach
+        reply, which it sends first). Reads what arrived meanwhile (replies
+        are kept for their callers); False once this side closed or
+        abandoned the session, which can then no longer be told."""
+        if self._peer_gone:
+            return True
+        if self._dead is not None or self._closed:
+            return False
+        try:
+            self.try_reply(0)  # no request has seq 0: drains the completion ring
+            self._cons.wait(timeout=0)  # raises once the ring is drained and closed
+        except RingsideError:
+            pass
+        except _ring.RingTimeout:
+            pass
+        except _UNAVAILABLE as e:
+            self._fail(e)
+        return self._peer_gone
+
     def abandon(self) -> None:
         """Drop the session without detaching, as a crashed process would:
         the socket closes and the sidecar reclaims what the session held."""

@@ -16,6 +16,7 @@
 import ctypes
 import logging
 import os
+import signal
 import struct
 import threading
 import time
@@ -31,6 +32,7 @@ from ringside import schema as S
 from ringside.plugin import cudaipc
 from ringside.plugin.config import VLLM, Config
 from ringside.plugin.region import from_block_tensors
+from ringside.vllm.metadata import LoadSpec, RingsideConnectorMetadata
 from ringside.vllm.worker import REGION_ID, WorkerSide
 
 torch = H.torch
@@ -459,6 +461,91 @@ def test_a_store_event_that_cannot_be_recorded_never_fails_the_step(
         skipped = [r.getMessage() for r in caplog.records if "not stored (skipped)" in r.getMessage()]
         assert len(skipped) == 1, skipped  # said once
     eng.shutdown()
+
+
+# -- a load past its timeout ------------------------------------------------------
+
+
+def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
+    sim,
+    start_sidecar,
+    libcuda,  # noqa: F811 - the fixture of the same name
+    monkeypatch,
+    tmp_path,
+):
+    # A load unanswered at load_timeout is given up and its request
+    # recomputes: vLLM may hand its blocks on once finished_recving reports
+    # it. A copy the sidecar had not issued yet must never land after that:
+    # the worker reports the request only once the sidecar has ended the
+    # session (closed its rings, after withdrawing its copies not issued).
+    # Here the device thread is busy in the driver (FAKECUDA_COPY_HOLD holds
+    # a store's copy call), the load waits in the device's queue, and the
+    # sidecar is stopped when the timeout passes, so it cannot end the
+    # session until it is continued.
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    hold = str(tmp_path / "copy-hold")
+    monkeypatch.setenv("FAKECUDA_COPY_HOLD", hold)
+    sc = start_sidecar(pool="4MiB", slot="4KiB", args=["--copy.backend=cuda", "--copy.stall=30s"])
+    monkeypatch.delenv("FAKECUDA_COPY_HOLD")
+    cfg = Config.parse({"socket": sc.sock, "reattach_interval": 0.0, "timeout": 2.0, "load_timeout": 0.5}, VLLM)
+    attach = dict(instance="cuda-load", model="m", layout="l", salt="", world_size=1, digest_width=32)
+    ws = WorkerSide(cfg, attach, 0, True, 6)
+    layers = fa_layers(sim, 2)
+    ws.register_kv_caches(layers)
+    s = ws.link.session
+    assert s is not None and ws.region is not None
+    stream = sim.stream()
+    for i, t in enumerate(layers.values()):  # every block of every layer its own bytes
+        ctypes.memmove(t.ptr, bytes((i * 37 + k) % 251 for k in range(2 * 6 * BLOCK)), 2 * 6 * BLOCK)
+    ws.store_event.record(stream)
+    assert s.put_hashes(1, bytes([1]) * 32 + bytes([2]) * 32) == 2
+    assert s.store(1, 0, 2, REGION_ID, [0, 1]).stored == 2
+    lease = s.acquire(1, 0, 2)
+    assert lease.blocks == 2, lease
+
+    def blocks(ids):
+        return [
+            ctypes.string_at(t.ptr + kv * 6 * BLOCK + b * BLOCK, BLOCK)
+            for t in layers.values()
+            for kv in (0, 1)
+            for b in ids
+        ]
+
+    before = blocks([4, 5])
+    open(hold, "wb").close()  # the next copy call blocks: the device thread is busy
+    try:
+        assert s.put_hashes(2, bytes([3]) * 32) == 1
+        s.submit(S.TYPE_STORE, S.encode_store(2, 0, 1, REGION_ID, [2]))  # its copy call holds the device thread
+        time.sleep(0.2)
+        meta = RingsideConnectorMetadata(loads=[LoadSpec("r", lease.lease, [4, 5], [])])
+        ws.start_load_kv(meta)
+        assert ws.get_finished(set()) == (None, None)  # queued behind the store
+        time.sleep(0.6)  # past load_timeout
+        os.kill(sc.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(10):
+                _, recving = ws.get_finished(set(), RingsideConnectorMetadata())
+                assert not recving, "a load was given up before the sidecar ended its session"
+                time.sleep(0.05)
+            assert ws.link.session is not s  # given up on: the next step attaches anew
+        finally:
+            os.kill(sc.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5.0
+        recving = None
+        while not recving:
+            assert time.monotonic() < deadline, (
+                "the load was never reported after the sidecar ended the session" + sc.logs()[-3000:]
+            )
+            _, recving = ws.get_finished(set(), RingsideConnectorMetadata())
+            time.sleep(0.01)
+        assert recving == {"r"} and s.peer_gone
+        assert ws.get_block_ids_with_load_errors() == {4, 5}
+    finally:
+        os.unlink(hold)
+    # The device thread free again: the load was withdrawn, never copied.
+    time.sleep(0.3)
+    assert blocks([4, 5]) == before, "a load landed after its request was reported"
+    ws.shutdown()
 
 
 # -- stores in flight: finished and preempted requests --------------------------

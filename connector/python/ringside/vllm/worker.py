@@ -98,7 +98,12 @@ class WorkerSide:
         self.writes_first = True
         self._deferred_saves = deferred_saves and not cfg.sync_saves
         self._overlap = cfg.overlap_saves  # "auto" (GPU memory only), True or False: see overlap_saves()
-        self._inflight: dict[str, list] = {}  # req_id -> [(seq, engine block ids, whole, deadline)]
+        self._inflight: dict[str, list] = {}  # req_id -> [(session, seq, engine block ids, whole, deadline)]
+        # Requests with loads on a session given up on (a load past
+        # load_timeout, a failed session): the number of such loads, each
+        # waiting in the session's _ending record until the sidecar has ended
+        # the session; the request is reported finished loading only then.
+        self._fencing: dict[str, int] = {}
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed: set[str] = set()  # requests whose load of several KV cache groups failed
@@ -228,7 +233,7 @@ class WorkerSide:
                 try:
                     seq = s.submit(_s.TYPE_LOAD, _s.encode_load(lease, REGION_ID, 0, ids), wake=False)
                     deadline = time.monotonic() + self.load_timeout
-                    self._inflight.setdefault(rid, []).append((seq, ids, spec.whole, deadline))
+                    self._inflight.setdefault(rid, []).append((s, seq, ids, spec.whole, deadline))
                     st["loads"] += 1
                     sent += 1
                 except (RingsideError, ValueError) as e:
@@ -236,7 +241,7 @@ class WorkerSide:
                     if isinstance(e, RingsideError):
                         self.faults.fail(e)
                         s = self.link.session
-            if not sent and rid not in self._inflight:
+            if not sent and rid not in self._inflight and rid not in self._fencing:
                 self._finished_recving.add(rid)
         if s is not None and s is self.link.session:
             try:
@@ -258,7 +263,12 @@ class WorkerSide:
     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self._inflight:
             self._collect_loads()
-        sending = self._settle(meta) if isinstance(meta, RingsideConnectorMetadata) else None
+        if isinstance(meta, RingsideConnectorMetadata):
+            sending = self._settle(meta)
+        else:
+            sending = None
+            if self._ending:
+                self._poll_ending()
         self.stats_file.tick(self.stats)
         if not self._finished_recving:
             return sending, None
@@ -275,43 +285,64 @@ class WorkerSide:
         return failed
 
     def _collect_loads(self) -> None:
-        s = self.link.session
+        """Collect the loads' replies. A load past load_timeout gives its
+        session up (a stuck or slow sidecar; the link attaches a new one) and
+        ends it with a Detach. The loads of a session given up on (that one,
+        or one that failed) are reported, as load errors, only once the
+        sidecar has ended the session (_ending, _poll_ending): until then a
+        copy it has not issued yet could still land in the blocks, which
+        vLLM hands on once it sees the request in finished_recving."""
+        cur = self.link.session
         st = self.stats
         for rid in list(self._inflight):
             still = []
-            for seq, ids, whole, deadline in self._inflight[rid]:
+            for entry in self._inflight[rid]:
+                s, seq, ids, whole, deadline = entry
                 payload = None
-                failed = s is None
-                if s is not None:
+                if s is cur and s is not None:
                     try:
                         payload = s.try_reply(seq)
                     except RingsideError as e:
                         self.faults.fail(e)
-                        s, failed = None, True
-                if payload is None and not failed and time.monotonic() > deadline:
-                    # No answer in time: a stuck or dead sidecar. The request
-                    # recomputes; the session is dropped so that a late copy
-                    # cannot land in reused blocks.
-                    failed = True
-                    err = RingsideTimeout("load of %s got no reply in %.1fs" % (rid, self.load_timeout))
-                    st["sidecar_errors"] += 1
-                    self.link.drop(err)
-                    s = None
-                if failed:
-                    self._load_error(rid, ids, whole)
-                    continue
-                if payload is None:
-                    still.append((seq, ids, whole, deadline))
-                    continue
-                rep = _s.decode_reply(payload)
-                if rep.status == _s.Status.OK and rep.value == len(ids):
-                    st["loaded_blocks"] += len(ids)
+                        cur = self.link.session
+                    if payload is None and s is cur and time.monotonic() > deadline:
+                        err = RingsideTimeout("load of %s got no reply in %.1fs" % (rid, self.load_timeout))
+                        st["sidecar_errors"] += 1
+                        self.link.retire(err)
+                        cur = self.link.session
+                if payload is not None:
+                    rep = _s.decode_reply(payload)
+                    if rep.status == _s.Status.OK and rep.value == len(ids):
+                        st["loaded_blocks"] += len(ids)
+                    else:
+                        self._load_error(rid, ids, whole)
+                elif s is cur:
+                    still.append(entry)
                 else:
-                    self._load_error(rid, ids, whole)
+                    # The session was given up on: the load waits for its end.
+                    self._ending_of(s)[5].append((rid, ids, whole))
+                    self._fencing[rid] = self._fencing.get(rid, 0) + 1
             if still:
                 self._inflight[rid] = still
             else:
                 del self._inflight[rid]
+                if rid not in self._fencing:
+                    self._finished_recving.add(rid)
+        if self._ending:
+            self._poll_ending()
+
+    def _loads_ended(self, loads: list) -> None:
+        """Loads of a session the sidecar has ended (or whose hold ran out):
+        load errors, their requests finished loading once nothing else of
+        theirs is in flight."""
+        for rid, ids, whole in loads:
+            self._load_error(rid, ids, whole)
+            n = self._fencing.get(rid, 0) - 1
+            if n > 0:
+                self._fencing[rid] = n
+                continue
+            self._fencing.pop(rid, None)
+            if rid not in self._inflight:
                 self._finished_recving.add(rid)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -597,35 +628,48 @@ class WorkerSide:
 
     def _ending_of(self, s: Session) -> list:
         """The _ending record of session s, made (and its Detach sent) if
-        there is none: also for a session dropped elsewhere (a load that
-        timed out), which can only be held until write_timeout."""
+        there is none: [session, Detach seq or None, hold-until time, ids of
+        the requests of its stores, whether the sidecar ended it, its loads
+        (request id, engine block ids, whole)]. A session dropped elsewhere
+        (closed on this side) can only be held until write_timeout, unless
+        the sidecar was seen gone."""
         for rec in self._ending:
             if rec[0] is s:
                 return rec
         seq = s.begin_detach() if not s.closed else None
-        rec = [s, seq, time.monotonic() + self.write_timeout, [], s.peer_gone]
+        rec = [s, seq, time.monotonic() + self.write_timeout, [], s.peer_gone, []]
         self._ending.append(rec)
         return rec
 
     def _poll_ending(self) -> None:
-        """Release the requests of the sessions that ended on the sidecar
-        (never waits), or whose hold ran out."""
+        """Release what waits for the sessions given up on, never waiting:
+        the requests of their stores once the sidecar has ended the session
+        (its Detach reply, or its rings closed), the requests of their loads
+        once it has closed the rings (it withdraws the copies not yet issued
+        before that, and sends the Detach reply before it), or both once the
+        hold ran out."""
         now = time.monotonic()
         still = []
         saving = {id(e[0]) for e in self._saving}  # their stores join the record first (_finish_saves)
         for rec in self._ending:
-            s, seq, until, rids, done = rec
+            s, seq, until, rids, done, loads = rec
             done = rec[4] = done or s.detached(seq)
-            if id(s) in saving or (not done and now < until):
+            late = now >= until
+            if rids and id(s) not in saving and (done or late):
+                rec[3] = []
+                self._release(rids)
+            if loads and (s.gone() or late):
+                rec[5] = []
+                self._loads_ended(loads)
+            if id(s) in saving or rec[3] or rec[5] or not (done or late):
                 still.append(rec)
                 continue
             if not done:
-                logger.warning("ringside: a session with stores unanswered not ended in %.0fs", self.write_timeout)
+                logger.warning("ringside: a session given up on was not ended in %.0fs", self.write_timeout)
             try:
                 s.abandon()
             except Exception:  # noqa: BLE001 (closing must never raise)
                 pass
-            self._release(rids)
         self._ending = still
 
     def shutdown(self) -> None:
