@@ -20,11 +20,21 @@ import (
 // first to go, request 8 evicts them, and request 9 hits nothing: 4
 // hits. The one-offs (priority -1) send nothing, not even their session
 // ends: one retain of 4 blocks, one end of 4 retentions.
+//
+// Under MQP2 a retention is evidence, not an order above every other
+// block: it lifts blocks 1-4 one level (count 2), and the flood of 20
+// one-off pages through 16 slots evicts them anyway (no lifetime is
+// measured yet, so the level falls back within a few placements), as it
+// does without hints; request 7 stores them again and its session end
+// finds no retention to end; request 9 hits all 5. The hints cost no hit:
+// 5 hits with them as without, one end of none.
 func TestBenchReplayHints(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts sidecars")
 	}
-	for _, policy := range []string{"lru", "mqp"} {
+	want := map[string][2]float64{"lru": {4, 4}, "mqp": {4, 4}, "mqp2": {5, 0}} // hit pages and ended retentions with hints
+	for _, policy := range []string{"lru", "mqp", "mqp2"} {
+		w := want[policy]
 		rows := replayJSON(t, "--sequential", "--cache.policy", policy, "--hints", "--trace", "testdata/hints.jsonl",
 			"--page-tokens", "512", "--capacity-pages", "16")
 		got := map[string]map[string]any{}
@@ -33,8 +43,8 @@ func TestBenchReplayHints(t *testing.T) {
 				got[row["transport"].(string)] = row
 			}
 			if row["bench"] == "replay_policy" {
-				if v, ok := row["live_hints_hit_ratio"].(float64); !ok || v != 4.0/38 {
-					t.Errorf("%s: live_hints_hit_ratio %v, want 4/38: %v", policy, row["live_hints_hit_ratio"], row)
+				if v, ok := row["live_hints_hit_ratio"].(float64); !ok || v != w[0]/38 {
+					t.Errorf("%s: live_hints_hit_ratio %v, want %v/38: %v", policy, row["live_hints_hit_ratio"], w[0], row)
 				}
 			}
 		}
@@ -45,11 +55,11 @@ func TestBenchReplayHints(t *testing.T) {
 		if num(plain, "hit_pages") != 5 || num(plain, "oracle_hit_pages") != 5 || plain["hints"] != false || num(plain, "retains") != 0 {
 			t.Errorf("%s without hints: %v", policy, plain)
 		}
-		if num(hinted, "hit_pages") != 4 || hinted["hints"] != true {
-			t.Errorf("%s with hints: %v hit pages, want 4 (the hints did not change the eviction order as they should): %v", policy, hinted["hit_pages"], hinted)
+		if num(hinted, "hit_pages") != w[0] || hinted["hints"] != true {
+			t.Errorf("%s with hints: %v hit pages, want %v (the hints did not change the eviction order as they should): %v", policy, hinted["hit_pages"], w[0], hinted)
 		}
-		if num(hinted, "retains") != 1 || num(hinted, "retained_pages") != 4 || num(hinted, "ends") != 1 || num(hinted, "ended_pages") != 4 {
-			t.Errorf("%s with hints: want 1 retain of 4 blocks and 1 end of 4 retentions: %v", policy, hinted)
+		if num(hinted, "retains") != 1 || num(hinted, "retained_pages") != 4 || num(hinted, "ends") != 1 || num(hinted, "ended_pages") != w[1] {
+			t.Errorf("%s with hints: want 1 retain of 4 blocks and 1 end of %v retentions: %v", policy, w[1], hinted)
 		}
 	}
 }

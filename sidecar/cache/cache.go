@@ -602,7 +602,7 @@ func (c *Cache) relist(s uint32, tail bool) {
 // policy's coldest list (under MQP, queue 0); the caller pushes it at
 // the back.
 func (c *Cache) coldest(s uint32) {
-	if c.mqp != nil && c.retains[s] == nil {
+	if c.mqp != nil && (c.retains[s] == nil || c.mqp.r2 != nil) {
 		c.mqp.pol[s] &= 15
 	}
 }

@@ -189,6 +189,14 @@
 // its namespace's last one (a lost hint no longer cuts a long chain). The
 // probe ring and the last hint live in the namespace record.
 //
+// Under PolicyMQP2 retention is evidence for the policy, not an order of
+// its own: a retained block stays in the policy's queues, its count raised
+// to the next level's first (never above level 2's, so never above the
+// prefixes many requests read), its retained lists stay empty; expiry
+// moves nothing; EndRetain sends the blocks whose retention it ended and
+// that are read by at most 3 requests (a session's own tail) to the LRU
+// end of queue 0. Records, owners, charges and deadlines are as below.
+//
 // # Retention
 //
 // Retain(ns, digests, charge, owner, ttl, prio, now) keeps the leading

@@ -87,6 +87,10 @@ type model struct {
 	// among them).
 	mqp  bool
 	gone map[mKey]bool
+	// Under PolicyMQP2 retention is evidence for the policy, not an order
+	// of its own: a retained block may be the victim too (evictOne takes
+	// any evictable block the cache's call evicted).
+	evidence bool
 	// Under PolicyMQP2 a lookup that repeats one of its namespace's last
 	// mqp2Probes (mqp2.go) is a probe and touches nothing: probes holds
 	// each namespace's last lookups' fingerprints (nil: not MQP2).
@@ -228,7 +232,7 @@ func (m *model) evictOne() mKey {
 		if !m.present(b) || b.pins != 0 {
 			continue
 		}
-		if m.mqp && b.ret == nil {
+		if m.mqp && (b.ret == nil || m.evidence) {
 			// Any unretained block may go, but only one the cache chose;
 			// the smallest first, so that the model frees no less than the
 			// cache did before it stops.
@@ -393,6 +397,7 @@ func runModel(t *testing.T, pol Policy, seed uint64, ops int) {
 		mqp: pol.multiQueue(), gone: map[mKey]bool{}}
 	if pol == PolicyMQP2 {
 		m.probes = map[NamespaceID]*mProbes{}
+		m.evidence = true
 	}
 	for _, n := range nss {
 		m.world[n.id] = n.world

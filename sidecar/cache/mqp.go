@@ -554,7 +554,7 @@ func (c *Cache) mqpAccess(h uint32, inf uint8) {
 		m.pol[h] = mqpLevel(cnt)<<4 | cnt
 		return
 	}
-	if c.retains[h] != nil {
+	if c.retains[h] != nil && m.r2 == nil {
 		m.pol[h] = mqpLevel(cnt)<<4 | cnt
 		c.touch(h)
 		return

@@ -345,3 +345,43 @@ func (c *Cache) mqpBegin2(n *namespace, ns NamespaceID, digests []byte, h int) (
 	}
 	return false
 }
+
+// mqp2Retain is a retention's evidence on present head h (a retention set
+// or renewed): a block kept on purpose is kept longer than its peers, not
+// above every shared prefix. Its count rises to the next level's first
+// (2, 4; a block at level 2 or 3 keeps its count: level 3 holds the
+// prefixes read by many, which a retention must not outrank), and an
+// unpinned block goes to the front of that level's queue (a tick).
+// Expiry changes nothing: the block ages as any other.
+func (c *Cache) mqp2Retain(h uint32) {
+	m := c.mqp
+	cnt := c.mqpCount(h)
+	switch mqpLevel(cnt) {
+	case 0:
+		cnt = 2
+	case 1:
+		cnt = 4
+	}
+	if c.aux[h] != 0 {
+		m.pol[h] = mqpLevel(cnt)<<4 | cnt
+		return
+	}
+	m.pol[h] = cnt
+	c.mqpPlace(h)
+}
+
+// mqp2End is a session's end (EndRetain) over present head h, whose
+// retention, if it had one, the call ended: a block read by at most 3
+// requests (level 0 or 1: the session's own tail, which it will not read
+// again) goes to the LRU end of queue 0 at count 1, the first to go; a
+// block read more (prefixes that others share) stays where it is, and so
+// does a pinned one or one another key or owner retains.
+func (c *Cache) mqp2End(h uint32) {
+	m := c.mqp
+	if c.aux[h] != 0 || c.retains[h] != nil || c.mqpLevelOf(h) > 1 || mqpLevel(c.mqpCount(h)) > 1 {
+		return
+	}
+	c.unlist(h)
+	m.pol[h] = 1
+	c.listPushBack(m.qSent[0], h)
+}

@@ -37,7 +37,7 @@ func (c *Cache) retSentinel(p uint8) uint32 { return c.sentinel + 1 + uint32(p) 
 // listOf returns the sentinel of the list an unpinned present head
 // belongs in: its retention priority's, or the LRU's.
 func (c *Cache) listOf(h uint32) uint32 {
-	if r := c.retains[h]; r != nil {
+	if r := c.retains[h]; r != nil && !c.retainsAsEvidence() {
 		return c.retSentinel(r.prio)
 	}
 	if c.mqp != nil {
@@ -45,6 +45,12 @@ func (c *Cache) listOf(h uint32) uint32 {
 	}
 	return c.sentinel
 }
+
+// retainsAsEvidence reports whether retention is evidence for the
+// policy rather than an order of its own (MQP2): a retained block stays
+// in the policy's queues, one level up (mqp2Retain), and the retained
+// lists stay empty.
+func (c *Cache) retainsAsEvidence() bool { return c.mqp != nil && c.mqp.r2 != nil }
 
 func (c *Cache) listCount(sent uint32, d int) {
 	if sent > c.sentinel && sent <= c.retSentinel(RetainPriorities-1) {
@@ -141,7 +147,7 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, owner uint64, 
 			c.timers[r.heap].deadline = deadline
 			c.timerFix(int(r.heap))
 			if c.aux[h] == 0 {
-				c.listRemove(c.retSentinel(r.prio), h)
+				c.listRemove(c.listOf(h), h)
 			}
 			r.prio = p
 			continue
@@ -159,7 +165,10 @@ func (c *Cache) Retain(ns NamespaceID, digests []byte, ch Charge, owner uint64, 
 	// Most recent in reverse, as Lookup touches: the prefix's first block
 	// at the front of its list, its tail evicted first.
 	for i := len(mine) - 1; i >= 0; i-- {
-		if h := mine[i]; c.aux[h] == 0 {
+		h := mine[i]
+		if c.retainsAsEvidence() {
+			c.mqp2Retain(h)
+		} else if c.aux[h] == 0 {
 			c.listPushFront(c.retSentinel(p), h)
 		}
 	}
@@ -224,6 +233,9 @@ func (c *Cache) EndRetain(ns NamespaceID, digests []byte, key uint32, owner uint
 			c.timerRemove(int(r.heap))
 			c.endRetention(h)
 			ended++
+			if c.retainsAsEvidence() {
+				c.mqp2End(h)
+			}
 		}
 	}
 	c.st.retainEnds += uint64(ended)
@@ -235,6 +247,13 @@ func (c *Cache) EndRetain(ns NamespaceID, digests []byte, key uint32, owner uint
 // tail.
 func (c *Cache) endRetention(h uint32) {
 	r := c.retains[h]
+	if c.retainsAsEvidence() {
+		// MQP2: the block stays where its level put it (a session's end
+		// demotes its tail: mqp2End).
+		delete(c.retains, h)
+		c.unchargeRetain(r, h)
+		return
+	}
 	if c.aux[h] == 0 {
 		c.listRemove(c.retSentinel(r.prio), h)
 	}

@@ -534,3 +534,70 @@ func TestRetainLRUTailOrder(t *testing.T) {
 		t.Fatalf("eviction order %v, want %v", got, want)
 	}
 }
+
+// TestRetainMQP2Evidence: under MQP2 a retention is evidence for the
+// policy, not an order above it. A retained block stays in the policy's
+// queues one level up (count 1 to 2, 2-3 to 4), never above the top
+// level; the retained lists stay empty; expiry leaves the block where it
+// is; a session's end (EndRetain) sends the blocks whose retention it
+// ended that are read by at most 3 requests to the LRU end of queue 0,
+// and leaves the others, and those of another owner, alone.
+func TestRetainMQP2Evidence(t *testing.T) {
+	c, err := New(Config{Capacity: 16, DeltaLogSize: 64, WriteTimeout: 100 * time.Millisecond, Epoch: 7, Policy: PolicyMQP2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := &tc{t: t, c: c}
+	ns := x.ns(8, 1, 0)
+	for i := 1; i <= 6; i++ {
+		x.store(ns, dig(i, 8), 0)
+	}
+	hot := c.find(uint16(ns), dig(6, 8))
+	c.mqp.pol[hot] = 9   // read by many: level 3 (set by hand, listed at level 0)
+	c.mqp.life = 1 << 40 // a measured lifetime, long: no block falls a level here
+	level := func(i int) (uint8, uint8) {
+		h := c.find(uint16(ns), dig(i, 8))
+		return c.mqpLevelOf(h), c.mqpCount(h)
+	}
+	x.retainAs(ns, digs(8, 1), 5, 1, 100, 10*time.Millisecond, 1, 0)
+	x.retainAs(ns, digs(8, 2), 5, 2, 100, 10*time.Millisecond, 1, 0)
+	if lv, cnt := level(1); lv != 1 || cnt != 2 {
+		t.Fatalf("retained block: level %d count %d, want 1 and 2", lv, cnt)
+	}
+	x.retainAs(ns, digs(8, 1), 5, 1, 100, 10*time.Millisecond, 1, 0) // renewed: one more level
+	if lv, cnt := level(1); lv != 2 || cnt != 4 {
+		t.Fatalf("renewed block: level %d count %d, want 2 and 4", lv, cnt)
+	}
+	x.retainAs(ns, digs(8, 6), 5, 1, 100, 10*time.Millisecond, 1, 0)
+	if lv, cnt := level(6); cnt != 9 || lv > 3 {
+		t.Fatalf("a level-3 block: level %d count %d, want count 9 kept", lv, cnt)
+	}
+	for p := range c.retLen {
+		if c.retLen[p] != 0 {
+			t.Fatalf("retained list %d holds %d blocks under MQP2", p, c.retLen[p])
+		}
+	}
+	// Expiry of 2's retention: nothing moves.
+	lv2, cnt2 := level(2)
+	if r := c.Reap(10 * ms); r.Retained != 3 {
+		t.Fatalf("reap: %+v", r)
+	}
+	x.check()
+	if lv, cnt := level(2); lv != lv2 || cnt != cnt2 {
+		t.Fatalf("expiry moved block 2: level %d count %d, was %d %d", lv, cnt, lv2, cnt2)
+	}
+	// A session's end: block 3 (owner 1, level 1) goes first; block 4,
+	// another owner's, stays.
+	x.retainAs(ns, digs(8, 3), 5, 1, 100, time.Hour, 1, 20*ms)
+	x.retainAs(ns, digs(8, 4), 5, 2, 100, time.Hour, 1, 20*ms)
+	if n := x.endRetainAs(ns, digs(8, 1, 2, 3, 4, 5, 6), 5, 1); n != 1 {
+		t.Fatalf("ended %d retentions, want 1 (block 3's)", n)
+	}
+	if h := c.find(uint16(ns), dig(3, 8)); c.prev[c.mqp.qSent[0]] != h {
+		t.Fatalf("block 3 is not at the LRU end of queue 0 after its session's end")
+	}
+	if lv, _ := level(4); lv != 1 {
+		t.Fatalf("another owner's retained block moved to level %d", lv)
+	}
+	x.check()
+}
