@@ -301,3 +301,39 @@ func TestBenchReplayNodesSharingATier(t *testing.T) {
 		t.Errorf("the tier added no hits: %v", hit)
 	}
 }
+
+// TestBenchReplayOffline: --offline starts no sidecar (none is needed:
+// --ringside names nothing) and prints, and writes, the policy rows alone
+// at the sweep's capacities, MQP2 among them, with policies.png.
+func TestBenchReplayOffline(t *testing.T) {
+	out := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	app := benchcli.App()
+	app.Writer, app.ErrWriter = &stdout, &stderr
+	err := app.Run([]string{"ringside-bench", "replay", "--offline", "--json", "--quiet", "--ringside", "/nonexistent/ringside",
+		"--trace", "testdata/conversation_trace_300.jsonl", "--page-tokens", "32", "--capacity-pages", "500,2000", "--out", out})
+	if err != nil {
+		t.Fatalf("bench replay --offline: %v\n%s\n%s", err, stdout.String(), stderr.String())
+	}
+	rows := 0
+	for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
+		var row map[string]any
+		if err := json.Unmarshal([]byte(line), &row); err != nil {
+			t.Fatalf("not JSON: %q", line)
+		}
+		if row["bench"] != "replay_policy" || row["transport"] != "offline" {
+			t.Errorf("offline row: %s", line)
+			continue
+		}
+		rows++
+		if v, ok := row["mqp2_hit_ratio"].(float64); !ok || v <= 0 || row["page_tokens"] != 32.0 {
+			t.Errorf("no MQP2 ratio or page size: %s", line)
+		}
+	}
+	if rows != 2 {
+		t.Errorf("%d policy rows, want 2 (one per capacity)", rows)
+	}
+	if b, err := os.ReadFile(filepath.Join(out, "policies.png")); err != nil || !bytes.HasPrefix(b, []byte("\x89PNG")) {
+		t.Errorf("policies.png: %v", err)
+	}
+}

@@ -651,6 +651,9 @@ func (rep *Report) writeFiles() error {
 		name string
 		fn   func(string) error
 	}{{"hit-rate.png", rep.plotHitRate}, {"policies.png", rep.plotPolicies}, {"latency.png", rep.plotLatency}, {"step-cost.png", rep.plotStepCost}} {
+		if rep.Config.Offline && p.name != "policies.png" {
+			continue // no sidecar ran: only the policies have figures
+		}
 		if err := p.fn(filepath.Join(dir, p.name)); err != nil {
 			return fmt.Errorf("%s: %w", p.name, err)
 		}
