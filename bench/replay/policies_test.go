@@ -298,3 +298,47 @@ func TestARCGhostsAndTarget(t *testing.T) {
 		t.Fatalf("evicted %d (ok %v), B1 %v, T2 %v; want T1's 5 to B1", ev, ok, b.list(arcB1), b.list(arcT2))
 	}
 }
+
+// TestInformedPages: an LRU told which pages come back keeps a prefix
+// read every fifth request through a scan of one-off pages that flushes
+// it under LRU, and never beats the optimum's bound on random workloads.
+func TestInformedPages(t *testing.T) {
+	var reqs [][]uint32
+	next := uint32(4)
+	for i := range 50 {
+		if i%5 == 0 {
+			reqs = append(reqs, []uint32{0, 1, 2, 3})
+			continue
+		}
+		reqs = append(reqs, []uint32{next, next + 1, next + 2})
+		next += 3
+	}
+	lru, inf := OraclePages(reqs, int(next), 8), InformedPages(reqs, int(next), 8, 0)
+	if lru.HitPages != 0 || inf.HitPages != 4*9 {
+		t.Errorf("prefix through a scan: LRU %d hits (want 0), informed %d (want 36)", lru.HitPages, inf.HitPages)
+	}
+	rng := rand.New(rand.NewPCG(7, 7))
+	for trial := range 50 {
+		var rs [][]uint32
+		for range 40 {
+			n := 1 + rng.IntN(6)
+			var r []uint32
+			seen := map[uint32]bool{}
+			for len(r) < n {
+				p := uint32(rng.IntN(20))
+				if !seen[p] {
+					seen[p] = true
+					r = append(r, p)
+				}
+			}
+			rs = append(rs, r)
+		}
+		c := 2 + rng.IntN(10)
+		m := MINPages(rs, 20, c)
+		for _, hz := range InformedHorizons {
+			if i := InformedPages(rs, 20, c, hz); i.BlockHitPages > m.BlockHitPages {
+				t.Fatalf("trial %d: informed (horizon %d) block hits %d above MIN's %d", trial, hz, i.BlockHitPages, m.BlockHitPages)
+			}
+		}
+	}
+}

@@ -78,6 +78,10 @@ type Config struct {
 	// and memory, not by /dev/shm: what a sweep at engine page sizes and
 	// large pools needs.
 	Offline bool
+	// Informed adds, at the sweep's capacities, LRUs told which pages come
+	// back (InformedPages at InformedHorizons): what an online policy
+	// lacks, beside the optimum.
+	Informed bool
 	// Hints adds, at every capacity, a run that sends each request's
 	// retention hint (RequestMeta, hintOf) to the sidecar: transport
 	// "ring+hints", beside the plain "ring" run. No model covers hints:
@@ -258,6 +262,7 @@ type RunResult struct {
 	// ARC and MIN are the reference policy and the optimum at this
 	// capacity, offline (policies.go); MQP and MQP2 (mqp.go, mqp2.go).
 	ARC, MIN, MQP, MQP2 PolicyResult
+	Informed            []PolicyResult // --informed
 }
 
 // PolicyPoint is the offline policies at one capacity.
@@ -265,6 +270,7 @@ type PolicyPoint struct {
 	CapacityPages       int
 	LRU                 OracleResult
 	ARC, MIN, MQP, MQP2 PolicyResult
+	Informed            []PolicyResult // InformedPages at InformedHorizons (--informed)
 }
 
 // loadWorkload loads the traces or generates the workload.
@@ -394,6 +400,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			policies[p.capacity] = PolicyPoint{CapacityPages: p.capacity, LRU: oracles[p.capacity], ARC: ARC(w, p.capacity), MIN: MIN(w, p.capacity), MQP: MQP(w, p.capacity), MQP2: MQP2(w, p.capacity)}
 		}
 	}
+	if cfg.Informed {
+		reqs := workloadPages(w)
+		for i, pt := range rep.PolicyCurve {
+			if !slices.Contains(cfg.CapacityPages, pt.CapacityPages) {
+				continue
+			}
+			for _, hz := range InformedHorizons {
+				pt.Informed = append(pt.Informed, InformedPages(reqs, w.NumPageIDs(), pt.CapacityPages, hz))
+			}
+			rep.PolicyCurve[i] = pt
+			policies[pt.CapacityPages] = pt
+		}
+	}
 	logf("offline policies: LRU, ARC, MIN, MQP and MQP2 at %d capacities in %v", len(curve), time.Since(tp).Round(time.Millisecond))
 	prog := newProgress(cfg.Progress && !cfg.Quiet, cfg.Log, int64(len(plans)*len(w.Requests)))
 	defer prog.finish()
@@ -409,7 +428,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		r.Oracle, r.LRU = oracles[p.capacity], oracles[p.capacity]
 		pp := policies[p.capacity]
-		r.ARC, r.MIN, r.MQP, r.MQP2 = pp.ARC, pp.MIN, pp.MQP, pp.MQP2
+		r.ARC, r.MIN, r.MQP, r.MQP2, r.Informed = pp.ARC, pp.MIN, pp.MQP, pp.MQP2, pp.Informed
 		switch cfg.Policy {
 		case "mqp":
 			r.Oracle = mqpModel(r.MQP)

@@ -103,6 +103,9 @@ type PolicyRow struct {
 	MQPBlockHitRatio  float64 `json:"mqp_block_hit_ratio"`
 	MQP2BlockHitRatio float64 `json:"mqp2_block_hit_ratio"`
 	UnboundedHitRatio float64 `json:"unbounded_hit_ratio"` // a cache that never evicts
+	// InformedHitRatio is, per InformedHorizons (0: ever), the LRU told
+	// which pages come back (--informed; absent without).
+	InformedHitRatio []float64 `json:"informed_hit_ratio,omitempty"`
 	// LiveHintsHitRatio is the live run's with retention hints at the
 	// same capacity (--hints; absent without).
 	LiveHintsHitRatio *float64 `json:"live_hints_hit_ratio,omitempty"`
@@ -209,7 +212,7 @@ func (rep *Report) build() {
 				withHints = &x
 			}
 		}
-		row := rep.policyRow(PolicyPoint{CapacityPages: r.CapacityPages, LRU: r.LRU, ARC: r.ARC, MIN: r.MIN, MQP: r.MQP, MQP2: r.MQP2}, r.Transport)
+		row := rep.policyRow(PolicyPoint{CapacityPages: r.CapacityPages, LRU: r.LRU, ARC: r.ARC, MIN: r.MIN, MQP: r.MQP, MQP2: r.MQP2, Informed: r.Informed}, r.Transport)
 		row.LiveHintsHitRatio, row.Pages = withHints, r.Counts.TotalPages
 		row.LiveHitRatio, row.LiveEqualsLRU, row.LiveEqualsModel = live, r.Counts.HitPages == r.LRU.HitPages, r.Counts.HitPages == r.Oracle.HitPages
 		row.LiveOverLRU = live / max(r.LRU.HitRatio(), 1e-12)
@@ -244,8 +247,13 @@ func (rep *Report) build() {
 func (rep *Report) policyRow(pt PolicyPoint, transport string) PolicyRow {
 	c, w := &rep.Config, rep.Workload
 	lru := max(pt.LRU.HitRatio(), 1e-12)
+	var informed []float64
+	for _, x := range pt.Informed {
+		informed = append(informed, x.HitRatio())
+	}
 	return PolicyRow{
-		Bench: "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: pt.CapacityPages, Transport: transport,
+		InformedHitRatio: informed,
+		Bench:            "replay_policy", Workload: strings.Join(w.Files, ","), CapacityPages: pt.CapacityPages, Transport: transport,
 		PageTokens: w.PageTokens, Sequential: c.Sequential, Policy: c.Policy, Requests: len(w.Requests), Pages: pt.LRU.TotalPages,
 		LRUHitRatio: pt.LRU.HitRatio(), ARCHitRatio: pt.ARC.HitRatio(), MINBlockHitRatio: pt.MIN.BlockHitRatio(), MINPrefixHitRatio: pt.MIN.HitRatio(),
 		MQPHitRatio: pt.MQP.HitRatio(), MQPOverLRU: pt.MQP.HitRatio() / lru, MQPBlockHitRatio: pt.MQP.BlockHitRatio(),
@@ -742,5 +750,29 @@ func (rep *Report) printPolicies(out io.Writer) error {
 		return err
 	}
 	fmt.Fprintf(out, "optimum (bound): MIN's block-hit ratio, at least any policy's prefix-hit ratio; following MIN: the prefix hits of MIN's own decisions; MQP, MQP2: the cache's multi-queue policies, offline; never evicting: %.2f%%\n", 100*rep.Unbound)
+	if len(rows[0].InformedHitRatio) == 0 {
+		return nil
+	}
+	fmt.Fprintln(out, "\nwhat an online policy lacks: LRU told which pages are read again (a hot list before a cold one), beside the optimum:")
+	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	head := "capacity\tLRU\t"
+	for _, hz := range InformedHorizons {
+		if hz == 0 {
+			head += "told: read again ever\t"
+		} else {
+			head += fmt.Sprintf("within %d requests\t", hz)
+		}
+	}
+	fmt.Fprintln(tw, head+"MQP2\toptimum (bound)\t")
+	for _, r := range rows {
+		line := fmt.Sprintf("%d\t%.2f%%\t", r.CapacityPages, 100*r.LRUHitRatio)
+		for _, x := range r.InformedHitRatio {
+			line += fmt.Sprintf("%.2f%%\t", 100*x)
+		}
+		fmt.Fprintln(tw, line+fmt.Sprintf("%.2f%%\t%.2f%%\t", 100*r.MQP2HitRatio, 100*r.MINBlockHitRatio))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
 	return nil
 }
