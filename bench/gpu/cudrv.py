@@ -118,6 +118,7 @@ SIGNATURES = {
     "cuMemAlloc": [P(CUdeviceptr), _sz],
     "cuMemFree": [CUdeviceptr],
     "cuMemGetAddressRange": [P(CUdeviceptr), P(_sz), CUdeviceptr],
+    "cuMemGetInfo": [P(_sz), P(_sz)],
     "cuMemHostRegister": [_vp, _sz, _ui],
     "cuMemHostUnregister": [_vp],
     "cuMemcpyHtoD": [CUdeviceptr, _vp, _sz],
@@ -263,6 +264,14 @@ class Driver:
         p = CUdeviceptr()
         self.call("cuMemAlloc", ctypes.byref(p), n)
         return p.value
+
+    def mem_info(self) -> tuple[int, int] | None:
+        """(free, total) device memory, or None when the driver lacks
+        cuMemGetInfo or refuses it."""
+        free, total = _sz(), _sz()
+        if self.opt("cuMemGetInfo", ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return free.value, total.value
 
     def address_range(self, ptr: int) -> tuple[int, int]:
         base, size = CUdeviceptr(), _sz()

@@ -38,11 +38,24 @@ memory. One line per probe, `PROBE <name>: <verdict> (<details>)`:
   exporter-death      D2H copies of a large imported allocation queued, the
                       child SIGKILLed meanwhile: which errors come back, is
                       this process's context poisoned (a sticky error)
-  vmm-map-rules       last, in a child of its own (a refused copy may fault
+  vmm-map-rules       in a child of its own (a refused copy may fault
                       its context): the codes of cuMemMap, cuMemSetAccess,
                       cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle
                       and copies for what the documentation refuses, against
                       the stand-in's
+  event-death         last, in a process of its own (it may leave a stream,
+                      or a call, hanging): the child records an interprocess
+                      event behind about 2 s of H2D copies; this process
+                      waits on it (cuStreamWaitEvent) and queues a D2H copy
+                      of the child's memory behind the wait; the child is
+                      SIGKILLed; cuStreamQuery and cuEventQuery are polled
+                      for 10 s: does the wait ever end (with which code); a
+                      copy on another stream meanwhile; then the import is
+                      closed: is the child's memory freed, and when
+                      (cuMemGetInfo before the kill, 10 s after it, after
+                      the close). What an engine that dies with its store
+                      event's record pending does to a sidecar that waited
+                      on the event on the GPU
 
 Only the driver API through ctypes (cudrv.py): no toolkit, no torch. A call
 the driver lacks makes its probe `unsupported by this driver (<name>
@@ -82,6 +95,7 @@ PROBES = [
     "vmm-pointer-attrs",
     "exporter-death",
     "vmm-map-rules",
+    "event-death",
 ]
 MIB = 1 << 20
 
@@ -589,6 +603,114 @@ def probe_death(drv: cudrv.Driver, child: Child, args, _st: dict) -> None:
         stand_in_cleanup(own_handle)
 
 
+def probe_event_death(drv: cudrv.Driver, child: Child, args, _st: dict) -> None:
+    """event-death, run in a process of its own (see event_death_isolated)."""
+    for name in ("cuIpcOpenEventHandle", "cuStreamWaitEvent", "cuEventQuery", "cuStreamQuery"):
+        if not drv.has(name):
+            raise Unsupported("unsupported by this driver", f"{name} missing")
+    n = args.event_bytes
+    m = child.ask("event_prepare", bytes=n)
+    mh = bytes.fromhex(m["mem"])
+    try:
+        mem = open_or_refuse(drv, mh)
+        host = cudrv.PinnedBuffer(drv, MIB)
+        eh = cudrv.IpcHandle()
+        ctypes.memmove(ctypes.byref(eh), bytes.fromhex(m["event"]), 64)
+        ev = ctypes.c_void_p()
+        r = drv.try_call("cuIpcOpenEventHandle", ctypes.byref(ev), eh)
+        if r != 0:
+            raise Unsupported("refused", f"cuIpcOpenEventHandle: {drv.describe(r)}")
+        s, other = drv.stream(), drv.stream()
+        own = drv.alloc(MIB)
+        if args.stand_in_hold:
+            open(args.stand_in_hold, "w").close()
+        t0 = time.monotonic()
+        go = child.ask("event_go", reps=args.event_death_reps)
+        queued = time.monotonic() - t0
+        drv.call("cuStreamWaitEvent", s, ev, 0)
+        drv.call("cuMemcpyDtoHAsync", ctypes.c_void_p(host.ptr), mem, MIB, s)
+        before = drv.mem_info()
+        q0 = drv.try_call("cuStreamQuery", s)
+        child.kill()
+        killed = time.monotonic()
+        if args.stand_in_hold:
+            os.unlink(args.stand_in_hold)  # the child's copies would end now: its record never runs
+        sq = eq = cudrv.CUDA_ERROR_NOT_READY
+        ended = None
+        while time.monotonic() - killed < args.event_death_poll:
+            sq, eq = drv.try_call("cuStreamQuery", s), drv.try_call("cuEventQuery", ev)
+            if sq != cudrv.CUDA_ERROR_NOT_READY:
+                ended = time.monotonic() - killed
+                break
+            time.sleep(0.01)
+        # Another stream, as another engine's copies: not behind the wait.
+        r = drv.try_call("cuMemcpyDtoHAsync", ctypes.c_void_p(host.ptr), own, MIB, other)
+        other_code = r or drv.try_call("cuStreamSynchronize", other)
+        dead = drv.mem_info()  # the child's context is gone; its memory, maybe not
+        codes = {"cuIpcCloseMemHandle": drv.try_call("cuIpcCloseMemHandle", mem)}
+        after = drv.mem_info()
+        codes["cuStreamDestroy of the waiting stream"] = drv.try_call("cuStreamDestroy", s)
+        codes["cuEventDestroy of the import"] = drv.try_call("cuEventDestroy", ev)
+        drv.opt("cuStreamDestroy", other)
+        drv.opt("cuMemFree", own)
+        host.close()
+        d = (
+            f"the child queued {args.event_death_reps} H2D copies of {n} B in {queued:.2f} s, then recorded "
+            f"(pending: {go['pending']}); stream before the kill: {drv.describe(q0)}; "
+            f"stream {drv.describe(sq)} and event {drv.describe(eq)} "
+            + (f"{ended:.2f} s after the kill" if ended is not None else f"after {args.event_death_poll:g} s")
+            + f"; a copy on another stream meanwhile: {drv.describe(other_code)}; "
+            + "; ".join(f"{k}: {drv.describe(v)}" for k, v in codes.items())
+        )
+        if before is None or dead is None or after is None:
+            mem_v = "memory unknown"
+            d += "; cuMemGetInfo unavailable"
+        else:
+            d += (
+                f"; free memory before the kill {before[0]} B, after the polling {dead[0]} B, "
+                f"after the close {after[0]} B (the child's allocation {n} B)"
+            )
+            if after[0] - dead[0] >= n:
+                mem_v = "memory freed at the close"
+            elif after[0] - before[0] >= n:
+                mem_v = "memory freed at the death"
+            else:
+                mem_v = "memory not freed"
+        sticky = sorted({v for v in (sq, eq, other_code, *codes.values()) if v in cudrv.STICKY})
+        if sticky:
+            wait_v = f"context poisoned (sticky {', '.join(drv.describe(c) for c in sticky)})"
+        elif ended is None:
+            wait_v = "the wait never ends"
+        else:
+            wait_v = f"the wait ends with {drv.describe(sq)}"
+        verdict("event-death", f"{wait_v}; {mem_v}", d)
+    finally:
+        stand_in_cleanup(mh)
+
+
+def event_death_isolated(_drv: cudrv.Driver, _child: Child, args, _st: dict) -> None:
+    """event-death in a process of its own: a wait that never ends, or a
+    call that hangs, must not keep the other probes from running, and this
+    process's context stays out of it."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--only", "event-death"]
+    cmd += ["--event-bytes", str(args.event_bytes), "--event-death-reps", str(args.event_death_reps)]
+    cmd += ["--event-death-poll", str(args.event_death_poll), "--timeout", str(args.timeout)]
+    if args.stand_in_hold:
+        cmd += ["--stand-in-hold", args.stand_in_hold]
+    limit = args.event_death_poll + args.timeout
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+        raise Unsupported("hangs", f"no verdict within {limit:g} s; its output: {out.strip()[-300:]!r}") from None
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PROBE event-death: ")]
+    if not lines:
+        raise Unsupported("failed", f"exit {p.returncode}, no verdict; stderr: {p.stderr.strip()[-300:]!r}")
+    print(lines[-1], flush=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+
+
 def vmm_needed(drv: cudrv.Driver) -> None:
     for name in (
         "cuMemCreate",
@@ -805,31 +927,38 @@ def parent_main(args) -> int:
         for p in PROBES:
             verdict(p, "skipped", f"no usable GPU: {e}")
         return 0
-    print(f"driver {drv.version}, device 0: {drv.name()} (uuid {drv.uuid().hex()}), pid {os.getpid()}", flush=True)
+    if args.only is None:
+        print(f"driver {drv.version}, device 0: {drv.name()} (uuid {drv.uuid().hex()}), pid {os.getpid()}", flush=True)
     broke = False
     state: dict = {}
     child = None
+    probes = [
+        ("ipc-range", probe_range),
+        ("ipc-corrupt-handle", probe_bad_handle),
+        ("vmm-export", probe_vmm),
+        ("ipc-event", probe_event),
+        ("vmm-fd-export", probe_vmm_fd_export),
+        ("vmm-fd-import", probe_vmm_fd_import),
+        ("vmm-release-mapped", probe_vmm_release_mapped),
+        ("vmm-export-unrequested", probe_vmm_export_unrequested),
+        ("vmm-pointer-attrs", probe_vmm_pointer_attrs),
+        ("exporter-death", probe_death),
+        # Its child's refused copies may fault on a GPU; it uses no
+        # context of this process, which exporter-death may poison.
+        ("vmm-map-rules", probe_vmm_map_rules),
+        # Last, in a process of its own: it may leave a wait, or a
+        # call, hanging.
+        ("event-death", event_death_isolated),
+    ]
+    if args.only is not None:
+        probes = [(args.only, {"event-death": probe_event_death}[args.only])]
     try:
-        for name, fn in [
-            ("ipc-range", probe_range),
-            ("ipc-corrupt-handle", probe_bad_handle),
-            ("vmm-export", probe_vmm),
-            ("ipc-event", probe_event),
-            ("vmm-fd-export", probe_vmm_fd_export),
-            ("vmm-fd-import", probe_vmm_fd_import),
-            ("vmm-release-mapped", probe_vmm_release_mapped),
-            ("vmm-export-unrequested", probe_vmm_export_unrequested),
-            ("vmm-pointer-attrs", probe_vmm_pointer_attrs),
-            ("exporter-death", probe_death),
-            # Last: its child's refused copies may fault on a GPU; it uses
-            # no context of this process, which exporter-death may poison.
-            ("vmm-map-rules", probe_vmm_map_rules),
-        ]:
+        for name, fn in probes:
             try:
-                if name in ("vmm-map-rules", "exporter-death") and child is not None:
+                if name in ("vmm-map-rules", "exporter-death", "event-death") and child is not None:
                     child.close()  # a fresh child: either may leave its context poisoned
                     child = None
-                if child is None or child.p.poll() is not None:
+                if fn is not event_death_isolated and (child is None or child.p.poll() is not None):
                     hold = {"FAKECUDA_EVENT_HOLD": args.stand_in_hold} if args.stand_in_hold else {}
                     child = Child(args.timeout, hold)
                 fn(drv, child, args, state)
@@ -864,6 +993,14 @@ def main() -> int:
     ap.add_argument("--death-bytes", type=int, default=1 << 30)
     ap.add_argument("--death-copies", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=30, help="seconds to wait for each answer of the child")
+    ap.add_argument(
+        "--event-death-reps",
+        type=int,
+        default=400,
+        help="event-death: H2D copies of --event-bytes the child queues before its record (about 2 s at PCIe 5 speed)",
+    )
+    ap.add_argument("--event-death-poll", type=float, default=10, help="event-death: seconds to poll after the kill")
+    ap.add_argument("--only", choices=["event-death"], help=argparse.SUPPRESS)
     ap.add_argument(
         "--stand-in-hold",
         metavar="FILE",

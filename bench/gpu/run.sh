@@ -31,7 +31,9 @@
 # interprocess events; VMM memory shared by POSIX file descriptor: export,
 # import in the second process with bytes both ways, release while mapped,
 # the export error for a handle type not requested, pointer attributes,
-# the map rules; the exporter's death). The probes print
+# the map rules; the exporter's death; the death of an exporter whose
+# interprocess event's record is pending, waited on by this process:
+# event-death). The probes print
 # `PROBE <name>: <verdict> (<details>)`; what a sandbox refuses is a
 # verdict, not a failure of the run. In the dry mode the VMM probes check
 # the stand-in's model against itself (bench/gpu's test wants its one
@@ -99,6 +101,7 @@ if [ "$mode" = dry ]; then
 	# Small sizes: the stand-in copies with memcpy on the CPU.
 	copy_args="--page-bytes 16KiB,2MiB,5MiB --pages 1,16 --max-bytes 64MiB --min-time 5ms"
 	ipc_args="--event-bytes 1048576 --event-reps 4 --death-bytes 16777216 --death-copies 4 --stand-in-hold $tmp/hold"
+	ipc_args="$ipc_args --event-death-reps 4 --event-death-poll 1"
 	# Fewer random layouts: the dry mode tests this script; the suite
 	# itself runs under the stand-in in gpu/gputest's TestCUDAFakeDriver.
 	conf_args="-test.short"

@@ -25,6 +25,12 @@ import (
 // error wraps it in those cases.
 var ErrUnavailable = driver.ErrUnavailable
 
+// ErrWedged: a copy issued to a GPU did not complete within its bound
+// (Options.Watchdog): the device is failed with it (gpu.ErrDeviceFailed),
+// as for a sticky error, and the sidecar exits so that the process's exit
+// frees what the driver holds for it.
+var ErrWedged = errors.New("gpu: a CUDA copy outlived its bound")
+
 // MaxBatch is the most ranges one cuMemcpyBatchAsync call carries: a
 // batched op of more ranges takes one call per MaxBatch of them.
 const MaxBatch = driver.MaxBatch
@@ -67,9 +73,26 @@ type Options struct {
 	// (err nil: pinned), from the goroutine that pinned it.
 	OnPinned func(p PinInfo, err error)
 	// OnDeviceFailed, if set, is called once per GPU whose context hit a
-	// sticky error, from a goroutine of its own.
+	// sticky error, or whose copies outlived Watchdog, from a goroutine of
+	// its own.
 	OnDeviceFailed func(DeviceFailure)
+	// Watchdog bounds an issued copy: one that has been at the head of
+	// its stream for longer than Watchdog plus its bytes at
+	// WatchdogBytesPerSecond has not completed because the GPU's copies
+	// are wedged, and fails the device (ErrWedged). Default
+	// DefaultWatchdog.
+	Watchdog time.Duration
 }
+
+// DefaultWatchdog is Options.Watchdog's default: far beyond any copy's
+// time (an op of 5 GiB, the largest the benchmarks issue, takes 0.2 s at
+// PCIe 4.0 speed; its bound is 30 s).
+const DefaultWatchdog = 10 * time.Second
+
+// WatchdogBytesPerSecond is the slowest copy rate the watchdog allows for
+// before it adds an op's bytes to its bound: a quarter of a PCIe 3.0 x1
+// link's.
+const WatchdogBytesPerSecond = 256 << 20
 
 // DefaultPinWait is how long a registration waits for the pool to be
 // pinned by default: pinning takes about 0.1 s per GiB, so this covers
@@ -80,7 +103,7 @@ const DefaultPinWait = 2 * time.Minute
 type DeviceFailure struct {
 	Ordinal int
 	UUID    string
-	Code    int   // the CUresult that poisoned the context, e.g. 700
+	Code    int   // the CUresult that poisoned the context, e.g. 700; 0 for a copy that outlived its bound (ErrWedged)
 	Err     error // wraps ErrDeviceFailed; every op on the GPU fails with it
 }
 
@@ -157,6 +180,7 @@ type Engine struct {
 	pin        *cudaDevice // the device whose context pinned the pool; nil until the first registration
 
 	pinWait  time.Duration
+	watchdog time.Duration
 	onPinned func(PinInfo, error)
 	onFail   func(DeviceFailure)
 	// pinDone is closed when the pool's pinning has ended; pinRes, pinErr
@@ -194,6 +218,7 @@ type cudaRegion struct {
 	segs     []cudaSeg
 	event    driver.Event // opened store event, 0 without one
 	eventKey ipcEventKey
+	gate     driver.Stream // the event's gate stream (ipcEvent.gate)
 	inflight sync.WaitGroup
 }
 
@@ -212,8 +237,16 @@ type ipcEventKey struct {
 	handle driver.IPCEventHandle
 }
 
+// ipcEvent is an engine's store event opened in this context, with its
+// gate: a stream of its own on which a store's wait for the event is
+// issued (cuStreamWaitEvent), followed by an event of ours that the device
+// goroutine polls; the store's copies are issued only once that has
+// fired. No copy ever waits on the GPU behind an engine's event, so an
+// engine that dies with a record pending (which never completes) wedges
+// nothing but its own gate.
 type ipcEvent struct {
 	ev   driver.Event
+	gate driver.Stream
 	refs int
 }
 
@@ -246,9 +279,11 @@ type cudaJob struct {
 	bytes     int64
 	submitted time.Time
 	started   time.Time
+	issued    time.Time // its copies were enqueued
 	calls     int
 	err       error
-	ev        driver.Event
+	ev        driver.Event // completion event, recorded after the copies
+	gate      driver.Event // a store's gate: fires when the engine's event has (ipcEvent)
 	done      func(gpu.Result)
 }
 
@@ -288,10 +323,13 @@ func New(pool []byte, opts Options) (*Engine, error) {
 	if opts.PinWait <= 0 {
 		opts.PinWait = DefaultPinWait
 	}
+	if opts.Watchdog <= 0 {
+		opts.Watchdog = DefaultWatchdog
+	}
 	e := &Engine{
 		pool: pool, poolAddr: driver.Addr(pool), chunk: opts.PinChunk, queue: opts.Queue,
 		regions: regions.New[*cudaRegion](), devs: map[int]*cudaDevice{},
-		pinWait: opts.PinWait, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
+		pinWait: opts.PinWait, watchdog: opts.Watchdog, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
 		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
 	}
 	var err error
@@ -562,12 +600,14 @@ func (d *cudaDevice) open(reg *cudaRegion, segAlloc []int) error {
 			d.release(reg)
 			return err
 		}
-		reg.event, reg.eventKey = ev, key
+		reg.event, reg.eventKey, reg.gate = ev.ev, key, ev.gate
 	}
 	return nil
 }
 
-// release closes what open opened for reg (on the device goroutine).
+// release closes what open opened for reg (on the device goroutine). On a
+// failed device it only forgets them: the driver may still hold copies
+// that touch them (a wedged stream), and the process exits anyway.
 func (d *cudaDevice) release(reg *cudaRegion) {
 	for _, k := range reg.keys {
 		d.ipcRelease(k)
@@ -579,7 +619,7 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 	reg.vmm = nil
 	if reg.event != 0 {
 		d.ipcEventRelease(reg.eventKey)
-		reg.event = 0
+		reg.event, reg.gate = 0, 0
 	}
 }
 
@@ -803,6 +843,13 @@ type cudaDevice struct {
 	ipcEvent      map[ipcEventKey]*ipcEvent
 	vmm           map[*vmmMapping]struct{} // every CUDAFD allocation imported and not yet released
 	loads, stores []*cudaJob               // issued, in stream order
+	// gated are stores waiting at their engine's event's gate (ipcEvent):
+	// nothing of them is issued yet.
+	gated []*cudaJob
+	// headSince is when the job now at the head of loads (0) and stores
+	// (1) became the head: the watchdog's clock.
+	headSince [2]time.Time
+	quitting  bool
 }
 
 // failed returns the device's failure (wrapping gpu.ErrDeviceFailed), or nil.
@@ -822,10 +869,16 @@ func (d *cudaDevice) markFailed(cause error) {
 		return
 	}
 	code := driver.Code(cause)
-	err := fmt.Errorf("%w: GPU %d (%s): %w: the sidecar's CUDA context on this GPU is unusable (a sticky error); "+
-		"nothing more is issued on it and every copy on it fails until the sidecar restarts", gpu.ErrDeviceFailed, d.info.ordinal, d.info.uuid, code)
+	var err error
+	if code != driver.Success {
+		err = fmt.Errorf("%w: GPU %d (%s): %w: the sidecar's CUDA context on this GPU is unusable (a sticky error); "+
+			"nothing more is issued on it and every copy on it fails until the sidecar restarts", gpu.ErrDeviceFailed, d.info.ordinal, d.info.uuid, code)
+	} else {
+		err = fmt.Errorf("%w: GPU %d (%s): %w; nothing more is issued on it and every copy on it fails until the sidecar restarts",
+			gpu.ErrDeviceFailed, d.info.ordinal, d.info.uuid, cause)
+	}
 	d.fault.Store(&err)
-	for _, q := range []*[]*cudaJob{&d.loads, &d.stores} {
+	for _, q := range []*[]*cudaJob{&d.loads, &d.stores, &d.gated} {
 		for _, j := range *q {
 			j.fail = err
 			d.finish(j)
@@ -893,12 +946,11 @@ func (d *cudaDevice) run(ready chan<- error) {
 	}
 	ready <- nil
 	quit := d.quit
-	quitting := false
 	lastProgress := time.Now()
 	sleep := pollMin
 	for {
-		if len(d.loads)+len(d.stores) == 0 {
-			if quitting && len(d.jobs) == 0 {
+		if len(d.loads)+len(d.stores)+len(d.gated) == 0 {
+			if d.quitting && len(d.jobs) == 0 {
 				d.teardown()
 				return
 			}
@@ -908,7 +960,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 			case f := <-d.calls:
 				f()
 			case <-quit:
-				quit, quitting = nil, true
+				quit, d.quitting = nil, true
 			}
 			lastProgress, sleep = time.Now(), pollMin
 			continue
@@ -921,15 +973,16 @@ func (d *cudaDevice) run(ready chan<- error) {
 			case f := <-d.calls:
 				f()
 			case <-quit:
-				quit, quitting = nil, true
+				quit, d.quitting = nil, true
 			default:
 				break drain
 			}
 		}
-		if d.poll(&d.loads)+d.poll(&d.stores) > 0 {
+		if d.pollGated()+d.poll(&d.loads, 0)+d.poll(&d.stores, 1) > 0 {
 			lastProgress, sleep = time.Now(), pollMin
 			continue
 		}
+		d.watch()
 		if time.Since(lastProgress) < pollSpin {
 			// Spin without yielding: Gosched on a locked thread hands the
 			// P to another thread and back, which costs more than a copy.
@@ -937,6 +990,35 @@ func (d *cudaDevice) run(ready chan<- error) {
 		}
 		time.Sleep(sleep)
 		sleep = nextPollSleep(sleep)
+	}
+}
+
+// watch fails the device when the op at the head of a stream has been
+// there longer than its bound (Options.Watchdog plus its bytes at
+// WatchdogBytesPerSecond): a stream runs its work in order, so the head's
+// time there is its own copy's time. Nothing of ours ever waits on the GPU
+// for another process (stores are gated on the host), so only a wedged
+// driver or device gets here; the sidecar then exits, as for a sticky
+// error, and the process's exit frees what the driver holds for it (the
+// mappings of engines' memory included).
+func (d *cudaDevice) watch() {
+	now := time.Now()
+	for i, q := range [2][]*cudaJob{d.loads, d.stores} {
+		if len(q) == 0 {
+			continue
+		}
+		j := q[0]
+		bound := d.e.watchdog + time.Duration(float64(j.bytes)/WatchdogBytesPerSecond*float64(time.Second))
+		if late := now.Sub(d.headSince[i]); late > bound {
+			dir := "device-to-host (store)"
+			if j.dir == gpu.PoolToEngine {
+				dir = "host-to-device (load)"
+			}
+			d.markFailed(fmt.Errorf("%w: a %s copy of %d bytes issued %v ago has not completed after %v at the head of its stream "+
+				"(bound %v): the GPU's copies are wedged", ErrWedged, dir, j.bytes, now.Sub(j.issued).Round(time.Millisecond),
+				late.Round(time.Millisecond), bound))
+			return
+		}
 	}
 }
 
@@ -966,9 +1048,11 @@ func (d *cudaDevice) setup() error {
 	return nil
 }
 
-// teardown runs on the device goroutine with nothing in flight.
+// teardown runs on the device goroutine with nothing in flight. A failed
+// device's resources are left to the process's exit: its context is
+// unusable, or its copies are wedged in the driver.
 func (d *cudaDevice) teardown() {
-	if d.ctx == 0 {
+	if d.ctx == 0 || d.failed() != nil {
 		return
 	}
 	for k, m := range d.ipc {
@@ -979,6 +1063,7 @@ func (d *cudaDevice) teardown() {
 		d.vmmRelease(m)
 	}
 	for k, ev := range d.ipcEvent {
+		ev.gate.Destroy()
 		ev.ev.Destroy()
 		delete(d.ipcEvent, k)
 	}
@@ -1027,7 +1112,9 @@ func (d *cudaDevice) ipcRelease(key ipcKey) {
 		return
 	}
 	if m.refs--; m.refs == 0 {
-		driver.IPCClose(m.ptr)
+		if d.failed() == nil {
+			driver.IPCClose(m.ptr)
+		}
 		delete(d.ipc, key)
 	}
 }
@@ -1071,6 +1158,9 @@ func (d *cudaDevice) vmmRelease(m *vmmMapping) {
 		return
 	}
 	delete(d.vmm, m)
+	if d.failed() != nil {
+		return
+	}
 	if m.mapped {
 		driver.MemUnmap(m.ptr, m.size)
 	}
@@ -1080,29 +1170,49 @@ func (d *cudaDevice) vmmRelease(m *vmmMapping) {
 	m.h.Release()
 }
 
-// ipcEventOpen opens key's event once per context and counts its users.
-func (d *cudaDevice) ipcEventOpen(key ipcEventKey) (driver.Event, error) {
+// ipcEventOpen opens key's event once per context, with its gate stream,
+// and counts its users.
+func (d *cudaDevice) ipcEventOpen(key ipcEventKey) (*ipcEvent, error) {
 	if ev := d.ipcEvent[key]; ev != nil {
 		ev.refs++
-		return ev.ev, nil
+		return ev, nil
 	}
 	ev, err := driver.IPCOpenEvent(key.handle)
 	if err != nil {
-		return 0, fmt.Errorf("%w: cuIpcOpenEventHandle of pid %d's store event failed: %v (the handle must come from "+
+		return nil, fmt.Errorf("%w: cuIpcOpenEventHandle of pid %d's store event failed: %v (the handle must come from "+
 			"cuIpcGetEventHandle of an event created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, and the event must still exist)",
 			gpu.ErrUnsupported, key.pid, err)
 	}
-	d.ipcEvent[key] = &ipcEvent{ev: ev, refs: 1}
-	return ev, nil
+	least, _, err := driver.StreamPriorityRange()
+	var gate driver.Stream
+	if err == nil {
+		gate, err = driver.NewStream(least)
+	}
+	if err != nil {
+		ev.Destroy()
+		return nil, fmt.Errorf("%w: creating the gate stream of pid %d's store event: %w", gpu.ErrUnsupported, key.pid, err)
+	}
+	e := &ipcEvent{ev: ev, gate: gate, refs: 1}
+	d.ipcEvent[key] = e
+	return e, nil
 }
 
+// ipcEventRelease drops a user of key's event; the last one destroys the
+// gate stream (the driver releases it once its work is done, which for the
+// wait on a dead engine's event is never: a stream's worth of driver
+// memory, kept until the process exits) and then the event. Their
+// stores have ended by then: none is gated, none issued (Unregister waits
+// for them), so nothing of ours waits on the event.
 func (d *cudaDevice) ipcEventRelease(key ipcEventKey) {
 	ev := d.ipcEvent[key]
 	if ev == nil {
 		return
 	}
 	if ev.refs--; ev.refs == 0 {
-		ev.ev.Destroy()
+		if d.failed() == nil {
+			ev.gate.Destroy()
+			ev.ev.Destroy()
+		}
 		delete(d.ipcEvent, key)
 	}
 }
@@ -1138,7 +1248,11 @@ func (d *cudaDevice) event() (driver.Event, error) {
 }
 
 // start issues j's copies and its completion event, unless the device
-// has failed or j's fence is raised: then j ends without a driver call.
+// has failed or j's fence is raised: then j ends without a driver call. A
+// store on a region with the engine's event waits for the event first, on
+// the host: if the event's latest record has completed its copies are
+// issued at once, otherwise the wait goes on the event's gate stream and
+// the store joins d.gated (pollGated issues it once the gate fires).
 func (d *cudaDevice) start(j *cudaJob) {
 	j.started = time.Now()
 	if j.fence.Raised() {
@@ -1151,25 +1265,110 @@ func (d *cudaDevice) start(j *cudaJob) {
 		d.finish(j)
 		return
 	}
-	stream, dir, q := d.store, driver.DtoH, &d.stores
-	if j.dir == gpu.PoolToEngine {
-		stream, dir, q = d.load, driver.HtoD, &d.loads
-	}
 	if j.dir == gpu.EngineToPool && j.reg.event != 0 {
-		// The engine recorded the event after writing the pages: the copies
-		// below read them only once that work is done. The wait is on the
-		// GPU; this thread does not block. Device-to-host copies read their
-		// source in stream order (CU_MEMCPY_SRC_ACCESS_ORDER_STREAM), so
-		// the wait covers them.
-		if err := stream.WaitEvent(j.reg.event); err != nil {
+		// The engine recorded the event after the work that writes the
+		// pages, then sent the store: its copies read them only once that
+		// work is done. The query and the gate's wait capture the event's
+		// latest record (that one or a later one: never too early).
+		fired, err := j.reg.event.Query()
+		j.calls++
+		if err != nil {
 			if d.sticky(j, err) {
 				return
 			}
-			j.err = fmt.Errorf("cuStreamWaitEvent on the engine's store event: %w", err)
+			j.err = fmt.Errorf("cuEventQuery of the engine's store event: %w", err)
 			d.finish(j)
 			return
 		}
-		j.calls++
+		if !fired {
+			d.gate(j)
+			return
+		}
+	}
+	d.issue(j)
+}
+
+// gate issues the wait for j's engine event on the event's gate stream,
+// then records an event of ours after it, and parks j in d.gated. Nothing
+// else is ever queued on a gate stream, so a wait that never ends (an
+// engine that died with its record pending) holds back no copy: the
+// session's end raises j's fence and pollGated withdraws it.
+func (d *cudaDevice) gate(j *cudaJob) {
+	gate := j.reg.gate
+	err := gate.WaitEvent(j.reg.event)
+	j.calls++
+	var ev driver.Event
+	if err == nil {
+		if ev, err = d.event(); err == nil {
+			if err = ev.Record(gate); err != nil {
+				ev.Destroy()
+			}
+		}
+	}
+	if err != nil {
+		if d.sticky(j, err) {
+			return
+		}
+		j.err = fmt.Errorf("waiting for the engine's store event (cuStreamWaitEvent on its gate stream, then an event): %w", err)
+		d.finish(j)
+		return
+	}
+	j.gate = ev
+	d.gated = append(d.gated, j)
+}
+
+// pollGated issues the gated stores whose gates have fired, withdraws
+// those whose fences were raised (the session ended: an engine that died
+// before its event completed) or whose device is closing, and returns how
+// many left d.gated.
+func (d *cudaDevice) pollGated() int {
+	n := 0
+	for i := 0; i < len(d.gated); {
+		j := d.gated[i]
+		withdraw := j.fence.Raised() || d.quitting
+		fired, err := false, error(nil)
+		if !withdraw {
+			fired, err = j.gate.Query()
+			if !fired {
+				i++
+				continue
+			}
+		}
+		d.gated = append(d.gated[:i], d.gated[i+1:]...)
+		n++
+		switch {
+		case withdraw:
+			// A gate whose wait may never end: the driver destroys the
+			// event once it has fired ("resources ... released
+			// automatically once the device has completed hEvent").
+			j.gate.Destroy()
+			j.fail = fmt.Errorf("%w: CUDA device %d (%s): the store was waiting for its engine's event", gpu.ErrFenced, d.info.ordinal, d.info.uuid)
+			if d.quitting && !j.fence.Raised() {
+				j.fail = fmt.Errorf("gpu: CUDA device %d (%s) closed while the store waited for its engine's event: %w", d.info.ordinal, d.info.uuid, os.ErrClosed)
+			}
+			d.finish(j)
+		case err != nil:
+			j.gate.Destroy()
+			if d.sticky(j, err) {
+				return n
+			}
+			j.err = fmt.Errorf("waiting for the engine's store event: %w", err)
+			d.finish(j)
+		default:
+			d.events = append(d.events, j.gate)
+			j.gate = 0
+			d.issue(j)
+		}
+	}
+	return n
+}
+
+// issue enqueues j's copies on its direction's stream and records its
+// completion event after them.
+func (d *cudaDevice) issue(j *cudaJob) {
+	stream, dir, q, head := d.store, driver.DtoH, &d.stores, 1
+	if j.dir == gpu.PoolToEngine {
+		stream, dir, q, head = d.load, driver.HtoD, &d.loads, 0
 	}
 	batch := d.e.batch.Load()
 	calls, failed, err := driver.CopyAsync(dir, batch, j.dst, j.src, j.lens, stream)
@@ -1209,6 +1408,10 @@ func (d *cudaDevice) start(j *cudaJob) {
 		return
 	}
 	j.ev = ev
+	j.issued = time.Now()
+	if len(*q) == 0 {
+		d.headSince[head] = j.issued
+	}
 	*q = append(*q, j)
 }
 
@@ -1216,9 +1419,10 @@ func batchRejected(err error) bool {
 	return errors.Is(err, driver.ErrorInvalidValue) || errors.Is(err, driver.ErrorNotSupported) || errors.Is(err, driver.ErrorNotLoaded)
 }
 
-// poll completes the jobs at the head of q whose events have fired (a
-// stream runs its work in order) and returns how many.
-func (d *cudaDevice) poll(q *[]*cudaJob) int {
+// poll completes the jobs at the head of q (stream head: 0 loads, 1
+// stores) whose events have fired (a stream runs its work in order) and
+// returns how many.
+func (d *cudaDevice) poll(q *[]*cudaJob, head int) int {
 	n := 0
 	for len(*q) > 0 {
 		j := (*q)[0]
@@ -1242,6 +1446,9 @@ func (d *cudaDevice) poll(q *[]*cudaJob) int {
 		*q = (*q)[:len(*q)-1]
 		d.finish(j)
 		n++
+	}
+	if n > 0 {
+		d.headSince[head] = time.Now()
 	}
 	return n
 }

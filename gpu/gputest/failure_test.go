@@ -54,9 +54,11 @@ func TestCUDAFakeFailures(t *testing.T) {
 	}{
 		{"lazy-context", "TestCUDALazyContext", nil},
 		{"exclusive-process", "TestCUDAExclusiveProcess", []string{"FAKECUDA_COMPUTE_MODE=3"}},
-		{"sticky", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=2"}},
-		{"sticky-per-range", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=2", "RINGSIDE_GPUTEST_PER_RANGE=1"}},
+		{"sticky", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=1"}},
+		{"sticky-per-range", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=1", "RINGSIDE_GPUTEST_PER_RANGE=1"}},
 		{"exporter-death", "TestCUDAExporterDeath", nil},
+		{"event-death", "TestCUDAEventDeath", nil},
+		{"watchdog", "TestCUDAWatchdog", []string{"FAKECUDA_EVENT_US=150000"}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			args := []string{"-test.run=^" + v.test + "$", "-test.count=1"}
@@ -224,12 +226,13 @@ func TestCUDAExclusiveProcess(t *testing.T) {
 	}
 }
 
-// TestCUDASticky (FAKECUDA_STICKY_AFTER=2: the second copy call poisons
+// TestCUDASticky (FAKECUDA_STICKY_AFTER=1: the first copy call poisons
 // the context with CUDA_ERROR_ILLEGAL_ADDRESS): the device is marked
-// failed; the op issued before it (a store held behind the engine's
-// event), the op whose call failed, and the ops waiting in the device's
-// queue all fail with ErrDeviceFailed naming the GPU and the code; no copy
-// call is made afterwards; new ops and registrations fail at once.
+// failed; the store started before it (waiting at the gate of the
+// engine's event, not issued), the op whose call failed, and the ops
+// waiting in the device's queue all fail with ErrDeviceFailed naming the
+// GPU and the code; no copy call is made afterwards; new ops and
+// registrations fail at once.
 func TestCUDASticky(t *testing.T) {
 	fc := needFake(t)
 	hold := getCopyHold(t)
@@ -266,7 +269,7 @@ func TestCUDASticky(t *testing.T) {
 	if err := peer.p.Record(ev.ID); err != nil {
 		t.Fatal(err)
 	}
-	calls0 := copyCalls(fc)
+	calls0, waits0 := copyCalls(fc), fc.get(cWaitEvent)
 	submit := func(dir gpu.Direction, page uint32) chan gpu.Result {
 		t.Helper()
 		ch := make(chan gpu.Result, 1)
@@ -276,13 +279,13 @@ func TestCUDASticky(t *testing.T) {
 		}
 		return ch
 	}
-	inFlight := submit(gpu.EngineToPool, 0) // copy call 1: issued, held behind the event
-	waitFor(t, "the store's copy call", func() bool { return copyCalls(fc) == calls0+1 })
+	inFlight := submit(gpu.EngineToPool, 0) // gated behind the event: no copy call
+	waitFor(t, "the store's wait at its gate", func() bool { return fc.get(cWaitEvent) == waits0+1 })
 	// The next call blocks in the driver until released, then fails:
 	// the ops submitted meanwhile wait in the device's queue.
 	hold.hold(t)
-	failing := submit(gpu.PoolToEngine, 1) // copy call 2: CUDA_ERROR_ILLEGAL_ADDRESS
-	waitFor(t, "the load's copy call", func() bool { return copyCalls(fc) == calls0+2 })
+	failing := submit(gpu.PoolToEngine, 1) // copy call 1: CUDA_ERROR_ILLEGAL_ADDRESS
+	waitFor(t, "the load's copy call", func() bool { return copyCalls(fc) == calls0+1 })
 	queued := []chan gpu.Result{submit(gpu.PoolToEngine, 2), submit(gpu.EngineToPool, 3), submit(gpu.PoolToEngine, 4)}
 	hold.release()
 
@@ -303,7 +306,7 @@ func TestCUDASticky(t *testing.T) {
 		}
 	}
 	check("the op whose call failed", result(t, "the failing load", failing))
-	check("the store in flight", result(t, "the store in flight", inFlight))
+	check("the gated store", result(t, "the gated store", inFlight))
 	for i, ch := range queued {
 		check("queued op "+itoa(i+1), result(t, "a queued op", ch))
 	}
@@ -316,8 +319,8 @@ func TestCUDASticky(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("OnDeviceFailed was not called")
 	}
-	if n := copyCalls(fc) - calls0; n != 2 {
-		t.Fatalf("%d copy calls, want 2: the queued ops must not be issued on a failed device", n)
+	if n := copyCalls(fc) - calls0; n != 1 {
+		t.Fatalf("%d copy calls, want 1: neither the gated store nor the queued ops may be issued on a failed device", n)
 	}
 	// A new op fails at once, without a call.
 	err = c.Submit(gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{5}, PoolOffsets: []uint64{0}}, func(gpu.Result) {
@@ -329,8 +332,8 @@ func TestCUDASticky(t *testing.T) {
 	if _, err := c.Register(exp.Region(pageLen, pages, nil)); !errors.Is(err, gpu.ErrDeviceFailed) || !errors.Is(err, gpu.ErrUnsupported) {
 		t.Fatalf("Register on a failed device = %v, want ErrDeviceFailed and ErrUnsupported (the engine's refusal: status 12)", err)
 	}
-	if n := copyCalls(fc) - calls0; n != 2 {
-		t.Fatalf("%d copy calls after the failure, want none", n-2)
+	if n := copyCalls(fc) - calls0; n != 1 {
+		t.Fatalf("%d copy calls after the failure, want none", n-1)
 	}
 	select {
 	case f := <-failures:
@@ -451,4 +454,227 @@ func TestCUDAExporterDeath(t *testing.T) {
 	}
 	c.Unregister(ha)
 	c.Unregister(hd)
+}
+
+// TestCUDAEventDeath: an engine is SIGKILLed while a store on its region
+// waits for its store event, whose record is still pending (the work
+// before it "still runs": FAKECUDA_EVENT_HOLD), so the record never
+// completes (the fake's model of an exporter's death). The store is held
+// at the event's gate, on the host: nothing of the other engine's waits
+// behind it, stores and loads alike, however many; a store submitted on
+// the dead engine's region after the death is gated too; the session's
+// end (the fences) withdraws both without a copy of the dead engine's
+// memory; Unregister returns, and the dead engine's mapping and event are
+// closed.
+func TestCUDAEventDeath(t *testing.T) {
+	fc := needFake(t)
+	pool := mapPool(t, 4<<20)
+	failures := make(chan cuda.DeviceFailure, 4)
+	c, err := cuda.New(pool, cuda.Options{OnDeviceFailed: func(f cuda.DeviceFailure) { failures <- f }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const pageLen, pages = 64 << 10, 8
+	evHold := filepath.Join(t.TempDir(), "event-hold")
+	alive, doomed := startPeer(t, "cuda"), startPeerEnv(t, "cuda", "FAKECUDA_EVENT_HOLD="+evHold)
+	ea := alive.alloc(t, pageLen*pages, 0)
+	ha, err := c.Register(ea.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mapped, events := fc.get(cIPCOpen)-fc.get(cIPCClose), fc.get(cEventOpen)-fc.get(cEventClose)
+	ev, err := doomed.p.NewEvent()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ed := doomed.alloc(t, pageLen*pages, 0)
+	rd := ed.Region(pageLen, pages, nil)
+	rd.IPC.Event, rd.IPC.HasEvent = ev.Handle, true
+	hd, err := c.Register(rd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	submit := func(h gpu.Handle, dir gpu.Direction, page uint32, fence *gpu.Fence) chan gpu.Result {
+		t.Helper()
+		ch := make(chan gpu.Result, 1)
+		if err := c.Submit(gpu.Op{Dir: dir, Region: h, Pages: []uint32{page}, PoolOffsets: []uint64{uint64(page) * pageLen}, Fence: fence},
+			func(r gpu.Result) { ch <- r }); err != nil {
+			t.Fatal(err)
+		}
+		return ch
+	}
+	// The engine's forward pass is still running when it records the
+	// event and sends the store; then it is killed.
+	if err := os.WriteFile(evHold, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := doomed.p.Record(ev.ID); err != nil {
+		t.Fatal(err)
+	}
+	calls0, waits0 := copyCalls(fc), fc.get(cWaitEvent)
+	var fences [2]gpu.Fence
+	gated := []chan gpu.Result{submit(hd, gpu.EngineToPool, 0, &fences[0])}
+	waitFor(t, "the store's wait at its gate", func() bool { return fc.get(cWaitEvent) == waits0+1 })
+	if err := doomed.p.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // what the killed exporter could not remove
+		left, _ := filepath.Glob(fmt.Sprintf("/dev/shm/fakecuda-*%d-*", ed.PID))
+		for _, f := range left {
+			os.Remove(f)
+		}
+	})
+	os.Remove(evHold) // its work would have ended by now: the record still never runs
+	gated = append(gated, submit(hd, gpu.EngineToPool, 1, &fences[1]))
+
+	// The other engine: more stores than the stall limit cancels, and
+	// loads, each done in time.
+	for i := range 8 {
+		dir := gpu.EngineToPool
+		if i%2 == 1 {
+			dir = gpu.PoolToEngine
+		}
+		if res := result(t, "the other engine's copy", submit(ha, dir, uint32(i%pages), nil)); res.Err != nil {
+			t.Fatalf("the other engine's copy %d: %v", i, res.Err)
+		}
+	}
+	for i, ch := range gated {
+		select {
+		case res := <-ch:
+			t.Fatalf("the dead engine's store %d ended before its session did: %+v", i, res)
+		default:
+		}
+	}
+	if n := copyCalls(fc) - calls0; n != 8 {
+		t.Fatalf("%d copy calls, want 8 (the other engine's): a store of the dead engine was issued", n)
+	}
+	for i := range fences { // the session's end (the sidecar's scheduler does this)
+		fences[i].Raise()
+	}
+	for i, ch := range gated {
+		if res := result(t, "a gated store of the dead engine", ch); !errors.Is(res.Err, gpu.ErrFenced) || res.Bytes != 0 {
+			t.Fatalf("gated store %d of the dead engine: %v (%d bytes), want ErrFenced", i, res.Err, res.Bytes)
+		}
+	}
+	unregistered := make(chan error, 1)
+	go func() { unregistered <- c.Unregister(hd) }()
+	select {
+	case err := <-unregistered:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Unregister of the dead engine's region did not return")
+	}
+	if n := fc.get(cIPCOpen) - fc.get(cIPCClose); n != mapped {
+		t.Errorf("%d mappings open after the dead engine's region went, want %d (the other engine's)", n, mapped)
+	}
+	if n := fc.get(cEventOpen) - fc.get(cEventClose); n != events {
+		t.Errorf("%d events open after the dead engine's region went, want %d", n, events)
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.EngineToPool, Region: ha, Pages: []uint32{1}, PoolOffsets: []uint64{0}}); err != nil {
+		t.Fatalf("the other engine after the death: %v", err)
+	}
+	select {
+	case f := <-failures:
+		t.Fatalf("the device failed: %v", f.Err)
+	default:
+	}
+	if err := c.Unregister(ha); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCUDAWatchdog (FAKECUDA_EVENT_US=150000: every copy's completion
+// event fires 150 ms after its copies run): copies queued behind each
+// other each count from when they reach the head of their stream, so a
+// long queue of copies within the bound passes; a copy that outlives the
+// bound fails the device with ErrWedged (code 0), with the ops behind it,
+// and Unregister and Close return.
+func TestCUDAWatchdog(t *testing.T) {
+	needFake(t)
+	if os.Getenv("FAKECUDA_EVENT_US") != "150000" {
+		t.Fatal("FAKECUDA_EVENT_US is not 150000")
+	}
+	const pageLen, pages = 64 << 10, 8
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, pageLen*pages, 0)
+	submit := func(c *cuda.Engine, h gpu.Handle, page uint32) chan gpu.Result {
+		t.Helper()
+		ch := make(chan gpu.Result, 1)
+		if err := c.Submit(gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{page}, PoolOffsets: []uint64{uint64(page) * pageLen}},
+			func(r gpu.Result) { ch <- r }); err != nil {
+			t.Fatal(err)
+		}
+		return ch
+	}
+
+	failures := make(chan cuda.DeviceFailure, 4)
+	onFail := func(f cuda.DeviceFailure) { failures <- f }
+	c, err := cuda.New(mapPool(t, 4<<20), cuda.Options{Watchdog: 400 * time.Millisecond, OnDeviceFailed: onFail})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := c.Register(exp.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	var queued []chan gpu.Result
+	for i := range 6 {
+		queued = append(queued, submit(c, h, uint32(i)))
+	}
+	for i, ch := range queued {
+		if res := result(t, "a queued load", ch); res.Err != nil {
+			t.Fatalf("load %d of 6 queued (each 150 ms, bound 400 ms): %v", i, res.Err)
+		}
+	}
+	if took := time.Since(t0); took < 6*150*time.Millisecond {
+		t.Fatalf("6 loads of 150 ms each took %v: the simulator ran them side by side", took)
+	} else {
+		t.Logf("6 loads of 150 ms each, queued together, took %v under a 400 ms bound", took)
+	}
+	c.Unregister(h)
+	c.Close()
+	select {
+	case f := <-failures:
+		t.Fatalf("the watchdog failed a device whose copies progress: %v", f.Err)
+	default:
+	}
+
+	c, err = cuda.New(mapPool(t, 4<<20), cuda.Options{Watchdog: 50 * time.Millisecond, OnDeviceFailed: onFail})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	h, err = c.Register(exp.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	late, behind := submit(c, h, 0), submit(c, h, 1)
+	for _, ch := range []chan gpu.Result{late, behind} {
+		res := result(t, "a load past the bound", ch)
+		if !errors.Is(res.Err, gpu.ErrDeviceFailed) || !errors.Is(res.Err, cuda.ErrWedged) || !strings.Contains(res.Err.Error(), "wedged") {
+			t.Fatalf("a load of 150 ms under a 50 ms bound: %v, want ErrDeviceFailed wrapping ErrWedged", res.Err)
+		}
+		if ch == late {
+			t.Logf("failed after %v: %v", time.Since(t0), res.Err)
+		}
+	}
+	select {
+	case f := <-failures:
+		if f.Code != 0 || !errors.Is(f.Err, cuda.ErrWedged) || f.UUID != driver.UUID(exp.IPC.GPU).String() {
+			t.Errorf("OnDeviceFailed got %+v", f)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("OnDeviceFailed was not called")
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{2}, PoolOffsets: []uint64{0}}); !errors.Is(err, gpu.ErrDeviceFailed) {
+		t.Fatalf("a load after the watchdog fired: %v, want ErrDeviceFailed", err)
+	}
+	if err := c.Unregister(h); err != nil {
+		t.Fatal(err)
+	}
 }

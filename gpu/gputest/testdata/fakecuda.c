@@ -11,9 +11,10 @@
 // (bench/gpu/probe_ipc.py) that checks it on a GPU: ipc-range,
 // ipc-corrupt-handle, vmm-export, ipc-event, vmm-fd-export, vmm-fd-import,
 // vmm-release-mapped, vmm-export-unrequested, vmm-pointer-attrs,
-// vmm-map-rules, exporter-death. A behaviour no probe has confirmed yet is
-// an assumption, not a fact about the driver (the exporter's death, under
-// Fault injection, is one).
+// vmm-map-rules, exporter-death, event-death. A behaviour no probe has
+// confirmed yet is an assumption, not a fact about the driver (the
+// exporter's death, under Fault injection, is one; so is the death of an
+// exporter whose event record is still pending, under Interprocess events).
 //
 // Build: gcc -shared -fPIC -o DIR/libcuda.so.1 fakecuda.c
 // Env:
@@ -26,7 +27,14 @@
 //                         cannot be exported with legacy IPC
 //   FAKECUDA_EVENT_HOLD=F while file F exists, an interprocess event this
 //                         process records stays incomplete (the work before
-//                         the record "still runs", like a kernel)
+//                         the record "still runs", like a kernel); if this
+//                         process dies before F is removed, the record
+//                         never completes (see Interprocess events)
+//   FAKECUDA_EVENT_US=N   an event (not interprocess) this process records
+//                         completes N microseconds after its record runs
+//                         (a copy that takes that long on the GPU)
+//   FAKECUDA_PIN_US_PER_MIB=N cuMemHostRegister takes N microseconds per MiB
+//                         (a real driver pins about 0.1 s per GiB: 100)
 //   FAKECUDA_COUNTERS=D   this process counts its driver calls in the file
 //                         D/<pid>: NCOUNT little-endian u64s (enum counter)
 //   FAKECUDA_STICKY_AFTER=N the Nth copy call of this process (batch or
@@ -40,6 +48,7 @@
 //                         request CU_MEM_HANDLE_TYPE_FABRIC (see Virtual
 //                         memory management)
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -191,6 +200,7 @@ static CUresult copy_entry(void) {
 #define GRANULE (2u << 20)
 #define MAXA 4096
 static struct { uintptr_t p; size_t n; int own, vmm; char name[64]; } allocs[MAXA];
+static int seen_pids[64]; // exporters this process imported from (cuMemGetInfo)
 static struct { uintptr_t p; size_t n; } hostregs[MAXA];
 
 #define NEEDCTX() do { if (!cur_ctx) return 201; CUresult p_ = poisoned(); if (p_) { count(C_STICKY); return p_; } } while (0)
@@ -366,6 +376,43 @@ CUresult cuMemGetAddressRange(CUdeviceptr *b, size_t *n, CUdeviceptr p) {
 	pthread_mutex_unlock(&mu);
 	return i < 0 && m < 0 ? 1 : 0;
 }
+// cuMemGetInfo: free and total device memory. The model: 80 GiB in all, of
+// which the allocations of the processes this one knows of (itself and the
+// exporters it imported from; each allocation a /dev/shm/fakecuda-<pid>-<n>
+// file) are used while their process lives or while this process maps
+// them. An exited exporter's allocation stays used until its importers
+// close their mappings, and is freed then (cuIpcCloseMemHandle removes its
+// file). Source: cuMemGetInfo; for the exporter's exit nothing is
+// documented. Assumption: what LMCache issue #4676 reports (a dead vLLM
+// worker's KV memory stayed resident while the importer kept it open);
+// probe event-death compares cuMemGetInfo before the exporter's death and
+// after the import is closed.
+CUresult cuMemGetInfo(size_t *free_, size_t *total) {
+	NEEDCTX();
+	const size_t all = 80ull << 30;
+	size_t used = 0;
+	DIR *dir = opendir("/dev/shm");
+	pthread_mutex_lock(&mu);
+	for (struct dirent *de; dir && (de = readdir(dir)) != NULL;) {
+		int pid = 0, n = 0, known = 0;
+		if (sscanf(de->d_name, "fakecuda-%d-%d", &pid, &n) != 2) continue;
+		known = pid == getpid();
+		for (int i = 0; !known && i < 64 && seen_pids[i]; i++) known = seen_pids[i] == pid;
+		if (!known) continue;
+		int mapped = 0;
+		for (int i = 0; i < MAXA && !mapped; i++)
+			mapped = allocs[i].p && !strcmp(allocs[i].name + 1, de->d_name);
+		struct stat st;
+		char path[300];
+		snprintf(path, sizeof path, "/dev/shm/%s", de->d_name);
+		if ((mapped || !pid_dead(pid)) && stat(path, &st) == 0) used += (size_t)st.st_size;
+	}
+	pthread_mutex_unlock(&mu);
+	if (dir) closedir(dir);
+	if (free_) *free_ = used < all ? all - used : 0;
+	if (total) *total = all;
+	return 0;
+}
 // cuPointerGetAttribute ("Unified Addressing"), the attributes ringside
 // reads: IS_LEGACY_CUDA_IPC_CAPABLE (10, int: "suitable for
 // cudaIpcGetMemHandle": 1 for cuMemAlloc memory, 0 for VMM mappings and
@@ -448,11 +495,17 @@ CUresult cuIpcOpenMemHandle(CUdeviceptr *p, ipch_t h, unsigned int flags) {
 		snprintf(allocs[i].name, sizeof allocs[i].name, "%s", name);
 		break;
 	}
+	for (int i = 0; i < 64; i++) {
+		if (seen_pids[i] == pid) break;
+		if (!seen_pids[i]) { seen_pids[i] = pid; break; }
+	}
 	pthread_mutex_unlock(&mu);
 	count(C_IPC_OPEN);
 	*p = (CUdeviceptr)(uintptr_t)m;
 	return 0;
 }
+// Closing the last mapping of a dead exporter's allocation frees it (see
+// cuMemGetInfo): its file is removed.
 CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 	NEEDCTX();
 	pthread_mutex_lock(&mu);
@@ -460,14 +513,27 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 	if (i < 0 || allocs[i].p != p || allocs[i].own) { pthread_mutex_unlock(&mu); return 1; }
 	munmap((void *)allocs[i].p, allocs[i].n);
 	allocs[i].p = 0;
+	int pid = 0, mapped = 0;
+	sscanf(allocs[i].name, "/fakecuda-%d-", &pid);
+	for (int k = 0; k < MAXA; k++)
+		if (allocs[k].p && !strcmp(allocs[k].name, allocs[i].name)) mapped = 1;
+	if (pid > 0 && !mapped && pid_dead(pid)) shm_unlink(allocs[i].name);
 	pthread_mutex_unlock(&mu);
 	count(C_IPC_CLOSE);
 	return 0;
 }
+// FAKECUDA_PIN_US_PER_MIB makes a registration take its time, as a real
+// driver's does (about 0.1 s per GiB: docs/architecture.md, the copy path).
 CUresult cuMemHostRegister(void *p, size_t n, unsigned int flags) {
 	NEEDCTX();
 	(void)flags;
 	if (n >= (512ull << 30)) return 1;
+	const char *pin_us = getenv("FAKECUDA_PIN_US_PER_MIB");
+	if (pin_us) {
+		uint64_t us = strtoull(pin_us, NULL, 10) * (uint64_t)n / (1u << 20);
+		struct timespec t = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+		while (nanosleep(&t, &t) != 0) {}
+	}
 	uintptr_t a = (uintptr_t)p;
 	pthread_mutex_lock(&mu);
 	for (int i = 0; i < MAXA; i++)
@@ -851,12 +917,32 @@ CUresult cuMemImportFromShareableHandle(uint64_t *h, void *os, int type) {
 // and cuEventQuery "may be used in either process"), cuStreamWaitEvent
 // ("all future work submitted to hStream will wait until hEvent completes";
 // it waits for the latest cuEventRecord before the call). Probe: ipc-event.
+//
+// The exporter's death with a record pending: an exporter killed while
+// the work queued before its record still runs (FAKECUDA_EVENT_HOLD's file
+// exists) never runs that record, so the event never completes, for a
+// cuStreamWaitEvent already issued, for one issued later and for
+// cuEventQuery: whatever waits on it in another process waits forever.
+// Once the hold's file is gone the record completes if, when someone next
+// looks (a query, a stream advancing), the exporter still lives; from then
+// on it stays complete. (The fake cannot tell a hold removed before the
+// death from one removed after, unless someone looked in between: a test
+// removes the hold before the death, and looks, or only after it.)
+// Sources: cuIpcOpenEventHandle ("Performing operations on the imported
+// event after the exported event has been freed with cuEventDestroy will
+// result in undefined behavior"; an exporter's exit frees its events),
+// PyTorch PR #15974 ("the event ... that last called record must not be
+// destructed. Otherwise, synchronize could block forever"), LMCache issue
+// #4676 (a server that waited on a dead vLLM worker's event hung, and its
+// imports of the worker's memory were never released). Assumption: a real
+// driver does the same; probe event-death reports what it does.
 #define EV_INTERPROCESS 4
 #define EV_DISABLE_TIMING 2
-struct ipcev { uint64_t recorded, done; char hold[200]; };
+struct ipcev { uint64_t recorded, done; char hold[200]; int pid; };
 struct stream;
 struct ev {
 	int countdown;        // NOT_READY answers left after completion (polling is exercised)
+	uint64_t ready_ns;    // FAKECUDA_EVENT_US: CLOCK_MONOTONIC time the recorded work ends
 	int pending;          // a record of this event is queued on stream st, not yet run
 	struct stream *st;
 	unsigned flags;
@@ -866,7 +952,18 @@ struct ev {
 };
 static int ipc_complete(struct ipcev *sh, uint64_t seq) {
 	if (__atomic_load_n(&sh->done, __ATOMIC_SEQ_CST) >= seq) return 1;
-	return sh->hold[0] && access(sh->hold, F_OK) != 0; // the held work finished
+	if (!sh->hold[0] || access(sh->hold, F_OK) == 0) return 0; // the held work still runs
+	// The held work finished: the record runs, unless its process died
+	// first (see the exporter's death above), and then stays run.
+	if (pid_dead(sh->pid)) return 0;
+	uint64_t rec = __atomic_load_n(&sh->recorded, __ATOMIC_SEQ_CST), done = __atomic_load_n(&sh->done, __ATOMIC_SEQ_CST);
+	while (done < rec && !__atomic_compare_exchange_n(&sh->done, &done, rec, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+	return 1;
+}
+static uint64_t now_ns(void) {
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
 // ---- Streams ----
@@ -880,12 +977,21 @@ static int ipc_complete(struct ipcev *sh, uint64_t seq) {
 // never runs early, and it runs at the latest when someone asks.
 enum { OP_COPY, OP_WAIT_IPC, OP_WAIT_LOCAL, OP_RECORD };
 struct op { int kind; uintptr_t dst, src; size_t n; struct ipcev *sh; uint64_t seq; struct ev *ev; };
-struct stream { struct op *q; size_t head, n, cap; };
+// busy_ns: with FAKECUDA_EVENT_US, when the work recorded on the stream so
+// far ends (the stream runs one thing after another).
+struct stream { struct op *q; size_t head, n, cap; uint64_t busy_ns; };
 
-static void ev_recorded(struct ev *e) {
+static void ev_recorded(struct ev *e, struct stream *st) {
 	e->pending = 0;
 	e->st = NULL;
 	e->countdown = 3;
+	const char *us = getenv("FAKECUDA_EVENT_US");
+	if (us && !e->sh) {
+		uint64_t now = now_ns(), from = st && st->busy_ns > now ? st->busy_ns : now;
+		e->ready_ns = from + strtoull(us, NULL, 10) * 1000ull;
+		if (st) st->busy_ns = e->ready_ns;
+		e->countdown = 0;
+	}
 	if (e->sh) { // a record by this process of an interprocess event
 		struct ipcev *sh = e->sh;
 		const char *hold = getenv("FAKECUDA_EVENT_HOLD");
@@ -905,7 +1011,7 @@ static void advance(struct stream *s) {
 		if (o->kind == OP_WAIT_IPC && !ipc_complete(o->sh, o->seq)) return;
 		if (o->kind == OP_WAIT_LOCAL && o->ev->pending) return;
 		if (o->kind == OP_COPY) memcpy((void *)o->dst, (const void *)o->src, o->n);
-		if (o->kind == OP_RECORD) ev_recorded(o->ev);
+		if (o->kind == OP_RECORD) ev_recorded(o->ev, s);
 		s->head++;
 	}
 	s->head = s->n = 0;
@@ -1004,6 +1110,19 @@ CUresult cuStreamSynchronize(void *s) {
 	}
 	return 999;
 }
+// cuStreamQuery: CUDA_SUCCESS once everything queued on the stream has run,
+// CUDA_ERROR_NOT_READY while something waits (cuStreamQuery: "Returns
+// CUDA_SUCCESS if all operations in the stream specified by hStream have
+// completed, or CUDA_ERROR_NOT_READY if not"). Probe: event-death.
+CUresult cuStreamQuery(void *s) {
+	NEEDCTX();
+	if (!s) return 400;
+	pthread_mutex_lock(&mu);
+	advance(s);
+	int empty = ((struct stream *)s)->n == 0;
+	pthread_mutex_unlock(&mu);
+	return empty ? 0 : 600;
+}
 CUresult cuStreamWaitEvent(void *s, struct ev *e, unsigned int flags) {
 	NEEDCTX();
 	count(C_WAIT_EVENT);
@@ -1044,6 +1163,7 @@ CUresult cuEventCreate(struct ev **e, unsigned int f) {
 		snprintf((*e)->name, sizeof (*e)->name, "/fakecuda-ev-%d-%d", getpid(), counter++);
 		pthread_mutex_unlock(&mu);
 		if (!((*e)->sh = map_ipcev((*e)->name, 1))) { free(*e); return 2; }
+		(*e)->sh->pid = getpid();
 	}
 	return 0;
 }
@@ -1059,7 +1179,7 @@ CUresult cuEventRecord(struct ev *e, void *s) {
 		e->st = st;
 		push(st, (struct op){.kind = OP_RECORD, .ev = e});
 	} else {
-		ev_recorded(e);
+		ev_recorded(e, st);
 	}
 	pthread_mutex_unlock(&mu);
 	return 0;
@@ -1073,6 +1193,8 @@ CUresult cuEventQuery(struct ev *e) {
 		r = 600;
 	} else if (e->sh) {
 		r = ipc_complete(e->sh, __atomic_load_n(&e->sh->recorded, __ATOMIC_SEQ_CST)) ? 0 : 600;
+	} else if (e->ready_ns && now_ns() < e->ready_ns) {
+		r = 600;
 	} else if (e->countdown > 0) {
 		e->countdown--;
 		r = 600;
@@ -1149,6 +1271,7 @@ static struct { const char *name; void *fn; int minver; } procs[] = {
 	{"cuMemcpyBatchAsync", (void *)cuMemcpyBatchAsync, 12080},
 	{"cuStreamCreateWithPriority", (void *)cuStreamCreateWithPriority, 5050},
 	{"cuStreamDestroy", (void *)cuStreamDestroy, 4000}, {"cuStreamSynchronize", (void *)cuStreamSynchronize, 2000},
+	{"cuStreamQuery", (void *)cuStreamQuery, 2000}, {"cuMemGetInfo", (void *)cuMemGetInfo, 3020},
 	{"cuStreamWaitEvent", (void *)cuStreamWaitEvent, 3020},
 	{"cuEventCreate", (void *)cuEventCreate, 2000}, {"cuEventRecord", (void *)cuEventRecord, 2000},
 	{"cuEventQuery", (void *)cuEventQuery, 2000}, {"cuEventDestroy", (void *)cuEventDestroy, 4000},
