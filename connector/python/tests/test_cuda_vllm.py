@@ -548,6 +548,38 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
     ws.shutdown()
 
 
+# -- the benchmark of waiting for stores -------------------------------------------
+
+
+def test_the_settle_wait_benchmark_runs(ringside_bin, libcuda, tmp_path):  # noqa: F811
+    """bench/vllm/settle_wait.py --quick (docs/benchmarks.md, waiting for
+    stores): every scenario runs and stores, and its deterministic counts
+    hold: with plenty of blocks no step blocks on a store (no schedule hands
+    a stored block on, and no model here has Model Runner V2 write blocks
+    before handle_preemptions)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run(
+        [sys.executable, os.path.join(repo, "bench", "vllm", "settle_wait.py"), "--quick", "--out", str(out)],
+        env=dict(os.environ, RINGSIDE_TEST_BIN=ringside_bin),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = {(x["model"], x["memory"], x["runner"]): x for x in map(json.loads, out.read_text().splitlines())}
+    assert len(rows) == 8, rows.keys()
+    for k, x in rows.items():
+        assert x["stored_blocks"] > 0 and x["steps"] > 0, (k, x)
+    for model in ("full", "sliding"):
+        for runner in ("v1", "v2"):
+            assert rows[(model, "ample", runner)]["store_waits"] == 0, rows[(model, "ample", runner)]
+
+
 # -- stores in flight: finished and preempted requests --------------------------
 
 
@@ -725,53 +757,66 @@ def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held
     # 7 usable blocks (one is vLLM's null block): two 3-block prompts fill
     # 6 in their prefill step, whose store is held; in the next step both
     # need a 4th block, and vLLM preempts the second, freeing its blocks
-    # while that store has not read them.
+    # while that store has not read them. No step may write one of them
+    # (hand it on as a new block) before the store has read them: the
+    # preemption's own step allocates none of them, so the store runs on
+    # through it, and the step after waits for it (a store runs on through
+    # one step, never more).
     eng = cuda_engine(sim, sc.sock, sim.stream(), num_blocks=8)
     ws = eng.worker.connector_worker
-    seen = []
+    steps = []  # (preempted, store held before, store held after, handed on, seconds)
     hp = eng.worker.handle_preemptions
+    stored: set = set()
+    timer = threading.Timer(0.3, ev.release)
 
     def handle_preemptions(meta):
-        pre = set(eng.sched_output.preempted_req_ids or ())
-        if not pre or seen:  # the first preemption is the one with the store held
-            return hp(meta)
-        # The blocks vLLM just freed may be written by this step's forward
-        # pass: handle_preemptions returns only once the store read them.
-        assert ev.held and ws.stats["stores"] == 0, "the store ended before the preemption"
-        timer = threading.Timer(0.3, ev.release)
-        t0 = time.monotonic()
-        timer.start()
-        try:
-            hp(meta)
-        finally:
-            timer.cancel()
-            still = ev.held
-            ev.release()
-        seen.append((pre, still, time.monotonic() - t0, dict(ws.stats)))
+        so = eng.sched_output
+        pre = set(so.preempted_req_ids or ())
+        if pre and not timer.is_alive() and ev.held:
+            timer.start()  # the store "runs" 0.3 s more from the preemption on
+        pending = {b for e in ws._saving for b in e[4]}  # the stores sent in the steps before
+        before, t0 = ev.held, time.monotonic()
+        hp(meta)
+        handed = bool(stored & pending & allocated(so))
+        steps.append((pre, before, ev.held, handed, time.monotonic() - t0))
+        assert not (ev.held and handed), "a step hands on blocks a store has not read: %s" % steps
 
     eng.worker.handle_preemptions = handle_preemptions
     sched = eng.sched.schedule
 
     def schedule():
         eng.sched_output = sched()
+        if not stored:
+            stored.update(eng.sched_output.kv_connector_metadata.store_block_ids)
         return eng.sched_output
 
     eng.sched.schedule = schedule
     reqs = [H.request("p%d" % i, H.prompt(20 + i, 3 * H.BLOCK), max_tokens=4) for i in range(2)]
     ev.hold()  # from the prefill step's store on
-    eng.run(reqs)
-    assert seen, "no preemption happened"
-    pre, still, took, stats = seen[0]
-    assert pre == {"p1"}, pre
-    assert not still, "handle_preemptions returned while the store could not have read the freed blocks"
-    assert took >= 0.25, took
-    assert stats["stored_blocks"] == 6 and stats["store_errors"] == 0, stats
+    try:
+        eng.run(reqs)
+    finally:
+        timer.cancel()
+        ev.release()
+    pre = [x for x in steps if x[0]]
+    assert pre and pre[0][0] == {"p1"} and pre[0][1], "no preemption with the store held: %s" % steps
+    assert pre[0][2] and not pre[0][3], "the preemption's step waited, or handed the blocks on: %s" % steps
+    # The step after waits for it (a store runs on through one step, not more).
+    i = steps.index(pre[0]) + 1
+    assert not steps[i][2] and steps[i][4] > 0.2, "the step after the preemption did not wait: %s" % steps
+    assert ws.stats["stored_blocks"] == 6 and ws.stats["store_errors"] == 0, ws.stats
     # The preempted request's blocks as stored load back byte-exact.
     reset(eng)
     loaded = eng.wstats["loaded_blocks"]
     eng.run([H.request("p2", H.prompt(21, 3 * H.BLOCK + 5), max_tokens=1)])
     assert eng.wstats["loaded_blocks"] - loaded == 3 and eng.wstats["load_error_blocks"] == 0, eng.wstats
     eng.shutdown()
+
+
+def allocated(so) -> set:
+    """The block ids a schedule allocated (test_vllm_connector.allocated)."""
+    new = {b for nr in so.scheduled_new_reqs for g in nr.block_ids for b in g}
+    return new | {b for nb in so.scheduled_cached_reqs.new_block_ids if nb for g in nb for b in g}
 
 
 def test_a_sticky_error_in_the_sidecar_leaves_the_engine_serving(sim, start_sidecar, libcuda, monkeypatch, tmp_path):  # noqa: F811

@@ -383,6 +383,34 @@ def test_every_layer_a_sliding_window(sc):
     assert b.wstats["loaded_blocks"] == sum(window_blocks(h * H.BLOCK) for h in hits), b.wstats
 
 
+@pytest.mark.parametrize("runner", ["v2", "v2-zeroing", "v1"])
+def test_a_window_waits_for_stores_only_where_it_hands_their_blocks_on(sc, runner):
+    """A sliding window frees a live request's blocks (vLLM's null block in
+    their place) as its tokens leave the window, and a schedule may hand
+    them on at once. The workers wait for the stores that read them before
+    any write of a step (StoreGuard checks every write: the forward pass's,
+    and Model Runner V2's zeroing before handle_preemptions where the model
+    needs it), but only then: a step whose stores no schedule hands on lets
+    them run on, so a window model's stores are not synchronous."""
+    from test_vllm_connector import StoreGuard, zero_new_blocks
+
+    eng = H.Engine(sc.sock, num_blocks=14, max_num_batched_tokens=64, groups=HYBRID, extra={"overlap_saves": True})
+    if runner == "v2-zeroing":
+        zero_new_blocks(eng)
+    eng.worker.connector_worker.writes_first = runner != "v1"
+    g = StoreGuard(eng)
+    reqs = [H.request("w%d" % i, H.prompt(30 + i, 47 + 3 * i), max_tokens=30) for i in range(5)]
+    eng.run(reqs, on_meta=g.on_meta)
+    eng.shutdown()
+    assert eng.wstats["store_errors"] == 0 and eng.wstats["stored_blocks"] > 0, eng.wstats
+    assert g.checked >= eng.steps
+    assert g.handed > 0, "no schedule handed on a block the step before stored"
+    with_stores = sum(1 for m in eng.metas if m.store_block_ids)
+    if runner != "v2-zeroing":
+        # Each wait is one a hand-on made (its step's handle_preemptions).
+        assert 0 < g.blocked <= g.handed < with_stores, (g.blocked, g.handed, with_stores)
+
+
 def test_kv_events_describe_the_lead_group_only():
     """KV events with several groups: the planner's runs for descriptions are
     the lead (full-attention, unmasked) group's blocks, each once, as

@@ -103,6 +103,36 @@ def full_attention_only(kvm: Any) -> bool:
         return False
 
 
+def writes_before_preemptions(kvm: Any, hash_block: int) -> bool:
+    """Whether Model Runner V2 may write blocks of a step before it calls
+    handle_preemptions (update_requests): zeroing its new blocks (a manager
+    records them for the worker: mamba layers, a mixed-precision KV cache;
+    vLLM's needs_kv_cache_zeroing), or a copy-on-write of a prefix hit that
+    ends inside a block (a group whose blocks are larger than a hash block).
+    Neither: every write of a step comes after handle_preemptions, as with
+    the V1 runner. True where the manager cannot tell."""
+    try:
+        managers = kvm.coordinator.single_type_managers
+        return any(bool(m.records_new_block_ids) or int(m.block_size) > hash_block for m in managers)
+    except (AttributeError, TypeError, ValueError):
+        return True
+
+
+def new_blocks(so: Any) -> Any:
+    """The block ids a schedule allocated (every KV cache group): a new
+    request's blocks (those of its prefix-cache hit too), and the blocks
+    added to a scheduled one (all of a resumed one's). Only these can be
+    written by the step: a stored block is full, so nothing writes it again
+    while its request holds it."""
+    for nr in so.scheduled_new_reqs:
+        for ids in nr.block_ids or ():
+            yield from ids
+    for nb in so.scheduled_cached_reqs.new_block_ids:
+        if nb:
+            for ids in nb:
+                yield from ids
+
+
 def group_tables(kvm: Any, gids: list) -> Optional[list]:
     """The KV cache manager's request -> blocks tables of the KV cache
     groups gids (in that order), for the store planner of a model with

@@ -31,7 +31,7 @@ from ..plugin.faults import SIDECAR_ERRORS, Faults, make_link
 from ..plugin.stats import StatsFile, counters
 from . import disagg, retention
 from .admission import Admission
-from .engine import full_attention_only
+from .engine import full_attention_only, new_blocks, writes_before_preemptions
 from .events import KVEvents
 from .groups import Layout
 from .hybrid import HybridAdmission
@@ -67,6 +67,7 @@ COUNTERS = (
     "batches_reused",
     "saves_unwaited",
     "stores_skipped",
+    "store_waits",
     "planned_stores",
     "planned_blocks",
     "step_ns_total",
@@ -179,6 +180,11 @@ class SchedulerSide:
         # Only full attention keeps every block of a live request until it
         # finishes or is preempted (sliding windows free old blocks).
         self._full_attention: Optional[bool] = None
+        # Whether Model Runner V2 writes blocks before handle_preemptions for
+        # this model (engine.writes_before_preemptions; None: not known yet).
+        self._writes_first: Optional[bool] = None
+        # The engine blocks the last step's stores read (None: no stores).
+        self._last_stored: Optional[set[int]] = None
         # Finished requests whose blocks vLLM keeps for the workers' stores
         # (request_finished returned True): to tell the workers (the next
         # metadata), and those not reported back in finished_sending yet.
@@ -279,13 +285,26 @@ class SchedulerSide:
             except RingsideError as e:
                 self.faults.fail(e)
                 s = None
-        # The stores planned last step may still be copying: the workers
-        # must wait for them only if their blocks can be reused now.
+        # The stores planned last step may still be copying (the workers
+        # waited for the older ones): they must be waited for before this
+        # step writes only if it writes a block they read, i.e. if this
+        # schedule handed one of those blocks on (vLLM freed it since: a
+        # preemption, a sliding window) as a new block of a request.
         if self._full_attention is None:
-            self._full_attention = full_attention_only(self.kv_cache_manager)
+            kvm = self.kv_cache_manager
+            self._full_attention = full_attention_only(kvm)
+            self._writes_first = writes_before_preemptions(kvm, self.layout.hash_block)
         pre = getattr(scheduler_output, "preempted_req_ids", None)
         full = self._full_attention
-        meta.wait_saves = pre is None or bool(pre) or not full
+        last = self._last_stored
+        if pre is None:
+            meta.wait_saves = True
+        elif last:
+            meta.wait_saves = not last.isdisjoint(new_blocks(scheduler_output))
+            if meta.wait_saves:
+                self.stats["store_waits"] += 1
+        else:
+            meta.wait_saves = False
         if pre:
             self.admission.preempted(pre)
             self.planner.preempted(pre)
@@ -294,15 +313,22 @@ class SchedulerSide:
                 r = reqs.get(rid)
                 if r is not None:
                     r.store_step = 0
+        # Model Runner V2 writes the step's new blocks before it calls
+        # handle_preemptions (zeroing, copy-on-write) where the model needs
+        # it (writes_before_preemptions): there the stores the next schedule
+        # may expose are waited for at this step's end.
         kvm = self.kv_cache_manager
         bound = self.alloc_bound
-        meta.settle_saves = not full or not bound or kvm is None or kvm.block_pool.get_num_free_blocks() < bound
+        meta.settle_saves = self._writes_first is not False and (
+            not full or not bound or kvm is None or kvm.block_pool.get_num_free_blocks() < bound
+        )
         if self._held:
             meta.held_req_ids, self._held = self._held, []
         # The planned stores' digests are noted as the engine's own (read your writes).
         m = self.mirror
         planner.begin_step(kvm, m.noting(time.monotonic()) if m is not None and not m.disabled else None)
         planner.plan(meta, scheduler_output)
+        self._last_stored = set(meta.store_block_ids) if meta.store_block_ids else None
         if s is not None and s is not self.link.session:
             s = None
         if self.events is not None:  # the runs are described with the next poll of the event log (events.py)
