@@ -190,9 +190,10 @@
 // probe ring and the last hint live in the namespace record.
 //
 // Under PolicyMQP2 retention is evidence for the policy, not an order of
-// its own: a retained block stays in the policy's queues, its count raised
-// to the next level's first (never above level 2's, so never above the
-// prefixes many requests read), its retained lists stay empty; expiry
+// its own: a retained block stays in the policy's queues, a block read
+// once raised to count 2 (a retention counts as a second read; never
+// above the prefixes many requests read), the retained lists stay empty;
+// it ages as any other; expiry
 // moves nothing; EndRetain sends the blocks whose retention it ended and
 // that are read by at most 3 requests (a session's own tail) to the LRU
 // end of queue 0. Records, owners, charges and deadlines are as below.

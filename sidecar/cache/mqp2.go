@@ -348,20 +348,16 @@ func (c *Cache) mqpBegin2(n *namespace, ns NamespaceID, digests []byte, h int) (
 
 // mqp2Retain is a retention's evidence on present head h (a retention set
 // or renewed): a block kept on purpose is kept longer than its peers, not
-// above every shared prefix. Its count rises to the next level's first
-// (2, 4; a block at level 2 or 3 keeps its count: level 3 holds the
-// prefixes read by many, which a retention must not outrank), and an
-// unpinned block goes to the front of that level's queue (a tick).
-// Expiry changes nothing: the block ages as any other.
+// above every shared prefix. A retention counts as a second read: a block
+// read once (count 1, level 0) rises to count 2 (level 1), one read more
+// keeps its count (a retention says less than a request did: lifting
+// those too cost hits where the pool holds many sessions' retentions), and
+// an unpinned block goes to the front of its level's queue (a tick), where
+// it ages as any other: one level, one lifetime longer than its peers.
+// Expiry changes nothing.
 func (c *Cache) mqp2Retain(h uint32) {
 	m := c.mqp
-	cnt := c.mqpCount(h)
-	switch mqpLevel(cnt) {
-	case 0:
-		cnt = 2
-	case 1:
-		cnt = 4
-	}
+	cnt := max(c.mqpCount(h), 2)
 	if c.aux[h] != 0 {
 		m.pol[h] = mqpLevel(cnt)<<4 | cnt
 		return
