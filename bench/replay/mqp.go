@@ -211,7 +211,7 @@ func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
 			p := pages[i]
 			switch state[p] {
 			case present:
-				m.touch(p, m.storeHint(p, i))
+				m.touch(p, m.storeHint(p))
 				continue
 			case writing, pinned:
 				continue
@@ -232,7 +232,7 @@ func (m *mqp) replay(reqs [][]uint32, ns []uint8, capacity int) PolicyResult {
 			state[p] = writing
 			used++
 			written = append(written, p)
-			hint = append(hint, m.storeHint(p, i))
+			hint = append(hint, m.storeHint(p))
 		}
 		for k, p := range written {
 			state[p] = present
@@ -258,7 +258,8 @@ const (
 	mqpExplore   = 32 // a cold namespace's every 32nd new block is placed normally
 	mqpMinObs    = 32 // distances before the lifetime is set
 	mqpHistHalve = 1024
-	mqpGuardRel  = 0.1 // cold: namespace hit ratio below this times the global one
+	mqpGuardRel  = 0.1  // cold: namespace hit ratio below this times the global one
+	mqpHintMin   = 1024 // the hint table's buckets, at least (capacity/128 above)
 )
 
 // mqp is MQP's state (see MQPPages).
@@ -299,7 +300,8 @@ type mqp struct {
 	gHR     float64
 	nsKnown [mqpNS]bool
 
-	r2 *mqp2State // MQP2's additions (mqp2.go); nil: MQP
+	hints *hintTable // the sidecar's hint table, which a store takes its count from
+	r2    *mqp2State // MQP2's additions (mqp2.go); nil: MQP
 }
 
 func newMQP(numIDs, capacity int) *mqp {
@@ -323,7 +325,81 @@ func newMQP(numIDs, capacity int) *mqp {
 	m.shand = make([]uint8, m.snb)
 	m.sG = max(1, int64(capacity/64))
 	m.dmin = int64(0.25 * float64(capacity))
+	m.hints = newHintTable(max(mqpHintMin, capacity/128))
 	return m
+}
+
+// hintTable is the sidecar's hint table (sidecar/cache, mqp.go): 4-way
+// buckets of fp28<<4 | count4 (0 = empty), round-robin replacement. A
+// lookup leaves a count for each digest past its leading hits, a store
+// takes it. It is lossy: a request of thousands of small pages overflows
+// buckets, and a store whose hint was lost stores its block at count 1
+// (MQP) or at its namespace's last hint (MQP2). The models keep it so
+// that the live sidecar equals them at any page size.
+type hintTable struct {
+	hint []uint32
+	hand []uint8
+	nb   uint64
+}
+
+func newHintTable(buckets int) *hintTable {
+	return &hintTable{hint: make([]uint32, buckets*4), hand: make([]uint8, buckets), nb: uint64(buckets)}
+}
+
+func (t *hintTable) loc(key uint64) (uint64, uint32) {
+	h := mqpMix(key ^ 0x5bd1e9955bd1e995)
+	f := uint32(h) & 0xfffffff
+	if f == 0 {
+		f = 1
+	}
+	return mqpReduce(h, t.nb), f
+}
+
+func (t *hintTable) find(key uint64) (int, uint64, uint32) {
+	b, f := t.loc(key)
+	for i := range 4 {
+		if j := int(b)*4 + i; t.hint[j]>>4 == f {
+			return j, b, f
+		}
+	}
+	return -1, b, f
+}
+
+// set records v for key; a zero forgets key unless zeros is set (MQP2
+// records zeros, so that a store can tell one from a lost hint).
+func (t *hintTable) set(key uint64, v uint8, zeros bool) {
+	j, b, f := t.find(key)
+	if v == 0 && !zeros {
+		if j >= 0 {
+			t.hint[j] = 0
+		}
+		return
+	}
+	if j < 0 {
+		base := int(b) * 4
+		for i := range 4 {
+			if t.hint[base+i] == 0 {
+				j = base + i
+				break
+			}
+		}
+		if j < 0 {
+			j = base + int(t.hand[b])
+			t.hand[b] = (t.hand[b] + 1) & 3
+		}
+	}
+	t.hint[j] = f<<4 | uint32(v)
+}
+
+// take returns and forgets key's hint; ok is false when it has none.
+func (t *hintTable) take(key uint64) (v uint8, ok bool) {
+	j, _, _ := t.find(key)
+	if j < 0 {
+		return 0, false
+	}
+	v = uint8(t.hint[j] & 15)
+	t.hint[j] = 0
+	return v, true
 }
 
 // ---- lists: queue q's sentinel is n+q, marker j is node n+4+j ----
@@ -555,6 +631,9 @@ func (m *mqp) begin(ns uint8, pages []uint32, h int) {
 			m.sinsert(last)
 		}
 	}
+	for i := h; i < len(pages); i++ {
+		m.hints.set(m.key(pages[i]), m.inf[i], false)
+	}
 }
 
 func mqpLevel(c uint8) int {
@@ -579,14 +658,20 @@ func (m *mqp) place(p uint32) {
 	m.tick()
 }
 
-// storeHint is the count the request's lookup left for page p at
-// position pos past its leading hits: inf[pos] under MQP; under MQP2 the
-// hint table's entry, taken (mqp2Fresh: a fresh request's cold block).
-func (m *mqp) storeHint(p uint32, pos int) uint8 {
-	if m.r2 == nil {
-		return m.inf[pos]
+// storeHint is the count the request's lookup left for page p (past
+// its leading hits), taken from the hint table (none:
+// 0 under MQP, the namespace's last under MQP2; mqp2FreshHint: a fresh
+// request's cold block).
+func (m *mqp) storeHint(p uint32) uint8 {
+	v, ok := m.hints.take(m.key(p))
+	if m.r2 == nil || ok {
+		if m.r2 != nil {
+			m.r2.last[m.ns] = v
+		}
+		return v
 	}
-	return m.r2.hintTake(m.ns, m.key(p))
+	// MQP2: a lost hint is the namespace's last one taken (mqp2.go).
+	return m.r2.last[m.ns]
 }
 
 // touch is a reuse of p by a request that inherited count inf (a

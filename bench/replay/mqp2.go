@@ -96,9 +96,6 @@ type mqp2State struct {
 	probe   bool // the current request is a probe
 
 	last     [mqpNS]uint8 // per namespace, the last hint taken (hintTake)
-	hint     []uint32     // fp28<<4 | count4, 0 = empty (the sidecar's hint table)
-	hhand    []uint8
-	hnb      uint64
 	capacity int
 }
 
@@ -110,9 +107,7 @@ func newMQP2(numIDs, capacity int) *mqp {
 	m.sfp = make([]uint16, m.snb*4)
 	m.sep = make([]uint16, m.snb*4)
 	m.shand = make([]uint8, m.snb)
-	r.hnb = uint64(max(mqp2HintMin, capacity/64))
-	r.hint = make([]uint32, r.hnb*4)
-	r.hhand = make([]uint8, r.hnb)
+	m.hints = newHintTable(max(mqp2HintMin, capacity/64))
 	m.r2 = r
 	return m
 }
@@ -199,64 +194,6 @@ func (m *mqp) isProbe(ns uint8, pages []uint32) bool {
 	r.probes[ns][r.probeAt[ns]] = fp
 	r.probeAt[ns] = (r.probeAt[ns] + 1) % mqp2Probes
 	return false
-}
-
-// ---- the hint table, as the sidecar's ----
-
-func (r *mqp2State) hloc(key uint64) (uint64, uint32) {
-	h := mqpMix(key ^ 0x5bd1e9955bd1e995)
-	f := uint32(h) & 0xfffffff
-	if f == 0 {
-		f = 1
-	}
-	return mqpReduce(h, r.hnb), f
-}
-
-func (r *mqp2State) hfind(key uint64) (int, uint64, uint32) {
-	b, f := r.hloc(key)
-	for i := range 4 {
-		if j := int(b)*4 + i; r.hint[j]>>4 == f {
-			return j, b, f
-		}
-	}
-	return -1, b, f
-}
-
-// hintSet records v (0..15: a count's hint, or mqp2FreshHint) for key.
-// A zero is recorded too, so that a store can tell it from a lost hint.
-func (r *mqp2State) hintSet(key uint64, v uint8) {
-	j, b, f := r.hfind(key)
-	if j < 0 {
-		base := int(b) * 4
-		for i := range 4 {
-			if r.hint[base+i] == 0 {
-				j = base + i
-				break
-			}
-		}
-		if j < 0 {
-			j = base + int(r.hhand[b])
-			r.hhand[b] = (r.hhand[b] + 1) & 3
-		}
-	}
-	r.hint[j] = f<<4 | uint32(v)
-}
-
-// hintTake returns and forgets key's hint; a lost one (none) is the
-// namespace's last hint taken: a request's missed blocks are stored in
-// prefix order, and their hints never rise along the prefix (each is the
-// largest count of a tip at or after it), so a hole in a long chain
-// gets its predecessor's, not count 1 (which would evict it early and
-// cut the chain's later hits).
-func (r *mqp2State) hintTake(ns uint8, key uint64) uint8 {
-	j, _, _ := r.hfind(key)
-	if j < 0 {
-		return r.last[ns]
-	}
-	v := uint8(r.hint[j] & 15)
-	r.hint[j] = 0
-	r.last[ns] = v
-	return v
 }
 
 // ---- MQP2's versions of MQP's steps ----
@@ -394,6 +331,6 @@ func (m *mqp) begin2(ns uint8, pages []uint32, h int) {
 		if i == h {
 			r.last[ns] = v
 		}
-		r.hintSet(m.key(pages[i]), v)
+		m.hints.set(m.key(pages[i]), v, true)
 	}
 }

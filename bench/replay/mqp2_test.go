@@ -67,8 +67,16 @@ func cachePolicyReplay(t *testing.T, w *Workload, reqs [][]uint32, capacity int,
 // difference it finds the first request whose running hits differ.
 func checkMQP2Exact(t *testing.T, name string, w *Workload, reqs [][]uint32, capacity int) PolicyResult {
 	t.Helper()
-	model := MQP2Pages(reqs, nil, w.NumPageIDs(), capacity)
-	hits, stored, evictions := cachePolicyReplay(t, w, reqs, capacity, cache.PolicyMQP2)
+	return checkModelExactIn(t, name, w, reqs, capacity, cache.PolicyMQP2, MQP2Pages)
+}
+
+// checkModelExactIn compares an offline model (MQPPages or MQP2Pages)
+// with the cache under pol.
+func checkModelExactIn(t *testing.T, name string, w *Workload, reqs [][]uint32, capacity int, pol cache.Policy,
+	modelOf func([][]uint32, []uint8, int, int) PolicyResult) PolicyResult {
+	t.Helper()
+	model := modelOf(reqs, nil, w.NumPageIDs(), capacity)
+	hits, stored, evictions := cachePolicyReplay(t, w, reqs, capacity, pol)
 	var sum int64
 	cum := make([]int64, len(hits))
 	for i, h := range hits {
@@ -81,14 +89,14 @@ func checkMQP2Exact(t *testing.T, name string, w *Workload, reqs [][]uint32, cap
 	lo, hi := 0, len(reqs)
 	for lo+1 < hi {
 		mid := (lo + hi) / 2
-		if MQP2Pages(reqs[:mid], nil, w.NumPageIDs(), capacity).HitPages == cum[mid-1] {
+		if modelOf(reqs[:mid], nil, w.NumPageIDs(), capacity).HitPages == cum[mid-1] {
 			lo = mid
 		} else {
 			hi = mid
 		}
 	}
-	t.Errorf("%s at %d pages: model hits %d, stored %d, evictions %d; cache %d, %d, %d; first difference at request %d",
-		name, capacity, model.HitPages, model.StoredPages, model.Evictions, sum, stored, evictions, hi-1)
+	t.Errorf("%v, %s at %d pages: model hits %d, stored %d, evictions %d; cache %d, %d, %d; first difference at request %d",
+		pol, name, capacity, model.HitPages, model.StoredPages, model.Evictions, sum, stored, evictions, hi-1)
 	return model
 }
 
@@ -246,4 +254,22 @@ func mooncakeTrace() string {
 		return ""
 	}
 	return p
+}
+
+// TestMQPMatchesCacheSmallPages: MQP's model equals the cache under
+// PolicyMQP at 16-token pages too, where requests of thousands of pages
+// overflow the hint table's buckets and a store whose hint was lost puts
+// its block at count 1: the model keeps the same table.
+func TestMQPMatchesCacheSmallPages(t *testing.T) {
+	n := 900
+	if testing.Short() {
+		n = 300
+	}
+	w, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: 16, Limit: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []int{2000, 8000} {
+		checkModelExactIn(t, "agentic, 16-token pages", w, workloadPages(w), c, cache.PolicyMQP, MQPPages)
+	}
 }
