@@ -750,6 +750,41 @@ def test_a_finished_request_is_held_until_its_store_ended(sim, start_sidecar, he
     eng.shutdown()
 
 
+def test_a_store_event_on_the_legacy_default_stream(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
+    # torch records on its current stream, the legacy default stream (0)
+    # unless one is set; the driver takes stream 0 wherever it takes a
+    # stream, and so does the stand-in. The sidecar's store copies wait for
+    # the event recorded there: no store is answered while the "kernel"
+    # before the record still runs (FAKECUDA_EVENT_HOLD, released after
+    # 0.5 s), and then the blocks are stored.
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda", "--copy.stall=10s"])
+    eng = cuda_engine(sim, sc.sock, 0, num_blocks=16)
+    ws = eng.worker.connector_worker
+    assert ws.store_event.stream == 0
+    answered = []
+    done = ws._store_done
+
+    def store_done(payload):
+        answered.append(held.held)
+        return done(payload)
+
+    ws._store_done = store_done
+    held.hold()
+    timer = threading.Timer(0.5, held.release)
+    timer.start()
+    try:
+        eng.run([H.request("l0", H.prompt(13, 2 * H.BLOCK + 3), max_tokens=6)])
+    finally:
+        timer.cancel()
+        held.release()
+    reset(eng)
+    assert ws.store_event is not None, "recording on stream 0 failed"
+    assert answered and not any(answered), "a store was answered while its event was incomplete"
+    assert ws.stats["stored_blocks"] == 2 and ws.stats["store_errors"] == 0, ws.stats
+    eng.shutdown()
+
+
 def test_a_preempted_requests_blocks_wait_for_its_store(sim, start_sidecar, held, libcuda, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
     sc = start_sidecar(pool="8MiB", slot="4KiB", args=["--copy.backend=cuda"])

@@ -975,11 +975,21 @@ static uint64_t now_ns(void) {
 // cuEventQuery of an event recorded on it, cuStreamSynchronize. That is
 // the model of a GPU's asynchronous progress: what is behind the wait
 // never runs early, and it runs at the latest when someone asks.
+//
+// Stream 0 (NULL) is the legacy default stream, which the driver accepts
+// wherever it takes a stream ("CU_STREAM_LEGACY ... also the default
+// stream": what torch records on unless a stream is set): here one more
+// stream of the process, for copies, cuStreamWaitEvent, cuEventRecord and
+// cuStreamSynchronize. Its implicit synchronization with the process's
+// other blocking streams is not modeled (ringside's streams are created
+// non-blocking, and the engine's side records on one stream).
 enum { OP_COPY, OP_WAIT_IPC, OP_WAIT_LOCAL, OP_RECORD };
 struct op { int kind; uintptr_t dst, src; size_t n; struct ipcev *sh; uint64_t seq; struct ev *ev; };
 // busy_ns: with FAKECUDA_EVENT_US, when the work recorded on the stream so
 // far ends (the stream runs one thing after another).
 struct stream { struct op *q; size_t head, n, cap; uint64_t busy_ns; };
+static struct stream legacy_stream;
+static struct stream *stream_of(void *s) { return s ? (struct stream *)s : &legacy_stream; }
 
 static void ev_recorded(struct ev *e, struct stream *st) {
 	e->pending = 0;
@@ -1052,16 +1062,14 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void *s, size_t n, void *st) {
 	count(C_RANGE);
 	CUresult r = copy_entry();
 	if (r) return r;
-	if (!st) return 400;
-	return copy1(1, d, (uintptr_t)s, n, st);
+	return copy1(1, d, (uintptr_t)s, n, stream_of(st));
 }
 CUresult cuMemcpyDtoHAsync(void *d, CUdeviceptr s, size_t n, void *st) {
 	if (!cur_ctx) return 201;
 	count(C_RANGE);
 	CUresult r = copy_entry();
 	if (r) return r;
-	if (!st) return 400;
-	return copy1(0, (uintptr_t)d, s, n, st);
+	return copy1(0, (uintptr_t)d, s, n, stream_of(st));
 }
 CUresult cuMemcpyBatchAsync(CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t count_, attrs_t *a, size_t *idx,
 		size_t na, size_t *fail, void *st) {
@@ -1070,12 +1078,12 @@ CUresult cuMemcpyBatchAsync(CUdeviceptr *d, CUdeviceptr *s, size_t *n, size_t co
 	CUresult r0 = copy_entry();
 	if (r0) { *fail = 0; return r0; }
 	if (getenv("FAKECUDA_BATCHFAIL")) { *fail = 0; return 1; }
-	if (!st || na != 1 || idx[0] != 0 || a[0].order < 1 || a[0].order > 3 || count_ == 0) { *fail = (size_t)-1; return 1; }
+	if (na != 1 || idx[0] != 0 || a[0].order < 1 || a[0].order > 3 || count_ == 0) { *fail = (size_t)-1; return 1; }
 	for (size_t i = 0; i < count_; i++) {
 		pthread_mutex_lock(&mu);
 		int h2d = dev_range(d[i], n[i], 1) != -1;
 		pthread_mutex_unlock(&mu);
-		CUresult r = copy1(h2d, d[i], s[i], n[i], st);
+		CUresult r = copy1(h2d, d[i], s[i], n[i], stream_of(st));
 		if (r) { *fail = i; return r; }
 	}
 	return 0;
@@ -1102,8 +1110,8 @@ CUresult cuStreamSynchronize(void *s) {
 	NEEDCTX();
 	for (int i = 0; i < 60000; i++) {
 		pthread_mutex_lock(&mu);
-		advance(s);
-		int empty = ((struct stream *)s)->n == 0;
+		advance(stream_of(s));
+		int empty = stream_of(s)->n == 0;
 		pthread_mutex_unlock(&mu);
 		if (empty) return 0;
 		usleep(1000);
@@ -1126,10 +1134,9 @@ CUresult cuStreamQuery(void *s) {
 CUresult cuStreamWaitEvent(void *s, struct ev *e, unsigned int flags) {
 	NEEDCTX();
 	count(C_WAIT_EVENT);
-	if (!s) return 400;
 	if (!e || flags != 0) return 1;
 	pthread_mutex_lock(&mu);
-	struct stream *st = s;
+	struct stream *st = stream_of(s);
 	if (e->sh) {
 		uint64_t seq = __atomic_load_n(&e->sh->recorded, __ATOMIC_SEQ_CST);
 		if (!ipc_complete(e->sh, seq)) push(st, (struct op){.kind = OP_WAIT_IPC, .sh = e->sh, .seq = seq});
@@ -1169,8 +1176,7 @@ CUresult cuEventCreate(struct ev **e, unsigned int f) {
 }
 CUresult cuEventRecord(struct ev *e, void *s) {
 	NEEDCTX();
-	if (!s) return 400;
-	struct stream *st = s;
+	struct stream *st = stream_of(s);
 	pthread_mutex_lock(&mu);
 	if (e->sh) __atomic_add_fetch(&e->sh->recorded, 1, __ATOMIC_SEQ_CST);
 	advance(st);
