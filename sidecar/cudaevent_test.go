@@ -71,32 +71,15 @@ func TestCUDAEventDeath(t *testing.T) {
 	if !underFakeCUDA(t, eventDeathTest, "FAKECUDA_COUNTERS="+counters) {
 		return
 	}
-	addr := freeTCPAddr(t)
-	base := "/dev/shm"
-	if _, err := os.Stat(base); err != nil {
-		base = os.TempDir()
-	}
-	dir, err := os.MkdirTemp(base, "rs-cuda-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}, RingCapacity: 64 << 10,
-		CopyBackend: "cuda", MetricsAddr: addr}, zerolog.Nop())
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(context.Background()) }()
+	srv, done := startCUDASidecar(t)
 	get := func(path string) int {
-		resp, err := http.Get("http://" + addr + path)
+		resp, err := http.Get("http://" + srv.Config().MetricsAddr + path)
 		if err != nil {
 			return 0
 		}
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	waitUntil(t, "/readyz", 10*time.Second, func() bool { return get("/readyz") == http.StatusOK })
 
 	hold := filepath.Join(t.TempDir(), "forward-pass")
 	if err := os.WriteFile(hold, nil, 0o600); err != nil {
@@ -153,6 +136,100 @@ func TestCUDAEventDeath(t *testing.T) {
 	}
 }
 
+// TestCUDADetachAfterRelease runs a sidecar with --copy.backend=cuda
+// against the stand-in driver: an engine in another process registers GPU
+// memory, stores, and detaches while a store of its is still in a copy
+// call (FAKECUDA_COPY_HOLD). The Detach is answered only once the region's
+// mapping is closed, after the copy ends: an engine that frees or reuses
+// its memory (or destroys its store event) once its session is ended can
+// never have the sidecar's copies touch it, nor find its next registration
+// handed the old mapping.
+func TestCUDADetachAfterRelease(t *testing.T) {
+	counters, hold := t.TempDir(), filepath.Join(t.TempDir(), "copy-hold")
+	if !underFakeCUDA(t, "TestCUDADetachAfterRelease", "FAKECUDA_COUNTERS="+counters, "FAKECUDA_COPY_HOLD="+hold) {
+		return
+	}
+	hold = os.Getenv("FAKECUDA_COPY_HOLD") // the parent's
+	srv, done := startCUDASidecar(t)
+	eng, lines := startEventEngine(t, "detach", srv.Config().Socket)
+	if l := <-lines; l != "stored" {
+		t.Fatalf("the engine: %q", l)
+	}
+	if n := gputest.FakeCount(gputest.FakeIPCOpen) - gputest.FakeCount(gputest.FakeIPCClose); n != 1 {
+		t.Fatalf("%d mappings open with the engine registered, want 1", n)
+	}
+	calls := func() uint64 { return gputest.FakeCount(gputest.FakeBatch) + gputest.FakeCount(gputest.FakeRange) }
+	calls0 := calls()
+	if err := os.WriteFile(hold, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(hold) })
+	if l := <-lines; l != "storing" {
+		t.Fatalf("the engine: %q", l)
+	}
+	waitUntil(t, "the held store's copy call", 10*time.Second, func() bool { return calls() == calls0+1 })
+	if err := os.WriteFile(hold+".detach", nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if l := <-lines; l != "detaching" {
+		t.Fatalf("the engine: %q", l)
+	}
+	select {
+	case l := <-lines:
+		t.Fatalf("the Detach was answered (%q) while a copy on the region was in the driver and its mapping open", l)
+	case <-time.After(300 * time.Millisecond):
+	}
+	os.Remove(hold)
+	select {
+	case l := <-lines:
+		open := gputest.FakeCount(gputest.FakeIPCOpen) - gputest.FakeCount(gputest.FakeIPCClose)
+		if l != "detached" || open != 0 {
+			t.Fatalf("the engine: %q with %d mappings open, want detached with none", l, open)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the Detach was not answered after the copy ended")
+	}
+	if err := eng.Wait(); err != nil {
+		t.Fatalf("the engine: %v", err)
+	}
+	srv.Shutdown()
+	if err := <-done; err != nil {
+		t.Fatalf("Serve = %v", err)
+	}
+}
+
+// startCUDASidecar starts a sidecar with --copy.backend=cuda in this
+// process and waits until /readyz answers 200; done gets Serve's result.
+func startCUDASidecar(t *testing.T) (srv *sidecar.Server, done chan error) {
+	t.Helper()
+	addr := freeTCPAddr(t)
+	base := "/dev/shm"
+	if _, err := os.Stat(base); err != nil {
+		base = os.TempDir()
+	}
+	dir, err := os.MkdirTemp(base, "rs-cuda-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	srv, err = sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}, RingCapacity: 64 << 10,
+		CopyBackend: "cuda", MetricsAddr: addr}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done = make(chan error, 1)
+	go func() { done <- srv.Serve(context.Background()) }()
+	waitUntil(t, "/readyz", 10*time.Second, func() bool {
+		resp, err := http.Get("http://" + addr + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return srv, done
+}
+
 // startEventEngine starts an engine of TestCUDAEventDeath; its output
 // lines come on the channel, closed when it exits.
 func startEventEngine(t *testing.T, role, sock string, env ...string) (*exec.Cmd, chan string) {
@@ -174,6 +251,8 @@ func startEventEngine(t *testing.T, role, sock string, env ...string) (*exec.Cmd
 		for sc := bufio.NewScanner(out); sc.Scan(); {
 			if s, ok := strings.CutPrefix(sc.Text(), "engine: "); ok {
 				lines <- s
+			} else {
+				fmt.Fprintf(os.Stderr, "%s engine: %s\n", role, sc.Text())
 			}
 		}
 	}()
@@ -192,6 +271,10 @@ func TestCUDAEventDeathEngine(t *testing.T) {
 		t.Skip("an engine process of " + eventDeathTest)
 	}
 	say := func(format string, args ...any) { fmt.Printf("engine: "+format+"\n", args...) }
+	if role == "detach" {
+		detachEngine(t, sock, say)
+		return
+	}
 	exp, free, err := gputest.ExportCUDA(8 * slot)
 	if err != nil {
 		t.Fatal(err)
@@ -246,6 +329,57 @@ func TestCUDAEventDeathEngine(t *testing.T) {
 		c.Release(l.Lease)
 	}
 	say("%s", msg)
+}
+
+// detachEngine is the engine of TestCUDADetachAfterRelease: it registers
+// 8 slots of GPU memory, stores 8 blocks ("stored"), sends a second store
+// without waiting for it ("storing"), detaches ("detaching") and says
+// "detached" once the Detach is answered.
+func detachEngine(t *testing.T, sock string, say func(string, ...any)) {
+	exp, free, err := gputest.ExportCUDA(8 * slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer free()
+	c, err := connector.Dial(connector.Options{Socket: sock, Instance: "cuda-detach", Model: "llama", Layout: "bf16/16/HND", Timeout: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := exp.Alloc()
+	extra := schema.CUDAExtra{GPU: exp.IPC.GPU, Allocations: []schema.CUDAAllocation{{Handle: a.Handle, Base: a.Base, Size: a.Size}}}
+	if err := c.RegisterRegion(schema.RegisterRegion{Region: 1, Kind: schema.RegionCUDAIPC, PID: uint64(os.Getpid()), Base: exp.Base,
+		Length: exp.Length, PageSize: slot, PageCount: 8, Extra: extra.Append(nil)}); err != nil {
+		t.Fatalf("registering GPU memory: %v", err)
+	}
+	pages := []uint32{0, 1, 2, 3, 4, 5, 6, 7}
+	c.PutHashes(1, digests("detach-1", 8), false)
+	if r, err := c.Store(schema.View{Batch: 1, Count: 8}, 1, pages); err != nil || r.Stored != 8 {
+		t.Fatalf("store: %+v, %v", r, err)
+	}
+	say("stored")
+	hold := os.Getenv("FAKECUDA_COPY_HOLD") // the test holds the sidecar's copy calls with it
+	waitFile := func(path string) {
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			if _, err := os.Stat(path); err == nil {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no %s", path)
+			}
+		}
+	}
+	waitFile(hold)
+	c.PutHashes(2, digests("detach-2", 8), false)
+	if _, err := c.Submit(schema.TypeStore, (&schema.Store{View: schema.View{Batch: 2, Count: 8}, Region: 1, Pages: pages}).Append(nil)); err != nil {
+		t.Fatal(err)
+	}
+	say("storing")
+	waitFile(hold + ".detach") // its copy call has started
+	say("detaching")
+	if err := c.Close(); err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+	say("detached")
 }
 
 func freeTCPAddr(t *testing.T) string {

@@ -147,6 +147,27 @@ func (o *outbox) waitDrained(deadline time.Time) error {
 }
 
 // pending is the number of queued replies.
+// flush waits, up to deadline, until every queued reply is written (or
+// the outbox is dead).
+func (o *outbox) flush(deadline time.Time) {
+	for {
+		o.mu.Lock()
+		empty, ch := len(o.q) == 0, o.drained
+		o.mu.Unlock()
+		left := time.Until(deadline)
+		if empty || o.dead.Load() || left <= 0 {
+			return
+		}
+		t := time.NewTimer(min(left, 50*time.Millisecond))
+		select {
+		case <-ch:
+		case <-o.stop:
+		case <-t.C:
+		}
+		t.Stop()
+	}
+}
+
 func (o *outbox) pending() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()

@@ -12,8 +12,10 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/ring"
+	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
@@ -46,6 +48,10 @@ type session struct {
 
 	lifeMu   sync.Mutex // orders shutdown's wake-up against unmapping the rings
 	unmapped bool
+
+	// detached is the reply to the session's Detach, held back by handle
+	// until cleanup has closed the session's GPU mappings.
+	detached *machine.Reply
 
 	out machine.Output // the session loop's scratch
 }
@@ -151,6 +157,9 @@ func (ss *session) handle(rec ring.Record) bool {
 	s.mu.Lock()
 	s.m.Handle(monotonic(), ss.id, rec.Type, rec.Seq, rec.Payload, &ss.out)
 	s.mu.Unlock()
+	if ss.out.End {
+		ss.holdDetachReply(&ss.out)
+	}
 	s.apply(&ss.out)
 	if ss.out.End {
 		ss.shutdown("detach requested")
@@ -159,9 +168,31 @@ func (ss *session) handle(rec ring.Record) bool {
 	return !ss.closed.Load()
 }
 
+// holdDetachReply takes the reply to the session's Detach out of out:
+// cleanup sends it once the session's GPU regions are unregistered.
+func (ss *session) holdDetachReply(out *machine.Output) {
+	for i, r := range out.Replies {
+		if r.Session == ss.id && r.Type == schema.ReplyType(schema.TypeDetach) {
+			r.Payload = append([]byte(nil), r.Payload...)
+			ss.detached = &r
+			out.Replies = append(out.Replies[:i], out.Replies[i+1:]...)
+			return
+		}
+	}
+}
+
 // cleanup ends the session: queued copies are given a moment to finish
 // (bounded), the machine forgets the session (its leases released, its
-// regions unregistered in the background), and its rings are closed.
+// regions unregistered), the Detach is answered, and its rings are closed.
+// The session's GPU regions are unregistered first, each once its copies
+// have ended (bounded: a copy not issued yet is withdrawn, one issued ends
+// or trips the CUDA backend's watchdog), so that whatever tells its engine
+// the session has ended (the Detach reply, the rings closed) comes only
+// after the sidecar's mappings of its memory are closed and its store
+// event released: the engine may then free or reuse the memory, destroy
+// the event, or register new memory that yields the same handle. Host
+// regions are unregistered in the background: they have no mapping, and
+// a copy stuck on a page fault the client holds must not hold the rings.
 func (ss *session) cleanup() {
 	s := ss.srv
 	ss.closed.Store(true)
@@ -185,7 +216,25 @@ func (ss *session) cleanup() {
 	s.mu.Lock()
 	s.m.Detach(monotonic(), ss.id, out)
 	s.mu.Unlock()
+	var gpuRegions []gpu.Handle
+	host := out.Unregister[:0]
+	for _, h := range out.Unregister {
+		if s.sched.kind(h).CUDA() {
+			gpuRegions = append(gpuRegions, h)
+		} else {
+			host = append(host, h)
+		}
+	}
+	out.Unregister = host
 	s.apply(out)
+	for _, h := range gpuRegions {
+		s.sched.unroute(h) // before the engine may issue h again
+		s.copier.Unregister(h)
+	}
+	if r := ss.detached; r != nil {
+		ss.ob.send(r.Type, r.Seq, r.Payload)
+		ss.ob.flush(time.Now().Add(min(s.cfg.ReplyTimeout, time.Second)))
+	}
 	ss.ob.close()
 	faultSafe(ss.prod.Close)
 	faultSafe(ss.cons.Close)

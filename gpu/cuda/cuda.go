@@ -190,6 +190,13 @@ type Engine struct {
 	pinErr  error
 	pinned  [][]byte
 
+	// releasing counts, by allocation handle (ipcKey) and event handle
+	// (ipcEventKey), the regions being unregistered that hold it; released
+	// is closed, and replaced, whenever a count drops to zero.
+	relMu     sync.Mutex
+	releasing map[any]int
+	released  chan struct{}
+
 	completions chan cudaCompletion
 	compDone    chan struct{}
 	closeOnce   sync.Once
@@ -331,6 +338,7 @@ func New(pool []byte, opts Options) (*Engine, error) {
 		regions: regions.New[*cudaRegion](), devs: map[int]*cudaDevice{},
 		pinWait: opts.PinWait, watchdog: opts.Watchdog, onPinned: opts.OnPinned, onFail: opts.OnDeviceFailed, pinDone: make(chan struct{}),
 		completions: make(chan cudaCompletion, 1024), compDone: make(chan struct{}), closeDone: make(chan struct{}),
+		releasing: map[any]int{}, released: make(chan struct{}),
 	}
 	var err error
 	if e.info.Driver, err = driver.DriverVersion(); err != nil {
@@ -517,6 +525,12 @@ func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
 	}
 	r.Segments = append([]gpu.Segment(nil), r.Segments...)
 	r.IPC.Allocations = append([]gpu.IPCAllocation(nil), r.IPC.Allocations...)
+	// A handle of this process whose mapping is being closed (its region's
+	// session ended, Unregister waits for its copies) may name the same
+	// allocation, or new memory of that process that yields an identical
+	// handle (freed and allocated again): the driver would hand back the
+	// open mapping of the old pages. Open it only once that is closed.
+	e.waitReleased(regionKeys(&r))
 	reg := &cudaRegion{r: r, dev: d}
 	if err := d.call(func() error {
 		if err := d.failed(); err != nil {
@@ -627,15 +641,68 @@ func (d *cudaDevice) release(reg *cudaRegion) {
 // mappings (an IPC mapping closed when no other region uses it; a mapping
 // imported from a descriptor unmapped, its reservation freed and its
 // handle released) and its event.
+// Until it returns, a registration of any of the region's allocation or
+// event handles by the same process waits (waitReleased).
 func (e *Engine) Unregister(h gpu.Handle) error {
 	reg, err := e.regions.Remove(h)
 	if err != nil {
 		return err
 	}
+	keys := regionKeys(&reg.r)
+	e.markReleasing(keys, 1)
+	defer e.markReleasing(keys, -1)
 	reg.inflight.Wait()
 	// A device already stopped by Close closed its mappings itself.
 	reg.dev.call(func() error { reg.dev.release(reg); return nil })
 	return nil
+}
+
+// regionKeys are the keys a CUDA IPC region's mappings and event are
+// shared by (a region shared by file descriptor imports its own).
+func regionKeys(r *gpu.Region) []any {
+	var keys []any
+	if r.Kind == gpu.CUDAIPC {
+		for _, a := range r.IPC.Allocations {
+			keys = append(keys, ipcKey{pid: r.PID, handle: a.Handle})
+		}
+	}
+	if r.IPC.HasEvent {
+		keys = append(keys, ipcEventKey{pid: r.PID, handle: r.IPC.Event})
+	}
+	return keys
+}
+
+func (e *Engine) markReleasing(keys []any, d int) {
+	e.relMu.Lock()
+	defer e.relMu.Unlock()
+	done := false
+	for _, k := range keys {
+		if e.releasing[k] += d; e.releasing[k] <= 0 {
+			delete(e.releasing, k)
+			done = true
+		}
+	}
+	if done {
+		close(e.released)
+		e.released = make(chan struct{})
+	}
+}
+
+// waitReleased waits until no region being unregistered holds any of keys.
+func (e *Engine) waitReleased(keys []any) {
+	for {
+		e.relMu.Lock()
+		busy := false
+		for _, k := range keys {
+			busy = busy || e.releasing[k] > 0
+		}
+		ch := e.released
+		e.relMu.Unlock()
+		if !busy {
+			return
+		}
+		<-ch
+	}
 }
 
 // Submit bounds-checks and plans op (gpu.PlanRanges), translates every range

@@ -67,6 +67,8 @@ func (e *CUDAEvent) Record() error {
 // Fake driver counters a test can read in its own process (enum counter
 // in testdata/fakecuda.c; FAKECUDA_COUNTERS names their directory).
 const (
+	FakeBatch      = 1 // cuMemcpyBatchAsync calls
+	FakeRange      = 2 // cuMemcpyHtoDAsync + cuMemcpyDtoHAsync calls
 	FakeIPCOpen    = 3 // successful cuIpcOpenMemHandle
 	FakeIPCClose   = 4 // successful cuIpcCloseMemHandle
 	FakeEventOpen  = 5 // successful cuIpcOpenEventHandle

@@ -58,6 +58,7 @@ func TestCUDAFakeFailures(t *testing.T) {
 		{"sticky-per-range", "TestCUDASticky", []string{"FAKECUDA_STICKY_AFTER=1", "RINGSIDE_GPUTEST_PER_RANGE=1"}},
 		{"exporter-death", "TestCUDAExporterDeath", nil},
 		{"event-death", "TestCUDAEventDeath", nil},
+		{"reregister-while-releasing", "TestCUDAReregisterWhileReleasing", nil},
 		{"watchdog", "TestCUDAWatchdog", []string{"FAKECUDA_EVENT_US=150000"}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
@@ -675,6 +676,77 @@ func TestCUDAWatchdog(t *testing.T) {
 		t.Fatalf("a load after the watchdog fired: %v, want ErrDeviceFailed", err)
 	}
 	if err := c.Unregister(h); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCUDAReregisterWhileReleasing: an engine's region is being
+// unregistered (its session ended; a copy on it is still in the driver:
+// FAKECUDA_COPY_HOLD) when a registration of the same allocation handle
+// by the same process comes, as after the engine freed its KV cache and
+// allocated a new one that yields an identical handle. The driver would
+// hand back the open mapping (it reference-counts a handle opened twice
+// in a context), the old, freed pages; so the registration waits until
+// the old region's mapping is closed, then opens the handle afresh.
+func TestCUDAReregisterWhileReleasing(t *testing.T) {
+	fc := needFake(t)
+	hold := getCopyHold(t)
+	pool := mapPool(t, 4<<20)
+	c, err := cuda.New(pool, cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const pageLen, pages = 64 << 10, 8
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, pageLen*pages, 0)
+	h1, err := c.Register(exp.Region(pageLen, pages, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	opens, closes, calls0 := fc.get(cIPCOpen), fc.get(cIPCClose), copyCalls(fc)
+	hold.hold(t)
+	copied := make(chan gpu.Result, 1)
+	if err := c.Submit(gpu.Op{Dir: gpu.EngineToPool, Region: h1, Pages: []uint32{0}, PoolOffsets: []uint64{0}}, func(r gpu.Result) { copied <- r }); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the copy call", func() bool { return copyCalls(fc) == calls0+1 })
+	unregistered := make(chan error, 1)
+	go func() { unregistered <- c.Unregister(h1) }()
+	time.Sleep(50 * time.Millisecond) // Unregister is waiting for the copy
+	registered := make(chan error, 1)
+	var h2 gpu.Handle
+	go func() {
+		var err error
+		h2, err = c.Register(exp.Region(pageLen, pages, nil))
+		registered <- err
+	}()
+	select {
+	case err := <-registered:
+		t.Fatalf("the registration of a handle whose mapping is being closed returned (%v) before it was closed: it shares the old mapping", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	hold.release()
+	if res := result(t, "the held copy", copied); res.Err != nil {
+		t.Fatal(res.Err)
+	}
+	for what, ch := range map[string]chan error{"Unregister": unregistered, "Register": registered} {
+		select {
+		case err := <-ch:
+			if err != nil {
+				t.Fatalf("%s: %v", what, err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s did not return", what)
+		}
+	}
+	if o, cl := fc.get(cIPCOpen)-opens, fc.get(cIPCClose)-closes; o != 1 || cl != 1 {
+		t.Fatalf("%d opens and %d closes of the handle, want 1 and 1: the old mapping closed, then the handle opened afresh", o, cl)
+	}
+	if _, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h2, Pages: []uint32{1}, PoolOffsets: []uint64{0}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Unregister(h2); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -477,7 +477,8 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
     # recomputes: vLLM may hand its blocks on once finished_recving reports
     # it. A copy the sidecar had not issued yet must never land after that:
     # the worker reports the request only once the sidecar has ended the
-    # session (closed its rings, after withdrawing its copies not issued).
+    # session (closed its rings, after withdrawing its copies not issued and
+    # once those issued have ended).
     # Here the device thread is busy in the driver (FAKECUDA_COPY_HOLD holds
     # a store's copy call), the load waits in the device's queue, and the
     # sidecar is stopped when the timeout passes, so it cannot end the
@@ -485,7 +486,7 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
     monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
     hold = str(tmp_path / "copy-hold")
     monkeypatch.setenv("FAKECUDA_COPY_HOLD", hold)
-    sc = start_sidecar(pool="4MiB", slot="4KiB", args=["--copy.backend=cuda", "--copy.stall=30s"])
+    sc = start_sidecar(pool="4MiB", slot="4KiB", args=["--copy.backend=cuda", "--copy.stall=30s"], metrics=True)
     monkeypatch.delenv("FAKECUDA_COPY_HOLD")
     cfg = Config.parse({"socket": sc.sock, "reattach_interval": 0.0, "timeout": 2.0, "load_timeout": 0.5}, VLLM)
     attach = dict(instance="cuda-load", model="m", layout="l", salt="", world_size=1, digest_width=32)
@@ -530,6 +531,13 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
             assert ws.link.session is not s  # given up on: the next step attaches anew
         finally:
             os.kill(sc.proc.pid, signal.SIGCONT)
+        # The sidecar ends the session: it withdraws its copies not issued
+        # (the load) before it forgets the session; it acknowledges the end
+        # (the rings closed) only once the copies issued (the held store's
+        # call) have ended and the region's mapping is closed.
+        sid = s.info.session
+        wait_for(lambda: sid not in [x["id"] for x in sc.state()["sessions"] or []], "the session did not end")
+        os.unlink(hold)
         deadline = time.monotonic() + 5.0
         recving = None
         while not recving:
@@ -541,7 +549,8 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
         assert recving == {"r"} and s.peer_gone
         assert ws.get_block_ids_with_load_errors() == {4, 5}
     finally:
-        os.unlink(hold)
+        if os.path.exists(hold):
+            os.unlink(hold)
     # The device thread free again: the load was withdrawn, never copied.
     time.sleep(0.3)
     assert blocks([4, 5]) == before, "a load landed after its request was reported"
