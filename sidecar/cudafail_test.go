@@ -39,8 +39,12 @@ const (
 // CUDA_ERROR_ILLEGAL_ADDRESS. An engine in another process exports GPU
 // memory, registers it and stores: the store fails with status 11 naming
 // the failed GPU, /readyz turns 503, ringside_cuda_device_failed is 1 for
-// the GPU, and Serve ends with an error wrapping gpu.ErrDeviceFailed (the
-// sidecar exits to be restarted).
+// the GPU while the sidecar drains, and Serve ends with an error wrapping
+// gpu.ErrDeviceFailed (the sidecar exits to be restarted). The drain is
+// made long here, and the test ends it itself once it has looked:
+// TestDeviceFailedExits shows the drain ending on its own. (With the
+// second of the default drain, a loaded machine could end it before the
+// test's scrape.)
 func TestCUDADeviceFailure(t *testing.T) {
 	if os.Getenv(fakeCUDAEnv) == "" {
 		gcc, err := exec.LookPath("gcc")
@@ -77,6 +81,7 @@ func TestCUDADeviceFailure(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
+	sidecar.SetDeviceFailDrain(time.Hour) // this process runs this test alone
 	srv, err := sidecar.New(sidecar.Config{Dir: dir, PoolBytes: 64 * slot, Machine: machine.Config{SlotBytes: slot}, RingCapacity: 64 << 10,
 		CopyBackend: "cuda", MetricsAddr: addr}, zerolog.Nop())
 	if err != nil {
@@ -102,27 +107,6 @@ func TestCUDADeviceFailure(t *testing.T) {
 		}
 	}
 
-	// The sidecar stays up about a second after the failure (draining):
-	// watch /readyz and /metrics until it goes, keeping the first answers
-	// that report the failure.
-	var readyz, metrics string
-	watched, stopped := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(watched)
-		for {
-			code, body := get("/readyz")
-			select {
-			case <-stopped:
-				return
-			default:
-			}
-			if code == http.StatusServiceUnavailable && readyz == "" {
-				readyz = body
-				_, metrics = get("/metrics")
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-	}()
 	engine := exec.Command(os.Args[0], "-test.run=^"+cudaEngineTest+"$", "-test.count=1", "-test.v")
 	engine.Env = append(os.Environ(), cudaEngineEnv+"="+srv.Config().Socket)
 	engine.Stderr = os.Stderr
@@ -149,6 +133,27 @@ func TestCUDADeviceFailure(t *testing.T) {
 	if !strings.HasPrefix(line, "status 11 ") || !strings.Contains(line, "CUDA device failed") || !strings.Contains(line, "(700)") || !strings.Contains(line, gpuID) {
 		t.Fatalf("the engine's store got %q, want status 11 naming the failed GPU %s and CUDA_ERROR_ILLEGAL_ADDRESS (700)", line, gpuID)
 	}
+	// The failure reaches the sidecar beside the store's reply: /readyz
+	// turns 503 naming it, and from then on the metric reads 1.
+	var readyz string
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		code, body := get("/readyz")
+		if code == http.StatusServiceUnavailable {
+			readyz = body
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz still answers %d %q after the GPU failed", code, body)
+		}
+	}
+	_, metrics := get("/metrics")
+	if !strings.Contains(readyz, "CUDA device failed") || !strings.Contains(readyz, gpuID) {
+		t.Errorf("/readyz while draining = %q, want 503 naming the failed GPU", readyz)
+	}
+	if !strings.Contains(metrics, `ringside_cuda_device_failed{gpu="`+gpuID+`"} 1`) {
+		t.Errorf("/metrics while draining does not report GPU %s failed", gpuID)
+	}
+	srv.Shutdown() // the drain's end
 	select {
 	case err := <-done:
 		if !errors.Is(err, gpu.ErrDeviceFailed) {
@@ -157,14 +162,6 @@ func TestCUDADeviceFailure(t *testing.T) {
 		t.Logf("Serve: %v", err)
 	case <-time.After(20 * time.Second):
 		t.Fatal("the sidecar did not stop after its GPU failed")
-	}
-	close(stopped)
-	<-watched
-	if !strings.Contains(readyz, "CUDA device failed") || !strings.Contains(readyz, gpuID) {
-		t.Errorf("/readyz while draining = %q, want 503 naming the failed GPU", readyz)
-	}
-	if !strings.Contains(metrics, `ringside_cuda_device_failed{gpu="`+gpuID+`"} 1`) {
-		t.Errorf("/metrics while draining does not report GPU %s failed", gpuID)
 	}
 }
 

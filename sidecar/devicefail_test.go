@@ -115,7 +115,6 @@ func TestDeviceFailedExits(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv.gpus = []string{"GPU-ok"}
-	srv.met.cudaFailed.WithLabelValues("GPU-ok").Set(0)
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(context.Background()) }()
 	base := "http://" + addr
@@ -153,5 +152,53 @@ func TestDeviceFailedExits(t *testing.T) {
 		t.Logf("Serve: %v", err)
 	case <-time.After(10 * time.Second):
 		t.Fatal("the sidecar did not stop after its GPU failed")
+	}
+}
+
+// TestDeviceFailedMetricIsTheFailureState: ringside_cuda_device_failed is
+// read from the same state as /readyz and /healthz (the failed GPUs), at
+// each scrape: a scrape never reads 0 for a GPU /readyz already reports
+// failed. (It was set after the failure was published, so a scrape in
+// between, as TestCUDADeviceFailure's under load, read 0.)
+func TestDeviceFailedMetricIsTheFailureState(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "d")
+	cfg := Config{Dir: dir, PoolBytes: 64 * 4096, CopyBackend: "host"}
+	cfg.Machine.SlotBytes = 4096
+	srv, err := New(cfg, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.closeResources()
+	srv.gpus = []string{"GPU-a", "GPU-b"}
+	gauge := func() map[string]float64 {
+		t.Helper()
+		mfs, err := srv.met.reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]float64{}
+		for _, mf := range mfs {
+			if mf.GetName() != "ringside_cuda_device_failed" {
+				continue
+			}
+			for _, m := range mf.GetMetric() {
+				out[m.GetLabel()[0].GetValue()] = m.GetGauge().GetValue()
+			}
+		}
+		return out
+	}
+	if g := gauge(); len(g) != 2 || g["GPU-a"] != 0 || g["GPU-b"] != 0 {
+		t.Fatalf("before any failure: %v, want both GPUs at 0", g)
+	}
+	// The state /readyz reads, as deviceFailed publishes it, and nothing
+	// else: the metric must follow from it.
+	srv.gpuMu.Lock()
+	srv.gpuFailed = map[string]cuda.DeviceFailure{"GPU-a": {UUID: "GPU-a", Code: 700, Err: gpu.ErrDeviceFailed}}
+	srv.gpuMu.Unlock()
+	if srv.deviceFailure() == nil {
+		t.Fatal("deviceFailure reports nothing")
+	}
+	if g := gauge(); g["GPU-a"] != 1 || g["GPU-b"] != 0 {
+		t.Fatalf("with GPU-a failed (what /readyz reports): %v, want GPU-a 1 and GPU-b 0", g)
 	}
 }

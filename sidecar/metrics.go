@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 
@@ -35,7 +36,6 @@ type metrics struct {
 	attachErrors prometheus.Counter
 	dropped      prometheus.Counter
 	acceptErrors prometheus.Counter
-	cudaFailed   *prometheus.GaugeVec
 	srv          *http.Server
 	http         HTTPConfig
 
@@ -65,12 +65,9 @@ func newMetrics(s *Server) *metrics {
 	m.attachErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_attach_errors_total", Help: "Attach requests refused."})
 	m.dropped = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_sessions_dropped_total", Help: "Sessions dropped because their completion ring stayed full (the client stopped reading)."})
 	m.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{Name: "ringside_accept_errors_total", Help: "Failed accepts on the attach socket (EMFILE and the like); each is retried after a backoff of 5 ms to 1 s."})
-	m.cudaFailed = prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "ringside_cuda_device_failed", Help: "1 for a GPU whose CUDA context in the sidecar hit a sticky error (every copy on it fails; the sidecar drains and exits to be restarted), 0 for the others the CUDA backend sees."}, []string{"gpu"})
-	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.copyLatency, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.dropped, m.acceptErrors, m.cudaFailed} {
+	cudaFailed := gpuFailures{s: s, desc: prometheus.NewDesc("ringside_cuda_device_failed", "1 for a GPU whose CUDA context in the sidecar hit a sticky error, or whose copies outlived the watchdog's bound (every copy on it fails; the sidecar drains and exits to be restarted), 0 for the others the CUDA backend sees.", []string{"gpu"}, nil)}
+	for _, c := range []prometheus.Collector{m.requests, m.errors, m.copyBytes, m.copySeconds, m.copyLatency, m.ringWait, m.attaches, m.detaches, m.attachErrors, m.dropped, m.acceptErrors, cudaFailed} {
 		f(c)
-	}
-	for _, uuid := range s.gpus {
-		m.cudaFailed.WithLabelValues(uuid).Set(0)
 	}
 	for t := uint16(1); t < 256; t++ {
 		if n := schema.TypeName(t); !strings.HasPrefix(n, "type(") {
@@ -261,6 +258,33 @@ func formatEpoch(e uint64) string {
 		e >>= 4
 	}
 	return string(b)
+}
+
+// gpuFailures is ringside_cuda_device_failed, read at each scrape from the
+// state /readyz and /healthz read (the failed GPUs): one state, so that a
+// scrape never reads 0 for a GPU the probes already report failed.
+type gpuFailures struct {
+	s    *Server
+	desc *prometheus.Desc
+}
+
+func (g gpuFailures) Describe(ch chan<- *prometheus.Desc) { ch <- g.desc }
+
+func (g gpuFailures) Collect(ch chan<- prometheus.Metric) {
+	g.s.gpuMu.Lock()
+	defer g.s.gpuMu.Unlock()
+	for _, uuid := range g.s.gpus {
+		v := 0.0
+		if _, failed := g.s.gpuFailed[uuid]; failed {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(g.desc, prometheus.GaugeValue, v, uuid)
+	}
+	for _, uuid := range g.s.failedGPUs() {
+		if !slices.Contains(g.s.gpus, uuid) {
+			ch <- prometheus.MustNewConstMetric(g.desc, prometheus.GaugeValue, 1, uuid)
+		}
+	}
 }
 
 // serve runs the HTTP endpoint; the returned channel gets its exit error.

@@ -60,7 +60,9 @@ type Server struct {
 	outs sync.Pool // *machine.Output for copy completions and the reaper
 
 	// gpuMu guards gpuFailed: the GPUs whose CUDA context hit a sticky
-	// error, by UUID (deviceFailed).
+	// error (or whose copies outlived the watchdog), by UUID
+	// (deviceFailed). /readyz, /healthz and ringside_cuda_device_failed
+	// all read it.
 	gpuMu     sync.Mutex
 	gpuFailed map[string]cuda.DeviceFailure
 	gpus      []string // the UUIDs the CUDA backend sees; nil without it
@@ -332,9 +334,6 @@ func (s *Server) deviceFailed(f cuda.DeviceFailure) {
 	s.gpuMu.Unlock()
 	if again {
 		return
-	}
-	if s.met != nil {
-		s.met.cudaFailed.WithLabelValues(f.UUID).Set(1)
 	}
 	s.log.Error().Err(f.Err).Str("gpu", f.UUID).Int("cuda_error", f.Code).Dur("drain", deviceFailDrain).
 		Msg("CUDA device failed: its copies fail with status 11; the sidecar drains its sessions and exits to be restarted with a fresh context")
