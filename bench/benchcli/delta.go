@@ -27,7 +27,7 @@ func benchDeltaCommand() *cli.Command {
 			&cli.IntFlag{Name: "warmup", Value: 50, Usage: "untimed steps before each method", EnvVars: e("warmup")},
 			&cli.IntFlag{Name: "stores", Value: 32, Usage: "new blocks stored per step", EnvVars: e("stores")},
 			&cli.DurationFlag{Name: "walk-budget", Value: deltabenchWalkBudget, Usage: "time after which walk rows stop (at least 11 steps)", EnvVars: e("walk-budget")},
-			&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "the cache's eviction policy (serve --cache.policy): lru or mqp", EnvVars: e("cache.policy")},
+			&cli.StringFlag{Name: "cache.policy", Value: cache.DefaultPolicy.String(), Usage: "the cache's eviction policy (serve --cache.policy): lru, mqp or mqp2", EnvVars: e("cache.policy")},
 			&cli.BoolFlag{Name: "json", Usage: "print one JSON object per row (JSON Lines); verdicts go to stderr", EnvVars: e("json")},
 			&cli.BoolFlag{Name: "quiet", Usage: "no progress lines (and, with --json, no verdicts)", EnvVars: e("quiet")},
 		},
