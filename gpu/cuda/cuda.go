@@ -988,10 +988,11 @@ func (d *cudaDevice) stop() {
 }
 
 // Polling while ops are in flight: spin for pollSpin after progress, then
-// sleep between polls, pollMin doubling up to pollMax. pollMax bounds how
-// late a completed copy is noticed (plus the sleep's own overshoot): a
-// load's reply, and so the engine's next step, waits for it. With nothing
-// in flight the goroutine blocks on its channels instead.
+// sleep between polls (pollSleep: the thread's own nanosleep), pollMin
+// doubling up to pollMax. pollMax bounds how late a completed copy is
+// noticed (plus the thread's wake-up): a load's reply, and so the engine's
+// next step, waits for it. With nothing in flight the goroutine blocks on
+// its channels instead.
 const (
 	pollSpin = 50 * time.Microsecond // poll without sleeping this long after progress
 	pollMin  = 20 * time.Microsecond
@@ -1005,6 +1006,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 	// The goroutine stays locked until it exits, and the thread exits
 	// with it: nothing else ever runs with this context current.
 	runtime.LockOSThread()
+	setTimerSlack()
 	defer close(d.exited)
 	if err := d.setup(); err != nil {
 		d.teardown()
@@ -1055,7 +1057,7 @@ func (d *cudaDevice) run(ready chan<- error) {
 			// P to another thread and back, which costs more than a copy.
 			continue
 		}
-		time.Sleep(sleep)
+		pollSleep(sleep)
 		sleep = nextPollSleep(sleep)
 	}
 }

@@ -6,7 +6,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -60,6 +63,7 @@ func TestCUDAFakeFailures(t *testing.T) {
 		{"event-death", "TestCUDAEventDeath", nil},
 		{"reregister-while-releasing", "TestCUDAReregisterWhileReleasing", nil},
 		{"watchdog", "TestCUDAWatchdog", []string{"FAKECUDA_EVENT_US=150000"}},
+		{"poll-latency", "TestCUDAPollLatency", []string{"FAKECUDA_EVENT_US=2000"}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			args := []string{"-test.run=^" + v.test + "$", "-test.count=1"}
@@ -749,4 +753,76 @@ func TestCUDAReregisterWhileReleasing(t *testing.T) {
 	if err := c.Unregister(h2); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestCUDAPollLatency (FAKECUDA_EVENT_US=2000: every copy's completion
+// event fires 2 ms after its copies run, past the device's 50 µs spin):
+// how late the device goroutine notices a completion, the median of 100
+// ops. Go's timer wakes a goroutine locked to its thread about 1 ms late,
+// which would make it about half of that; the poll sleeps in nanosleep
+// instead. The bound follows what this machine's own nanosleep does in
+// the same test (on a loaded machine a thread's wake-up is late too), so
+// that it cannot flake under load and still tells 1 ms from 50 µs.
+func TestCUDAPollLatency(t *testing.T) {
+	needFake(t)
+	const opTime = 2 * time.Millisecond
+	if os.Getenv("FAKECUDA_EVENT_US") != "2000" {
+		t.Fatal("FAKECUDA_EVENT_US is not 2000")
+	}
+	c, err := cuda.New(mapPool(t, 4<<20), cuda.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, 64<<10, 0)
+	h, err := c.Register(exp.Region(4096, 16, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Unregister(h)
+	var late []time.Duration
+	for i := range 100 {
+		res, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{uint32(i % 16)}, PoolOffsets: []uint64{0}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		late = append(late, res.Elapsed-opTime)
+	}
+	sleep := nanosleepLateness(t, 50*time.Microsecond)
+	got, bound := median(late), 150*time.Microsecond+2*sleep
+	t.Logf("a completion is noticed %v after it (median of 100; p90 %v); this machine's nanosleep of 50 µs ends %v late (median)",
+		got, quantile(late, 0.9), sleep)
+	if got > bound {
+		t.Fatalf("completions are noticed %v late (median), more than %v: the poll's sleep is not the thread's own", got, bound)
+	}
+}
+
+// nanosleepLateness is the median of how late a nanosleep of d ends, on
+// a thread locked like the device's, with the same timer slack.
+func nanosleepLateness(t *testing.T, d time.Duration) time.Duration {
+	t.Helper()
+	ch := make(chan time.Duration)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		syscall.RawSyscall6(syscall.SYS_PRCTL, 29 /* PR_SET_TIMERSLACK */, 1000, 0, 0, 0, 0)
+		var late []time.Duration
+		ts := syscall.NsecToTimespec(int64(d))
+		for range 200 {
+			t0 := time.Now()
+			syscall.Nanosleep(&ts, nil)
+			late = append(late, time.Since(t0)-d)
+		}
+		ch <- median(late)
+	}()
+	return <-ch
+}
+
+func median(ds []time.Duration) time.Duration { return quantile(ds, 0.5) }
+
+func quantile(ds []time.Duration, q float64) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[int(q*float64(len(s)-1))]
 }
