@@ -1,24 +1,28 @@
 #!/usr/bin/env python3
-"""What PyTorch's CUDA IPC handles and allocations look like to ringside.
+"""What ringside's engine side relies on of PyTorch on a GPU.
 
-vLLM's KV cache is torch tensors; the connector exports them with CUDA IPC
-and the sidecar imports them with the driver API. One line per probe,
-`PROBE <name>: <verdict> (<details>)`:
+vLLM's KV cache is one torch.zeros(int8) buffer viewed per layer; the
+connector exports its allocation with the driver (ctypes,
+ringside/plugin/cudaipc.py: cuMemGetAddressRange, cuIpcGetMemHandle, or a
+POSIX file descriptor for memory of the virtual memory API) and records its
+store event on torch's current stream. (It no longer uses torch's own IPC,
+``_share_cuda_``.) One line per probe, `PROBE <name>: <verdict> (<details>)`:
 
-  torch-handle        untyped_storage()._share_cuda_() of 4 x
-                      torch.zeros(512 MiB, int8): the handle's length,
-                      version byte and type char
-  torch-bases         how many distinct allocations (cuMemGetAddressRange
-                      bases) the 4 tensors live in, at which offsets
-  torch-handle-match  whether handle[2:66] equals cuIpcGetMemHandle of the
-                      allocation's base (ctypes on libcuda.so.1)
-  torch-hnd-strides   the strides of an HND-permuted view of a KV block
-                      tensor (blocks, 2, 16 tokens, 8 heads, 128) in bf16
-  torch-expandable    with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-                      (a subprocess): does _share_cuda_() succeed, with type
-                      char 'e'
-  torch-uuid          torch.cuda.get_device_properties(0).uuid against
-                      cuDeviceGetUuid
+  torch-alloc       one torch.zeros(2 GiB, int8), as vLLM allocates its KV
+                    cache: its allocation's base (cuMemGetAddressRange) is
+                    the tensor's pointer, CU_POINTER_ATTRIBUTE_IS_LEGACY_
+                    CUDA_IPC_CAPABLE is 1, and cuIpcGetMemHandle succeeds
+  torch-bases       how many distinct allocations 4 x torch.zeros(512 MiB)
+                    live in, at which offsets
+  torch-stream      torch.cuda.current_stream().cuda_stream (0: the legacy
+                    default stream, what the store event is recorded on)
+  torch-expandable  with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+                    (a subprocess): IS_LEGACY_CUDA_IPC_CAPABLE of the
+                    buffer, and what ringside's from_block_tensors makes of
+                    it (refused, naming the setting, or shared by file
+                    descriptor)
+  torch-uuid        torch.cuda.get_device_properties(0).uuid against
+                    cuDeviceGetUuid
 
 Without torch or without a CUDA device it prints `PROBE torch: skipped (no
 CUDA torch)` and exits 0. The exit status is 1 only when a probe itself
@@ -44,20 +48,20 @@ def verdict(name: str, v: str, details: str) -> None:
     print(f"PROBE {name}: {v} ({details})", flush=True)
 
 
-def describe_handle(h: bytes) -> str:
-    t = chr(h[1]) if len(h) > 1 and 32 <= h[1] < 127 else "?"
-    return f"length {len(h)}, version byte {h[0] if h else '-'}, type char {t!r}"
-
-
 EXPANDABLE = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
 import torch
+import cudrv
+from ringside.plugin.region import RegionError, from_block_tensors
 t = torch.zeros(%d, dtype=torch.int8, device="cuda")
+drv = cudrv.Driver()
+r, legacy = drv.pointer_attr(cudrv.ATTR_LEGACY_IPC, t.data_ptr())
 try:
-    h = t.untyped_storage()._share_cuda_()[1]
-    t = chr(h[1]) if len(h) > 1 and 32 <= h[1] < 127 else "?"
-    print("OK", len(h), h[0], t)
-except Exception as e:
-    print("FAIL", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    reg = from_block_tensors({"model.layers.0.attn": t.view(64, -1)}, 64)
+    print("OK", r, legacy, "kind", reg.kind)
+except RegionError as e:
+    print("OK", r, legacy, "refused", str(e).replace(chr(10), " "))
 """ % (TENSOR_BYTES,)
 
 
@@ -75,8 +79,7 @@ def main() -> int:
         flush=True,
     )
     broke = False
-    tensors = [torch.zeros(TENSOR_BYTES, dtype=torch.int8, device="cuda") for _ in range(4)]
-    torch.cuda.synchronize()
+    torch.zeros(1, device="cuda")  # torch's primary context, current on this thread
     drv = None
     try:
         drv = cudrv.Driver()  # after torch: its primary context is current
@@ -96,23 +99,30 @@ def main() -> int:
             verdict(name, "error", f"{type(e).__name__}: {e}")
             traceback.print_exc()
 
-    shares = []
-
-    def handle():
-        for t in tensors:
-            shares.append(t.untyped_storage()._share_cuda_())
-        descs = sorted({describe_handle(s[1]) for s in shares})
-        fields = len(shares[0])
+    def alloc():
+        if drv is None:
+            raise Missing("libcuda.so.1")
+        t = torch.zeros(4 * TENSOR_BYTES, dtype=torch.int8, device="cuda")
+        torch.cuda.synchronize()
+        p = t.data_ptr()
+        base, size = drv.address_range(p)
+        r, legacy = drv.pointer_attr(cudrv.ATTR_LEGACY_IPC, p)
+        h = drv.ipc_handle(base)
+        ok = base == p and r == 0 and legacy == 1 and len(h) == 64
         verdict(
-            "torch-handle",
-            descs[0] if len(descs) == 1 else "differs between tensors: " + "; ".join(descs),
-            f"4 x torch.zeros({TENSOR_BYTES}, int8); _share_cuda_() returns {fields} fields; "
-            f"storage offsets {[s[3] for s in shares]}, sizes {[s[2] for s in shares]}",
+            "torch-alloc",
+            "one exportable allocation" if ok else "not as the connector expects",
+            f"torch.zeros({4 * TENSOR_BYTES}, int8): pointer {p:#x}, allocation base {base:#x} size {size}; "
+            f"IS_LEGACY_CUDA_IPC_CAPABLE {legacy if r == 0 else drv.describe(r)}; cuIpcGetMemHandle ok",
         )
+        del t
+
+    tensors = []
 
     def bases():
         if drv is None:
             raise Missing("libcuda.so.1")
+        tensors.extend(torch.zeros(TENSOR_BYTES, dtype=torch.int8, device="cuda") for _ in range(4))
         rows = []
         for t in tensors:
             p = t.untyped_storage().data_ptr()
@@ -124,48 +134,28 @@ def main() -> int:
             f"{len(distinct)} distinct allocation base(s) for 4 tensors",
             "; ".join(f"ptr {p:#x} = base {b:#x} + {p - b}, allocation {n} B" for p, b, n in rows),
         )
+        tensors.clear()
 
-    def match():
-        if drv is None:
-            raise Missing("libcuda.so.1")
-        if not shares:
-            raise RuntimeError("no handles (torch-handle failed)")
-        res = []
-        for t, s in zip(tensors, shares):
-            b, _ = drv.address_range(t.untyped_storage().data_ptr())
-            mine = drv.ipc_handle(b)
-            res.append(s[1][2:66] == mine)
-        v = "equal" if all(res) else "not equal" if not any(res) else "equal for some"
-        d = f"handle[2:66] == cuIpcGetMemHandle(base) per tensor: {res}; handle length {len(shares[0][1])}"
-        verdict("torch-handle-match", v, d)
-
-    def strides():
-        kv = tensors[0].view(torch.bfloat16).view(-1, 2, 16, 8, 128)
-        hnd = kv.permute(0, 1, 3, 2, 4)
-        verdict(
-            "torch-hnd-strides",
-            f"strides {tuple(hnd.stride())}",
-            f"NHD view {tuple(kv.shape)} strides {tuple(kv.stride())}; permute(0, 1, 3, 2, 4) shape "
-            f"{tuple(hnd.shape)}, contiguous {hnd.is_contiguous()}, same storage {hnd.data_ptr() == kv.data_ptr()}",
-        )
-
-    def expandable_once(extra: dict) -> tuple[str, str]:
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **extra}
-        r = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True, timeout=30)
-        out = (r.stdout.strip().splitlines() or [""])[-1].split(" ", 3)
-        if r.returncode != 0 or not out[0]:
-            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-            return "the subprocess failed", f"exit {r.returncode}: {tail}"
-        if out[0] == "OK" and len(out) == 4:
-            v = "_share_cuda_ succeeds" + (" with type 'e'" if out[3] == "e" else f" with type {out[3]!r}")
-            return v, f"handle length {out[1]}, version byte {out[2]}"
-        return "_share_cuda_ fails", " ".join(out[1:])
+    def stream():
+        cur = torch.cuda.current_stream()
+        v = "the legacy default stream (0)" if cur.cuda_stream == 0 else f"stream {cur.cuda_stream:#x}"
+        verdict("torch-stream", v, f"torch.cuda.current_stream().cuda_stream on the main thread: {cur!r}")
 
     def expandable():
-        v, d = expandable_once({})
-        # Some builds export expandable segments only when asked to.
-        v2, d2 = expandable_once({"TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "1"})
-        verdict("torch-expandable", v, f"{d}; with TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=1: {v2} ({d2})")
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        here = os.path.dirname(os.path.abspath(__file__))
+        env["PYTHONPATH"] = os.pathsep.join([here, os.path.join(here, "..", "..", "connector", "python")])
+        r = subprocess.run(
+            [sys.executable, "-c", EXPANDABLE, here], env=env, capture_output=True, text=True, timeout=40
+        )
+        out = (r.stdout.strip().splitlines() or [""])[-1].split(" ", 4)
+        if r.returncode != 0 or out[0] != "OK" or len(out) < 5:
+            tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+            verdict("torch-expandable", "the subprocess failed", f"exit {r.returncode}: {tail}")
+            return
+        legacy = out[2] if out[1] == "0" else f"unreadable (error {out[1]})"
+        what = "refused by the connector" if out[3] == "refused" else f"shared as region kind {out[4]}"
+        verdict("torch-expandable", what, f"IS_LEGACY_CUDA_IPC_CAPABLE {legacy}; {out[4]}")
 
     def uuid():
         if drv is None:
@@ -176,10 +166,9 @@ def main() -> int:
         verdict("torch-uuid", "equal" if norm == mine else "not equal", f"torch {tu}, cuDeviceGetUuid {mine}")
 
     for name, fn in [
-        ("torch-handle", handle),
+        ("torch-alloc", alloc),
         ("torch-bases", bases),
-        ("torch-handle-match", match),
-        ("torch-hnd-strides", strides),
+        ("torch-stream", stream),
         ("torch-expandable", expandable),
         ("torch-uuid", uuid),
     ]:

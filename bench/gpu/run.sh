@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for the CUDA copy engine, for one machine with an NVIDIA GPU;
 # a few minutes, always under 9 (the steps' time limits: conformance 130 s,
-# benchmark 160 s, serve check 2 x 25 s, probes 80 s each).
+# benchmark 160 s, serve check 2 x 25 s, probes 50 s, 60 s and 80 s: 530 s).
 #
 #   bench/gpu/run.sh          build (if Go is here), then check and measure
 #   bench/gpu/run.sh build    only build bin/ringside, bin/ringside-bench and
@@ -24,8 +24,16 @@
 # vs per-range vs one plain cuMemcpyAsync of the same bytes (ceiling);
 # (3) `ringside serve --copy.backend=cuda` with the GPU overlay's 5 MiB
 # slots starts and says the CUDA backend is ready, and with no visible GPU
-# exits at start with the reason; (4) probe_torch.py: PyTorch's IPC handles,
-# allocations, strides, expandable segments and device UUID; (5)
+# exits at start with the reason; (4) probe_torch.py: what ringside's
+# engine side relies on of PyTorch (a vLLM-sized torch.zeros buffer is one
+# allocation CUDA IPC can export, torch's current stream is the legacy
+# default stream, expandable segments cannot be exported, the device UUID);
+# (5) probe_e2e.py: the vLLM connector's GPU path end to end (one torch
+# buffer viewed as vLLM's LBNHC and BLNHC layouts, from_block_tensors with
+# the block count, the worker's ctypes driver and store event on torch's
+# stream, a real `ringside serve --copy.backend=cuda`: 64 blocks stored,
+# overwritten, loaded, every byte compared; a store whose event is recorded
+# behind a GPU sleep must wait for it); (6)
 # probe_ipc.py: what the driver does with IPC between two processes
 # (address ranges, corrupt handles, legacy export of VMM memory,
 # interprocess events; VMM memory shared by POSIX file descriptor: export,
@@ -39,10 +47,16 @@
 # the stand-in's model against itself (bench/gpu's test wants its one
 # answer for each), so that they run as they will on a GPU.
 #
-# With $OUT set, results land in $OUT (7 files): gpu.txt, conformance.txt,
+# With $OUT set, results land in $OUT (8 files): gpu.txt, conformance.txt,
 # copy.jsonl (JSON Lines rows), copy.txt (the table), serve.txt,
-# probe_torch.txt, probe_ipc.txt. The exit status is that of the
-# conformance suite, the benchmark and the serve check.
+# probe_torch.txt, probe_e2e.txt, probe_ipc.txt. The exit status is that of
+# the conformance suite, the benchmark and the serve check.
+#
+# The probes run with $PYTHON: on a GPU machine an interpreter with CUDA
+# torch (probe_torch.py and probe_e2e.py say `skipped` without one). In the
+# dry mode python3 without torch does: probe_e2e.py runs against the
+# stand-in with ctypes views of its device memory (--stand-in), and
+# probe_torch.py says `skipped`.
 #
 # Env: COPY_ARGS adds flags to the benchmark (e.g. "--max-bytes 1GiB");
 # PYTHON is the interpreter of the probes (python3); RINGSIDE_GPU_BIN is
@@ -102,6 +116,7 @@ if [ "$mode" = dry ]; then
 	copy_args="--page-bytes 16KiB,2MiB,5MiB --pages 1,16 --max-bytes 64MiB --min-time 5ms"
 	ipc_args="--event-bytes 1048576 --event-reps 4 --death-bytes 16777216 --death-copies 4 --stand-in-hold $tmp/hold"
 	ipc_args="$ipc_args --event-death-reps 4 --event-death-poll 1"
+	e2e_args="--stand-in $tmp/e2e-hold --reps 2"
 	# Fewer random layouts: the dry mode tests this script; the suite
 	# itself runs under the stand-in in gpu/gputest's TestCUDAFakeDriver.
 	conf_args="-test.short"
@@ -111,6 +126,7 @@ else
 	# 8192 and 128 pages), 64 KiB and the 5 MiB slot beside them.
 	copy_args="--page-bytes 32KiB,64KiB,2MiB,5MiB --pages 1,16,128,1024,8192"
 	ipc_args=""
+	e2e_args=""
 	conf_args=""
 fi
 
@@ -227,10 +243,18 @@ fi
 
 echo "== probe_torch.py"
 set +e
-timeout 80 "$py" bench/gpu/probe_torch.py 2>&1 | save probe_torch.txt | grep -E '^PROBE '
+timeout 50 "$py" bench/gpu/probe_torch.py 2>&1 | save probe_torch.txt | grep -E '^PROBE '
 st=${PIPESTATUS[0]}
 set -e
 echo "probe_torch: exit $st"
+
+echo "== probe_e2e.py $e2e_args"
+set +e
+# shellcheck disable=SC2086 # e2e_args is a list of flags
+timeout 60 "$py" bench/gpu/probe_e2e.py --bin "$bin/ringside" $e2e_args 2>&1 | save probe_e2e.txt | grep -E '^PROBE '
+st=${PIPESTATUS[0]}
+set -e
+echo "probe_e2e: exit $st"
 
 echo "== probe_ipc.py $ipc_args"
 set +e

@@ -21,7 +21,8 @@ import (
 
 // The files a run leaves in $OUT; a GPU run must bring back at most 8.
 var outFiles = []string{
-	"gpu.txt", "conformance.txt", "copy.jsonl", "copy.txt", "serve.txt", "probe_torch.txt", "probe_ipc.txt",
+	"gpu.txt", "conformance.txt", "copy.jsonl", "copy.txt", "serve.txt", "probe_torch.txt", "probe_e2e.txt",
+	"probe_ipc.txt",
 }
 
 var ipcProbes = []string{
@@ -164,6 +165,24 @@ func TestRunDry(t *testing.T) {
 	// No CUDA torch here: the torch probe says so.
 	if v := verdicts("probe_torch.txt"); v["torch"] != "skipped" {
 		t.Errorf("probe_torch.txt: want `PROBE torch: skipped (...)` without CUDA torch, got %v", v)
+	}
+	// The connector's GPU path against the stand-in and a real sidecar: both
+	// layouts round trip byte-exact, and a store whose event is recorded
+	// behind the (stand-in's) GPU sleep waits for it.
+	e2e := read("probe_e2e.txt")
+	for p, want := range map[string]string{
+		"e2e-lbnhc":          "round trip byte-exact",
+		"e2e-blnhc":          "round trip byte-exact",
+		"e2e-delayed-record": "the store waited",
+	} {
+		if v := verdicts("probe_e2e.txt")[p]; v != want {
+			t.Errorf("probe_e2e.txt: %s: %q, want %q against the stand-in:\n%s", p, v, want, e2e)
+		}
+	}
+	if m := regexp.MustCompile(`; pid (\d+)\n`).FindStringSubmatch(e2e); m == nil {
+		t.Errorf("probe_e2e.txt has no header line with its pid")
+	} else if left, _ := filepath.Glob("/dev/shm/fakecuda-" + m[1] + "-*"); len(left) > 0 {
+		t.Errorf("probe_e2e.py left stand-in device memory behind: %v", left)
 	}
 	// The stand-in keeps device memory in /dev/shm files; the probe's own
 	// must be gone, even after a sticky error refused their cuMemFree.
