@@ -47,6 +47,7 @@ const (
 	ruleServiceMonitor = "servicemonitor"          // the ServiceMonitor selects that Service and port
 	ruleGPUClaim       = "gpu-claim"               // a GPU is shared through one DRA claim named by both containers
 	ruleGPUBackend     = "gpu-backend"             // a sidecar given a GPU runs --copy.backend=cuda
+	ruleGPURootFS      = "gpu-root-writable"       // a container given a GPU claim keeps a writable root: NVIDIA's CDI hooks write into it
 	ruleL2Tier         = "l2-tier"                 // a shared tier: TLS, and its password and CA from a Secret, never a literal
 )
 
@@ -54,7 +55,7 @@ var allRules = []string{
 	ruleRender, ruleStrictDecode, ruleSidecarNative, ruleStartupProbe, ruleEngineOrder,
 	ruleSharedShm, rulePIDNamespace, ruleHostIsolation, ruleSecurity, ruleSameUser, ruleSeccomp, ruleProbes,
 	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim, ruleGPUBackend,
-	ruleL2Tier,
+	ruleGPURootFS, ruleL2Tier,
 }
 
 const (
@@ -325,6 +326,14 @@ func (c *checker) checkPod(p *podSpec, services []*corev1.Service, templates, cl
 	}
 	if cfgOK && len(sc.Resources.Claims) > 0 && cfg.CopyBackend != "cuda" {
 		c.fail(ruleGPUBackend, "%s: the sidecar is given a GPU but runs --copy.backend=%s: with auto a node whose driver is unusable (or an image built without cgo) falls back to the host backend, which cannot copy GPU memory, and vLLM serves without the cache; cuda fails at start instead", p.name, cfg.CopyBackend)
+	}
+	for _, ct := range []*corev1.Container{sc, en} {
+		if ct == nil || len(ct.Resources.Claims) == 0 || ct.SecurityContext == nil {
+			continue
+		}
+		if ro := ct.SecurityContext.ReadOnlyRootFilesystem; ro != nil && *ro {
+			c.fail(ruleGPURootFS, "%s: container %q names a resource claim (a GPU, injected through CDI) and has readOnlyRootFilesystem: true: NVIDIA's CDI hooks (update-ldcache, create-symlinks) write into the container's root filesystem when it is created and fail on a read-only one, so the pod never starts", p.name, ct.Name)
+		}
 	}
 	if cfgOK && cfg.L2 != nil {
 		c.checkL2(p, sc, cfg.L2)
