@@ -38,8 +38,10 @@ How each release is read:
   pinned by sha256) into ``.vllm-src/<version>``, read with ``ast``. Their
   tests are skipped, naming ``make vllm-src``, where the sources were not
   fetched (an error under CI=true). Then the connector's unit tests
-  (test_vllm_connector.py, test_vllm_groups.py, test_vllm_events.py and the
-  sleep mode and refusal tests here; 92 of them) run again for each in a
+  (test_vllm_connector.py, test_vllm_groups.py, test_vllm_events.py, the
+  sleep mode, refusal and layout tests here, and test_cuda_vllm.py's tests
+  of vLLM's own KV cache views and kernel blocks; 109 of them) run again
+  for each in a
   child process that imports that release's Python sources over the vLLM
   venv (its torch is 0.32's; none of their kernels is needed): the
   release's own Scheduler, KV cache manager, requests and connector base
