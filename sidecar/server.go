@@ -282,7 +282,7 @@ func newCopier(cfg Config, pool []byte, workers, perDevice int, log zerolog.Logg
 			return
 		}
 		log.Info().Uint64("pinned_bytes", p.Bytes).Int("pin_chunks", p.Chunks).Dur("pin_took", p.Took).
-			Msg("CUDA: pool registered as pinned host memory (at the first GPU registration; registrations waited for it)")
+			Msg("CUDA: pool registered as pinned host memory (started at the first GPU registration, which waited for it at most 1 s; GPU copies before now failed, and run from now on)")
 		if p.MemlockBelowPool() {
 			log.Warn().Uint64("memlock_limit", p.MemlockSoft).Uint64("pool_bytes", p.Bytes).
 				Msg("RLIMIT_MEMLOCK is below the pinned pool size; if pinning or copies fail, raise it (ulimit -l, or the container's memlock limit)")

@@ -66,8 +66,10 @@ type Options struct {
 	// device's submission thread before Submit blocks (default 256).
 	Queue int
 	// PinWait bounds how long a registration waits for the pool's
-	// pinning, which starts at the first registration (default
-	// DefaultPinWait).
+	// pinning, which starts at the first registration, counted from the
+	// registration's start (default DefaultPinWait). Past it the
+	// registration returns, and the copies submitted until the pinning has
+	// ended fail at once (gpu.ErrTransfer).
 	PinWait time.Duration
 	// OnPinned, if set, is called once when the pool's pinning has ended
 	// (err nil: pinned), from the goroutine that pinned it.
@@ -95,9 +97,12 @@ const DefaultWatchdog = 10 * time.Second
 const WatchdogBytesPerSecond = 256 << 20
 
 // DefaultPinWait is how long a registration waits for the pool to be
-// pinned by default: pinning takes about 0.1 s per GiB, so this covers
-// pools of about a terabyte.
-const DefaultPinWait = 2 * time.Minute
+// pinned by default: pinning takes about 0.1 s per GiB, so a pool of up to
+// about 10 GiB is pinned by the time the first registration returns, and
+// that registration, the GPU's context included (0.3-1 s), stays within
+// the plugin's deadline of 2 s (the deployment's timeout) whatever the
+// pool's size.
+const DefaultPinWait = time.Second
 
 // DeviceFailure describes a GPU whose context is unusable.
 type DeviceFailure struct {
@@ -308,7 +313,8 @@ type cudaCompletion struct {
 // retained at the first registration on it, and the pool (the sidecar's
 // mapping of the block pool; it must be mmapped memory, not Go heap) is
 // registered as pinned host memory, in chunks, at the first registration
-// on any device, in the background; registrations wait for it (PinWait).
+// on any device, in the background; registrations wait for it, up to
+// PinWait, and copies submitted before it has ended fail.
 // Without a usable driver or device the error wraps ErrUnavailable.
 func New(pool []byte, opts Options) (*Engine, error) {
 	if len(pool) == 0 {
@@ -412,9 +418,12 @@ func (e *Engine) pinPool(d *cudaDevice) {
 	}
 }
 
-// waitPinned waits, up to PinWait, for the pool's pinning to end.
-func (e *Engine) waitPinned() error {
-	t := time.NewTimer(e.pinWait)
+// waitPinned waits, until deadline, for the pool's pinning to end: it
+// fails if the pinning failed, and returns nil once the pool is pinned or
+// at the deadline (the pinning goes on; pinReady refuses copies until it
+// has ended).
+func (e *Engine) waitPinned(deadline time.Time) error {
+	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
 	select {
 	case <-e.pinDone:
@@ -423,8 +432,23 @@ func (e *Engine) waitPinned() error {
 		}
 		return nil
 	case <-t.C:
-		return fmt.Errorf("%w: the pool (%d bytes) is still being registered as pinned host memory after %v; register again later",
-			gpu.ErrUnsupported, len(e.pool), e.pinWait)
+		return nil
+	}
+}
+
+// pinReady returns nil once the pool is pinned, and why no copy can run
+// otherwise: the pinning still going on (started by the first
+// registration), or its failure.
+func (e *Engine) pinReady() error {
+	select {
+	case <-e.pinDone:
+		if e.pinErr != nil {
+			return fmt.Errorf("%w: the pool could not be pinned, so no GPU copy can run: %w", gpu.ErrTransfer, e.pinErr)
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: the pool (%d bytes) is still being registered as pinned host memory (it started at the first GPU "+
+			"registration; about 0.1 s per GiB): GPU copies run once it is pinned", gpu.ErrTransfer, len(e.pool))
 	}
 }
 
@@ -483,11 +507,13 @@ func (e *Engine) Supports(k gpu.Kind) bool { return k.CUDA() }
 // first registration on a GPU retains its primary context (a GPU in
 // EXCLUSIVE_PROCESS or PROHIBITED compute mode is refused), the first on
 // any GPU starts pinning the pool, and every registration waits for the
-// pinning (PinWait). A failed GPU (gpu.ErrDeviceFailed) refuses it. A
+// pinning, up to PinWait from its start (then it returns, and copies fail
+// until the pool is pinned). A failed GPU (gpu.ErrDeviceFailed) refuses it. A
 // gpu.CUDAFD region's allocations are imported from their descriptors and
 // mapped instead of opened (each region its own, never shared); Register
 // keeps none of the descriptors, which the caller closes once it returns.
 func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
+	start := time.Now()
 	if !r.Kind.CUDA() {
 		return 0, fmt.Errorf("%w: the CUDA backend serves only %v and %v regions, not %v", gpu.ErrUnsupported, gpu.CUDAIPC, gpu.CUDAFD, r.Kind)
 	}
@@ -520,7 +546,7 @@ func (e *Engine) Register(r gpu.Region) (gpu.Handle, error) {
 	if err != nil {
 		return 0, err
 	}
-	if err := e.waitPinned(); err != nil {
+	if err := e.waitPinned(start.Add(e.pinWait)); err != nil {
 		return 0, err
 	}
 	r.Segments = append([]gpu.Segment(nil), r.Segments...)
@@ -712,6 +738,9 @@ func (e *Engine) waitReleased(keys []any) {
 func (e *Engine) Submit(op gpu.Op, done func(gpu.Result)) error {
 	return e.regions.Submit(op, done, func(reg *cudaRegion, now time.Time) error {
 		if err := reg.dev.failed(); err != nil {
+			return err
+		}
+		if err := e.pinReady(); err != nil {
 			return err
 		}
 		if op.Fence.Raised() {

@@ -64,6 +64,7 @@ func TestCUDAFakeFailures(t *testing.T) {
 		{"reregister-while-releasing", "TestCUDAReregisterWhileReleasing", nil},
 		{"watchdog", "TestCUDAWatchdog", []string{"FAKECUDA_EVENT_US=150000"}},
 		{"poll-latency", "TestCUDAPollLatency", []string{"FAKECUDA_EVENT_US=2000"}},
+		{"pin-in-background", "TestCUDAPinInBackground", []string{"FAKECUDA_PIN_US_PER_MIB=51200"}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			args := []string{"-test.run=^" + v.test + "$", "-test.count=1"}
@@ -825,4 +826,66 @@ func quantile(ds []time.Duration, q float64) time.Duration {
 	s := slices.Clone(ds)
 	slices.Sort(s)
 	return s[int(q*float64(len(s)-1))]
+}
+
+// TestCUDAPinInBackground (FAKECUDA_PIN_US_PER_MIB=51200: pinning the
+// 64 MiB pool takes 3.3 s, what a 32 GiB pool takes on a GPU machine at
+// 0.1 s per GiB): the first registration returns within the plugin's 2 s
+// deadline (it waits for the pinning at most PinWait, 1 s by default), a
+// copy submitted while the pinning goes on fails at once naming it, and
+// once the pool is pinned copies run.
+func TestCUDAPinInBackground(t *testing.T) {
+	needFake(t)
+	if os.Getenv("FAKECUDA_PIN_US_PER_MIB") != "51200" {
+		t.Fatal("FAKECUDA_PIN_US_PER_MIB is not 51200")
+	}
+	pool := mapPool(t, 64<<20)
+	pinned := make(chan cuda.PinInfo, 1)
+	c, err := cuda.New(pool, cuda.Options{PinChunk: 4 << 20, OnPinned: func(p cuda.PinInfo, err error) {
+		if err != nil {
+			t.Errorf("pinning: %v", err)
+		}
+		pinned <- p
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	peer := startPeer(t, "cuda")
+	exp := peer.alloc(t, 64<<10, 0)
+	t0 := time.Now()
+	h, err := c.Register(exp.Region(4096, 16, nil))
+	took := time.Since(t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// It returned before the pinning ended (the copy below fails), after
+	// about PinWait: well within the plugin's deadline unless the machine
+	// is starved.
+	if took > 2500*time.Millisecond {
+		t.Fatalf("the first registration took %v with the pinning going on, want about 1 s (PinWait)", took)
+	}
+	op := gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{1}, PoolOffsets: []uint64{0}}
+	if _, err := gpu.Do(c, op); !errors.Is(err, gpu.ErrTransfer) || !strings.Contains(err.Error(), "pinned") {
+		t.Fatalf("a copy while the pool is being pinned: %v, want ErrTransfer saying so", err)
+	} else {
+		t.Log(err)
+	}
+	var p cuda.PinInfo
+	select {
+	case p = <-pinned:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the pool was never pinned")
+	}
+	if _, err := gpu.Do(c, op); err != nil {
+		t.Fatalf("a copy once the pool is pinned: %v", err)
+	}
+	t0 = time.Now()
+	h2, err := c.Register(exp.Region(4096, 8, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("first registration %v (the pool's pinning took %v, %d chunks); a later one %v", took, p.Took, p.Chunks, time.Since(t0))
+	c.Unregister(h2)
+	c.Unregister(h)
 }
