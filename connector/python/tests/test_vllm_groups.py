@@ -445,3 +445,21 @@ def test_kv_events_describe_the_lead_group_only():
         assert runs[r.request_id] == sorted(log.planned[(r.request_id, j)]), r.request_id
     ev = E.KVEvents(Config.parse({}, VLLM), H.BLOCK, eng.kv_cache_config, lay)
     assert ev.gid == lead.gid and ev.block_size == lead.block_size and ev.kind == "full_attention"
+
+
+def test_the_order_within_a_block_is_part_of_the_namespace():
+    """Two engines whose attention backends order a layer's block
+    differently (tokens then heads, NHC; heads then tokens, HNC) hold other
+    bytes under one block hash: never the same namespace. A block-outermost
+    layout keeps a block's bytes (a page is its layers in index order), so
+    it shares the layer-outermost one's namespace."""
+    vc = H.vllm_config({})
+    fps = {}
+    for name in ("LBNHC", "BLNHC", "LBHNC", None):
+        kcc = H.kv_cache_config(8)
+        kcc.kv_cache_layout = name
+        fps[name] = namespace(vc, None, kcc)[1]
+    assert fps["LBNHC"] == fps["BLNHC"] != fps["LBHNC"]
+    assert "within=NHC" in fps["LBNHC"] and "within=HNC" in fps["LBHNC"]
+    # Unresolved (no layout recorded): its own namespace, never NHC's by guess.
+    assert fps[None] not in (fps["LBNHC"], fps["LBHNC"])

@@ -94,7 +94,7 @@ class RingsideConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = cfg
         # The model's KV cache groups as the connector serves them.
         self.layout = groups = layout_of(vllm_config, kv_cache_config)
-        model, layout, world = namespace(vllm_config, groups)
+        model, layout, world = namespace(vllm_config, groups, kv_cache_config)
         self.instance = str(getattr(kvt, "engine_id", None) or cfg.instance or "vllm-%d" % os.getppid())
         attach = dict(
             instance=self.instance, model=model, layout=layout, salt=cfg.tenant, world_size=world, digest_width=32

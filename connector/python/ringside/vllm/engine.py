@@ -15,7 +15,9 @@ if TYPE_CHECKING:  # pragma: no cover
 NON_CRYPTO_HASHES = ("xxhash", "xxhash_cbor")
 
 
-def namespace(vllm_config: "VllmConfig", layout: Optional[Layout] = None) -> tuple[str, str, int]:
+def namespace(
+    vllm_config: "VllmConfig", layout: Optional[Layout] = None, kv_cache_config: Any = None
+) -> tuple[str, str, int]:
     """(model, layout fingerprint, world size): everything that changes the
     bytes of a block, so that two engines share blocks only when the bytes
     mean the same thing. A layout of several KV cache groups (groups.py)
@@ -37,6 +39,10 @@ def namespace(vllm_config: "VllmConfig", layout: Optional[Layout] = None) -> tup
         # A page is every layer's block in layer-index order (plugin/region.py,
         # layer_order): another order would be other bytes under one name.
         "page": "layer-index",
+        # The order within a layer's block (tokens, heads, channels: NHC or
+        # HNC), which the attention backend decides (vLLM's resolved
+        # KVCacheLayout): the same block in another order is other bytes.
+        "within": within_block(vllm_config, kv_cache_config),
     }
     part = layout.fingerprint_part() if layout is not None else None
     if part is not None:
@@ -44,6 +50,18 @@ def namespace(vllm_config: "VllmConfig", layout: Optional[Layout] = None) -> tup
     # Every tensor- and pipeline-parallel worker holds its own shard of a
     # block: a block is present only when all of them stored theirs.
     return model, fingerprint(parts), int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def within_block(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The order of a layer's block in vLLM's resolved KV cache layout (its
+    name without the layer and block axes, L and B: "NHC", "HNC"); "" when
+    vLLM has not resolved one (releases or engines without the layout)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        getattr(vllm_config, "cache_config", None), "kv_cache_layout", None
+    )
+    if not isinstance(name, str):
+        name = getattr(name, "name", None) or ""
+    return "".join(c for c in name if c not in "LB")
 
 
 def hash_seed_warning(vllm_config: "VllmConfig") -> Optional[str]:
