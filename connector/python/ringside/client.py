@@ -329,20 +329,29 @@ class Session:
             sock.close()
             raise
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Detach cleanly; if the sidecar is gone or slow, just drop the
-        session (never raises). Idempotent."""
+        session (never raises). Idempotent. Returns whether the sidecar is
+        known to have ended the session (its Detach reply came, or it is
+        gone): only then has it let go of what the session shared with it
+        (regions, interprocess events); False if it did not answer within
+        min(timeout, 1 s), or the session was closed before."""
         if self._closed:
-            return
+            return False
+        ended = False
         try:
             if self._dead is None:
                 try:
                     self._call(_schema.TYPE_DETACH, b"", _dec_bytes, min(self.timeout, 1.0))
+                    ended = True
                 except Exception:  # noqa: BLE001 (closing must never raise)
-                    pass
+                    ended = self._peer_gone
+            else:
+                ended = self._peer_gone
         finally:
             self._closed = True
             self._release()
+        return ended
 
     def begin_detach(self) -> Optional[int]:
         """Publish a Detach and return its correlation number, without
@@ -983,7 +992,8 @@ class Link:
             _log.warning("ringside: sidecar session lost (%s); %s", err, self.miss_text)
         return s
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Close the session (Session.close); whether the sidecar is known to
+        have ended it (True when there was none)."""
         s, self.session = self.session, None
-        if s is not None:
-            s.close()
+        return s.close() if s is not None else True

@@ -317,6 +317,27 @@ def test_a_second_registration_replaces_the_first(sim, start_sidecar, libcuda, m
     w.shutdown()
 
 
+def test_an_unconfirmed_detach_keeps_the_old_store_event(sim, start_sidecar, libcuda, monkeypatch):  # noqa: F811
+    """A re-registration whose Detach the sidecar does not answer (stopped:
+    it may still have the old event open, a store's gate waiting on it)
+    does not destroy the old store event, which would be undefined
+    behaviour in the sidecar (cuIpcOpenEventHandle); a confirmed one does
+    (above)."""
+    monkeypatch.setenv("LD_LIBRARY_PATH", os.path.dirname(libcuda))
+    sc = start_sidecar(pool="4MiB", slot="16KiB", args=["--copy.backend=cuda"])
+    w = worker(sc.sock)
+    w.register_kv_caches(fa_layers(sim, 4))
+    ev = w.store_event
+    os.kill(sc.proc.pid, signal.SIGSTOP)
+    try:
+        w._release_region()  # what a second register_kv_caches starts with
+        assert ev.event is not None, "the old store event was destroyed without the sidecar's word"
+        assert w._kept_events == [ev]
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    w.shutdown()
+
+
 # -- the connector, end to end ---------------------------------------------------
 
 

@@ -89,6 +89,9 @@ class WorkerSide:
         # requests are released once the sidecar has ended the session (no
         # store of it can commit any more), or at the hold-until time.
         self._ending: list = []
+        # Store events of sessions the sidecar did not confirm ended: never
+        # destroyed while it may have them open (_release_region).
+        self._kept_events: list = []
         self._held: set[str] = set()  # finished requests vLLM keeps the blocks of, until reported
         self._sent: set[str] = set()  # held requests whose stores all ended: finished_sending
         self._noted: Any = None  # the last metadata whose held requests were noted
@@ -158,14 +161,28 @@ class WorkerSide:
             self._collect_loads()
             if self._inflight:
                 time.sleep(0.001)
+        ended = True
         if self.link.session is not None and self._region_gen == self.link.generation:
-            self.link.close()
+            ended = self.link.close()
             # A detach of our own, not a lost sidecar: attach again at once
             # (the link's reattach interval paces attempts after failures).
             self.link._next_try = 0.0
         self._region_gen = -1
         evs = (self.store_event, self._dead_event)
         self.store_event = self._dead_event = self.region = None
+        if not ended:
+            # The sidecar did not say it ended the session: it may still have
+            # the event open (a store's gate waiting on it), and destroying an
+            # event another process has open is undefined behaviour (CUDA's
+            # cuIpcOpenEventHandle). Kept until this process exits.
+            kept = [ev for ev in evs if ev is not None]
+            if kept:
+                self._kept_events.extend(kept)
+                logger.warning(
+                    "ringside: the sidecar did not confirm the end of the old KV cache's session; its store "
+                    "event is kept until the engine exits"
+                )
+            return
         for ev in evs:
             if ev is None:
                 continue
@@ -415,7 +432,8 @@ class WorkerSide:
     def _stores_ordered(self, meta: RingsideConnectorMetadata) -> bool:
         """Order the step's stores after the forward pass that wrote their
         blocks: record the store event on the engine's current stream (the
-        sidecar's store stream waits for it), or, for GPU memory without
+        sidecar issues the copies once it has completed: it waits for it on a
+        gate stream of its own and polls that from the host), or, for GPU memory without
         one, wait for that stream here. A record that fails (no context on
         this thread, an error of the engine's context) never fails the step:
         the event is given up (the sidecar's waits on its earlier records are
@@ -425,7 +443,7 @@ class WorkerSide:
         ev = self.store_event
         if ev is not None:
             try:
-                ev.record()  # on the current stream; the sidecar's store stream waits on it
+                ev.record()  # on the current stream; the sidecar's copies wait for it (gated on the host)
                 return True
             except Exception as e:  # noqa: BLE001 - a store is never worth the engine's step
                 logger.warning(
