@@ -377,6 +377,33 @@ type Op struct {
 	// the op with ErrFenced without touching either side. An op already
 	// issued runs to its end. Backends that issue at once may ignore it.
 	Fence *Fence
+	// Issued, if set, is marked by a backend that may hold an op before
+	// it issues its copies (the CUDA backend gates a store on its engine's
+	// event, which may wait for a whole forward pass) when the copies go
+	// out, so that a caller timing copies counts from there. A backend
+	// that issues at once need not mark it.
+	Issued *IssueClock
+}
+
+// IssueClock records when an op's copies were issued (Op.Issued). The
+// zero value is "not yet". Safe for concurrent use; a nil IssueClock
+// ignores Mark.
+type IssueClock struct{ ns atomic.Int64 }
+
+// Mark records t as the time the copies were issued.
+func (c *IssueClock) Mark(t time.Time) {
+	if c != nil {
+		c.ns.Store(t.UnixNano())
+	}
+}
+
+// At returns when the copies were issued, and whether they were.
+func (c *IssueClock) At() (time.Time, bool) {
+	if c == nil {
+		return time.Time{}, false
+	}
+	ns := c.ns.Load()
+	return time.Unix(0, ns), ns != 0
 }
 
 // Fence withdraws the ops that carry it (Op.Fence). The zero value is

@@ -68,6 +68,7 @@ type lane struct {
 	base       int
 	maxLimit   int
 	stallAfter time.Duration
+	gpu        bool // a GPU's lane: its backend marks when it issues a chunk (chunk.since)
 
 	mu       sync.Mutex
 	queues   map[uint64]*sessQueue
@@ -93,12 +94,29 @@ type sessQueue struct {
 
 type chunk struct {
 	op      gpu.Op
-	fence   gpu.Fence   // raised when the session ends: withdraws the chunk if the engine has not issued it
-	alive   func() bool // false once the region's process is gone
+	fence   gpu.Fence      // raised when the session ends: withdraws the chunk if the engine has not issued it
+	issued  gpu.IssueClock // marked by a GPU backend when it issues the chunk's copies
+	alive   func() bool    // false once the region's process is gone
 	done    func(gpu.Result, bool)
 	started time.Time
 	stalled bool
 	q       *sessQueue
+}
+
+// since returns when the chunk's copy began for the stall clock: when its
+// backend issued it where the backend says (Op.Issued: a GPU store waits
+// for its engine's forward pass before that, which is no stall), else when
+// the chunk was handed to the engine. A chunk its backend holds back has
+// not begun: the session's end withdraws it, and the CUDA backend's
+// watchdog times issued copies.
+func (c *chunk) since() time.Time {
+	if c.op.Issued == nil {
+		return c.started
+	}
+	if t, ok := c.op.Issued.At(); ok {
+		return t
+	}
+	return time.Now()
 }
 
 var (
@@ -172,6 +190,7 @@ func (s *scheduler) laneOf(h gpu.Handle) *lane {
 	defer s.mu.Unlock()
 	if l = s.lanes[k]; l == nil {
 		l = newLane(s.eng, s.cuda, s.stallAfter)
+		l.gpu = true
 		s.lanes[k] = l
 	}
 	return l
@@ -353,6 +372,9 @@ func (l *lane) pick(room bool) *chunk {
 // alive at both ends, so its pid cannot have changed hands in between.
 func (l *lane) start(c *chunk) {
 	c.op.Fence = &c.fence
+	if l.gpu {
+		c.op.Issued = &c.issued
+	}
 	err := l.eng.Submit(c.op, func(r gpu.Result) {
 		exited := c.alive != nil && !c.alive()
 		l.finish(c, r, exited, true)
@@ -406,7 +428,7 @@ func (l *lane) scan() {
 	var stuck []uint64
 	l.mu.Lock()
 	for c := range l.running {
-		if !c.stalled && time.Since(c.started) > l.stallAfter {
+		if !c.stalled && time.Since(c.since()) > l.stallAfter {
 			c.stalled = true
 			c.q.stalled++
 			l.stalled++

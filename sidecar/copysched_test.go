@@ -10,8 +10,11 @@ import (
 )
 
 // gateEngine is a copy engine whose copies end when the test says: each
-// Submit records the op and waits on its own gate.
+// Submit records the op and waits on its own gate. It issues each op at
+// once (marks Op.Issued), unless hold is set: then it holds them unissued,
+// as the CUDA backend holds a store at its engine's event.
 type gateEngine struct {
+	hold    bool
 	mu      sync.Mutex
 	started []gpu.Op
 	gates   map[gpu.Handle][]chan error
@@ -27,6 +30,9 @@ func (e *gateEngine) Unregister(gpu.Handle) error             { return nil }
 func (e *gateEngine) Close() error                            { return nil }
 
 func (e *gateEngine) Submit(op gpu.Op, done func(gpu.Result)) error {
+	if !e.hold {
+		op.Issued.Mark(time.Now())
+	}
 	g := make(chan error, 1)
 	e.mu.Lock()
 	e.started = append(e.started, op)
@@ -460,5 +466,47 @@ func TestSchedulerStalledUIDPerBudget(t *testing.T) {
 	e.release(100, nil)
 	for sess := uint64(1); sess <= maxStalledPerUID; sess++ {
 		waitFor(t, "the stuck chunks' ends", func() bool { ok, _ := r.count(sess); return ok == 1 })
+	}
+}
+
+// TestSchedulerGPUStallCountsFromIssue: on a GPU's lane a chunk's stall
+// clock starts when its backend issues the copies (Op.Issued), not when
+// the chunk is handed over: a store the CUDA backend holds at its engine's
+// event waits for a forward pass, which may take longer than --copy.stall,
+// and is no stuck copy. Before, a few such stores put the uid at its stall
+// bound, and every later copy of the uid on that GPU was cancelled.
+func TestSchedulerGPUStallCountsFromIssue(t *testing.T) {
+	e := newGateEngine()
+	e.hold = true
+	s := newScheduler(e, budget{1, 16}, budget{1, 16}, 20*time.Millisecond)
+	defer s.close()
+	s.route(100, cudaRegion(1))
+	r := &results{errs: map[uint64][]error{}}
+	n := maxStalledPerUID + 2
+	for sess := uint64(1); sess <= uint64(n); sess++ {
+		s.submit(sess, 7, gpu.Op{Region: 100, Pages: []uint32{uint32(sess)}}, nil, r.done(sess))
+	}
+	waitFor(t, "every chunk handed to the engine", func() bool { return e.startedOf(100) == n })
+	time.Sleep(200 * time.Millisecond) // ten stall periods, held by the backend (never issued)
+	if _, stalled, _ := s.stats(); stalled != 0 {
+		t.Fatalf("%d chunks held by their backend were counted as stalled", stalled)
+	}
+	s.submit(50, 7, gpu.Op{Region: 100, Pages: []uint32{0}}, nil, r.done(50))
+	if _, f := r.count(50); f != 0 {
+		t.Fatal("a chunk of the uid was cancelled while its others were only held")
+	}
+	// One is issued, long ago: that one is stuck.
+	e.mu.Lock()
+	op := e.started[0]
+	e.mu.Unlock()
+	if op.Issued == nil {
+		t.Fatal("a GPU lane's chunk has no issue clock")
+	}
+	op.Issued.Mark(time.Now().Add(-time.Second))
+	waitFor(t, "the issued chunk stalled", func() bool { _, stalled, _ := s.stats(); return stalled == 1 })
+	for e.release(100, nil) {
+	}
+	for sess := uint64(1); sess <= uint64(n); sess++ {
+		waitFor(t, "the chunks' ends", func() bool { ok, f := r.count(sess); return ok+f == 1 })
 	}
 }

@@ -285,7 +285,8 @@ type cudaJob struct {
 	h         gpu.Handle
 	reg       *cudaRegion
 	fence     *gpu.Fence
-	fail      error // ended before it was issued (fenced, device failed): the op's whole error
+	issuedAt  *gpu.IssueClock // marked when its copies are enqueued (the op's Issued)
+	fail      error           // ended before it was issued (fenced, device failed): the op's whole error
 	dst, src  []uint64
 	lens      []uint64
 	bytes     int64
@@ -751,7 +752,7 @@ func (e *Engine) Submit(op gpu.Op, done func(gpu.Result)) error {
 			return err
 		}
 		ranges = splitRanges(localRanges(ranges, reg.segs), e.chunk, uint64(len(e.pool)))
-		j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, fence: op.Fence, submitted: now, done: done,
+		j := &cudaJob{dir: op.Dir, h: op.Region, reg: reg, fence: op.Fence, issuedAt: op.Issued, submitted: now, done: done,
 			dst: make([]uint64, len(ranges)), src: make([]uint64, len(ranges)), lens: make([]uint64, len(ranges))}
 		for i, rg := range ranges {
 			host := e.poolAddr + rg.Pool
@@ -1507,6 +1508,7 @@ func (d *cudaDevice) issue(j *cudaJob) {
 	}
 	j.ev = ev
 	j.issued = time.Now()
+	j.issuedAt.Mark(j.issued)
 	if len(*q) == 0 {
 		d.headSince[head] = j.issued
 	}
