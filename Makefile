@@ -195,6 +195,14 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeBatch$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./internal/kvevents/
 	$(GO) test -run '^$$' -fuzz '^FuzzMachineL2$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/machine/
 	$(GO) test -run '^$$' -fuzz '^FuzzCheckValue$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/l2/
+	$(GO) test -run '^$$' -fuzz '^FuzzHeader$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzHello$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzHelloReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzNS$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzStatusReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzLookup$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzItems$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzItemsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 
 # The reliability soak (not part of make test): three engine processes replay
 # the conversation trace, one request at a time in trace order, with random

@@ -1,0 +1,479 @@
+// Package wire is the node tier's wire format (docs/protocol.md, section
+// 17): the fixed-layout messages a sidecar and `ringside node` exchange over
+// a SOCK_SEQPACKET Unix socket, one message a datagram. Block bytes never
+// cross the socket: they move through the connection's window, a memfd the
+// node passes in the Hello reply.
+//
+// Every decoder checks the exact length, the bounds of every count and that
+// every reserved byte is zero; it returns an error wrapping ErrMalformed
+// otherwise (ErrVersion for a header of another version). A value that
+// decodes encodes back to the same bytes.
+package wire
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+)
+
+// Constants of the wire.
+const (
+	Magic      = 0x444e5352 // "RSND", little-endian
+	Version    = 1
+	HeaderSize = 16
+	// MaxMessage bounds a datagram, either way.
+	MaxMessage = 65536
+	// MaxItems bounds the items of a Get or a Put (and of their reply);
+	// MaxLookup the digests of a Lookup.
+	MaxItems  = 64
+	MaxLookup = 1024
+	// MaxPod bounds a pod name.
+	MaxPod = 63
+	// DigestSize is an item's digest field: the digest, zero padded.
+	DigestSize = 32
+)
+
+// Type is a message's type; a reply's is its request's with ReplyBit.
+type Type uint16
+
+// Message types.
+const (
+	TypeHello    Type = 0x01
+	TypeRegister Type = 0x02
+	TypeLookup   Type = 0x03
+	TypeGet      Type = 0x04
+	TypePut      Type = 0x05
+	ReplyBit     Type = 0x80
+)
+
+// Status is a reply's (or an item's) outcome.
+type Status uint16
+
+// Statuses.
+const (
+	OK            Status = 0
+	NotFound      Status = 1  // no such block (Get), or nothing found
+	Exists        Status = 2  // Put: the node holds the block already (nothing copied)
+	Malformed     Status = 3  // the request failed its decoder or a bound
+	NotRegistered Status = 4  // the namespace was not registered on this connection
+	NoSpace       Status = 5  // Put: no slot could be freed (every candidate in use)
+	Rejected      Status = 6  // Put: the value in the window failed its header or checksum
+	Limit         Status = 7  // too many namespaces, or pods attached
+	BadVersion    Status = 8  // Hello of a version the node does not speak
+	Denied        Status = 9  // the peer's uid may not attach
+	Mismatch      Status = 10 // Register: the fingerprint is registered with another layout, width or world
+)
+
+var statusNames = [...]string{"ok", "not_found", "exists", "malformed", "not_registered", "no_space", "rejected", "limit", "bad_version", "denied", "mismatch"}
+
+func (s Status) String() string {
+	if int(s) < len(statusNames) {
+		return statusNames[s]
+	}
+	return fmt.Sprintf("status(%d)", uint16(s))
+}
+
+// Errors of the decoders.
+var (
+	ErrMalformed = errors.New("node wire: malformed message")
+	ErrVersion   = errors.New("node wire: unsupported version")
+)
+
+func malformed(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
+}
+
+var le = binary.LittleEndian
+
+// Header starts every message:
+//
+//	off size field
+//	  0    4 magic "RSND"
+//	  4    2 version (1)
+//	  6    2 type
+//	  8    8 id (a request's, echoed by its reply)
+type Header struct {
+	Type Type
+	ID   uint64
+}
+
+// Append appends the header.
+func (h Header) Append(b []byte) []byte {
+	b = le.AppendUint32(b, Magic)
+	b = le.AppendUint16(b, Version)
+	b = le.AppendUint16(b, uint16(h.Type))
+	return le.AppendUint64(b, h.ID)
+}
+
+// DecodeHeader decodes a message's header and returns its body.
+func DecodeHeader(b []byte) (Header, []byte, error) {
+	if len(b) < HeaderSize || len(b) > MaxMessage {
+		return Header{}, nil, malformed("message of %d bytes", len(b))
+	}
+	if le.Uint32(b) != Magic {
+		return Header{}, nil, malformed("bad magic %#x", le.Uint32(b))
+	}
+	if v := le.Uint16(b[4:]); v != Version {
+		return Header{}, nil, fmt.Errorf("%w: %d (want %d)", ErrVersion, v, Version)
+	}
+	return Header{Type: Type(le.Uint16(b[6:])), ID: le.Uint64(b[8:])}, b[HeaderSize:], nil
+}
+
+func zero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// Hello (sidecar → node) names the pod whose share the connection's writes
+// are charged to:
+//
+//	off size field
+//	  0    2 pod name length (1..63)
+//	  2    6 zero
+//	  8    n pod name ([A-Za-z0-9._-])
+type Hello struct {
+	Pod string
+}
+
+// ValidPod reports whether s may name a pod.
+func ValidPod(s string) bool {
+	if len(s) == 0 || len(s) > MaxPod {
+		return false
+	}
+	for _, c := range []byte(s) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// Append appends the body.
+func (m Hello) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(len(m.Pod)))
+	b = append(b, 0, 0, 0, 0, 0, 0)
+	return append(b, m.Pod...)
+}
+
+// DecodeHello decodes a Hello body.
+func DecodeHello(b []byte) (Hello, error) {
+	if len(b) < 8 {
+		return Hello{}, malformed("hello of %d bytes", len(b))
+	}
+	n := int(le.Uint16(b))
+	if !zero(b[2:8]) || len(b) != 8+n {
+		return Hello{}, malformed("hello: reserved bytes, or a name of %d bytes in %d", n, len(b)-8)
+	}
+	p := string(b[8:])
+	if !ValidPod(p) {
+		return Hello{}, malformed("hello: pod name %q", p)
+	}
+	return Hello{Pod: p}, nil
+}
+
+// HelloReply (node → sidecar) carries the window's descriptor (SCM_RIGHTS)
+// when Status is OK, and the node's bounds:
+//
+//	off size field
+//	  0    2 status
+//	  2    2 zero
+//	  4    4 window slots
+//	  8    8 slot stride (bytes a window or pool slot takes)
+//	 16    8 largest payload
+//	 24    8 pool bytes
+//	 32    8 the pod's share, bytes
+//	 40    8 epoch (random, new with each node process)
+//	 48    4 most namespaces a connection may register
+//	 52    4 zero
+type HelloReply struct {
+	Status        Status
+	WindowSlots   uint32
+	SlotStride    uint64
+	MaxPayload    uint64
+	PoolBytes     uint64
+	ShareBytes    uint64
+	Epoch         uint64
+	MaxNamespaces uint32
+}
+
+// HelloReplySize is a HelloReply body's size.
+const HelloReplySize = 56
+
+// Append appends the body.
+func (m HelloReply) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(m.Status))
+	b = le.AppendUint16(b, 0)
+	b = le.AppendUint32(b, m.WindowSlots)
+	for _, v := range []uint64{m.SlotStride, m.MaxPayload, m.PoolBytes, m.ShareBytes, m.Epoch} {
+		b = le.AppendUint64(b, v)
+	}
+	b = le.AppendUint32(b, m.MaxNamespaces)
+	return le.AppendUint32(b, 0)
+}
+
+// DecodeHelloReply decodes a HelloReply body.
+func DecodeHelloReply(b []byte) (HelloReply, error) {
+	if len(b) != HelloReplySize || !zero(b[2:4]) || !zero(b[52:56]) {
+		return HelloReply{}, malformed("hello reply of %d bytes, or reserved bytes set", len(b))
+	}
+	m := HelloReply{Status: Status(le.Uint16(b)), WindowSlots: le.Uint32(b[4:]), SlotStride: le.Uint64(b[8:]),
+		MaxPayload: le.Uint64(b[16:]), PoolBytes: le.Uint64(b[24:]), ShareBytes: le.Uint64(b[32:]), Epoch: le.Uint64(b[40:]),
+		MaxNamespaces: le.Uint32(b[48:])}
+	if m.Status == OK && (m.WindowSlots == 0 || m.MaxPayload == 0 || m.SlotStride < m.MaxPayload) {
+		return HelloReply{}, malformed("hello reply: %d window slots of %d bytes for payloads of %d", m.WindowSlots, m.SlotStride, m.MaxPayload)
+	}
+	return m, nil
+}
+
+// NS names a namespace as the shared tier does (machine.L2Namespace):
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    8 layout fingerprint
+//	 24    1 digest width (8, 16 or 32)
+//	 25    1 zero
+//	 26    2 world size (1..1024)
+//	 28    4 zero
+type NS struct {
+	FP     [16]byte
+	Layout uint64
+	Width  uint8
+	World  uint16
+}
+
+// NSSize is an NS's size: the Register body.
+const NSSize = 32
+
+// MaxWorld bounds a namespace's world size.
+const MaxWorld = 1024
+
+// Append appends the namespace.
+func (n NS) Append(b []byte) []byte {
+	b = append(b, n.FP[:]...)
+	b = le.AppendUint64(b, n.Layout)
+	b = append(b, n.Width, 0)
+	b = le.AppendUint16(b, n.World)
+	return le.AppendUint32(b, 0)
+}
+
+func validWidth(w int) bool { return w == 8 || w == 16 || w == 32 }
+
+// DecodeNS decodes a Register body.
+func DecodeNS(b []byte) (NS, error) {
+	if len(b) != NSSize || b[25] != 0 || !zero(b[28:32]) {
+		return NS{}, malformed("namespace of %d bytes, or reserved bytes set", len(b))
+	}
+	n := NS{FP: [16]byte(b[:16]), Layout: le.Uint64(b[16:]), Width: b[24], World: le.Uint16(b[26:])}
+	if !validWidth(int(n.Width)) || n.World == 0 || n.World > MaxWorld {
+		return NS{}, malformed("namespace: width %d, world %d", n.Width, n.World)
+	}
+	return n, nil
+}
+
+// StatusReply answers Register and Lookup (Value: the leading blocks found,
+// every rank of each):
+//
+//	off size field
+//	  0    2 status
+//	  2    2 zero
+//	  4    4 value
+type StatusReply struct {
+	Status Status
+	Value  uint32
+}
+
+// Append appends the body.
+func (m StatusReply) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(m.Status))
+	b = le.AppendUint16(b, 0)
+	return le.AppendUint32(b, m.Value)
+}
+
+// DecodeStatusReply decodes a StatusReply body.
+func DecodeStatusReply(b []byte) (StatusReply, error) {
+	if len(b) != 8 || !zero(b[2:4]) {
+		return StatusReply{}, malformed("status reply of %d bytes, or reserved bytes set", len(b))
+	}
+	return StatusReply{Status: Status(le.Uint16(b)), Value: le.Uint32(b[4:])}, nil
+}
+
+// Lookup asks how many leading blocks of Digests the node holds, every
+// rank of each:
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    4 count (1..1024)
+//	 20    1 digest width
+//	 21    3 zero
+//	 24  c·w the digests
+type Lookup struct {
+	FP      [16]byte
+	Width   int
+	Digests []byte // count × Width
+}
+
+// Append appends the body.
+func (m Lookup) Append(b []byte) []byte {
+	b = append(b, m.FP[:]...)
+	b = le.AppendUint32(b, uint32(len(m.Digests)/max(m.Width, 1)))
+	b = append(b, byte(m.Width), 0, 0, 0)
+	return append(b, m.Digests...)
+}
+
+// DecodeLookup decodes a Lookup body; Digests is a slice of b.
+func DecodeLookup(b []byte) (Lookup, error) {
+	if len(b) < 24 || !zero(b[21:24]) {
+		return Lookup{}, malformed("lookup of %d bytes, or reserved bytes set", len(b))
+	}
+	n, w := int(le.Uint32(b[16:])), int(b[20])
+	if !validWidth(w) || n < 1 || n > MaxLookup || len(b) != 24+n*w {
+		return Lookup{}, malformed("lookup: %d digests of width %d in %d bytes", n, w, len(b)-24)
+	}
+	return Lookup{FP: [16]byte(b[:16]), Width: w, Digests: b[24:]}, nil
+}
+
+// Item is one block rank of a Get or a Put:
+//
+//	off size field
+//	  0   32 digest (zero padded)
+//	 32    2 rank
+//	 34    2 zero
+//	 36    4 window slot
+//	 40    8 value length (Put only: header and payload in the window slot)
+type Item struct {
+	Digest [DigestSize]byte
+	Rank   uint16
+	Slot   uint32
+	Length uint64
+}
+
+// Items is a Get or a Put: a namespace and its items.
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    4 count (1..64)
+//	 20    4 zero
+//	 24  c·s the items (s: 40 bytes for a Get, 48 for a Put)
+type Items struct {
+	FP    [16]byte
+	Items []Item
+}
+
+// ItemSize is the size of one item of a Get (put false) or a Put.
+func ItemSize(put bool) int {
+	if put {
+		return 48
+	}
+	return 40
+}
+
+// Append appends the body of a Get (put false) or a Put.
+func (m Items) Append(b []byte, put bool) []byte {
+	b = append(b, m.FP[:]...)
+	b = le.AppendUint32(b, uint32(len(m.Items)))
+	b = le.AppendUint32(b, 0)
+	for _, it := range m.Items {
+		b = append(b, it.Digest[:]...)
+		b = le.AppendUint16(b, it.Rank)
+		b = le.AppendUint16(b, 0)
+		b = le.AppendUint32(b, it.Slot)
+		if put {
+			b = le.AppendUint64(b, it.Length)
+		}
+	}
+	return b
+}
+
+// DecodeItems decodes the body of a Get (put false) or a Put. A Get's
+// items have Length 0.
+func DecodeItems(b []byte, put bool) (Items, error) {
+	if len(b) < 24 || !zero(b[20:24]) {
+		return Items{}, malformed("items of %d bytes, or reserved bytes set", len(b))
+	}
+	n, s := int(le.Uint32(b[16:])), ItemSize(put)
+	if n < 1 || n > MaxItems || len(b) != 24+n*s {
+		return Items{}, malformed("%d items in %d bytes", n, len(b)-24)
+	}
+	m := Items{FP: [16]byte(b[:16]), Items: make([]Item, n)}
+	for i := range m.Items {
+		p := b[24+i*s:]
+		if !zero(p[34:36]) {
+			return Items{}, malformed("item %d: reserved bytes set", i)
+		}
+		it := Item{Digest: [DigestSize]byte(p[:32]), Rank: le.Uint16(p[32:]), Slot: le.Uint32(p[36:])}
+		if put {
+			it.Length = le.Uint64(p[40:])
+		}
+		m.Items[i] = it
+	}
+	return m, nil
+}
+
+// ItemReply is how one item ended:
+//
+//	off size field
+//	  0    2 status
+//	  2    6 zero
+//	  8    8 value length (Get: the bytes in the window slot)
+type ItemReply struct {
+	Status Status
+	Length uint64
+}
+
+// ItemsReply answers a Get or a Put, one ItemReply an item, in order:
+//
+//	off size field
+//	  0    2 status (of the whole request)
+//	  2    2 zero
+//	  4    4 count (0 when the status is not OK; else the request's)
+//	  8  c·16 the items
+type ItemsReply struct {
+	Status Status
+	Items  []ItemReply
+}
+
+// Append appends the body.
+func (m ItemsReply) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(m.Status))
+	b = le.AppendUint16(b, 0)
+	b = le.AppendUint32(b, uint32(len(m.Items)))
+	for _, it := range m.Items {
+		b = le.AppendUint16(b, uint16(it.Status))
+		b = append(b, 0, 0, 0, 0, 0, 0)
+		b = le.AppendUint64(b, it.Length)
+	}
+	return b
+}
+
+// DecodeItemsReply decodes an ItemsReply body.
+func DecodeItemsReply(b []byte) (ItemsReply, error) {
+	if len(b) < 8 || !zero(b[2:4]) {
+		return ItemsReply{}, malformed("items reply of %d bytes, or reserved bytes set", len(b))
+	}
+	n := int(le.Uint32(b[4:]))
+	if n > MaxItems || len(b) != 8+16*n {
+		return ItemsReply{}, malformed("items reply: %d items in %d bytes", n, len(b)-8)
+	}
+	m := ItemsReply{Status: Status(le.Uint16(b))}
+	for i := 0; i < n; i++ {
+		p := b[8+16*i:]
+		if !zero(p[2:8]) {
+			return ItemsReply{}, malformed("item reply %d: reserved bytes set", i)
+		}
+		m.Items = append(m.Items, ItemReply{Status: Status(le.Uint16(p)), Length: le.Uint64(p[8:])})
+	}
+	return m, nil
+}
+
+// Message builds a whole message: the header and a body.
+func Message(t Type, id uint64, body func([]byte) []byte) []byte {
+	b := Header{Type: t, ID: id}.Append(make([]byte, 0, 256))
+	if body != nil {
+		b = body(b)
+	}
+	return b
+}
