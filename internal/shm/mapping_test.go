@@ -198,3 +198,34 @@ func TestCreateAllocatedNoSpace(t *testing.T) {
 		t.Errorf("writeZeros of 4 MiB on a 1 MiB tmpfs: %v, want ENOSPC", err)
 	}
 }
+
+func TestMemfdSealed(t *testing.T) {
+	m, err := CreateMemfd("test", 1<<20, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if !SealedAgainstResize(m.FD()) {
+		t.Fatal("not sealed")
+	}
+	if err := unix.Ftruncate(m.FD(), 4096); err == nil {
+		t.Fatal("a sealed memfd was shrunk")
+	}
+	if err := unix.Ftruncate(m.FD(), 2<<20); err == nil {
+		t.Fatal("a sealed memfd was grown")
+	}
+	m.Bytes()[123] = 7
+	// Another mapping of the same descriptor (as a peer's) sees the bytes.
+	fd, err := unix.Dup(m.FD())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := OpenFD(fd, "peer", 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if p.Bytes()[123] != 7 {
+		t.Fatal("the peer's mapping does not share the memory")
+	}
+}

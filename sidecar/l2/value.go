@@ -68,10 +68,19 @@ func HashTag(ns machine.L2Namespace, digest []byte) string {
 // in the CPU's cache).
 func AppendValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, payload []byte) []byte {
 	start := len(dst)
-	dst = append(dst, make([]byte, HeaderSize)...)
-	dst = append(dst, make([]byte, len(payload))...)
-	crc := CopyCRC(dst[start+HeaderSize:], payload)
-	h := dst[start : start+HeaderSize]
+	dst = append(dst, make([]byte, HeaderSize+len(payload))...)
+	PutValue(dst[start:], ns, digest, rank, payload)
+	return dst
+}
+
+// PutValue writes the value of rank's shard payload of block digest at the
+// start of dst (at least HeaderSize+len(payload) bytes: a node tier's
+// window slot) and returns its length. The payload is copied and
+// checksummed in one pass.
+func PutValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, payload []byte) int {
+	crc := CopyCRC(dst[HeaderSize:], payload)
+	h := dst[:HeaderSize]
+	clear(h)
 	binary.LittleEndian.PutUint32(h[0:], valueMagic)
 	binary.LittleEndian.PutUint16(h[4:], valueVersion)
 	binary.LittleEndian.PutUint16(h[6:], HeaderSize)
@@ -84,7 +93,7 @@ func AppendValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, pa
 	copy(h[48:80], digest)
 	binary.LittleEndian.PutUint32(h[80:], crc)
 	binary.LittleEndian.PutUint32(h[84:], crc32.Update(0, castagnoli, h[:84]))
-	return dst
+	return HeaderSize + len(payload)
 }
 
 // CopyCRC copies src into dst (len(dst) >= len(src)) and returns the

@@ -1,0 +1,822 @@
+package node
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/internal/shm"
+	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/sidecar/l2"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node/wire"
+)
+
+// ClientConfig configures the sidecar's client of the node tier.
+type ClientConfig struct {
+	// Socket is the node process's socket (--node.socket).
+	Socket string
+	// Pod names the share this sidecar's writes are charged to
+	// (default: the host name, a pod's name in Kubernetes).
+	Pod string
+	// LookupTimeout bounds a lookup; IOTimeout a fetch, a write and the
+	// attach.
+	LookupTimeout, IOTimeout time.Duration
+	// Writers write; Queue writes may wait for one (past it a write is
+	// refused at once).
+	Writers, Queue int
+	// Inflight bounds lookups and fetches running at once (past it they
+	// miss at once).
+	Inflight int
+}
+
+// Client defaults.
+const (
+	DefaultLookupTimeout = 50 * time.Millisecond
+	DefaultClientIO      = time.Second
+	DefaultWriters       = 2
+	DefaultQueue         = 256
+	DefaultInflight      = 32
+)
+
+// EnsureDefaults fills zero fields.
+func (c *ClientConfig) EnsureDefaults() {
+	if c.Pod == "" {
+		c.Pod = defaultPod()
+	}
+	if c.LookupTimeout == 0 {
+		c.LookupTimeout = DefaultLookupTimeout
+	}
+	if c.IOTimeout == 0 {
+		c.IOTimeout = DefaultClientIO
+	}
+	if c.Writers == 0 {
+		c.Writers = DefaultWriters
+	}
+	if c.Queue == 0 {
+		c.Queue = DefaultQueue
+	}
+	if c.Inflight == 0 {
+		c.Inflight = DefaultInflight
+	}
+}
+
+// Validate reports every bad field, each naming its flag.
+func (c *ClientConfig) Validate() error {
+	var errs []error
+	bad := func(flag, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("--node.%s: %s", flag, fmt.Sprintf(format, args...)))
+	}
+	if c.Socket == "" {
+		bad("socket", "the node tier's socket is needed")
+	}
+	if !wire.ValidPod(c.Pod) {
+		bad("pod", "%q: 1 to 63 of [A-Za-z0-9._-]", c.Pod)
+	}
+	if c.LookupTimeout <= 0 || c.IOTimeout <= 0 {
+		bad("io-timeout", "timeouts must be positive")
+	}
+	if c.Writers < 1 || c.Writers > 64 || c.Queue < 1 || c.Inflight < 1 {
+		bad("writers", "writers 1..64, and the queue and the in-flight bound must be positive")
+	}
+	return errors.Join(errs...)
+}
+
+func defaultPod() string {
+	h, err := osHostname()
+	if err != nil || !wire.ValidPod(h) {
+		return "pod"
+	}
+	return h
+}
+
+// ClientStats are the client's counts.
+type ClientStats struct {
+	Attaches                                       atomic.Uint64
+	Lookups, LookupBlocks, LookupHits, LookupMiss  atomic.Uint64 // LookupMiss: lookups answered 0 unasked (not attached, busy) or failed
+	FetchBlocks, FetchOK, FetchMiss, FetchRejected atomic.Uint64
+	Writes, WritesOK, WritesExist, WritesRefused   atomic.Uint64 // WritesRefused: queue full, no window slot, not attached
+	WritesFailed                                   atomic.Uint64 // the node answered otherwise, or not in time
+	Timeouts                                       atomic.Uint64
+}
+
+// Client is a sidecar's attachment to the node tier. It connects in the
+// background and again whenever the connection ends; every operation has
+// a deadline and never blocks its caller.
+type Client struct {
+	cfg       ClientConfig
+	pool      []byte
+	log       zerolog.Logger
+	met       ClientStats
+	cur       atomic.Pointer[cliConn]
+	epoch     atomic.Uint64
+	writes    chan *writeJob
+	inflight  chan struct{}
+	stop      chan struct{}
+	wg        sync.WaitGroup
+	ops       sync.WaitGroup // lookups and fetches running (they may write the pool)
+	opsMu     sync.RWMutex
+	closed    atomic.Bool
+	tooLarge  atomic.Bool // the node's slots are smaller than this sidecar's
+	slotBytes uint64
+}
+
+type writeJob struct {
+	w      machine.L2Write
+	copied func(refused bool)
+}
+
+// NewClient starts a client over pool (the sidecar's pool bytes; offsets
+// in requests index it), whose slots hold at most slotBytes.
+func NewClient(cfg ClientConfig, pool []byte, slotBytes uint64, log zerolog.Logger) (*Client, error) {
+	cfg.EnsureDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	c := &Client{cfg: cfg, pool: pool, slotBytes: slotBytes, log: log.With().Str("tier", "node").Logger(),
+		writes: make(chan *writeJob, cfg.Queue), inflight: make(chan struct{}, cfg.Inflight), stop: make(chan struct{})}
+	c.wg.Add(1 + cfg.Writers)
+	go c.connector()
+	for i := 0; i < cfg.Writers; i++ {
+		go c.writer()
+	}
+	return c, nil
+}
+
+// Config returns the client's configuration, defaults filled in.
+func (c *Client) Config() ClientConfig { return c.cfg }
+
+// Stats returns the client's counts.
+func (c *Client) Stats() *ClientStats { return &c.met }
+
+// Connected reports whether the client is attached.
+func (c *Client) Connected() bool {
+	cc := c.cur.Load()
+	return cc != nil && !cc.isDead()
+}
+
+// Epoch is the attached node process's epoch (0: never attached).
+func (c *Client) Epoch() uint64 { return c.epoch.Load() }
+
+// WaitConnected waits until the client is attached or d passes.
+func (c *Client) WaitConnected(d time.Duration) bool {
+	deadline := time.Now().Add(d)
+	for !c.Connected() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return true
+}
+
+// Close stops the client; once it returns, nothing of it touches the pool.
+func (c *Client) Close() {
+	c.opsMu.Lock()
+	if c.closed.Swap(true) {
+		c.opsMu.Unlock()
+		return
+	}
+	c.opsMu.Unlock()
+	close(c.stop)
+	if cc := c.cur.Load(); cc != nil {
+		cc.fail()
+	}
+	c.wg.Wait()
+	c.ops.Wait()
+}
+
+// connector attaches, waits for the connection's end, and attaches again
+// (backoff 50 ms to 5 s while the node does not answer).
+func (c *Client) connector() {
+	defer c.wg.Done()
+	delay, warned := 50*time.Millisecond, false
+	for {
+		cc, err := c.dial()
+		if err == nil {
+			if old := c.epoch.Swap(cc.epoch); old != 0 && old != cc.epoch {
+				c.log.Warn().Msg("the node tier restarted: its blocks are gone")
+			}
+			c.cur.Store(cc)
+			c.met.Attaches.Add(1)
+			c.log.Info().Str("socket", c.cfg.Socket).Str("pod", c.cfg.Pod).Int("window_slots", cc.nslots).Msg("node tier attached")
+			delay, warned = 50*time.Millisecond, false
+			select {
+			case <-cc.dead:
+			case <-c.stop:
+				cc.fail()
+			}
+			cc.wait()
+			select {
+			case <-c.stop:
+				return
+			default:
+			}
+			c.log.Warn().Msg("node tier connection ended: lookups miss and writes are refused until it is back")
+			continue
+		}
+		if !warned {
+			c.log.Warn().Err(err).Str("socket", c.cfg.Socket).Msg("node tier unreachable: lookups miss and writes are refused until it answers")
+			warned = true
+		}
+		select {
+		case <-c.stop:
+			return
+		case <-time.After(delay):
+		}
+		delay = min(2*delay, 5*time.Second)
+	}
+}
+
+// cliConn is one attachment: the socket, the window and the calls in
+// flight.
+type cliConn struct {
+	c          *Client
+	sock       *net.UnixConn
+	win        *shm.Mapping
+	stride     uint64
+	maxPayload uint64
+	nslots     int
+	epoch      uint64
+	slots      chan uint32 // free window slots
+	wmu        sync.Mutex  // socket writes
+
+	mu        sync.Mutex
+	calls     map[uint64]*call
+	nextID    uint64
+	held      int // window slots of calls given up on, freed when their reply comes
+	ns        map[[16]byte]bool
+	deadFlag  bool
+	dead      chan struct{}
+	users     sync.WaitGroup // users of win
+	closeOnce sync.Once
+}
+
+type call struct {
+	ch        chan []byte // the reply's body; nil: the connection ended
+	slots     []uint32
+	abandoned bool
+}
+
+var errDead = errors.New("node tier: not attached")
+var errTimeout = errors.New("node tier: no reply in time")
+
+func (c *Client) dial() (*cliConn, error) {
+	sock, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: c.cfg.Socket, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	fail := func(err error) (*cliConn, error) {
+		sock.Close()
+		return nil, err
+	}
+	sock.SetDeadline(time.Now().Add(c.cfg.IOTimeout))
+	if _, err := sock.Write(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: c.cfg.Pod}.Append)); err != nil {
+		return fail(err)
+	}
+	buf := make([]byte, wire.MaxMessage)
+	n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
+	if err != nil || trunc {
+		sys.CloseFDs(fds)
+		return fail(fmt.Errorf("reading the hello reply: %v (truncated %v)", err, trunc))
+	}
+	h, body, err := wire.DecodeHeader(buf[:n])
+	var r wire.HelloReply
+	if err == nil {
+		r, err = wire.DecodeHelloReply(body)
+	}
+	if err == nil && h.Type != wire.TypeHello|wire.ReplyBit {
+		err = fmt.Errorf("a reply of type %#x to a hello", h.Type)
+	}
+	if err == nil && r.Status != wire.OK {
+		err = fmt.Errorf("the node refused the attach: %v", r.Status)
+	}
+	if err == nil && len(fds) != 1 {
+		err = fmt.Errorf("the hello reply carries %d descriptors, not 1", len(fds))
+	}
+	if err != nil {
+		sys.CloseFDs(fds)
+		return fail(err)
+	}
+	if r.MaxPayload < c.slotBytes {
+		sys.CloseFDs(fds)
+		if !c.tooLarge.Swap(true) {
+			c.log.Error().Uint64("node_slot_bytes", r.MaxPayload).Uint64("slot_bytes", c.slotBytes).
+				Msg("the node tier's slots are smaller than this sidecar's (--pool.slot-bytes): blocks may not fit")
+		}
+		return fail(fmt.Errorf("the node's slots hold %d bytes, this sidecar's %d", r.MaxPayload, c.slotBytes))
+	}
+	if !shm.SealedAgainstResize(fds[0]) {
+		sys.CloseFDs(fds)
+		return fail(errors.New("the window is not sealed against resizing"))
+	}
+	win, err := shm.OpenFD(fds[0], "node-window", int(uint64(r.WindowSlots)*r.SlotStride))
+	if err != nil {
+		return fail(err)
+	}
+	if uint64(win.Len()) < uint64(r.WindowSlots)*r.SlotStride {
+		win.Close()
+		return fail(errors.New("the window is smaller than its slots"))
+	}
+	sock.SetDeadline(time.Time{})
+	cc := &cliConn{c: c, sock: sock, win: win, stride: r.SlotStride, maxPayload: r.MaxPayload, nslots: int(r.WindowSlots), epoch: r.Epoch,
+		slots: make(chan uint32, r.WindowSlots), calls: map[uint64]*call{}, nextID: 1, ns: map[[16]byte]bool{}, dead: make(chan struct{})}
+	for i := uint32(0); i < r.WindowSlots; i++ {
+		cc.slots <- i
+	}
+	go cc.reader()
+	return cc, nil
+}
+
+func (cc *cliConn) isDead() bool {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	return cc.deadFlag
+}
+
+// fail ends the connection: every call waiting is answered nil.
+func (cc *cliConn) fail() {
+	cc.closeOnce.Do(func() {
+		cc.mu.Lock()
+		cc.deadFlag = true
+		for id, k := range cc.calls {
+			if !k.abandoned {
+				close(k.ch)
+			}
+			delete(cc.calls, id)
+		}
+		cc.mu.Unlock()
+		cc.sock.Close()
+		close(cc.dead)
+	})
+}
+
+// wait waits for the window's users, then unmaps it.
+func (cc *cliConn) wait() {
+	cc.users.Wait()
+	cc.win.Close()
+}
+
+// use registers a user of the window; false: the connection is dead.
+func (cc *cliConn) use() bool {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	if cc.deadFlag {
+		return false
+	}
+	cc.users.Add(1)
+	return true
+}
+
+func (cc *cliConn) reader() {
+	buf := make([]byte, wire.MaxMessage+1)
+	for {
+		n, fds, trunc, err := sys.ReadFDs(cc.sock, buf, 1)
+		sys.CloseFDs(fds)
+		if err != nil || trunc || len(fds) > 0 {
+			cc.fail()
+			return
+		}
+		h, body, err := wire.DecodeHeader(buf[:n])
+		if err != nil || h.Type&wire.ReplyBit == 0 {
+			cc.c.log.Warn().Err(err).Msg("node tier: a bad reply; reconnecting")
+			cc.fail()
+			return
+		}
+		cc.mu.Lock()
+		k := cc.calls[h.ID]
+		delete(cc.calls, h.ID)
+		if k != nil && k.abandoned {
+			for _, s := range k.slots {
+				cc.slots <- s // never blocks: the channel holds every slot
+			}
+			cc.held -= len(k.slots)
+			k = nil
+		}
+		cc.mu.Unlock()
+		if k != nil {
+			k.ch <- append([]byte(nil), body...)
+		}
+	}
+}
+
+// call sends a request naming window slots and waits for its reply until
+// deadline. On a timeout the slots are the reply's to free (the node may
+// still be using them); on any other outcome they are the caller's.
+func (cc *cliConn) call(t wire.Type, body func([]byte) []byte, slots []uint32, deadline time.Time) ([]byte, error) {
+	k := &call{ch: make(chan []byte, 1), slots: slots}
+	cc.mu.Lock()
+	if cc.deadFlag {
+		cc.mu.Unlock()
+		return nil, errDead
+	}
+	id := cc.nextID
+	cc.nextID++
+	cc.calls[id] = k
+	cc.mu.Unlock()
+	msg := wire.Message(t, id, body)
+	cc.wmu.Lock()
+	cc.sock.SetWriteDeadline(deadline)
+	_, err := cc.sock.Write(msg)
+	cc.wmu.Unlock()
+	if err != nil {
+		cc.fail() // a request half sent, or the node not reading: start again
+		return nil, errDead
+	}
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	select {
+	case b, ok := <-k.ch:
+		if !ok {
+			return nil, errDead
+		}
+		return b, nil
+	case <-timer.C:
+	}
+	cc.mu.Lock()
+	if _, ok := cc.calls[id]; ok {
+		k.abandoned = true
+		cc.held += len(slots)
+		drop := cc.held > cc.nslots/2
+		cc.mu.Unlock()
+		cc.c.met.Timeouts.Add(1)
+		if drop {
+			cc.c.log.Warn().Msg("node tier: half the window held by requests not answered; reconnecting")
+			cc.fail()
+		}
+		return nil, errTimeout
+	}
+	cc.mu.Unlock()
+	b, ok := <-k.ch // answered meanwhile, or the connection ended
+	if !ok {
+		return nil, errDead
+	}
+	return b, nil
+}
+
+// takeSlots takes n free window slots, waiting until deadline at most
+// (zero deadline: not at all).
+func (cc *cliConn) takeSlots(n int, deadline time.Time) ([]uint32, bool) {
+	out := make([]uint32, 0, n)
+	var timer *time.Timer
+	for len(out) < n {
+		select {
+		case s := <-cc.slots:
+			out = append(out, s)
+			continue
+		default:
+		}
+		if deadline.IsZero() {
+			cc.freeSlots(out)
+			return nil, false
+		}
+		if timer == nil {
+			timer = time.NewTimer(time.Until(deadline))
+			defer timer.Stop()
+		}
+		select {
+		case s := <-cc.slots:
+			out = append(out, s)
+		case <-timer.C:
+			cc.freeSlots(out)
+			return nil, false
+		case <-cc.dead:
+			cc.freeSlots(out)
+			return nil, false
+		}
+	}
+	return out, true
+}
+
+func (cc *cliConn) freeSlots(s []uint32) {
+	for _, x := range s {
+		cc.slots <- x
+	}
+}
+
+func wireNS(ns machine.L2Namespace) wire.NS {
+	return wire.NS{FP: ns.FP, Layout: ns.Layout, Width: uint8(ns.Width), World: uint16(ns.World)}
+}
+
+// register declares ns on this connection, once.
+func (cc *cliConn) register(ns machine.L2Namespace, deadline time.Time) bool {
+	cc.mu.Lock()
+	done := cc.ns[ns.FP]
+	cc.mu.Unlock()
+	if done {
+		return true
+	}
+	b, err := cc.call(wire.TypeRegister, wireNS(ns).Append, nil, deadline)
+	if err != nil {
+		return false
+	}
+	r, err := wire.DecodeStatusReply(b)
+	if err != nil || r.Status != wire.OK {
+		cc.c.log.Warn().Err(err).Str("status", r.Status.String()).Msg("node tier: a namespace not registered")
+		return false
+	}
+	cc.mu.Lock()
+	cc.ns[ns.FP] = true
+	cc.mu.Unlock()
+	return true
+}
+
+// take reserves an operation's place (lookups and fetches); false:
+// closed, or too many run.
+func (c *Client) take() bool {
+	c.opsMu.RLock()
+	defer c.opsMu.RUnlock()
+	if c.closed.Load() {
+		return false
+	}
+	select {
+	case c.inflight <- struct{}{}:
+		c.ops.Add(1)
+		return true
+	default:
+		return false
+	}
+}
+
+func (c *Client) give() {
+	<-c.inflight
+	c.ops.Done()
+}
+
+// Lookup answers, through done (on another goroutine, or at once), how
+// many leading blocks of l.Digests the node tier holds, every rank of each.
+func (c *Client) Lookup(l machine.L2Lookup, done func(found int)) {
+	cc := c.cur.Load()
+	if cc == nil || !c.take() {
+		c.met.LookupMiss.Add(1)
+		done(0)
+		return
+	}
+	if !cc.use() {
+		c.give()
+		c.met.LookupMiss.Add(1)
+		done(0)
+		return
+	}
+	go func() {
+		defer c.give()
+		defer cc.users.Done()
+		done(c.lookup(cc, l))
+	}()
+}
+
+func (c *Client) lookup(cc *cliConn, l machine.L2Lookup) int {
+	c.met.Lookups.Add(1)
+	deadline := time.Now().Add(c.cfg.LookupTimeout)
+	w := l.NS.Width
+	n := len(l.Digests) / max(w, 1)
+	c.met.LookupBlocks.Add(uint64(n))
+	if w == 0 || !cc.register(l.NS, deadline) {
+		c.met.LookupMiss.Add(1)
+		return 0
+	}
+	found := 0
+	for found < n {
+		e := min(n, found+wire.MaxLookup)
+		b, err := cc.call(wire.TypeLookup, wire.Lookup{FP: l.NS.FP, Width: w, Digests: l.Digests[found*w : e*w]}.Append, nil, deadline)
+		if err != nil {
+			break
+		}
+		r, err := wire.DecodeStatusReply(b)
+		if err != nil || r.Status != wire.OK || int(r.Value) > e-found {
+			break
+		}
+		found += int(r.Value)
+		if found < e {
+			break
+		}
+	}
+	c.met.LookupHits.Add(uint64(found))
+	return found
+}
+
+// Fetch reads f's blocks into their pool slots and answers, through done,
+// how each ended. done is called after the last byte is written to the
+// pool: the slots are the caller's again.
+func (c *Client) Fetch(f machine.L2Fetch, done func([]machine.L2FetchResult)) {
+	res := make([]machine.L2FetchResult, len(f.Blocks))
+	cc := c.cur.Load()
+	if cc == nil || !c.take() {
+		c.met.FetchMiss.Add(uint64(len(f.Blocks)))
+		done(res)
+		return
+	}
+	if !cc.use() {
+		c.give()
+		c.met.FetchMiss.Add(uint64(len(f.Blocks)))
+		done(res)
+		return
+	}
+	go func() {
+		defer c.give()
+		c.fetch(cc, f, res)
+		cc.users.Done()
+		done(res)
+	}()
+}
+
+func (c *Client) fetch(cc *cliConn, f machine.L2Fetch, res []machine.L2FetchResult) {
+	deadline := time.Now().Add(c.cfg.IOTimeout)
+	world := max(f.NS.World, 1)
+	c.met.FetchBlocks.Add(uint64(len(f.Blocks)))
+	if !cc.register(f.NS, deadline) {
+		c.met.FetchMiss.Add(uint64(len(f.Blocks)))
+		return
+	}
+	// Batches of whole blocks, at most a quarter of the window each (so
+	// that fetches side by side and writes share it).
+	per := max(1, min(wire.MaxItems, cc.nslots/4)/world)
+	for first := 0; first < len(f.Blocks); first += per {
+		end := min(first+per, len(f.Blocks))
+		if !c.fetchBatch(cc, f, first, end, res, deadline) {
+			break
+		}
+	}
+	for _, r := range res {
+		if !r.OK {
+			c.met.FetchMiss.Add(1)
+		} else {
+			c.met.FetchOK.Add(1)
+		}
+	}
+}
+
+// fetchBatch fetches blocks [first, end) of f; false: stop (the deadline
+// passed, or the connection ended).
+func (c *Client) fetchBatch(cc *cliConn, f machine.L2Fetch, first, end int, res []machine.L2FetchResult, deadline time.Time) bool {
+	world := max(f.NS.World, 1)
+	slots, ok := cc.takeSlots((end-first)*world, deadline)
+	if !ok {
+		return false
+	}
+	items := wire.Items{FP: f.NS.FP, Items: make([]wire.Item, 0, len(slots))}
+	for i := first; i < end; i++ {
+		b := f.Blocks[i]
+		for r := range b.PoolOffsets {
+			it := wire.Item{Rank: uint16(r), Slot: slots[len(items.Items)]}
+			copy(it.Digest[:], b.Digest)
+			items.Items = append(items.Items, it)
+		}
+	}
+	slots = slots[:len(items.Items)]
+	body, err := cc.call(wire.TypeGet, func(b []byte) []byte { return items.Append(b, false) }, slots, deadline)
+	if errors.Is(err, errTimeout) {
+		return false // the slots are the late reply's to free
+	}
+	defer cc.freeSlots(slots)
+	if err != nil {
+		return false
+	}
+	rep, err := wire.DecodeItemsReply(body)
+	if err != nil || rep.Status != wire.OK || len(rep.Items) != len(items.Items) {
+		return false
+	}
+	win := cc.win.Bytes()
+	k := 0
+	for i := first; i < end; i++ {
+		b := f.Blocks[i]
+		ok, length := true, f.Length
+		for r, off := range b.PoolOffsets {
+			ir := rep.Items[k]
+			s := uint64(items.Items[k].Slot)
+			k++
+			if !ok {
+				continue
+			}
+			if ir.Status != wire.OK || ir.Length > cc.stride {
+				ok = false
+				continue
+			}
+			v := win[s*cc.stride : s*cc.stride+ir.Length]
+			p, crc, why := l2.CheckHeader(v, f.NS, b.Digest, r, length, f.MaxLength)
+			if why == "" && off+uint64(len(p)) > uint64(len(c.pool)) {
+				why = "bounds"
+			}
+			if why == "" && l2.CopyCRC(c.pool[off:off+uint64(len(p))], p) != crc {
+				why = l2.RejectChecksum
+			}
+			if why != "" {
+				ok = false
+				c.met.FetchRejected.Add(1)
+				continue
+			}
+			length = uint64(len(p))
+		}
+		if ok {
+			res[i] = machine.L2FetchResult{OK: true, Length: length}
+		}
+	}
+	return true
+}
+
+// Write queues w: a writer copies every rank's bytes out of the pool into
+// window slots, calls copied(false) (the pool slots are the caller's
+// again), then asks the node to take them. A full queue, a tier not
+// attached or no free window slot refuses: copied(true).
+func (c *Client) Write(w machine.L2Write, copied func(refused bool)) {
+	c.met.Writes.Add(1)
+	if !c.Connected() || c.closed.Load() {
+		c.met.WritesRefused.Add(1)
+		copied(true)
+		return
+	}
+	select {
+	case c.writes <- &writeJob{w: w, copied: copied}:
+	default:
+		c.met.WritesRefused.Add(1)
+		copied(true)
+	}
+}
+
+func (c *Client) writer() {
+	defer c.wg.Done()
+	for {
+		select {
+		case <-c.stop:
+			// Whatever is queued is refused: its pins must end.
+			for {
+				select {
+				case j := <-c.writes:
+					c.met.WritesRefused.Add(1)
+					j.copied(true)
+				default:
+					return
+				}
+			}
+		case j := <-c.writes:
+			c.write(j)
+		}
+	}
+}
+
+func (c *Client) write(j *writeJob) {
+	w := j.w
+	cc := c.cur.Load()
+	if cc == nil || !cc.use() {
+		c.met.WritesRefused.Add(1)
+		j.copied(true)
+		return
+	}
+	defer cc.users.Done()
+	deadline := time.Now().Add(c.cfg.IOTimeout)
+	if w.Length == 0 || w.Length > cc.maxPayload || len(w.PoolOffsets) > wire.MaxItems || !cc.register(w.NS, deadline) {
+		c.met.WritesRefused.Add(1)
+		j.copied(true)
+		return
+	}
+	slots, ok := cc.takeSlots(len(w.PoolOffsets), time.Time{})
+	if !ok {
+		c.met.WritesRefused.Add(1)
+		j.copied(true)
+		return
+	}
+	win := cc.win.Bytes()
+	items := wire.Items{FP: w.NS.FP, Items: make([]wire.Item, len(w.PoolOffsets))}
+	for r, off := range w.PoolOffsets {
+		s := uint64(slots[r])
+		n := l2.PutValue(win[s*cc.stride:(s+1)*cc.stride], w.NS, w.Digest, r, c.pool[off:off+w.Length])
+		it := wire.Item{Rank: uint16(r), Slot: slots[r], Length: uint64(n)}
+		copy(it.Digest[:], w.Digest)
+		items.Items[r] = it
+	}
+	j.copied(false) // the pool is not read past this point
+	body, err := cc.call(wire.TypePut, func(b []byte) []byte { return items.Append(b, true) }, slots, deadline)
+	if !errors.Is(err, errTimeout) {
+		defer cc.freeSlots(slots)
+	}
+	if err != nil {
+		c.met.WritesFailed.Add(1)
+		return
+	}
+	rep, err := wire.DecodeItemsReply(body)
+	if err != nil || rep.Status != wire.OK || len(rep.Items) != len(items.Items) {
+		c.met.WritesFailed.Add(1)
+		return
+	}
+	exists := true
+	for _, it := range rep.Items {
+		switch it.Status {
+		case wire.OK:
+			exists = false
+		case wire.Exists:
+		default:
+			c.met.WritesFailed.Add(1)
+			return
+		}
+	}
+	if exists {
+		c.met.WritesExist.Add(1)
+	} else {
+		c.met.WritesOK.Add(1)
+	}
+}

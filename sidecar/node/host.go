@@ -1,0 +1,5 @@
+package node
+
+import "os"
+
+var osHostname = os.Hostname

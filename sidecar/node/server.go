@@ -1,0 +1,648 @@
+// Package node is the node tier (docs/architecture.md, "The node tier"):
+// `ringside node`, one process per node that owns a pool of KV blocks in
+// node memory (Server), and the sidecar's client of it (Client), which
+// sidecar/tier.go drives as it drives the Redis tier.
+//
+// The node process maps its pool alone. Each attached sidecar gets a window
+// of its own (a sealed memfd passed over the socket); block bytes move
+// between a sidecar's pod pool and the node's pool through that window, and
+// the node does the copies into and out of its pool itself, checking every
+// value it takes (header and CRC32C, computed over its own copy).
+package node
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/internal/shm"
+	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/sidecar/l2"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node/wire"
+)
+
+// ServerConfig configures a Server (`ringside node`).
+type ServerConfig struct {
+	// Dir holds the socket and the lock; a host directory only ringside
+	// containers mount.
+	Dir string
+	// Socket is the socket's path (default Dir/node.sock).
+	Socket string
+	// PoolBytes is the pool's size; SlotBytes the largest payload of a
+	// block (each slot takes SlotBytes + SlotHeadroom).
+	PoolBytes, SlotBytes uint64
+	// Reserve allocates the pool's pages at start.
+	Reserve bool
+	// PodShare is the part of the pool one pod's writes may hold.
+	PodShare float64
+	// MaxPods bounds connections; MaxNamespaces the namespaces of one;
+	// WindowSlots the slots of each connection's window.
+	MaxPods, MaxNamespaces, WindowSlots int
+	// IOTimeout bounds the Hello's arrival after a connect and every
+	// reply's write: a sidecar that does not read its replies is dropped.
+	IOTimeout time.Duration
+	// AllowUIDs may attach besides the node process's own uid.
+	AllowUIDs []uint32
+	// GroupAccess makes Dir and the socket group-accessible (0770, 0660).
+	GroupAccess bool
+}
+
+// Defaults.
+const (
+	DefaultDir           = "/run/ringside-node"
+	DefaultPoolBytes     = 4 << 30
+	DefaultSlotBytes     = machine.DefaultSlotBytes
+	DefaultPodShare      = 0.125
+	DefaultMaxPods       = 16
+	DefaultMaxNamespaces = 64
+	DefaultWindowSlots   = 64
+	DefaultIOTimeout     = 2 * time.Second
+	// SlotHeadroom is what a slot holds beside its payload: the value's
+	// header, rounded up to keep slots page-aligned.
+	SlotHeadroom = 4096
+	// SocketName is the socket's name in Dir.
+	SocketName = "node.sock"
+)
+
+// EnsureDefaults fills zero fields.
+func (c *ServerConfig) EnsureDefaults() {
+	if c.Dir == "" {
+		c.Dir = DefaultDir
+	}
+	if c.Socket == "" {
+		c.Socket = filepath.Join(c.Dir, SocketName)
+	}
+	if c.PoolBytes == 0 {
+		c.PoolBytes = DefaultPoolBytes
+	}
+	if c.SlotBytes == 0 {
+		c.SlotBytes = DefaultSlotBytes
+	}
+	if c.PodShare == 0 {
+		c.PodShare = DefaultPodShare
+	}
+	if c.MaxPods == 0 {
+		c.MaxPods = DefaultMaxPods
+	}
+	if c.MaxNamespaces == 0 {
+		c.MaxNamespaces = DefaultMaxNamespaces
+	}
+	if c.WindowSlots == 0 {
+		c.WindowSlots = DefaultWindowSlots
+	}
+	if c.IOTimeout == 0 {
+		c.IOTimeout = DefaultIOTimeout
+	}
+}
+
+// Stride is the bytes a slot (of the pool or a window) takes.
+func (c *ServerConfig) Stride() uint64 { return c.SlotBytes + SlotHeadroom }
+
+// Validate reports every bad field, each naming its flag.
+func (c *ServerConfig) Validate() error {
+	var errs []error
+	bad := func(flag, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("--%s: %s", flag, fmt.Sprintf(format, args...)))
+	}
+	if c.SlotBytes < 4096 || c.SlotBytes > 1<<30 || c.SlotBytes%4096 != 0 {
+		bad("pool.slot-bytes", "%d: a multiple of 4 KiB, from 4 KiB to 1 GiB", c.SlotBytes)
+	}
+	if c.PoolBytes < 2*c.Stride() || c.PoolBytes > 1<<40 {
+		bad("pool.bytes", "%d: at least two slots of %d bytes, at most 1 TiB", c.PoolBytes, c.Stride())
+	}
+	if c.PodShare <= 0 || c.PodShare > 1 {
+		bad("pod-share", "%v: in (0, 1]", c.PodShare)
+	}
+	if c.MaxPods < 1 || c.MaxPods > 1024 {
+		bad("max-pods", "%d: 1 to 1024", c.MaxPods)
+	}
+	if c.MaxNamespaces < 1 || c.MaxNamespaces > 4096 {
+		bad("max-namespaces", "%d: 1 to 4096", c.MaxNamespaces)
+	}
+	if c.WindowSlots < 2 || c.WindowSlots > 4096 {
+		bad("window-slots", "%d: 2 to 4096", c.WindowSlots)
+	}
+	if c.IOTimeout < time.Millisecond {
+		bad("io-timeout", "%v: at least 1ms", c.IOTimeout)
+	}
+	return errors.Join(errs...)
+}
+
+// Server is a running node tier.
+type Server struct {
+	cfg    ServerConfig
+	log    zerolog.Logger
+	pool   *shm.Mapping
+	stride uint64
+	epoch  uint64
+	ln     *net.UnixListener
+	lock   *sys.FileLock
+
+	mu    sync.Mutex // guards idx and conns
+	idx   *index
+	conns map[*srvConn]struct{}
+
+	met  ServerStats
+	wg   sync.WaitGroup
+	stop chan struct{}
+	once sync.Once
+}
+
+// ServerStats are the node's counts (atomics).
+type ServerStats struct {
+	Attaches, AttachRefused                 atomic.Uint64
+	Lookups, LookupBlocks, LookupHits       atomic.Uint64
+	GetItems, GetHits                       atomic.Uint64
+	PutItems, PutStored, PutExists, PutFull atomic.Uint64
+	Rejected, Malformed, NotRegistered      atomic.Uint64
+	Dropped                                 atomic.Uint64 // connections ended for not reading their replies, or a bad header
+	BytesIn, BytesOut                       atomic.Uint64
+}
+
+// NewServer creates the pool and the socket. Call Serve to run.
+func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
+	cfg.EnsureDefaults()
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	mode := os.FileMode(0o700)
+	if cfg.GroupAccess {
+		mode = 0o770
+	}
+	if err := os.MkdirAll(cfg.Dir, mode); err != nil {
+		return nil, fmt.Errorf("--dir: %w", err)
+	}
+	lock, err := sys.TryLock(filepath.Join(cfg.Dir, "node.lock"), []byte(strconv.Itoa(os.Getpid())+"\n"))
+	if err != nil {
+		return nil, fmt.Errorf("--dir %s: another node process holds it: %w", cfg.Dir, err)
+	}
+	s := &Server{cfg: cfg, log: log, stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{})}
+	slots := cfg.PoolBytes / s.stride
+	s.pool, err = shm.CreateMemfd("ringside-node-pool", int(slots*s.stride), cfg.Reserve)
+	if err != nil {
+		lock.Unlock()
+		return nil, fmt.Errorf("--pool.bytes: %w", err)
+	}
+	share := int(float64(slots) * cfg.PodShare)
+	s.idx = newIndex(int(slots), share)
+	var e [8]byte
+	rand.Read(e[:])
+	s.epoch = binary.LittleEndian.Uint64(e[:])
+	if err := shm.Unlink(cfg.Socket); err != nil {
+		s.closeResources()
+		return nil, err
+	}
+	s.ln, err = net.ListenUnix("unixpacket", &net.UnixAddr{Name: cfg.Socket, Net: "unixpacket"})
+	if err != nil {
+		s.closeResources()
+		return nil, fmt.Errorf("--socket: %w", err)
+	}
+	if cfg.GroupAccess {
+		os.Chmod(cfg.Socket, 0o660)
+	} else {
+		os.Chmod(cfg.Socket, 0o600)
+	}
+	log.Info().Str("socket", cfg.Socket).Uint64("pool_bytes", slots*s.stride).Uint64("slots", slots).Uint64("slot_bytes", cfg.SlotBytes).
+		Int("pod_share_slots", max(share, 1)).Int("max_pods", cfg.MaxPods).Int("window_slots", cfg.WindowSlots).Msg("node tier ready")
+	return s, nil
+}
+
+// Socket is the socket's path.
+func (s *Server) Socket() string { return s.cfg.Socket }
+
+// Epoch is this process's epoch (in every HelloReply).
+func (s *Server) Epoch() uint64 { return s.epoch }
+
+// Stats returns the counts.
+func (s *Server) Stats() *ServerStats { return &s.met }
+
+// Index returns the pool's state.
+func (s *Server) Index() IndexStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.idx.stats()
+}
+
+// Conns is the number of attached connections.
+func (s *Server) Conns() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
+// OwnerUsed is the slots charged to the pod name (tests, inspection).
+func (s *Server) OwnerUsed(name string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if o := s.idx.owners[name]; o != nil {
+		return o.used
+	}
+	return 0
+}
+
+// ShareSlots is the slots one pod may hold.
+func (s *Server) ShareSlots() int { return s.idx.share }
+
+// checkIndex verifies the index's invariants (tests).
+func (s *Server) checkIndex() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.idx.check()
+}
+
+// Serve accepts connections until ctx ends or Shutdown, then closes every
+// connection and waits for them.
+func (s *Server) Serve(ctx context.Context) error {
+	go func() {
+		select {
+		case <-ctx.Done():
+			s.Shutdown()
+		case <-s.stop:
+		}
+	}()
+	var err error
+	for {
+		c, aerr := s.ln.AcceptUnix()
+		if aerr != nil {
+			select {
+			case <-s.stop:
+			default:
+				err = aerr
+				s.Shutdown()
+			}
+			break
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serveConn(c)
+		}()
+	}
+	s.wg.Wait()
+	s.closeResources()
+	s.log.Info().Msg("node tier stopped")
+	return err
+}
+
+// Shutdown stops accepting and ends every connection.
+func (s *Server) Shutdown() {
+	s.once.Do(func() {
+		close(s.stop)
+		s.ln.Close()
+		s.mu.Lock()
+		for c := range s.conns {
+			c.sock.Close()
+		}
+		s.mu.Unlock()
+	})
+}
+
+func (s *Server) closeResources() {
+	if s.pool != nil {
+		s.pool.Close()
+	}
+	shm.Unlink(s.cfg.Socket)
+	s.lock.Unlock()
+}
+
+func (s *Server) uidAllowed(uid uint32) bool {
+	if uid == uint32(os.Getuid()) {
+		return true
+	}
+	for _, u := range s.cfg.AllowUIDs {
+		if u == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// srvConn is one attached sidecar.
+type srvConn struct {
+	s      *Server
+	sock   *net.UnixConn
+	pod    string
+	owner  *owner
+	win    *shm.Mapping
+	ns     map[[16]byte]wire.NS
+	keyBuf []byte
+	out    []byte
+}
+
+// serveConn runs one connection: the Hello, then requests in order.
+func (s *Server) serveConn(sock *net.UnixConn) {
+	defer sock.Close()
+	c := &srvConn{s: s, sock: sock, ns: map[[16]byte]wire.NS{}}
+	buf := make([]byte, wire.MaxMessage+1)
+	sock.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
+	n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
+	sys.CloseFDs(fds)
+	if err != nil || trunc || len(fds) > 0 {
+		s.met.AttachRefused.Add(1)
+		return
+	}
+	h, body, err := wire.DecodeHeader(buf[:n])
+	refuse := func(st wire.Status, why string) {
+		s.met.AttachRefused.Add(1)
+		s.log.Warn().Str("status", st.String()).Msg("attach refused: " + why)
+		c.reply(wire.TypeHello|wire.ReplyBit, h.ID, wire.HelloReply{Status: st}.Append, nil)
+	}
+	if errors.Is(err, wire.ErrVersion) {
+		refuse(wire.BadVersion, err.Error())
+		return
+	}
+	if err != nil || h.Type != wire.TypeHello {
+		s.met.AttachRefused.Add(1)
+		return
+	}
+	hello, err := wire.DecodeHello(body)
+	if err != nil {
+		refuse(wire.Malformed, err.Error())
+		return
+	}
+	cred, err := sys.PeerCred(sock)
+	if err != nil || !s.uidAllowed(cred.UID) {
+		refuse(wire.Denied, fmt.Sprintf("uid %d may not attach (--allow-uid)", cred.UID))
+		return
+	}
+	c.pod = hello.Pod
+	s.mu.Lock()
+	if len(s.conns) >= s.cfg.MaxPods {
+		s.mu.Unlock()
+		refuse(wire.Limit, fmt.Sprintf("%d connections already (--max-pods)", s.cfg.MaxPods))
+		return
+	}
+	select {
+	case <-s.stop:
+		s.mu.Unlock()
+		return
+	default:
+	}
+	s.conns[c] = struct{}{}
+	c.owner = s.idx.attach(c.pod)
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.idx.detach(c.owner)
+		s.mu.Unlock()
+	}()
+	c.win, err = shm.CreateMemfd("ringside-node-window", s.cfg.WindowSlots*int(s.stride), false)
+	if err != nil {
+		refuse(wire.Limit, "window: "+err.Error())
+		return
+	}
+	defer c.win.Close()
+	rep := wire.HelloReply{Status: wire.OK, WindowSlots: uint32(s.cfg.WindowSlots), SlotStride: s.stride, MaxPayload: s.cfg.SlotBytes,
+		PoolBytes: uint64(s.pool.Len()), ShareBytes: uint64(s.idx.share) * s.stride, Epoch: s.epoch, MaxNamespaces: uint32(s.cfg.MaxNamespaces)}
+	if err := c.reply(wire.TypeHello|wire.ReplyBit, h.ID, rep.Append, []int{c.win.FD()}); err != nil {
+		return
+	}
+	s.met.Attaches.Add(1)
+	s.log.Info().Str("pod", c.pod).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
+	defer s.log.Info().Str("pod", c.pod).Msg("sidecar detached")
+	sock.SetReadDeadline(time.Time{})
+	for {
+		n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
+		sys.CloseFDs(fds)
+		if err != nil {
+			return
+		}
+		if trunc || len(fds) > 0 {
+			s.met.Dropped.Add(1)
+			s.log.Warn().Str("pod", c.pod).Msg("dropped: a request over 64 KiB or carrying descriptors")
+			return
+		}
+		h, body, err := wire.DecodeHeader(buf[:n])
+		if err != nil {
+			s.met.Dropped.Add(1)
+			s.log.Warn().Str("pod", c.pod).Err(err).Msg("dropped: a bad header")
+			return
+		}
+		if err := c.handle(h, body); err != nil {
+			s.met.Dropped.Add(1)
+			s.log.Warn().Str("pod", c.pod).Err(err).Msg("dropped: its reply could not be written (it does not read)")
+			return
+		}
+	}
+}
+
+// reply writes one message within the write deadline.
+func (c *srvConn) reply(t wire.Type, id uint64, body func([]byte) []byte, fds []int) error {
+	c.out = body(wire.Header{Type: t, ID: id}.Append(c.out[:0]))
+	c.sock.SetWriteDeadline(time.Now().Add(c.s.cfg.IOTimeout))
+	var oob []byte
+	if len(fds) > 0 {
+		oob = syscall.UnixRights(fds...)
+	}
+	_, _, err := c.sock.WriteMsgUnix(c.out, oob, nil)
+	return err
+}
+
+func (c *srvConn) status(t wire.Type, id uint64, st wire.Status, v uint32) error {
+	return c.reply(t|wire.ReplyBit, id, wire.StatusReply{Status: st, Value: v}.Append, nil)
+}
+
+// handle serves one request; an error means its reply could not be sent.
+func (c *srvConn) handle(h wire.Header, body []byte) error {
+	s := c.s
+	switch h.Type {
+	case wire.TypeRegister:
+		ns, err := wire.DecodeNS(body)
+		if err != nil {
+			s.met.Malformed.Add(1)
+			return c.status(h.Type, h.ID, wire.Malformed, 0)
+		}
+		if old, ok := c.ns[ns.FP]; ok {
+			if old != ns {
+				return c.status(h.Type, h.ID, wire.Mismatch, 0)
+			}
+			return c.status(h.Type, h.ID, wire.OK, 0)
+		}
+		if len(c.ns) >= s.cfg.MaxNamespaces {
+			return c.status(h.Type, h.ID, wire.Limit, 0)
+		}
+		c.ns[ns.FP] = ns
+		return c.status(h.Type, h.ID, wire.OK, 0)
+	case wire.TypeLookup:
+		lk, err := wire.DecodeLookup(body)
+		if err != nil {
+			s.met.Malformed.Add(1)
+			return c.status(h.Type, h.ID, wire.Malformed, 0)
+		}
+		ns, ok := c.ns[lk.FP]
+		if !ok {
+			s.met.NotRegistered.Add(1)
+			return c.status(h.Type, h.ID, wire.NotRegistered, 0)
+		}
+		if lk.Width != int(ns.Width) {
+			s.met.Malformed.Add(1)
+			return c.status(h.Type, h.ID, wire.Malformed, 0)
+		}
+		found := c.lookup(ns, lk.Digests)
+		s.met.Lookups.Add(1)
+		s.met.LookupBlocks.Add(uint64(len(lk.Digests) / lk.Width))
+		s.met.LookupHits.Add(uint64(found))
+		return c.status(h.Type, h.ID, wire.OK, uint32(found))
+	case wire.TypeGet, wire.TypePut:
+		put := h.Type == wire.TypePut
+		m, err := wire.DecodeItems(body, put)
+		var ns wire.NS
+		st := wire.OK
+		switch {
+		case err != nil:
+			st = wire.Malformed
+		default:
+			var ok bool
+			if ns, ok = c.ns[m.FP]; !ok {
+				st = wire.NotRegistered
+			} else if !c.itemsValid(ns, m.Items, put) {
+				st = wire.Malformed
+			}
+		}
+		if st != wire.OK {
+			if st == wire.Malformed {
+				s.met.Malformed.Add(1)
+			} else {
+				s.met.NotRegistered.Add(1)
+			}
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: st}.Append, nil)
+		}
+		res := make([]wire.ItemReply, len(m.Items))
+		for i := range m.Items {
+			if put {
+				res[i] = c.put(ns, &m.Items[i])
+			} else {
+				res[i] = c.get(ns, &m.Items[i])
+			}
+		}
+		return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.OK, Items: res}.Append, nil)
+	}
+	s.met.Malformed.Add(1)
+	return c.status(h.Type, h.ID, wire.Malformed, 0)
+}
+
+// itemsValid checks items against the connection: the digest's padding,
+// the rank, the window slot and a Put's length.
+func (c *srvConn) itemsValid(ns wire.NS, items []wire.Item, put bool) bool {
+	for _, it := range items {
+		for _, b := range it.Digest[ns.Width:] {
+			if b != 0 {
+				return false
+			}
+		}
+		if it.Rank >= ns.World || it.Slot >= uint32(c.s.cfg.WindowSlots) {
+			return false
+		}
+		if put && (it.Length <= l2.HeaderSize || it.Length > l2.HeaderSize+c.s.cfg.SlotBytes) {
+			return false
+		}
+	}
+	return true
+}
+
+// key is the index's key of rank's value of digest in ns.
+func (c *srvConn) key(ns wire.NS, digest []byte, rank uint16) string {
+	b := append(c.keyBuf[:0], ns.FP[:]...)
+	b = append(b, digest...)
+	b = binary.LittleEndian.AppendUint16(b, rank)
+	c.keyBuf = b
+	return string(b)
+}
+
+func (c *srvConn) lookup(ns wire.NS, digests []byte) int {
+	w := int(ns.Width)
+	keys := make([]string, 0, len(digests)/w*int(ns.World))
+	for i := 0; i+w <= len(digests); i += w {
+		for r := uint16(0); r < ns.World; r++ {
+			keys = append(keys, c.key(ns, digests[i:i+w], r))
+		}
+	}
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	found := 0
+	for i := 0; i < len(keys); i += int(ns.World) {
+		for _, k := range keys[i : i+int(ns.World)] {
+			if !c.s.idx.present(k) {
+				return found
+			}
+		}
+		found++
+	}
+	return found
+}
+
+func (c *srvConn) slot(pool []byte, i uint64) []byte {
+	return pool[i*c.s.stride : (i+1)*c.s.stride]
+}
+
+// get copies a value from the pool into the item's window slot.
+func (c *srvConn) get(ns wire.NS, it *wire.Item) wire.ItemReply {
+	s := c.s
+	s.met.GetItems.Add(1)
+	k := c.key(ns, it.Digest[:ns.Width], it.Rank)
+	s.mu.Lock()
+	i, n, ok := s.idx.pin(k)
+	s.mu.Unlock()
+	if !ok {
+		return wire.ItemReply{Status: wire.NotFound}
+	}
+	copy(c.slot(c.win.Bytes(), uint64(it.Slot)), c.slot(s.pool.Bytes(), uint64(i))[:n])
+	s.mu.Lock()
+	s.idx.unpin(i)
+	s.mu.Unlock()
+	s.met.GetHits.Add(1)
+	s.met.BytesOut.Add(n)
+	return wire.ItemReply{Status: wire.OK, Length: n}
+}
+
+// put takes the value in the item's window slot into a pool slot: copied
+// first, then checked on the node's own copy (header against the item and
+// the namespace, CRC32C of the payload as copied), so that what the pool
+// holds is what was checked, whatever the window holds meanwhile.
+func (c *srvConn) put(ns wire.NS, it *wire.Item) wire.ItemReply {
+	s := c.s
+	s.met.PutItems.Add(1)
+	k := c.key(ns, it.Digest[:ns.Width], it.Rank)
+	s.mu.Lock()
+	i, res := s.idx.allocate(c.owner, k)
+	s.mu.Unlock()
+	switch res {
+	case allocExists:
+		s.met.PutExists.Add(1)
+		return wire.ItemReply{Status: wire.Exists}
+	case allocNoSpace:
+		s.met.PutFull.Add(1)
+		return wire.ItemReply{Status: wire.NoSpace}
+	}
+	dst := c.slot(s.pool.Bytes(), uint64(i))[:it.Length]
+	src := c.slot(c.win.Bytes(), uint64(it.Slot))[:it.Length]
+	copy(dst[:l2.HeaderSize], src[:l2.HeaderSize])
+	crc := l2.CopyCRC(dst[l2.HeaderSize:], src[l2.HeaderSize:])
+	lns := machine.L2Namespace{FP: ns.FP, Layout: ns.Layout, Width: int(ns.Width), World: int(ns.World)}
+	_, want, why := l2.CheckHeader(dst, lns, it.Digest[:ns.Width], int(it.Rank), 0, s.cfg.SlotBytes)
+	ok := why == "" && crc == want
+	s.mu.Lock()
+	s.idx.commit(i, ok, it.Length)
+	s.mu.Unlock()
+	if !ok {
+		s.met.Rejected.Add(1)
+		return wire.ItemReply{Status: wire.Rejected}
+	}
+	s.met.PutStored.Add(1)
+	s.met.BytesIn.Add(it.Length)
+	return wire.ItemReply{Status: wire.OK, Length: it.Length}
+}
