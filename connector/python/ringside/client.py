@@ -214,6 +214,30 @@ def _dec_bytes(mv) -> bytes:
     return mv.tobytes()
 
 
+def value_reply(payload) -> Tuple[int, int, str]:
+    """A common Reply's (status, value, message) (protocol.md section 6.1),
+    from the bytes await_reply or try_reply returned. Raises RingsideError
+    (MALFORMED) for a payload too short to be one."""
+    try:
+        status, _z, value = _schema.REPLY.unpack_from(payload, 0)
+    except struct.error as e:
+        raise _malformed(e) from None
+    return status, value, _msg(memoryview(payload), 16) if status else ""
+
+
+def _retain_payload(batch: int, start: int, count: int, ttl_ms: int, priority: int, end: bool, owner: int) -> bytes:
+    """A Retain record's payload (the checks of Session.retain)."""
+    if not 0 <= owner <= _U64_MAX:
+        raise ValueError("retain owner %r not in 0..2**64-1" % (owner,))
+    if end:
+        return _schema.encode_retain(batch, start, count, 0, 0, _schema.RETAIN_FLAG_END, owner)
+    if not 0 <= priority <= _schema.MAX_RETAIN_PRIORITY:
+        raise ValueError("retain priority %r not in 0..%d" % (priority, _schema.MAX_RETAIN_PRIORITY))
+    if ttl_ms < 1:
+        raise ValueError("retain ttl_ms %r must be at least 1 (end=True ends a retention)" % (ttl_ms,))
+    return _schema.encode_retain(batch, start, count, min(int(ttl_ms), _U32_MAX), priority, 0, owner)
+
+
 class Session:
     """One attached session. Create it with :meth:`Session.attach`."""
 
@@ -745,16 +769,7 @@ class Session:
         is sent)."""
         if not self.retain_supported:
             return None
-        if not 0 <= owner <= _U64_MAX:
-            raise ValueError("retain owner %r not in 0..2**64-1" % (owner,))
-        if end:
-            p = _schema.encode_retain(batch, start, count, 0, 0, _schema.RETAIN_FLAG_END, owner)
-        else:
-            if not 0 <= priority <= _schema.MAX_RETAIN_PRIORITY:
-                raise ValueError("retain priority %r not in 0..%d" % (priority, _schema.MAX_RETAIN_PRIORITY))
-            if ttl_ms < 1:
-                raise ValueError("retain ttl_ms %r must be at least 1 (end=True ends a retention)" % (ttl_ms,))
-            p = _schema.encode_retain(batch, start, count, min(int(ttl_ms), _U32_MAX), priority, 0, owner)
+        p = _retain_payload(batch, start, count, ttl_ms, priority, end, owner)
         if not wait:
             self.send(_schema.TYPE_RETAIN, p)
             return None
@@ -765,6 +780,19 @@ class Session:
                 raise
             self.retain_supported = False
             return None
+
+    def retain_submit(
+        self, batch: int, start: int, count: int, ttl_ms: int, priority: int = 0, end: bool = False, *, owner: int = 0
+    ) -> int:
+        """retain() without waiting, for a caller that wants the sidecar's
+        answer later: its seq for try_reply/await_reply (decode the reply
+        with :func:`value_reply`), or 0 when retain_supported is off (nothing
+        is sent). The reply of a sidecar that predates Retain has status
+        UNKNOWN_TYPE; the caller then turns retain_supported off. Raises
+        ValueError like retain()."""
+        if not self.retain_supported:
+            return 0
+        return self.submit(_schema.TYPE_RETAIN, _retain_payload(batch, start, count, ttl_ms, priority, end, owner))
 
     def poll(self, lease: int) -> LeaseReply:
         """A lease's current state."""

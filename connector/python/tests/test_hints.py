@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ringside import schema
 from ringside.plugin import callerlog
 from ringside.plugin.config import Config, ConfigError
 from ringside.vllm import retention
@@ -23,6 +24,7 @@ BODY = frozenset({retention.KV_TRANSFER_PARAMS})
 def _fresh_limit(monkeypatch):
     """A fresh rate limit for each test (the module's is process-wide)."""
     monkeypatch.setattr(retention, "warn", callerlog.Limited(retention.logger))
+    monkeypatch.setattr(retention, "told", callerlog.Limited(retention.logger))
 
 
 def req(params=None, rid="req-1", kv_hints=None):
@@ -212,3 +214,311 @@ def test_defaults_honour_no_request_body():
     assert retention.sources_of(cfg.hint_sources) == frozenset()
     assert cfg.pd_wait_s == 0
     assert cfg.pd_max_waiting > 0 and cfg.retain_max_blocks > 0
+
+
+# -- vLLM's KvHintsEnvelope: its actions and their outcomes -------------------
+
+KV = frozenset({retention.KV_HINTS})
+HOUR_MS = int(retention.MAX_RETAIN_S * 1000)
+
+
+def action(kind, payload=None, version="1.0", aid=None):
+    return SimpleNamespace(action_id=aid or kind, action_type=kind, action_version=version, payload=payload or {})
+
+
+def envelope(*actions):
+    """What vLLM's KvHintsEnvelope looks like to the connector (the same
+    attributes; test_vllm_retention.py uses vLLM's own)."""
+    return SimpleNamespace(protocol_version="1.0", message_id="m-1", actions=list(actions))
+
+
+def outcomes(h: Hints) -> dict:
+    """The outcome counters that are not 0, without their prefix."""
+    return {k[len("hints_outcome_") :]: v for k, v in h.stats.items() if k.startswith("hints_outcome_") and v}
+
+
+def test_every_outcome_counter_starts_at_zero():
+    h = hints(KV)
+    assert set(retention.OUTCOME_COUNTERS) <= set(h.stats)
+    assert "hints_outcome_retain_clipped" in h.stats and "hints_outcome_share_rejected" in h.stats
+    assert not outcomes(h)
+
+
+@pytest.mark.parametrize(
+    "acts, want, counted",
+    [
+        (
+            [action("retain", {"ttl_s": 600, "priority": 2, "session_id": "agent-7"})],
+            Hint(600_000, 2, False, owner(session="agent-7"), "retain", "retain"),
+            {},
+        ),
+        # Spellings: any case, with or without the kv. prefix.
+        ([action("KV.Retain", {"ttl_s": 5})], Hint(5000, 0, False, owner(), "retain", "KV.Retain"), {}),
+        # A pin is a retention at the top priority.
+        ([action("Pin", {"ttl_s": 60})], Hint(60_000, 3, False, owner(), "pin", "Pin"), {}),
+        # No ttl_s: kept for the longest a retention may last (clipped).
+        (
+            [action("pin", {"session_id": "s"})],
+            Hint(HOUR_MS, 3, False, owner(session="s"), "pin", "pin", "no ttl_s: kept for 3600 s"),
+            {},
+        ),
+        (
+            [action("retain", {"ttl_s": 10**6})],
+            Hint(HOUR_MS, 0, False, owner(), "retain", "retain", "ttl_s 1000000 shortened to 3600 s"),
+            {},
+        ),
+        ([action("kv.demote", {"session_id": "s"})], Hint(0, 0, True, owner(session="s"), "demote", "kv.demote"), {}),
+        # Actions ringside does not carry out, and unknown ones: rejected.
+        (
+            [action("share", {"destination": "w-2"}), action("Prefetch"), action("kv.fetch"), action(7)],
+            None,
+            {"share_rejected": 1, "prefetch_rejected": 1, "other_rejected": 2},
+        ),
+        # The last retain, pin or demote wins; the ones before it are superseded.
+        (
+            [action("retain", {"ttl_s": 60}), action("share"), action("pin", {"ttl_s": 30}, aid="p")],
+            Hint(30_000, 3, False, owner(), "pin", "p"),
+            {"retain_rejected": 1, "share_rejected": 1},
+        ),
+        (
+            [action("pin", {"ttl_s": 30}), action("demote")],
+            Hint(0, 0, True, owner(), "demote", "demote"),
+            {"pin_rejected": 1},
+        ),
+        # A bad action does not supersede a good one.
+        (
+            [action("retain", {"ttl_s": 60}), action("retain", {"ttl_s": "long"})],
+            Hint(60_000, 0, False, owner(), "retain", "retain"),
+            {"retain_rejected": 1},
+        ),
+    ],
+)
+def test_envelope_actions(acts, want, counted):
+    """The hint an envelope's actions make, and the outcomes known before
+    the sidecar answers (those of the actions not applied)."""
+    h = hints(KV)
+    assert h.of(req(kv_hints=envelope(*acts))) == want
+    assert outcomes(h) == counted
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        action("retain", {"ttl_s": 60}, version="2.0"),
+        action("retain", {"ttl_s": 60}, version=1),
+        action("pin", None),  # payload {}: fine; see below for None
+        action("retain", {"ttl_s": 0}),
+        action("retain", {"ttl_s": float("nan")}),
+        action("retain", {"ttl_s": True}),
+        action("retain", {"ttl_s": 60, "priority": 4}),
+        action("retain", {"ttl_s": 60, "priority": "high"}),
+        action("pin", {"ttl_s": 60, "priority": 3}),  # a pin has no priority
+        action("demote", {"session_id": ""}),
+        action("pin", {"ttl_s": 60, "session_id": "x" * 257}),
+    ],
+)
+def test_bad_actions_are_rejected(act, caplog):
+    if act.action_type == "pin" and act.payload == {}:
+        act.payload = None  # not a mapping
+    h = hints(KV)
+    with caplog.at_level(logging.WARNING, logger="ringside.vllm"):
+        assert h.of(req(kv_hints=envelope(act), rid="r\nforged")) is None
+    assert outcomes(h) == {act.action_type + "_rejected": 1}
+    assert h.stats["hints_bad_kv_hints"] == 1
+    (rec,) = caplog.records  # one warning, escaped
+    assert "\n" not in rec.getMessage() and "'r\\nforged'" in rec.getMessage()
+
+
+def test_an_envelope_without_actions_is_bad():
+    h = hints(KV)
+    assert h.of(req(kv_hints=SimpleNamespace(actions="retain"))) is None
+    assert h.stats["hints_bad_kv_hints"] == 1 and not outcomes(h)
+
+
+@pytest.mark.parametrize("sources", [frozenset(), BODY])
+def test_an_envelope_not_honoured_is_rejected_action_by_action(sources):
+    h = hints(sources)
+    env = envelope(action("retain", {"ttl_s": 60}), action("pin", {"ttl_s": 60}), action("share"))
+    assert h.of(req(kv_hints=env)) is None
+    assert h.stats["hints_not_honoured"] == 1
+    assert outcomes(h) == {"retain_rejected": 1, "pin_rejected": 1, "share_rejected": 1}
+
+
+def test_an_envelope_on_a_model_whose_hints_are_ignored():
+    """Models with several KV cache groups ignore hints: every action is
+    rejected, and a request body's hint is not read."""
+    h = hints(KV | BODY)
+    r = req({"ringside_retain_s": 60}, kv_hints=envelope(action("retain", {"ttl_s": 60}), action("demote")))
+    assert h.of(r, usable=False) is None
+    assert outcomes(h) == {"retain_rejected": 1, "demote_rejected": 1}
+
+
+def test_the_envelope_wins_over_the_body():
+    h = hints(KV | BODY)
+    r = req({"ringside_retain_s": 5}, kv_hints=envelope(action("pin", {"ttl_s": 60})))
+    assert h.of(r) == Hint(60_000, 3, False, owner(), "pin", "pin")
+    r = req({"ringside_retain_s": 5}, kv_hints=envelope(action("share")))
+    assert h.of(r) == Hint(5000, 0, False, owner())  # no retention action in the envelope: the body's
+
+
+class FakeSession:
+    """A sidecar session as Hints.send and collect use it: Retains are
+    recorded, and answered with what the test says."""
+
+    def __init__(self):
+        self.retain_supported = True
+        self.sent: list = []  # (seq or 0 for fire and forget, args)
+        self.replies: dict = {}
+        self.seq = 0
+
+    def retain_submit(self, batch, start, count, ttl_ms, priority=0, end=False, *, owner=0):
+        if not self.retain_supported:
+            return 0
+        self.seq += 1
+        self.sent.append((self.seq, (batch, start, count, ttl_ms, priority, end, owner)))
+        return self.seq
+
+    def retain(self, batch, start, count, ttl_ms, priority=0, end=False, wait=True, *, owner=0):
+        self.sent.append((0, (batch, start, count, ttl_ms, priority, end, owner)))
+
+    def answer(self, seq, status=0, value=0, msg=b""):
+        self.replies[seq] = schema.REPLY.pack(status, 0, value) + msg
+
+    def try_reply(self, seq):
+        return self.replies.pop(seq, None)
+
+
+class FakeAdmission:
+    def __init__(self):
+        self.put: list = []
+
+    def put_hashes(self, r, s, n):
+        self.put.append(n)
+
+
+def finished(blocks=4, stored=None, rid="req-1"):
+    """A finished request's state: blocks full blocks, stored of them sent
+    for storing (default all)."""
+    return SimpleNamespace(
+        request=SimpleNamespace(request_id=rid, block_hashes=[b"h%d" % i for i in range(blocks)]),
+        batch=9,
+        stored=blocks if stored is None else stored,
+    )
+
+
+def sent_and_answered(hint, status=0, value=4, blocks=4, stored=None, max_blocks=1024, msg=b""):
+    h = hints(KV, max_blocks)
+    s, adm = FakeSession(), FakeAdmission()
+    h.send(adm, s, finished(blocks, stored), hint)
+    assert not outcomes(h), "an outcome before the sidecar answered"
+    ((seq, args),) = s.sent
+    h.collect(s)
+    assert h.awaited, "no answer yet: still awaited"
+    s.answer(seq, status, value, msg)
+    h.collect(s)
+    assert not h.awaited
+    return h, s, args
+
+
+RETAIN_H = Hint(60_000, 1, False, 77, "retain", "a1")
+PIN_H = Hint(60_000, 3, False, 77, "pin", "a2")
+DEMOTE_H = Hint(0, 0, True, 77, "demote", "a3")
+
+
+@pytest.mark.parametrize(
+    "hint, answer, want",
+    [
+        (RETAIN_H, dict(value=4), "retain_accepted"),
+        (PIN_H, dict(value=4), "pin_accepted"),
+        # The sidecar kept fewer than the request stored: the retain share, or others' retentions.
+        (RETAIN_H, dict(value=3), "retain_clipped"),
+        # Its last block was never stored (its last token's KV is never computed): not clipped.
+        (RETAIN_H, dict(value=3, stored=3), "retain_accepted"),
+        # The uid's retain share was full: nothing kept.
+        (PIN_H, dict(status=7, value=0, msg=b"--limits.retain-share"), "pin_clipped"),
+        # None of its blocks in the sidecar any more, or its batch gone.
+        (RETAIN_H, dict(value=0), "retain_missing"),
+        (RETAIN_H, dict(status=3), "retain_missing"),
+        (RETAIN_H, dict(status=1, msg=b"malformed"), "retain_rejected"),
+        # The connector's own bounds make it clipped even if every block is kept.
+        (Hint(HOUR_MS, 0, False, 77, "retain", "a4", "no ttl_s: kept for 3600 s"), dict(value=4), "retain_clipped"),
+        (RETAIN_H, dict(value=2, max_blocks=2), "retain_clipped"),
+        (DEMOTE_H, dict(value=2), "demote_accepted"),
+        # Nothing of the session's to end (never retained, expired, another caller's).
+        (DEMOTE_H, dict(value=0), "demote_missing"),
+    ],
+)
+def test_outcomes_from_the_sidecars_answer(hint, answer, want, caplog):
+    with caplog.at_level(logging.INFO, logger="ringside.vllm"):
+        h, s, args = sent_and_answered(hint, **answer)
+    assert outcomes(h) == {want: 1}
+    assert args == (9, 0, min(4, answer.get("max_blocks", 1024)), hint.ttl_ms, hint.priority, hint.end, 77)
+    logged = [r.getMessage() for r in caplog.records]
+    if want.endswith("_accepted"):
+        assert not logged
+    else:
+        (line,) = logged
+        assert want.split("_")[1] in line and "'req-1'" in line
+
+
+def test_a_sidecar_without_retain():
+    h, s, _ = sent_and_answered(RETAIN_H, status=2)
+    assert outcomes(h) == {"retain_rejected": 1} and not s.retain_supported
+    # From then on nothing is sent, and the outcome is known at once.
+    adm = FakeAdmission()
+    h.send(adm, s, finished(), PIN_H)
+    assert outcomes(h) == {"retain_rejected": 1, "pin_rejected": 1} and not h.awaited
+
+
+def test_answers_of_a_session_that_ended_are_missing():
+    h, s, adm = hints(KV), FakeSession(), FakeAdmission()
+    h.send(adm, s, finished(), RETAIN_H)
+    h.send(adm, s, finished(), DEMOTE_H)
+    h.collect(FakeSession())  # the sidecar restarted
+    assert outcomes(h) == {"retain_missing": 1, "demote_missing": 1} and not h.awaited
+    h.send(adm, s, finished(), PIN_H)
+    h.collect(None)  # no sidecar
+    assert outcomes(h)["pin_missing"] == 1
+
+
+def test_a_request_without_a_full_block():
+    h, s = hints(KV), FakeSession()
+    h.send(FakeAdmission(), s, finished(0), RETAIN_H)
+    assert outcomes(h) == {"retain_missing": 1} and not s.sent
+
+
+def test_request_body_hints_are_fire_and_forget():
+    h, s = hints(BODY), FakeSession()
+    h.send(FakeAdmission(), s, finished(), Hint(60_000, 1, False, 77))
+    assert s.sent == [(0, (9, 0, 4, 60_000, 1, False, 77))] and not h.awaited and not outcomes(h)
+
+
+def test_answers_awaited_are_bounded(monkeypatch):
+    monkeypatch.setattr(retention, "MAX_AWAITED", 3)
+    h, s, adm = hints(KV), FakeSession(), FakeAdmission()
+    for _ in range(5):
+        h.send(adm, s, finished(), RETAIN_H)
+    assert len(h.awaited) == 3
+    assert outcomes(h) == {"retain_accepted": 2}  # the connector's own word
+    assert [seq for seq, _ in s.sent].count(0) == 2
+
+
+def test_outcome_lines_are_escaped_and_rate_limited_apart_from_warnings(caplog):
+    """A stream of rejected actions logs a burst, then one line every
+    EVERY_S seconds, at INFO, and leaves the warnings' own budget alone."""
+    t = [0.0]
+    retention.told = callerlog.Limited(retention.logger, burst=3, every=10.0, clock=lambda: t[0])
+    h = hints(KV)
+    with caplog.at_level(logging.INFO, logger="ringside.vllm"):
+        for i in range(100):
+            h.of(req(kv_hints=envelope(action("share", aid="id\nERROR forged %d" % i)), rid="r%d" % i))
+        h.of(req({"ringside_retain_s": 1}, kv_hints=envelope(action("retain", {"ttl_s": "x"}))))
+    assert h.stats["hints_outcome_share_rejected"] == 100
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    warns = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(infos) == 3 and len(warns) == 1
+    assert all("\n" not in r.getMessage() and "'id\\nERROR forged" in r.getMessage() for r in infos)
+    t[0] += 10.0
+    with caplog.at_level(logging.INFO, logger="ringside.vllm"):
+        h.of(req(kv_hints=envelope(action("prefetch"))))
+    assert "97 similar lines suppressed" in caplog.records[-1].getMessage()

@@ -63,6 +63,15 @@ class Limited:
     def warning(self, msg: str, *args: Any) -> bool:
         """Log msg % args as a warning unless the rate limit drops it;
         whether it was logged. The args must already be safe (shown())."""
+        return self.log(logging.WARNING, msg, *args)
+
+    def info(self, msg: str, *args: Any) -> bool:
+        """The same at level INFO (a line dropped because INFO is off still
+        takes its place in the bucket)."""
+        return self.log(logging.INFO, msg, *args)
+
+    def log(self, level: int, msg: str, *args: Any) -> bool:
+        """Log msg % args at level unless the rate limit drops it."""
         now = self.clock()
         self.tokens = min(float(self.burst), self.tokens + (now - self.t) / self.every)
         self.t = now
@@ -71,8 +80,8 @@ class Limited:
             return False
         self.tokens -= 1.0
         if self.suppressed:
-            msg += " (%d similar warnings suppressed)"
+            msg += " (%d similar " + ("warnings" if level == logging.WARNING else "lines") + " suppressed)"
             args = args + (self.suppressed,)
             self.suppressed = 0
-        self.logger.warning(msg, *args)
+        self.logger.log(level, msg, *args)
         return True

@@ -339,6 +339,11 @@ class SchedulerSide:
             loads.collect(meta, s)
         if loads.orphans:
             loads.release_orphans(s)
+        if self.hints.awaited:  # the sidecar's answers to kv_hints' Retains (retention.py)
+            try:
+                self.hints.collect(s)
+            except SIDECAR_ERRORS as e:
+                self.faults.fail(e)
         self.budget.reset()  # the next step's
         self.admission.woke = False
         dt = time.perf_counter_ns() - t0
@@ -409,7 +414,7 @@ class SchedulerSide:
         hold = bool(r.store_step) and r.store_step + self.hold_steps > self.planner.step
         self.admission.pd_waiting.discard(rid)
         params = getattr(request, "kv_transfer_params", None)
-        hint = self.hints.of(request) if self.hybrid is None else None
+        hint = self.hints.of(request, self.hybrid is None)  # several groups: ignored (counted)
         out = None
         if self.cfg.pd_producer and r.stored and self.hybrid is None and disagg.wants_remote_decode(params):
             out = disagg.produced(r.stored)  # the decode waits for these (disagg.py)
@@ -438,6 +443,8 @@ class SchedulerSide:
                         self.admission.recycle(r, s)
             except SIDECAR_ERRORS as e:
                 self.faults.fail(e)
+        elif hint is not None and hint.action:  # no sidecar: nothing of the request's is there
+            self.hints.outcome(rid, hint.action, hint.action_id, retention.MISSING, "no sidecar session")
         return hold, out
 
     def _retain_sent(self, sent: Any) -> None:
@@ -450,7 +457,9 @@ class SchedulerSide:
                 continue
             r, hint = later
             if s is None or r.generation != self.link.generation:
-                continue  # a new sidecar session: its batches are gone
+                if hint.action:  # a new sidecar session: its batches are gone, and the blocks
+                    self.hints.outcome(rid, hint.action, hint.action_id, retention.MISSING, "the sidecar restarted")
+                continue
             try:
                 self.hints.send(self.admission, s, r, hint)
                 self.admission.recycle(r, s)
