@@ -25,6 +25,7 @@ import (
 	"github.com/ringside-kv/ringside/sidecar/cache"
 	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node"
 )
 
 // Server is a running sidecar: the I/O around the protocol state machine
@@ -44,7 +45,8 @@ type Server struct {
 	exits  *sys.ExitWatcher
 	ln     *net.UnixListener
 	met    *metrics
-	tier   *l2.Tier // the shared tier (tier.go); nil: off
+	tier   *l2.Tier     // the shared tier (tier.go); nil: off
+	node   *node.Client // the node tier (tier.go); nil: off
 	// dirLock keeps a second sidecar off Dir (dirlock.go).
 	dirLock *sys.FileLock
 
@@ -182,9 +184,17 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 	}
 	if cfg.L2 != nil {
 		s.m.EnableL2(cfg.L2.Tier)
-		if s.tier, err = l2.New(cfg.L2.Redis, s.pool.Bytes(), log); err != nil {
-			s.closeResources()
-			return nil, err
+		if cfg.L2.RedisOn() {
+			if s.tier, err = l2.New(cfg.L2.Redis, s.pool.Bytes(), log); err != nil {
+				s.closeResources()
+				return nil, err
+			}
+		}
+		if cfg.L2.Node != nil {
+			if s.node, err = node.NewClient(*cfg.L2.Node, s.pool.Bytes(), cfg.Machine.SlotBytes, log); err != nil {
+				s.closeResources()
+				return nil, err
+			}
 		}
 	}
 	if cfg.PrefillBlocks > 0 {
@@ -462,6 +472,9 @@ func (s *Server) closeResources() {
 		s.sched.close()
 	}
 	s.bg.Wait()
+	if s.node != nil {
+		s.node.Close() // nothing of it touches the pool once it returns
+	}
 	if s.tier != nil {
 		s.tier.Close() // nothing of it touches the pool once it returns
 	}

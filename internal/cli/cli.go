@@ -27,6 +27,7 @@ func App() *cli.App {
 		Flags:   logFlags(),
 		Commands: []*cli.Command{
 			serveCommand(),
+			nodeCommand(),
 			inspectCommand(),
 			eventsCommand(),
 			movedBenchCommand(),

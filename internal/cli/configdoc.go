@@ -15,7 +15,16 @@ import (
 const (
 	serveFlagsBegin = "<!-- serve-flags: begin (generated: go test ./internal/cli -run TestConfigurationDoc -update) -->"
 	serveFlagsEnd   = "<!-- serve-flags: end -->"
+	nodeFlagsBegin  = "<!-- node-flags: begin (generated: go test ./internal/cli -run TestConfigurationDoc -update) -->"
+	nodeFlagsEnd    = "<!-- node-flags: end -->"
 )
+
+// nodeFlagGroups is the order of `ringside node`'s tables.
+var nodeFlagGroups = []flagGroup{
+	{"", "General", "The directory and its socket, who may attach, and the bounds of each sidecar's connection."},
+	{"pool", "Pool", "The node pool, a memfd in node memory."},
+	{"log", "Logs", ""},
+}
 
 // flagGroup is one table of the page: the flags whose name starts with
 // prefix and a dot ("" for the flags without a dot).
@@ -35,23 +44,29 @@ var serveFlagGroups = []flagGroup{
 	{"limits", "Limits", "Bounds that keep one client, uid or session from taking what the others need."},
 	{"metrics", "Metrics port", "Bounds on its HTTP server, so that slow or idle clients cannot hold it."},
 	{"l2", "Shared tier", "A Redis (or Redis Cluster) tier behind the pool, off unless `--l2.redis.addrs` is given."},
+	{"node", "Node tier", "The node's `ringside node` process beneath the pool and above Redis, off unless `--node.socket` is given. The `--l2.policy`, `--l2.write-slots`, `--l2.evict-ahead` and `--l2.max-*` flags above apply to it too. `ringside node`'s own flags are in [its section](#ringside-node)."},
 	{"log", "Logs", "Also accepted before the subcommand: `ringside --log.format=console serve`."},
 }
 
 // serveFlagsMarkdown renders the visible flags of `ringside serve`, as the
 // binary defines them (App), as the Markdown tables of
 // docs/configuration.md: flag, environment variable, default, meaning.
-func serveFlagsMarkdown() string {
+func serveFlagsMarkdown() string { return commandFlagsMarkdown("serve", serveFlagGroups) }
+
+// nodeFlagsMarkdown renders `ringside node`'s flags likewise.
+func nodeFlagsMarkdown() string { return commandFlagsMarkdown("node", nodeFlagGroups) }
+
+func commandFlagsMarkdown(name string, groupOrder []flagGroup) string {
 	var serve *cli.Command
 	for _, c := range App().Commands {
-		if c.Name == "serve" {
+		if c.Name == name {
 			serve = c
 		}
 	}
 	if serve == nil {
-		panic("cli: no serve command")
+		panic("cli: no " + name + " command")
 	}
-	groups := append([]flagGroup(nil), serveFlagGroups...)
+	groups := append([]flagGroup(nil), groupOrder...)
 	byPrefix := map[string][]cli.Flag{}
 	for _, f := range serve.Flags {
 		if v, ok := f.(cli.VisibleFlag); ok && !v.IsVisible() {

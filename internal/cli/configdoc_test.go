@@ -19,26 +19,31 @@ var configurationDoc = filepath.Join("..", "..", "docs", "configuration.md")
 // `ringside serve` as the binary defines them; with -update it rewrites
 // that section (make docs does).
 func TestConfigurationDoc(t *testing.T) {
-	want := serveFlagsMarkdown()
+	checkDocSection(t, serveFlagsBegin, serveFlagsEnd, serveFlagsMarkdown(), "serve")
+	checkDocSection(t, nodeFlagsBegin, nodeFlagsEnd, nodeFlagsMarkdown(), "node")
+}
+
+func checkDocSection(t *testing.T, begin, end, want, cmd string) {
+	t.Helper()
 	raw, err := os.ReadFile(configurationDoc)
 	if err != nil {
 		t.Fatal(err)
 	}
 	text := string(raw)
-	before, rest, ok := strings.Cut(text, serveFlagsBegin+"\n")
+	before, rest, ok := strings.Cut(text, begin+"\n")
 	if !ok {
-		t.Fatalf("%s lacks the line %s", configurationDoc, serveFlagsBegin)
+		t.Fatalf("%s lacks the line %s", configurationDoc, begin)
 	}
-	got, after, ok := strings.Cut(rest, serveFlagsEnd)
+	got, after, ok := strings.Cut(rest, end)
 	if !ok {
-		t.Fatalf("%s lacks the line %s after the begin marker", configurationDoc, serveFlagsEnd)
+		t.Fatalf("%s lacks the line %s after the begin marker", configurationDoc, end)
 	}
 	if *update {
 		if got != want {
-			if err := os.WriteFile(configurationDoc, []byte(before+serveFlagsBegin+"\n"+want+serveFlagsEnd+after), 0o644); err != nil {
+			if err := os.WriteFile(configurationDoc, []byte(before+begin+"\n"+want+end+after), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			t.Logf("rewrote the serve flags of %s", configurationDoc)
+			t.Logf("rewrote the %s flags of %s", cmd, configurationDoc)
 		}
 		return
 	}
@@ -54,9 +59,9 @@ func TestConfigurationDoc(t *testing.T) {
 			}
 			return "(end of section)"
 		}
-		t.Fatalf("docs/configuration.md's serve flags differ from the flags of `ringside serve`; regenerate them with `make docs` "+
+		t.Fatalf("docs/configuration.md's %s flags differ from the flags of `ringside %s`; regenerate them with `make docs` "+
 			"(or `go test ./internal/cli -run TestConfigurationDoc -update`).\nfirst difference, line %d of the section:\n  page:  %s\n  flags: %s",
-			i+1, line(gl), line(wl))
+			cmd, cmd, i+1, line(gl), line(wl))
 	}
 }
 
@@ -64,7 +69,7 @@ func TestConfigurationDoc(t *testing.T) {
 // its environment variable and default; the hidden ones are not.
 func TestServeFlagsMarkdownListsEveryFlag(t *testing.T) {
 	md := serveFlagsMarkdown()
-	for _, f := range append(append(serveFlags(), l2Flags()...), logFlags()...) {
+	for _, f := range append(append(append(serveFlags(), l2Flags()...), nodeFlags()...), logFlags()...) {
 		name := f.Names()[0]
 		row := "| `--" + name + "` | `" + env(name)[0] + "` | "
 		n := strings.Count(md, row)

@@ -52,18 +52,28 @@ func init() {
 			fmt.Fprintf(w, "lookups %d  hit blocks %d of %d  stores %d  evictions %d  expired leases %d\n",
 				p.Lookups, p.HitBlocks, p.LookupBlocks, p.Stores, p.Evictions, p.ExpiredLeases)
 			if l := st.L2; l != nil {
-				m, cl := l.Machine, l.Client
-				fmt.Fprintf(w, "l2: %s %v connected %v tls %v prefix %q ttl %s policy %s\n", l.Mode, l.Addrs, l.Connected, l.TLS, l.Prefix, l.TTL, l.Policy)
-				fmt.Fprintf(w, "  lookups %d (%d blocks asked, %d found, %d timed out)  fetches %d: %d blocks fetched, %d missed, %d timed out\n",
-					m.Lookups, m.LookupBlocks, m.LookupHitBlocks, m.LookupTimeouts, m.Fetches, m.FetchedBlocks, m.FetchMisses, m.FetchTimeouts)
-				fmt.Fprintf(w, "  writes %d (ok %.0f, errors %.0f, skipped %d, refused %d)  queue %.0f  pinned slots %d  evicted unwritten %d\n",
-					m.Writes, cl.Writes["ok"], cl.Writes["error"], m.WritesSkipped, m.WritesNotTaken, cl.Queue, m.WritingSlots, l.EvictedUnwritten)
-				var rej float64
-				for _, v := range cl.Rejected {
-					rej += v
+				m := l.Machine
+				fmt.Fprintf(w, "tiers: policy %s  lookups %d (%d blocks asked, %d found, %d timed out)  fetches %d: %d blocks fetched, %d missed, %d timed out\n",
+					l.Policy, m.Lookups, m.LookupBlocks, m.LookupHitBlocks, m.LookupTimeouts, m.Fetches, m.FetchedBlocks, m.FetchMisses, m.FetchTimeouts)
+				fmt.Fprintf(w, "  writes %d (skipped %d, refused %d)  pinned slots %d  evicted unwritten %d\n",
+					m.Writes, m.WritesSkipped, m.WritesNotTaken, m.WritingSlots, l.EvictedUnwritten)
+				if n := l.Node; n != nil {
+					k := n.Counts
+					fmt.Fprintf(w, "node tier: %s pod %s connected %v epoch %016x  lookups %d (%d blocks found)  fetched %d, missed %d, rejected %d\n",
+						n.Socket, n.Pod, n.Connected, n.Epoch, k["lookups"], k["lookup_hit_blocks"], k["fetched_blocks"], k["fetch_missed_blocks"], k["fetch_rejected_values"])
+					fmt.Fprintf(w, "  writes stored %d, held already %d, refused %d, failed %d  timeouts %d  attaches %d\n",
+						k["writes_stored"], k["writes_held_already"], k["writes_refused"], k["writes_failed"], k["timeouts"], k["attaches"])
 				}
-				fmt.Fprintf(w, "  bytes read %.0f written %.0f  rejected values %.0f  errors lookup %.0f fetch %.0f write %.0f connect %.0f\n",
-					cl.Bytes["read"], cl.Bytes["written"], rej, cl.Errors["lookup"], cl.Errors["fetch"], cl.Errors["write"], cl.Errors["connect"])
+				if cl := l.Client; cl != nil {
+					fmt.Fprintf(w, "l2: %s %v connected %v tls %v prefix %q ttl %s\n", l.Mode, l.Addrs, l.Connected, l.TLS, l.Prefix, l.TTL)
+					fmt.Fprintf(w, "  writes ok %.0f, errors %.0f  queue %.0f\n", cl.Writes["ok"], cl.Writes["error"], cl.Queue)
+					var rej float64
+					for _, v := range cl.Rejected {
+						rej += v
+					}
+					fmt.Fprintf(w, "  bytes read %.0f written %.0f  rejected values %.0f  errors lookup %.0f fetch %.0f write %.0f connect %.0f\n",
+						cl.Bytes["read"], cl.Bytes["written"], rej, cl.Errors["lookup"], cl.Errors["fetch"], cl.Errors["write"], cl.Errors["connect"])
+				}
 			}
 			fmt.Fprintf(w, "sessions: %d\n", len(st.Sessions))
 			for _, s := range st.Sessions {

@@ -68,7 +68,7 @@ func serveCommand() *cli.Command {
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "run the sidecar: a KV block pool in shared memory served through rings",
-		Flags: append(append(serveFlags(), l2Flags()...), logFlags()...),
+		Flags: append(append(append(serveFlags(), l2Flags()...), nodeFlags()...), logFlags()...),
 		Action: func(c *cli.Context) error {
 			log, err := logger(c)
 			if err != nil {

@@ -9,6 +9,7 @@ import (
 	"github.com/ringside-kv/ringside/sidecar"
 	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node"
 )
 
 // l2Flags are the shared tier's flags (off unless --l2.redis.addrs is
@@ -41,17 +42,47 @@ func l2Flags() []cli.Flag {
 	}
 }
 
-// l2Config collects the tier's flags; nil when the tier is off. Every
+// nodeFlags are the node tier's flags in `ringside serve` (off unless
+// --node.socket is given).
+func nodeFlags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "node.socket", Usage: "node tier, one for every sidecar of the node: the socket of the node's `ringside node` process (e.g. /run/ringside-node/node.sock, a host directory only ringside containers mount); empty: no node tier. Beneath the pool and above Redis: docs/architecture.md, \"The node tier\"", EnvVars: env("node.socket")},
+		&cli.StringFlag{Name: "node.pod", Usage: "name this sidecar's writes to the node tier are charged to (its share of the node pool; declared, not verified); empty: the host name, the pod's name in Kubernetes", EnvVars: env("node.pod")},
+		&cli.DurationFlag{Name: "node.lookup-timeout", Value: node.DefaultLookupTimeout, Usage: "a lookup of the node tier not answered by then is a miss", EnvVars: env("node.lookup-timeout")},
+		&cli.DurationFlag{Name: "node.io-timeout", Value: node.DefaultClientIO, Usage: "bound on a fetch from and a write to the node tier (and on attaching)", EnvVars: env("node.io-timeout")},
+		&cli.IntFlag{Name: "node.writers", Value: node.DefaultWriters, Usage: "goroutines writing to the node tier", EnvVars: env("node.writers")},
+		&cli.IntFlag{Name: "node.write-queue", Value: node.DefaultQueue, Usage: "writes to the node tier that may wait for a writer; past it a write is refused (counted), never slowing a store", EnvVars: env("node.write-queue")},
+		&cli.IntFlag{Name: "node.inflight", Value: node.DefaultInflight, Usage: "lookups and fetches of the node tier running at once; past it they miss at once", EnvVars: env("node.inflight")},
+	}
+}
+
+// l2Config collects the tiers' flags; nil when both are off. Every
 // problem is appended to errs.
 func l2Config(c *cli.Context, errs *[]string) *sidecar.L2Config {
 	addrs := c.String("l2.redis.addrs")
+	nodeSock := strings.TrimSpace(c.String("node.socket"))
+	if nodeSock == "" {
+		for _, f := range nodeFlags() {
+			if n := f.Names()[0]; c.IsSet(n) && n != "node.socket" {
+				*errs = append(*errs, fmt.Sprintf("--%s: set, but the node tier is off (no --node.socket)", n))
+			}
+		}
+	}
 	if strings.TrimSpace(addrs) == "" {
 		for _, f := range l2Flags() {
-			if n := f.Names()[0]; c.IsSet(n) && n != "l2.redis.addrs" {
+			n := f.Names()[0]
+			if !c.IsSet(n) || n == "l2.redis.addrs" || (nodeSock != "" && !strings.HasPrefix(n, "l2.redis.")) {
+				continue
+			}
+			if nodeSock != "" {
+				*errs = append(*errs, fmt.Sprintf("--%s: set, but the Redis tier is off (no --l2.redis.addrs)", n))
+			} else {
 				*errs = append(*errs, fmt.Sprintf("--%s: set, but the tier is off (no --l2.redis.addrs)", n))
 			}
 		}
-		return nil
+		if nodeSock == "" {
+			return nil
+		}
 	}
 	bad := func(format string, args ...any) { *errs = append(*errs, fmt.Sprintf(format, args...)) }
 	cfg := &sidecar.L2Config{Redis: l2.Config{
@@ -60,6 +91,10 @@ func l2Config(c *cli.Context, errs *[]string) *sidecar.L2Config {
 		Writers: c.Int("l2.redis.writers"), Queue: c.Int("l2.redis.write-queue"), PoolSize: c.Int("l2.redis.pool-size"),
 	}, Tier: machine.L2Config{WriteSlots: c.Int("l2.write-slots"), EvictAhead: c.Int("l2.evict-ahead"),
 		MaxLookupBlocks: c.Int("l2.max-lookup-blocks"), MaxFetchBlocks: c.Int("l2.max-fetch-blocks")}}
+	if nodeSock != "" {
+		cfg.Node = &node.ClientConfig{Socket: nodeSock, Pod: c.String("node.pod"), LookupTimeout: c.Duration("node.lookup-timeout"),
+			IOTimeout: c.Duration("node.io-timeout"), Writers: c.Int("node.writers"), Queue: c.Int("node.write-queue"), Inflight: c.Int("node.inflight")}
+	}
 	for _, a := range strings.Split(addrs, ",") {
 		if a = strings.TrimSpace(a); a != "" {
 			cfg.Redis.Addrs = append(cfg.Redis.Addrs, a)

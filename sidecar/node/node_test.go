@@ -33,7 +33,7 @@ func startServer(t *testing.T, mod func(*ServerConfig)) *Server {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	cfg := ServerConfig{Dir: filepath.Join(dir, "n"), PoolBytes: 64 * (testSlot + SlotHeadroom), SlotBytes: testSlot, IOTimeout: 500 * time.Millisecond}
+	cfg := ServerConfig{Dir: filepath.Join(dir, "n"), PoolBytes: 128 * (testSlot + SlotHeadroom), SlotBytes: testSlot, IOTimeout: 500 * time.Millisecond}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -197,6 +197,7 @@ func TestRestarts(t *testing.T) {
 	// The node restarts on the same directory.
 	sock := s.Socket()
 	s.Shutdown()
+	<-s.Done()
 	waitFor(t, "detached", func() bool { return !a2.Connected() })
 	if n := a2.lookup(7); n != 0 {
 		t.Fatalf("lookup with the tier down: %d", n)
@@ -215,7 +216,7 @@ func TestRestarts(t *testing.T) {
 
 // A pod's writes past its share evict its own blocks, never another pod's.
 func TestPodShare(t *testing.T) {
-	s := startServer(t, func(c *ServerConfig) { c.PodShare = 0.25 }) // 16 of 64 slots: 8 blocks of 2 ranks
+	s := startServer(t, func(c *ServerConfig) { c.PodShare = 0.125 }) // 16 of 128 slots: 8 blocks of 2 ranks
 	a := newTestClient(t, s.Socket(), "pod-a")
 	b := newTestClient(t, s.Socket(), "pod-b")
 	for i := range 4 {

@@ -158,6 +158,7 @@ type Server struct {
 	met  ServerStats
 	wg   sync.WaitGroup
 	stop chan struct{}
+	done chan struct{} // closed when Serve has released everything
 	once sync.Once
 }
 
@@ -189,7 +190,7 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--dir %s: another node process holds it: %w", cfg.Dir, err)
 	}
-	s := &Server{cfg: cfg, log: log, stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{})}
+	s := &Server{cfg: cfg, log: log, stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{}), done: make(chan struct{})}
 	slots := cfg.PoolBytes / s.stride
 	s.pool, err = shm.CreateMemfd("ringside-node-pool", int(slots*s.stride), cfg.Reserve)
 	if err != nil {
@@ -294,8 +295,13 @@ func (s *Server) Serve(ctx context.Context) error {
 	s.wg.Wait()
 	s.closeResources()
 	s.log.Info().Msg("node tier stopped")
+	close(s.done)
 	return err
 }
+
+// Done is closed once Serve has returned everything it held (the pool, the
+// socket, the directory's lock).
+func (s *Server) Done() <-chan struct{} { return s.done }
 
 // Shutdown stops accepting and ends every connection.
 func (s *Server) Shutdown() {

@@ -1,0 +1,200 @@
+package sidecar_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/schema"
+	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node"
+)
+
+// A node tier in this process (a real socket, real memfds) and sidecars
+// beside it stand for the engine pods of one node.
+
+func startNodeTier(t *testing.T, sock string) *node.Server {
+	t.Helper()
+	if sock == "" {
+		dir, err := os.MkdirTemp("", "rs-nt-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		sock = filepath.Join(dir, "n", node.SocketName)
+	}
+	s, err := node.NewServer(node.ServerConfig{Dir: filepath.Dir(sock), Socket: sock, PoolBytes: 128 * (slot + node.SlotHeadroom), SlotBytes: slot}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Serve(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return s
+}
+
+func withNodeTier(sock, pod string) func(*sidecar.Config) {
+	return func(c *sidecar.Config) {
+		c.PoolBytes = 128 * slot
+		c.L2 = &sidecar.L2Config{Node: &node.ClientConfig{Socket: sock, Pod: pod, LookupTimeout: 5 * time.Second, IOTimeout: 5 * time.Second},
+			Tier: machine.L2Config{WriteSlots: 64}}
+	}
+}
+
+func nodeHarness(t *testing.T, sock, pod string) *harness {
+	t.Helper()
+	h := newHarness(t, withNodeTier(sock, pod))
+	waitNode(t, h, func(n *sidecar.NodeState) bool { return n.Connected }, "attached")
+	return h
+}
+
+func waitNode(t *testing.T, h *harness, cond func(*sidecar.NodeState) bool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		st := h.srv.State().L2
+		if st != nil && st.Node != nil && cond(st.Node) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node tier not %s: %+v", what, st)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// storeBlocks stores n stamped blocks of prefix through an engine of h.
+func storeBlocks(t *testing.T, h *harness, d []byte, n, first int) {
+	t.Helper()
+	c := h.dial(func(o *connector.Options) { o.Instance = "writer" })
+	src := newRegion(1, n)
+	if err := c.RegisterRegion(src.reg); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < n; i++ {
+		src.stamp(i, first+i)
+	}
+	c.PutHashes(1, d, false)
+	if r, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, pages(0, n)); err != nil || int(r.Stored) != n {
+		t.Fatalf("store: %+v %v", r, err)
+	}
+	c.Close()
+}
+
+// loadAll looks the blocks up and loads them through an engine of h, and
+// reports how many came with their bytes.
+func loadAll(t *testing.T, h *harness, d []byte, n, first int) int {
+	t.Helper()
+	c := h.dial(func(o *connector.Options) { o.Instance = "reader" })
+	defer c.Close()
+	dst := newRegion(1, n)
+	if err := c.RegisterRegion(dst.reg); err != nil {
+		t.Fatal(err)
+	}
+	c.PutHashes(1, d, false)
+	hits, err := c.Lookup(schema.View{Batch: 1, Count: uint32(n)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hits == 0 {
+		return 0
+	}
+	l, err := c.Acquire(schema.View{Batch: 1, Count: uint32(n)}, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l = waitReady(t, c, l)
+	if l.State != schema.StateReady {
+		return 0
+	}
+	got, err := c.Load(l.Lease, 1, 0, pages(0, int(l.Blocks)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < got; i++ {
+		if !dst.holds(i, first+i) {
+			t.Fatalf("page %d: not block %d's bytes", i, i)
+		}
+	}
+	c.Release(l.Lease)
+	return got
+}
+
+// Two engine pods' sidecars share blocks through one node process: what one
+// stores (write-through) the other looks up, fetches and loads byte for
+// byte; and a sidecar that restarts finds its blocks there again.
+func TestNodeTierSharedBetweenPods(t *testing.T) {
+	nt := startNodeTier(t, "")
+	a := nodeHarness(t, nt.Socket(), "pod-a")
+	b := nodeHarness(t, nt.Socket(), "pod-b")
+	const n = 10
+	d := digests("a system prompt", n)
+	storeBlocks(t, a, d, n, 100)
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == n }, "written")
+	if got := loadAll(t, b, d, n, 100); got != n {
+		t.Fatalf("pod B loaded %d of %d blocks from the node tier", got, n)
+	}
+	st := b.srv.State().L2
+	if st.Machine.FetchedBlocks != n || st.Node.Counts["fetched_blocks"] != n {
+		t.Fatalf("B's counts: %+v, node %v", st.Machine, st.Node.Counts)
+	}
+	if nt.OwnerUsed("pod-a") != n || nt.OwnerUsed("pod-b") != 0 {
+		t.Fatalf("charges: a %d, b %d", nt.OwnerUsed("pod-a"), nt.OwnerUsed("pod-b"))
+	}
+	// A third sidecar of pod B, as after its restart (a new process, an
+	// empty pool): the blocks are still in the node tier.
+	b2 := nodeHarness(t, nt.Socket(), "pod-b")
+	if got := loadAll(t, b2, d, n, 100); got != n {
+		t.Fatalf("after a restart, %d of %d blocks", got, n)
+	}
+}
+
+// The node tier's process ends: engines get misses from the tier, never an
+// error or a wait past the deadlines; a new process is attached by itself
+// and serves again (it starts empty).
+func TestNodeTierRestarts(t *testing.T) {
+	dir, err := os.MkdirTemp("", "rs-nt-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	sock := filepath.Join(dir, node.SocketName)
+	ctx, cancel := context.WithCancel(context.Background())
+	nt, err := node.NewServer(node.ServerConfig{Dir: dir, PoolBytes: 64 * (slot + node.SlotHeadroom), SlotBytes: slot}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { nt.Serve(ctx); close(done) }()
+	a := nodeHarness(t, sock, "pod-a")
+	b := nodeHarness(t, sock, "pod-b")
+	d := digests("turn one", 4)
+	storeBlocks(t, a, d, 4, 1)
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == 4 }, "written")
+	cancel()
+	<-done
+	waitNode(t, b, func(s *sidecar.NodeState) bool { return !s.Connected }, "detached")
+	t0 := time.Now()
+	if got := loadAll(t, b, d, 4, 1); got != 0 {
+		t.Fatalf("%d blocks with the tier gone", got)
+	}
+	if el := time.Since(t0); el > 2*time.Second {
+		t.Fatalf("a lookup with the tier gone took %v", el)
+	}
+	startNodeTier(t, sock)
+	waitNode(t, b, func(s *sidecar.NodeState) bool { return s.Connected }, "re-attached")
+	storeBlocks(t, b, d, 4, 1)
+	waitNode(t, b, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == 4 }, "written again")
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Connected }, "re-attached")
+	a2 := nodeHarness(t, sock, "pod-a")
+	if got := loadAll(t, a2, d, 4, 1); got != 4 {
+		t.Fatalf("the new node process serves %d of 4", got)
+	}
+}
