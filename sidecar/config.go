@@ -63,7 +63,7 @@ type Config struct {
 	// (cache.DefaultDeltaLogSize).
 	DeltaLogSize int
 	// CachePolicy is the pool's eviction policy (the zero value is LRU;
-	// `ringside serve` sets cache.DefaultPolicy, MQP, unless told otherwise).
+	// `ringside serve` sets cache.DefaultPolicy, MQP2, unless told otherwise).
 	CachePolicy cache.Policy
 	// ReapInterval is how often expired leases and writes are reclaimed.
 	ReapInterval time.Duration

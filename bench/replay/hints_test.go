@@ -22,17 +22,18 @@ import (
 // ends: one retain of 4 blocks, one end of 4 retentions.
 //
 // Under MQP2 a retention is evidence, not an order above every other
-// block: it lifts blocks 1-4 one level (count 2), and the flood of 20
-// one-off pages through 16 slots evicts them anyway (no lifetime is
-// measured yet, so the level falls back within a few placements), as it
-// does without hints; request 7 stores them again and its session end
-// finds no retention to end; request 9 hits all 5. The hints cost no hit:
-// 5 hits with them as without, one end of none.
+// block: it lifts blocks 1-4 one level (count 2) for one lifetime (before
+// one is measured, one pass of the pool: 16 placements), which the flood
+// of 20 one-off pages through 16 slots does not outlast at the level
+// below, so the outcome is LRU's: 4 hits and one end of 4 retentions.
+// (That the hints never cost hits on real workloads is measured by the
+// replay's tables, docs/benchmarks.md; here the session's end is wrong
+// on purpose: a new session reads its blocks.)
 func TestBenchReplayHints(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts sidecars")
 	}
-	want := map[string][2]float64{"lru": {4, 4}, "mqp": {4, 4}, "mqp2": {5, 0}} // hit pages and ended retentions with hints
+	want := map[string][2]float64{"lru": {4, 4}, "mqp": {4, 4}, "mqp2": {4, 4}} // hit pages and ended retentions with hints
 	for _, policy := range []string{"lru", "mqp", "mqp2"} {
 		w := want[policy]
 		rows := replayJSON(t, "--sequential", "--cache.policy", policy, "--hints", "--trace", "testdata/hints.jsonl",

@@ -109,6 +109,7 @@ func newMQP2(numIDs, capacity int) *mqp {
 	m.shand = make([]uint8, m.snb)
 	m.hints = newHintTable(max(mqp2HintMin, capacity/64))
 	m.r2 = r
+	m.life = int64(capacity) // until the lifetime is measured: one pass of the pool
 	return m
 }
 

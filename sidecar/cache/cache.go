@@ -92,8 +92,9 @@ type Config struct {
 	// overwrites its oldest entries (consumers then resync). Zero: no
 	// bound beyond DeltaLogSize per namespace.
 	MaxLogBytes int64
-	// Policy is the eviction policy of unretained blocks: PolicyLRU (the
-	// zero value, the default) or PolicyMQP (mqp.go).
+	// Policy is the eviction policy: PolicyLRU (the zero value),
+	// PolicyMQP (mqp.go) or PolicyMQP2 (mqp2.go; `ringside serve`'s
+	// default, DefaultPolicy).
 	Policy Policy
 }
 

@@ -37,11 +37,13 @@ func (p Policy) String() string {
 }
 
 // DefaultPolicy is the policy `ringside serve` runs without
-// --cache.policy: MQP, chosen by bench/replay's measurements (at least
-// LRU's and ARC's hits at every capacity of both workloads, docs/benchmarks.md),
-// with the live sidecar checked against its offline model. A zero
-// Config.Policy is LRU: a library user that sets no policy gets exact LRU.
-const DefaultPolicy = PolicyMQP
+// --cache.policy: MQP2, chosen by bench/replay's measurements at engine
+// page sizes (16 and 32 tokens: at least LRU's and ARC's hits at every
+// capacity of every workload, retention hints never below no hints;
+// docs/benchmarks.md), with the live sidecar checked against its offline
+// model. A zero Config.Policy is LRU: a library user that sets no policy
+// gets exact LRU.
+const DefaultPolicy = PolicyMQP2
 
 // PolicyNames lists the policies' flag names: lru|mqp|mqp2.
 const PolicyNames = "lru|mqp|mqp2"
@@ -188,6 +190,7 @@ func newMQP(capacity uint32, policy Policy) *mqpState {
 	if policy == PolicyMQP2 {
 		sMin, hMin, hDiv = mqp2SampleMin, mqp2HintMin, 64
 		m.r2 = &mqp2State{capacity: int64(c)}
+		m.life = int64(c) // until the lifetime is measured: one pass of the pool
 	}
 	se := max(sMin, int(float64(c)/16))
 	m.snb = uint64(se / 4)

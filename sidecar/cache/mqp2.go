@@ -367,14 +367,17 @@ func (c *Cache) mqp2Retain(h uint32) {
 }
 
 // mqp2End is a session's end (EndRetain) over present head h, whose
-// retention, if it had one, the call ended: a block read by at most 3
-// requests (level 0 or 1: the session's own tail, which it will not read
-// again) goes to the LRU end of queue 0 at count 1, the first to go; a
-// block read more (prefixes that others share) stays where it is, and so
-// does a pinned one or one another key or owner retains.
+// retention, if it had one, the call ended: a block counted fewer than 8
+// times (levels 0 to 2: the session's own tail, which it will not read
+// again; a session's turn may count twice on its prefix, by its lookup's
+// hit and by a store that finds the block present, and its retention
+// counts once, so a short conversation's blocks reach count 4) goes to
+// the LRU end of queue 0 at count 1, the first to go; a block counted
+// more (a prefix that many requests share) stays where it is, and so does
+// a pinned one or one another key or owner retains.
 func (c *Cache) mqp2End(h uint32) {
 	m := c.mqp
-	if c.aux[h] != 0 || c.retains[h] != nil || c.mqpLevelOf(h) > 1 || mqpLevel(c.mqpCount(h)) > 1 {
+	if c.aux[h] != 0 || c.retains[h] != nil || c.mqpLevelOf(h) > 2 || mqpLevel(c.mqpCount(h)) > 2 {
 		return
 	}
 	c.unlist(h)

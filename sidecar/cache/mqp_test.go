@@ -413,8 +413,8 @@ func TestPolicyConfig(t *testing.T) {
 	if _, err := New(Config{Capacity: 8, Epoch: 1, Policy: 7}); !errors.Is(err, ErrBadConfig) {
 		t.Fatalf("New with policy 7: %v", err)
 	}
-	if DefaultPolicy != PolicyMQP || (Config{}).Policy != PolicyLRU {
-		t.Fatal("MQP is serve's default, LRU the zero Config's")
+	if DefaultPolicy != PolicyMQP2 || (Config{}).Policy != PolicyLRU {
+		t.Fatal("MQP2 is serve's default, LRU the zero Config's")
 	}
 	lru, _ := New(Config{Capacity: 1000, Epoch: 1})
 	mqp, _ := New(Config{Capacity: 1000, Epoch: 1, Policy: PolicyMQP})
