@@ -1,0 +1,261 @@
+package reliability
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ringside-kv/ringside/schema"
+)
+
+// nodeProc is a real `ringside node` process.
+type nodeProc struct {
+	t       *testing.T
+	dir     string
+	sock    string
+	cmd     *exec.Cmd
+	logPath string
+	exited  chan struct{}
+}
+
+func startNode(t *testing.T, dir string) *nodeProc {
+	t.Helper()
+	n := &nodeProc{t: t, dir: dir, sock: filepath.Join(dir, "node.sock"), logPath: filepath.Join(t.TempDir(), "node.log")}
+	n.start()
+	t.Cleanup(n.stop)
+	return n
+}
+
+func (n *nodeProc) start() {
+	t := n.t
+	t.Helper()
+	logf, err := os.OpenFile(n.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.cmd = exec.Command(ringsideBin, "node", "--dir", n.dir, "--pool.bytes", "2MiB", "--pool.slot-bytes", "4KiB", "--pool.reserve=false", "--io-timeout", "1s")
+	n.cmd.Stdout, n.cmd.Stderr = logf, logf
+	if err := n.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	logf.Close()
+	n.exited = make(chan struct{})
+	cmd, exited := n.cmd, n.exited
+	go func() { cmd.Wait(); close(exited) }()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if c, err := net.Dial("unixpacket", n.sock); err == nil {
+			c.Close()
+			return
+		}
+		select {
+		case <-n.exited:
+			b, _ := os.ReadFile(n.logPath)
+			t.Fatalf("ringside node exited at start: %s", b)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("ringside node did not listen")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func (n *nodeProc) kill9() {
+	n.cmd.Process.Signal(syscall.SIGKILL)
+	<-n.exited
+}
+
+func (n *nodeProc) stop() {
+	select {
+	case <-n.exited:
+		return
+	default:
+	}
+	n.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-n.exited:
+	case <-time.After(10 * time.Second):
+		n.t.Errorf("ringside node did not stop within 10 s of SIGTERM")
+		n.kill9()
+	}
+}
+
+// nodeState is the node tier's part of a sidecar's /debug/state.
+type nodeState struct {
+	Connected bool              `json:"connected"`
+	Epoch     uint64            `json:"epoch"`
+	Counts    map[string]uint64 `json:"counts"`
+}
+
+func (s *sidecar) nodeState() nodeState {
+	var st struct {
+		L2 *struct {
+			Node *nodeState `json:"node"`
+		} `json:"l2"`
+	}
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get("http://" + s.addr + "/debug/state")
+	if err == nil {
+		json.NewDecoder(resp.Body).Decode(&st)
+		resp.Body.Close()
+	}
+	if st.L2 == nil || st.L2.Node == nil {
+		return nodeState{}
+	}
+	return *st.L2.Node
+}
+
+func (s *sidecar) waitNode(what string, cond func(nodeState) bool) {
+	s.t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond(s.nodeState()) {
+		if time.Now().After(deadline) {
+			s.t.Fatalf("node tier not %s: %+v", what, s.nodeState())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// storePrompt stores a prompt's n blocks through an engine of sc.
+func storePrompt(t *testing.T, sc *sidecar, instance, seed string, n int, tag uint64) {
+	t.Helper()
+	c := dial(t, opts(sc.sock, instance))
+	defer c.Close()
+	r := newRegion(1, n)
+	if err := c.RegisterRegion(r.reg); err != nil {
+		t.Fatal(err)
+	}
+	d := digests(seed, n)
+	for j := 0; j < n; j++ {
+		fillPage(r.page(j), d[j*32:(j+1)*32], tag)
+	}
+	c.PutHashes(1, d, false)
+	if st, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, iota32(n)); err != nil || int(st.Stored) != n {
+		t.Fatalf("store: %+v %v", st, err)
+	}
+}
+
+// loadPrompt looks a prompt up and loads what it finds through an engine
+// of sc, checking every byte; it returns the blocks found and how long the
+// lookup took. Any error is the test's failure: the tier never fails an
+// engine's request.
+func loadPrompt(t *testing.T, sc *sidecar, instance, seed string, n int, tag uint64) (int, time.Duration) {
+	t.Helper()
+	c := dial(t, opts(sc.sock, instance))
+	defer c.Close()
+	r := newRegion(1, n)
+	if err := c.RegisterRegion(r.reg); err != nil {
+		t.Fatal(err)
+	}
+	d := digests(seed, n)
+	c.PutHashes(1, d, false)
+	t0 := time.Now()
+	hits, err := c.Lookup(schema.View{Batch: 1, Count: uint32(n)})
+	took := time.Since(t0)
+	if err != nil {
+		t.Fatalf("lookup: %v", err)
+	}
+	if hits == 0 {
+		return 0, took
+	}
+	l, err := c.Acquire(schema.View{Batch: 1, Count: uint32(n)}, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; l.State == schema.StateWaiting; i++ {
+		if i > 5000 {
+			t.Fatalf("lease still waiting: %+v", l)
+		}
+		time.Sleep(time.Millisecond)
+		if l, err = c.Poll(l.Lease); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if l.State != schema.StateReady {
+		return 0, took
+	}
+	got, err := c.Load(l.Lease, 1, 0, iota32(int(l.Blocks)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for j := 0; j < got; j++ {
+		if !pageOK(r.page(j), d[j*32:(j+1)*32], tag) {
+			t.Fatalf("STALE OR CORRUPT: %s block %d", seed, j)
+		}
+	}
+	c.Release(l.Lease)
+	return got, took
+}
+
+// TestNodeTierAcrossProcesses runs a real `ringside node` and two real
+// `ringside serve` processes beside it, as two engine pods of one node.
+func TestNodeTierAcrossProcesses(t *testing.T) {
+	row := record(t, "Faults", "the node tier across processes: a `ringside node` process and two `ringside serve` processes (pods A and B) attached to it; A's sidecar restarted; the node process SIGKILLed mid-run and started again",
+		"what A's engine stores, B's engine loads byte-exact through the node tier; after A's sidecar restarts (empty pool) its engine loads its blocks from the node tier; with the node process dead every engine request succeeds (misses from the tier), each lookup within 1 s; both sidecars re-attach to the new node process by themselves, which starts empty and serves again", "")
+	ndir, err := os.MkdirTemp("", "rs-rel-node-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(ndir) })
+	nd := filepath.Join(ndir, "n")
+	np := startNode(t, nd)
+	tier := []string{"--node.socket", np.sock, "--node.lookup-timeout", "500ms", "--node.io-timeout", "2s"}
+	a := startSidecar(t, newDir(t), append(tier, "--node.pod", "pod-a")...)
+	b := startSidecar(t, newDir(t), append(tier, "--node.pod", "pod-b")...)
+	for _, sc := range []*sidecar{a, b} {
+		sc.waitNode("attached", func(s nodeState) bool { return s.Connected })
+	}
+	const n = 16
+	storePrompt(t, a, "engine-a", "system prompt", n, 7)
+	a.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] == n })
+	if got, _ := loadPrompt(t, b, "engine-b", "system prompt", n, 7); got != n {
+		t.Fatalf("pod B loaded %d of %d blocks A stored", got, n)
+	}
+	row.add("B loaded %d/%d blocks A stored, byte-exact (%d fetched from the node tier)", n, n, b.nodeState().Counts["fetched_blocks"])
+
+	a.stop()
+	a.start()
+	a.waitNode("re-attached", func(s nodeState) bool { return s.Connected })
+	if got, _ := loadPrompt(t, a, "engine-a2", "system prompt", n, 7); got != n {
+		t.Fatalf("after its sidecar restarted, A loaded %d of %d blocks", got, n)
+	}
+	row.add("after A's sidecar restarted, A loaded %d/%d from the node tier", n, n)
+
+	np.kill9()
+	for _, sc := range []*sidecar{a, b} {
+		sc.waitNode("detached", func(s nodeState) bool { return !s.Connected })
+	}
+	var worst time.Duration
+	for i := 0; i < 5; i++ {
+		seed := fmt.Sprintf("while the tier is down %d", i)
+		storePrompt(t, a, "engine-a3", seed, 4, 9)
+		got, took := loadPrompt(t, b, "engine-b2", seed, 4, 9)
+		if got != 0 {
+			t.Fatalf("B found %d blocks only A holds, with the node tier dead", got)
+		}
+		worst = max(worst, took)
+	}
+	if worst > time.Second {
+		t.Fatalf("a lookup with the node tier dead took %v", worst)
+	}
+	row.add("node process SIGKILLed: 10 stores and lookups succeeded, slowest lookup %v", worst.Round(time.Microsecond))
+
+	np.start()
+	for _, sc := range []*sidecar{a, b} {
+		sc.waitNode("re-attached to the new node process", func(s nodeState) bool { return s.Connected && s.Counts["attaches"] >= 2 })
+	}
+	storePrompt(t, a, "engine-a4", "after the node's restart", 8, 11)
+	a.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] >= 8 })
+	if got, _ := loadPrompt(t, b, "engine-b3", "after the node's restart", 8, 11); got != 8 {
+		t.Fatalf("the new node process served %d of 8", got)
+	}
+	row.add("both re-attached to the new node process; B loaded 8/8 blocks A stored after it")
+}
