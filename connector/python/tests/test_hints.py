@@ -256,6 +256,9 @@ def test_every_outcome_counter_starts_at_zero():
         ([action("KV.Retain", {"ttl_s": 5})], Hint(5000, 0, False, owner(), "retain", "KV.Retain"), {}),
         # A pin is a retention at the top priority.
         ([action("Pin", {"ttl_s": 60})], Hint(60_000, 3, False, owner(), "pin", "Pin"), {}),
+        # Whatever priority a pin names, it is kept at the top one.
+        ([action("pin", {"ttl_s": 60, "priority": 0})], Hint(60_000, 3, False, owner(), "pin", "pin"), {}),
+        ([action("pin", {"ttl_s": 60, "priority": 10})], Hint(60_000, 3, False, owner(), "pin", "pin"), {}),
         # No ttl_s: kept for the longest a retention may last (clipped).
         (
             [action("pin", {"session_id": "s"})],
@@ -312,7 +315,6 @@ def test_envelope_actions(acts, want, counted):
         action("retain", {"ttl_s": True}),
         action("retain", {"ttl_s": 60, "priority": 4}),
         action("retain", {"ttl_s": 60, "priority": "high"}),
-        action("pin", {"ttl_s": 60, "priority": 3}),  # a pin has no priority
         action("demote", {"session_id": ""}),
         action("pin", {"ttl_s": 60, "session_id": "x" * 257}),
     ],
@@ -327,6 +329,12 @@ def test_bad_actions_are_rejected(act, caplog):
     assert h.stats["hints_bad_kv_hints"] == 1
     (rec,) = caplog.records  # one warning, escaped
     assert "\n" not in rec.getMessage() and "'r\\nforged'" in rec.getMessage()
+
+
+def test_an_action_id_is_kept_short():
+    h = hints(KV)
+    hint = h.of(req(kv_hints=envelope(action("retain", {"ttl_s": 1}, aid="x" * 10**6))))
+    assert hint is not None and hint.action_id == "x" * retention.MAX_ACTION_ID
 
 
 def test_an_envelope_without_actions_is_bad():

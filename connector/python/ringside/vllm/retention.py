@@ -12,9 +12,10 @@ of the sidecar's pool:
 
   - ``retain`` (payload ``ttl_s``, ``priority``, ``session_id``): keep the
     request's blocks; without ``ttl_s``, for :data:`MAX_RETAIN_S`;
-  - ``pin`` (payload ``ttl_s``, ``session_id``): ringside never pins a
-    block for a hint, so a pin is a retention at the top priority
-    (:data:`MAX_PRIORITY`), for ``ttl_s`` or :data:`MAX_RETAIN_S`;
+  - ``pin`` (payload ``ttl_s``, ``session_id``; a ``priority`` is
+    ignored): ringside never pins a block for a hint, so a pin is a
+    retention at the top priority (:data:`MAX_PRIORITY`), for ``ttl_s`` or
+    :data:`MAX_RETAIN_S`;
   - ``demote`` (payload ``session_id``): end the session's retention of the
     request's blocks, which become the first to go;
   - ``share`` and ``prefetch``: rejected (:data:`UNSUPPORTED` says why).
@@ -100,6 +101,8 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 MAX_RETAIN_S = 3600.0
 MAX_PRIORITY = 3
 MAX_SESSION_CHARS = 256
+# The characters of an action's action_id kept for its outcome's log line.
+MAX_ACTION_ID = 128
 # Unknown ringside_* key names named in one warning at most.
 NAMED_KEYS = 3
 
@@ -351,17 +354,13 @@ class Hints:
             self.bad(rid, "kv_hints", "%s session_id %s", kind, shown(session))
             return None
         owner = owner_of(session, rid)
-        ident = aid if isinstance(aid, str) else shown(aid)
+        # Kept until the outcome: bounded (the log shows less).
+        ident = aid[:MAX_ACTION_ID] if isinstance(aid, str) else shown(aid)
         if kind == DEMOTE:
             return Hint(0, 0, True, owner, kind, ident)
         secs = payload.get("ttl_s")
         if kind == PIN:
-            prio = MAX_PRIORITY
-            if "priority" in payload:
-                self.bad(
-                    rid, "kv_hints", "pin has no priority (it is kept at the top one): %s", shown(payload["priority"])
-                )
-                return None
+            prio = MAX_PRIORITY  # whatever priority it names: a pin is kept at the top one
         else:
             prio = payload.get("priority", 0)
             if not _prio_ok(prio):

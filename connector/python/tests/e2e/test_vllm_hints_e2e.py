@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 
 import pytest
 
@@ -61,13 +62,21 @@ class Engine:
              "--connector-config", json.dumps(cfg)],
             env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )  # fmt: skip
-        assert self.read() == {"ready": True}
+        assert self.read(timeout=300) == {"ready": True}
         self.stats: dict = {}
 
-    def read(self) -> dict:
-        line = self.p.stdout.readline()
-        assert line, "the engine exited: see %s" % self.log.name
-        return json.loads(line)
+    def read(self, timeout: float = 120) -> dict:
+        """The engine's next answer; a hang fails the test (and the engine
+        is killed) after timeout seconds."""
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(self.p.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            self.p.kill()
+            raise AssertionError("no answer from the engine in %ds: see %s" % (timeout, self.log.name))
+        assert got[0], "the engine exited: see %s" % self.log.name
+        return json.loads(got[0])
 
     def run(self, *reqs) -> dict:
         """Run (id, prompt, actions or None) requests in one go; the change
