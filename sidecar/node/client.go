@@ -580,9 +580,9 @@ func (c *Client) lookup(cc *cliConn, l machine.L2Lookup) int {
 		c.met.LookupMiss.Add(1)
 		return 0
 	}
-	found := 0
+	found, per := 0, max(1, min(wire.MaxLookup, wire.MaxLookupKeys/max(l.NS.World, 1)))
 	for found < n {
-		e := min(n, found+wire.MaxLookup)
+		e := min(n, found+per)
 		b, err := cc.call(wire.TypeLookup, wire.Lookup{FP: l.NS.FP, Width: w, Digests: l.Digests[found*w : e*w]}.Append, nil, deadline)
 		if err != nil {
 			break

@@ -298,6 +298,14 @@ func TestHostileMalformed(t *testing.T) {
 		t.Fatalf("a second hello: %v", st.Status)
 	}
 	r.register(testNS) // still served
+	// A lookup of more values than the bound (digests × world) is refused
+	// whole, not worked through.
+	wide := machine.L2NamespaceFor("llama", "bf16/16/HND", "", 16, 64)
+	r.register(wide)
+	lk := wire.Lookup{FP: wide.FP, Width: 16, Digests: make([]byte, 16*(wire.MaxLookupKeys/64+1))}
+	if st := r.status(wire.TypeLookup, lk.Append); st.Status != wire.Malformed {
+		t.Fatalf("a lookup of %d values: %v", wire.MaxLookupKeys+64, st.Status)
+	}
 	// A bad magic ends the connection.
 	msg := wire.Message(wire.TypeLookup, 9, nil)
 	binary.LittleEndian.PutUint32(msg, 0xdeadbeef)

@@ -494,7 +494,7 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 			s.met.NotRegistered.Add(1)
 			return c.status(h.Type, h.ID, wire.NotRegistered, 0)
 		}
-		if lk.Width != int(ns.Width) {
+		if lk.Width != int(ns.Width) || len(lk.Digests)/lk.Width*int(ns.World) > wire.MaxLookupKeys {
 			s.met.Malformed.Add(1)
 			return c.status(h.Type, h.ID, wire.Malformed, 0)
 		}
@@ -571,18 +571,13 @@ func (c *srvConn) key(ns wire.NS, digest []byte, rank uint16) string {
 
 func (c *srvConn) lookup(ns wire.NS, digests []byte) int {
 	w := int(ns.Width)
-	keys := make([]string, 0, len(digests)/w*int(ns.World))
-	for i := 0; i+w <= len(digests); i += w {
-		for r := uint16(0); r < ns.World; r++ {
-			keys = append(keys, c.key(ns, digests[i:i+w], r))
-		}
-	}
 	c.s.mu.Lock()
 	defer c.s.mu.Unlock()
 	found := 0
-	for i := 0; i < len(keys); i += int(ns.World) {
-		for _, k := range keys[i : i+int(ns.World)] {
-			if !c.s.idx.present(k) {
+	for i := 0; i+w <= len(digests); i += w {
+		for r := uint16(0); r < ns.World; r++ {
+			c.keyBuf = append(append(append(c.keyBuf[:0], ns.FP[:]...), digests[i:i+w]...), byte(r), byte(r>>8))
+			if j, ok := c.s.idx.byKey[string(c.keyBuf)]; !ok || c.s.idx.slots[j].state != slotPresent {
 				return found
 			}
 		}

@@ -27,6 +27,9 @@ const (
 	// MaxLookup the digests of a Lookup.
 	MaxItems  = 64
 	MaxLookup = 1024
+	// MaxLookupKeys bounds a Lookup's digests times its namespace's world
+	// size: the values one Lookup may make the node look for.
+	MaxLookupKeys = 16384
 	// MaxPod bounds a pod name.
 	MaxPod = 63
 	// DigestSize is an item's digest field: the digest, zero padded.
