@@ -23,6 +23,7 @@ const (
 var nodeFlagGroups = []flagGroup{
 	{"", "General", "The directory and its socket, who may attach, and the bounds of each sidecar's connection."},
 	{"pool", "Pool", "The node pool, a memfd in node memory."},
+	{"metrics", "Metrics port", ""},
 	{"log", "Logs", ""},
 }
 

@@ -2,16 +2,22 @@ package cli
 
 import (
 	"fmt"
+	"net/http"
 	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/ringside-kv/ringside/internal/units"
 	"github.com/ringside-kv/ringside/sidecar/node"
 )
+
+// DefaultNodeMetricsAddr is `ringside node`'s metrics address (the
+// sidecar's is :9477).
+const DefaultNodeMetricsAddr = ":9478"
 
 // nodeCommandFlags are `ringside node`'s flags (RINGSIDE_NODE_* variables,
 // apart from serve's).
@@ -30,6 +36,7 @@ func nodeCommandFlags() []cli.Flag {
 		&cli.DurationFlag{Name: "io-timeout", Value: node.DefaultIOTimeout, Usage: "a sidecar that sends no Hello this long after connecting, or does not read a reply this long, is dropped", EnvVars: e("io-timeout")},
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the node process's own (SO_PEERCRED)", EnvVars: e("allow-uid")},
 		&cli.BoolFlag{Name: "group-access", Usage: "make --dir group-accessible (0770) and the socket group read-write (0660), for sidecars of another uid in a shared group", EnvVars: e("group-access")},
+		&cli.StringFlag{Name: "metrics.addr", Value: DefaultNodeMetricsAddr, Usage: "address of /metrics (ringside_node_server_*), /healthz and /readyz (empty: off)", EnvVars: e("metrics.addr")},
 		&cli.BoolFlag{Name: "check-config", Usage: "parse and validate the settings, print them, and exit", EnvVars: e("check-config")},
 	}
 }
@@ -58,6 +65,16 @@ func nodeCommand() *cli.Command {
 			srv, err := node.NewServer(cfg, log)
 			if err != nil {
 				return err
+			}
+			if addr := c.String("metrics.addr"); addr != "" {
+				hs := &http.Server{Addr: addr, Handler: srv.Handler(), ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+					WriteTimeout: 10 * time.Second, IdleTimeout: time.Minute}
+				go func() {
+					if err := hs.ListenAndServe(); err != nil && err != http.ErrServerClosed {
+						log.Error().Err(err).Str("addr", addr).Msg("metrics server")
+					}
+				}()
+				defer hs.Close()
 			}
 			return srv.Serve(ctx)
 		},

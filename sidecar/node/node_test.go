@@ -5,8 +5,10 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -263,4 +265,24 @@ func TestConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
+}
+
+// The node process's metrics name its traffic.
+func TestServerMetrics(t *testing.T) {
+	s := startServer(t, nil)
+	a := newTestClient(t, s.Socket(), "pod-a")
+	a.write(t, 1, 0)
+	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
+	rec := httptest.NewRecorder()
+	s.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	for _, want := range []string{"ringside_node_server_put_stored_values_total 2", "ringside_node_server_connections 1", "ringside_node_server_present_slots 2"} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+	rec = httptest.NewRecorder()
+	s.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+	if rec.Code != 200 {
+		t.Fatalf("healthz: %d", rec.Code)
+	}
 }
