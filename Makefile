@@ -17,7 +17,7 @@ VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || ech
 LDFLAGS       := -X github.com/ringside-kv/ringside/internal/cli.Version=$(VERSION)
 BENCH_LDFLAGS := -X github.com/ringside-kv/ringside/bench/benchcli.Version=$(VERSION)
 
-.PHONY: test-pd-nixl bench-pd all build run test docs check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers vllm-src
+.PHONY: test-pd-nixl bench-pd all build run test docs check gocheck pycheck gotest pytest ruff lint vet tools fuzz bench clean vllm-venv sglang-venv soak reliability-report bench-vllm dynamo-venv test-dynamo test-vllm-events peers-venv bench-vllm-peers bench-trace vllm-src
 
 all: build
 
@@ -121,7 +121,7 @@ test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
 pytest: ruff mypy $(VLLM_VENV)/.ringside-test-deps
 	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py --ignore=connector/python/tests/test_cuda_vllm.py --ignore=connector/python/tests/test_vllm_versions.py --ignore=connector/python/tests/test_vllm_multi.py --ignore=connector/python/tests/test_vllm_retention.py --ignore=connector/python/tests/test_vllm_disagg.py --ignore=connector/python/tests/test_vllm_refusals.py --ignore=connector/python/tests/test_hints.py --ignore=connector/python/tests/test_vllm_kv_cache_access.py
-	RINGSIDE_VLLM_SRC=$(VLLM_SRC) $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py connector/python/tests/test_vllm_versions.py connector/python/tests/test_vllm_multi.py connector/python/tests/test_vllm_retention.py connector/python/tests/test_vllm_disagg.py connector/python/tests/test_vllm_refusals.py connector/python/tests/test_hints.py
+	RINGSIDE_VLLM_SRC=$(VLLM_SRC) $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py connector/python/tests/test_vllm_versions.py connector/python/tests/test_vllm_multi.py connector/python/tests/test_vllm_retention.py connector/python/tests/test_vllm_disagg.py connector/python/tests/test_vllm_refusals.py connector/python/tests/test_hints.py connector/python/tests/test_bench_trace.py
 	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
 
 # pytest in the vLLM venv (its lock pins the engine only), once per venv.
@@ -250,6 +250,21 @@ peers-venv: vllm-venv
 bench-vllm-peers: peers-venv build
 	$(PEERS_VENV)/bin/python bench/vllm/bench_vllm.py --bin $(BIN) --python $(PEERS_VENV)/bin/python \
 		--connectors $(PEERS_CONNECTORS) $(ARGS)
+
+# vLLM's own trace replay (opt-in, never part of `make test`): `vllm bench
+# serve --dataset-name timed_trace` replays a head of the Mooncake
+# conversation trace (TRACE=path/to/conversation_trace.jsonl), scaled to the
+# tiny model, against vLLM's OpenAI server with no connector, the null
+# connector, ringside (its default policy, and LRU), OffloadingConnector and
+# LMCache (with the peers venv, else skipped), arms alternated over rounds
+# (bench/vllm/bench_trace.py; docs/benchmarks.md, "vLLM's own trace replay").
+# ~25 minutes on the 2-vCPU VM; results.json and results.md in TRACE_OUT.
+# ARGS adds flags (--quick, --arms, --limit, --capacity-pages, ...).
+TRACE_OUT ?= $(CURDIR)/out/bench-trace
+bench-trace: vllm-venv build
+	@test -n "$(TRACE)" || { echo "usage: make bench-trace TRACE=path/to/conversation_trace.jsonl" >&2; exit 2; }
+	$(VLLM_VENV)/bin/python bench/vllm/bench_trace.py --trace $(TRACE) --out $(TRACE_OUT) \
+		--bin $(BIN) --bench-bin $(BENCH_BIN) $(ARGS)
 
 # The release artifacts, into dist/ (deploy/dist.sh): ringside and
 # ringside-bench for linux/amd64 with the CUDA backend built in (cgo, built

@@ -72,7 +72,7 @@ class LMCacheServer:
     """`lmcache server` (multiprocess mode, engine-driven transfers), from the
     interpreter's venv (make peers-venv)."""
 
-    def __init__(self, python: str, workdir: str, log):
+    def __init__(self, python: str, workdir: str, log, l1_gb: float = 1.0):
         exe = os.path.join(os.path.dirname(python), "lmcache")
         if not os.path.exists(exe):
             raise RuntimeError(
@@ -88,7 +88,7 @@ class LMCacheServer:
             "--port",
             str(self.port),
             "--l1-size-gb",
-            "1",
+            "%g" % l1_gb,
             "--eviction-policy",
             "LRU",
             "--supported-transfer-mode",
@@ -193,7 +193,7 @@ class Servers:
     each set of sidecar flags among the ringside arms) and an LMCache server,
     each only if an arm needs it; their CPU over any window."""
 
-    def __init__(self, ctx, arms, name, slot_bytes, pool):
+    def __init__(self, ctx, arms, name, slot_bytes, pool, lmcache_gb=1.0):
         self.sc: dict[tuple, object] = {}
         self.lm = None
         try:
@@ -203,7 +203,7 @@ class Servers:
                     tag = "cmp-%s-%d" % (name, len(self.sc))
                     self.sc[flags] = ctx.Sidecar(ctx.a.bin, ctx.workdir, tag, pool, slot_bytes, args=flags)
             if "lmcache" in map(base, arms):
-                self.lm = LMCacheServer(ctx.a.python, ctx.workdir, ctx.log)
+                self.lm = LMCacheServer(ctx.a.python, ctx.workdir, ctx.log, lmcache_gb)
         except BaseException:
             self.stop()
             raise

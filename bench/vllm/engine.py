@@ -107,29 +107,28 @@ def connector_config() -> dict:
     return json.loads(os.environ.get("RINGSIDE_BENCH_CONNECTOR_CONFIG", "{}"))
 
 
-def kv_transfer_config(a):
-    from vllm.config import KVTransferConfig
-
+def kv_transfer_dict(a):
+    """The --kv-transfer-config of worker.py's options a (None: no
+    connector), as plain keys: worker.py makes vLLM's KVTransferConfig of
+    them, bench_trace.py passes them to vLLM's OpenAI server as JSON."""
     arm = a.connector
     if arm == "none":
         return None
     if arm == "null":
-        return KVTransferConfig(
-            kv_connector="NullConnector", kv_connector_module_path="null_connector", kv_role="kv_both"
-        )
+        return dict(kv_connector="NullConnector", kv_connector_module_path="null_connector", kv_role="kv_both")
     if arm == "ringside":
         extra = {"socket": a.socket, "timeout": 2.0, "reattach_interval": 1.0}
         if a.kv_events and not a.connector_events:
             extra["kv_events"] = False  # vLLM publishes its events, the connector none
         extra.update(connector_config())
-        return KVTransferConfig(
+        return dict(
             kv_connector="RingsideConnector",
             kv_connector_module_path="ringside.vllm",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         )
     if arm == "lmcache":
-        return KVTransferConfig(
+        return dict(
             kv_connector="LMCacheMPConnector",
             kv_role="kv_both",
             kv_connector_extra_config={
@@ -139,7 +138,7 @@ def kv_transfer_config(a):
             },
         )
     if arm == "offloading":
-        return KVTransferConfig(
+        return dict(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
             kv_connector_extra_config={
@@ -149,12 +148,21 @@ def kv_transfer_config(a):
             },
         )
     if arm == "example":
-        return KVTransferConfig(
+        return dict(
             kv_connector="ExampleConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": a.store_dir},
         )
     raise SystemExit("unknown connector %r" % arm)
+
+
+def kv_transfer_config(a):
+    kw = kv_transfer_dict(a)
+    if kw is None:
+        return None
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**kw)
 
 
 def make_llm(a):
