@@ -25,6 +25,8 @@ var overlays = []struct {
 	{"gpu", []string{"overlays/gpu"}},
 	{"monitoring", []string{"overlays/monitoring", "base"}},
 	{"l2", []string{"overlays/l2"}},
+	{"node", []string{"overlays/node"}},
+	{"node-daemonset", []string{"node"}},
 }
 
 func TestOverlays(t *testing.T) {
@@ -42,12 +44,18 @@ func TestOverlays(t *testing.T) {
 			for _, obj := range objs {
 				kinds[kindOf(obj)]++
 			}
+			if o.name == "node-daemonset" {
+				if kinds["DaemonSet"] != 1 || len(kinds) != 1 {
+					t.Errorf("want one DaemonSet, got %v", kinds)
+				}
+				return
+			}
 			if kinds["Deployment"] != 1 || kinds["Service"] != 1 {
 				t.Errorf("want one Deployment and one Service, got %v", kinds)
 			}
 			d := deployment(t, objs)
 			for _, ct := range allContainers(&d.Spec.Template.Spec) {
-				if (o.name == "cpu" || o.name == "gpu" || o.name == "l2") && !strings.Contains(ct.Image, "/") {
+				if (o.name == "cpu" || o.name == "gpu" || o.name == "l2" || o.name == "node") && !strings.Contains(ct.Image, "/") {
 					t.Errorf("container %q keeps the placeholder image %q: the overlay must map it", ct.Name, ct.Image)
 				}
 			}
@@ -68,6 +76,11 @@ func TestOverlays(t *testing.T) {
 				if err != nil || cfg.L2 == nil || len(cfg.L2.Redis.Addrs) != 3 || cfg.L2.Redis.Mode != "cluster" ||
 					cfg.L2.Redis.PasswordFile == "" || cfg.L2.Redis.TLSFiles == nil || cfg.CopyBackend != "host" {
 					t.Errorf("the l2 overlay's sidecar should use a cluster over TLS with the password from a file (on the cpu overlay): %+v, %v", cfg.L2, err)
+				}
+			case "node":
+				cfg, err := parseServe(&d.Spec.Template.Spec.InitContainers[0])
+				if err != nil || cfg.L2 == nil || cfg.L2.Node == nil || cfg.L2.RedisOn() || cfg.L2.Node.Socket != "/run/ringside-node/node.sock" {
+					t.Errorf("the node overlay's sidecar should attach to the node tier alone: %+v, %v", cfg.L2, err)
 				}
 			case "cpu":
 				cfg, err := parseServe(&d.Spec.Template.Spec.InitContainers[0])

@@ -49,13 +49,14 @@ const (
 	ruleGPUBackend     = "gpu-backend"             // a sidecar given a GPU runs --copy.backend=cuda
 	ruleGPURootFS      = "gpu-root-writable"       // a container given a GPU claim keeps a writable root: NVIDIA's CDI hooks write into it
 	ruleL2Tier         = "l2-tier"                 // a shared tier: TLS, and its password and CA from a Secret, never a literal
+	ruleNodeTier       = "node-tier"               // the node tier: its socket on a host directory only ringside mounts; its DaemonSet unprivileged, sized, probed
 )
 
 var allRules = []string{
 	ruleRender, ruleStrictDecode, ruleSidecarNative, ruleStartupProbe, ruleEngineOrder,
 	ruleSharedShm, rulePIDNamespace, ruleHostIsolation, ruleSecurity, ruleSameUser, ruleSeccomp, ruleProbes,
 	ruleKVConfig, rulePoolSizing, ruleSidecarFlags, rulePrometheus, ruleServiceMonitor, ruleGPUClaim, ruleGPUBackend,
-	ruleGPURootFS, ruleL2Tier,
+	ruleGPURootFS, ruleL2Tier, ruleNodeTier,
 }
 
 const (
@@ -238,6 +239,10 @@ func check(objs []runtime.Object) []finding {
 		if ct, _ := findContainer(&p.tpl.Spec, sidecarName); ct != nil {
 			withSidecar++
 			c.checkPod(p, services, templates, claims)
+		} else if ct, _ := findContainer(&p.tpl.Spec, nodeName); ct != nil {
+			withSidecar++
+			c.checkHost(p)
+			c.checkNodeDaemonSet(p)
 		}
 	}
 	if len(pods) > 0 && withSidecar == 0 {
@@ -335,8 +340,11 @@ func (c *checker) checkPod(p *podSpec, services []*corev1.Service, templates, cl
 			c.fail(ruleGPURootFS, "%s: container %q names a resource claim (a GPU, injected through CDI) and has readOnlyRootFilesystem: true: NVIDIA's CDI hooks (update-ldcache, create-symlinks) write into the container's root filesystem when it is created and fail on a read-only one, so the pod never starts", p.name, ct.Name)
 		}
 	}
-	if cfgOK && cfg.L2 != nil {
+	if cfgOK && cfg.L2 != nil && cfg.L2.RedisOn() {
 		c.checkL2(p, sc, cfg.L2)
+	}
+	if cfgOK {
+		c.checkNodeTierPod(p, sc, cfg.L2)
 	}
 }
 
@@ -465,8 +473,10 @@ func (c *checker) checkHost(p *podSpec) {
 		}
 	}
 	for _, v := range spec.Volumes {
-		if v.HostPath != nil {
-			c.fail(ruleHostIsolation, "%s: volume %q is a hostPath", p.name, v.Name)
+		// The node tier's directory, mounted by ringside's containers
+		// alone, is the one host path allowed (node-tier checks it).
+		if v.HostPath != nil && !hostPathOfRingside(spec, v.Name) {
+			c.fail(ruleHostIsolation, "%s: volume %q is a hostPath mounted by a container other than ringside's", p.name, v.Name)
 		}
 	}
 	for _, ct := range allContainers(spec) {

@@ -3,6 +3,7 @@ package cli
 import (
 	"fmt"
 	"net/http"
+	"os"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -26,6 +27,7 @@ func nodeCommandFlags() []cli.Flag {
 	return []cli.Flag{
 		&cli.StringFlag{Name: "dir", Value: node.DefaultDir, Usage: "directory of the socket and the lock: a host directory only ringside containers mount (created 0700, 0770 with --group-access); one node process per directory", EnvVars: e("dir")},
 		&cli.StringFlag{Name: "socket", Usage: "the socket's path (empty: DIR/" + node.SocketName + ")", EnvVars: e("socket")},
+		&cli.StringFlag{Name: "dir.owner", Usage: "UID:GID: make --dir (creating it if missing) owned by them, mode 0700 (0770 with --group-access), and exit without serving: an init container's job, run as root with only CAP_CHOWN and CAP_FOWNER, so that the node process itself runs without privilege on a host directory the kubelet created", EnvVars: e("dir.owner")},
 		&cli.StringFlag{Name: "pool.bytes", Value: units.FormatBytes(node.DefaultPoolBytes), Usage: "the node pool's size, in node memory (a memfd, charged to this process's memory limit); it does not survive this process: a restart empties the tier", EnvVars: e("pool.bytes")},
 		&cli.StringFlag{Name: "pool.slot-bytes", Value: units.FormatBytes(node.DefaultSlotBytes), Usage: "the largest block payload (one rank's shard); each slot takes 4 KiB more for the value's header. A sidecar with larger slots (--pool.slot-bytes) does not attach", EnvVars: e("pool.slot-bytes")},
 		&cli.BoolFlag{Name: "pool.reserve", Value: true, Usage: "allocate the whole pool at start, so that a memory limit too small for it fails now, not as the pool fills", EnvVars: e("pool.reserve")},
@@ -54,6 +56,9 @@ func nodeCommand() *cli.Command {
 			cfg, err := NodeConfig(c)
 			if err != nil {
 				return err
+			}
+			if o := c.String("dir.owner"); o != "" {
+				return prepareNodeDir(cfg, o)
 			}
 			if c.Bool("check-config") {
 				fmt.Fprintf(c.App.Writer, "settings ok: %+v\n", cfg)
@@ -116,4 +121,29 @@ func NodeConfig(c *cli.Context) (node.ServerConfig, error) {
 		return cfg, fmt.Errorf("invalid settings:\n  %s", strings.Join(errs, "\n  "))
 	}
 	return cfg, nil
+}
+
+// prepareNodeDir makes cfg.Dir owned by owner ("UID:GID") with the node
+// process's mode.
+func prepareNodeDir(cfg node.ServerConfig, owner string) error {
+	u, g, ok := strings.Cut(owner, ":")
+	uid, err1 := strconv.ParseUint(u, 10, 32)
+	gid, err2 := strconv.ParseUint(g, 10, 32)
+	if !ok || err1 != nil || err2 != nil {
+		return fmt.Errorf("--dir.owner: %q is not UID:GID", owner)
+	}
+	mode := os.FileMode(0o700)
+	if cfg.GroupAccess {
+		mode = 0o770
+	}
+	if err := os.MkdirAll(cfg.Dir, mode); err != nil {
+		return fmt.Errorf("--dir: %w", err)
+	}
+	if fi, err := os.Lstat(cfg.Dir); err != nil || !fi.IsDir() {
+		return fmt.Errorf("--dir %s is not a directory", cfg.Dir)
+	}
+	if err := os.Chown(cfg.Dir, int(uid), int(gid)); err != nil {
+		return fmt.Errorf("--dir.owner: %w", err)
+	}
+	return os.Chmod(cfg.Dir, mode)
 }

@@ -406,7 +406,9 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		s.idx.detach(c.owner)
 		s.mu.Unlock()
 	}()
-	c.win, err = shm.CreateMemfd("ringside-node-window", s.cfg.WindowSlots*int(s.stride), false)
+	// Allocated now: charged to the node process, not to whichever
+	// side first touches a page.
+	c.win, err = shm.CreateMemfd("ringside-node-window", s.cfg.WindowSlots*int(s.stride), true)
 	if err != nil {
 		refuse(wire.Limit, "window: "+err.Error())
 		return
