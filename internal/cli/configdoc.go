@@ -22,6 +22,7 @@ const (
 // nodeFlagGroups is the order of `ringside node`'s tables.
 var nodeFlagGroups = []flagGroup{
 	{"", "General", "The directory and its socket, who may attach, and the bounds of each sidecar's connection."},
+	{"dir", "Preparing the directory", "For an init container that makes a host directory the node process's and exits (deploy/README.md, \"Node tier\")."},
 	{"pool", "Pool", "The node pool, a memfd in node memory."},
 	{"metrics", "Metrics port", ""},
 	{"log", "Logs", ""},
