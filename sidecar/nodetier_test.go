@@ -2,6 +2,7 @@ package sidecar_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -10,8 +11,10 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/internal/redistest"
 	"github.com/ringside-kv/ringside/schema"
 	"github.com/ringside-kv/ringside/sidecar"
+	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 	"github.com/ringside-kv/ringside/sidecar/node"
 )
@@ -196,5 +199,51 @@ func TestNodeTierRestarts(t *testing.T) {
 	a2 := nodeHarness(t, sock, "pod-a")
 	if got := loadAll(t, a2, d, 4, 1); got != 4 {
 		t.Fatalf("the new node process serves %d of 4", got)
+	}
+}
+
+// The order of the tiers: pod pool, node tier, Redis. Two nodes, each with
+// a node tier, share one Redis. On node 2, a pod finds the first half of a
+// prompt in its node tier (stored by a neighbour) and the rest in Redis
+// (stored on node 1): its lookup counts both, and its fetch takes each half
+// from its tier.
+func TestNodeTierAboveRedis(t *testing.T) {
+	redis := redistest.Single(t, redistest.Options{})
+	prefix := fmt.Sprintf("nt%d:", time.Now().UnixNano())
+	both := func(sock, pod string) *harness {
+		h := newHarness(t, func(c *sidecar.Config) {
+			withNodeTier(sock, pod)(c)
+			c.L2.Redis = l2.Config{Addrs: []string{redis.Addr}, Prefix: prefix, LookupTimeout: 10 * time.Second}
+		})
+		waitNode(t, h, func(n *sidecar.NodeState) bool { return n.Connected }, "attached")
+		deadline := time.Now().Add(20 * time.Second)
+		for !h.srv.State().L2.Connected {
+			if time.Now().After(deadline) {
+				t.Fatal("redis not connected")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return h
+	}
+	n1, n2 := startNodeTier(t, ""), startNodeTier(t, "")
+	a := both(n1.Socket(), "a") // node 1
+	c := both(n2.Socket(), "c") // node 2
+	const n = 8
+	d := digests("a long conversation", n)
+	storeBlocks(t, a, d, n, 500)
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == n }, "written to node 1")
+	waitWrites(t, a, n)
+	// Pod C on node 2 holds the first half itself, and so writes it to
+	// node 2's tier (and Redis, which holds it already).
+	storeBlocks(t, c, d[:n/2*32], n/2, 500)
+	waitNode(t, c, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == n/2 }, "written to node 2")
+	// Pod E, a new pod on node 2.
+	e := both(n2.Socket(), "e")
+	if got := loadAll(t, e, d, n, 500); got != n {
+		t.Fatalf("pod E loaded %d of %d", got, n)
+	}
+	st := e.srv.State().L2
+	if st.Node.Counts["lookup_hit_blocks"] != n/2 || st.Node.Counts["fetched_blocks"] != n/2 || st.Client.FetchBlocks["ok"] != n/2 || st.Machine.FetchedBlocks != n {
+		t.Fatalf("E's tiers: node %v, redis fetches %v, machine %+v", st.Node.Counts, st.Client.FetchBlocks, st.Machine)
 	}
 }
