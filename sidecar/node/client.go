@@ -189,6 +189,17 @@ func (c *Client) Close() {
 	}
 	c.wg.Wait()
 	c.ops.Wait()
+	// A write queued after the writers stopped: refused, so that its pin
+	// ends.
+	for {
+		select {
+		case j := <-c.writes:
+			c.met.WritesRefused.Add(1)
+			j.copied(true)
+		default:
+			return
+		}
+	}
 }
 
 // connector attaches, waits for the connection's end, and attaches again
@@ -725,6 +736,8 @@ func (c *Client) fetchBatch(cc *cliConn, f machine.L2Fetch, first, end int, res 
 // attached or no free window slot refuses: copied(true).
 func (c *Client) Write(w machine.L2Write, copied func(refused bool)) {
 	c.met.Writes.Add(1)
+	c.opsMu.RLock() // not while Close drains the queue
+	defer c.opsMu.RUnlock()
 	if !c.Connected() || c.closed.Load() {
 		c.met.WritesRefused.Add(1)
 		copied(true)
