@@ -52,7 +52,7 @@ check: lint gocheck pycheck
 gocheck:
 	$(GO) test -short -tags $(GOTAGS) -count=1 $$($(GO) list ./... | grep -v /reliability$$)
 
-PYCHECK_IGNORE := e2e test_vllm_connector.py test_vllm_groups.py test_vllm_events.py test_cuda_vllm.py test_sglang.py test_cuda_e2e.py test_vllm_versions.py test_vllm_multi.py test_vllm_retention.py test_vllm_disagg.py test_vllm_refusals.py test_hints.py test_vllm_kv_cache_access.py
+PYCHECK_IGNORE := e2e test_vllm_connector.py test_vllm_groups.py test_vllm_events.py test_cuda_vllm.py test_sglang.py test_cuda_e2e.py test_vllm_versions.py test_vllm_multi.py test_vllm_retention.py test_vllm_disagg.py test_vllm_refusals.py test_hints.py test_vllm_kv_cache_access.py test_vllm_hint_outcomes.py
 pycheck: ruff mypy
 	$(PYTHON) -m pytest -q connector/python/tests $(addprefix --ignore=connector/python/tests/,$(PYCHECK_IGNORE))
 
@@ -120,8 +120,8 @@ test-dynamo: vllm-venv dynamo-venv $(VLLM_VENV)/.ringside-test-deps
 # end-to-end tests with $(PYTHON); the vLLM connector's unit tests with the
 # vLLM venv's interpreter; the SGLang backend's with the SGLang venv's.
 pytest: ruff mypy $(VLLM_VENV)/.ringside-test-deps
-	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py --ignore=connector/python/tests/test_cuda_vllm.py --ignore=connector/python/tests/test_vllm_versions.py --ignore=connector/python/tests/test_vllm_multi.py --ignore=connector/python/tests/test_vllm_retention.py --ignore=connector/python/tests/test_vllm_disagg.py --ignore=connector/python/tests/test_vllm_refusals.py --ignore=connector/python/tests/test_hints.py --ignore=connector/python/tests/test_vllm_kv_cache_access.py
-	RINGSIDE_VLLM_SRC=$(VLLM_SRC) $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py connector/python/tests/test_vllm_versions.py connector/python/tests/test_vllm_multi.py connector/python/tests/test_vllm_retention.py connector/python/tests/test_vllm_disagg.py connector/python/tests/test_vllm_refusals.py connector/python/tests/test_hints.py connector/python/tests/test_bench_trace.py
+	$(PYTHON) -m pytest -q connector/python/tests --ignore=connector/python/tests/test_vllm_connector.py --ignore=connector/python/tests/test_vllm_groups.py --ignore=connector/python/tests/test_vllm_events.py --ignore=connector/python/tests/test_cuda_vllm.py --ignore=connector/python/tests/test_vllm_versions.py --ignore=connector/python/tests/test_vllm_multi.py --ignore=connector/python/tests/test_vllm_retention.py --ignore=connector/python/tests/test_vllm_disagg.py --ignore=connector/python/tests/test_vllm_refusals.py --ignore=connector/python/tests/test_hints.py --ignore=connector/python/tests/test_vllm_kv_cache_access.py --ignore=connector/python/tests/test_vllm_hint_outcomes.py
+	RINGSIDE_VLLM_SRC=$(VLLM_SRC) $(VLLM_VENV)/bin/python -m pytest -q connector/python/tests/test_vllm_connector.py connector/python/tests/test_vllm_groups.py connector/python/tests/test_vllm_events.py connector/python/tests/test_cuda_vllm.py connector/python/tests/test_vllm_versions.py connector/python/tests/test_vllm_multi.py connector/python/tests/test_vllm_retention.py connector/python/tests/test_vllm_disagg.py connector/python/tests/test_vllm_refusals.py connector/python/tests/test_hints.py connector/python/tests/test_bench_trace.py connector/python/tests/test_vllm_hint_outcomes.py
 	$(SGLANG_VENV)/bin/python -m pytest -q connector/python/tests/test_sglang.py
 
 # pytest in the vLLM venv (its lock pins the engine only), once per venv.
