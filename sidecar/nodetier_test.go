@@ -206,7 +206,7 @@ func TestNodeTierRestarts(t *testing.T) {
 // a node tier, share one Redis. On node 2, a pod finds the first half of a
 // prompt in its node tier (stored by a neighbour) and the rest in Redis
 // (stored on node 1): its lookup counts both, and its fetch takes each half
-// from its tier.
+// from its tier; the half Redis gave goes into node 2's tier for the next.
 func TestNodeTierAboveRedis(t *testing.T) {
 	redis := redistest.Single(t, redistest.Options{})
 	prefix := fmt.Sprintf("nt%d:", time.Now().UnixNano())
@@ -245,5 +245,15 @@ func TestNodeTierAboveRedis(t *testing.T) {
 	st := e.srv.State().L2
 	if st.Node.Counts["lookup_hit_blocks"] != n/2 || st.Node.Counts["fetched_blocks"] != n/2 || st.Client.FetchBlocks["ok"] != n/2 || st.Machine.FetchedBlocks != n {
 		t.Fatalf("E's tiers: node %v, redis fetches %v, machine %+v", st.Node.Counts, st.Client.FetchBlocks, st.Machine)
+	}
+	// What Redis gave E went into node 2's tier too: pod F, new on node 2,
+	// finds the whole prompt there and asks Redis for nothing.
+	waitNode(t, e, func(s *sidecar.NodeState) bool { return s.Counts["promotions"] == n/2 && s.Counts["writes_stored"] == n/2 }, "promoted")
+	f := both(n2.Socket(), "f")
+	if got := loadAll(t, f, d, n, 500); got != n {
+		t.Fatalf("pod F loaded %d of %d", got, n)
+	}
+	if st := f.srv.State().L2; st.Node.Counts["fetched_blocks"] != n || st.Client.FetchBlocks["ok"] != 0 {
+		t.Fatalf("F's tiers: node %v, redis fetches %v", st.Node.Counts, st.Client.FetchBlocks)
 	}
 }

@@ -152,6 +152,13 @@ func (s *Server) tierFetch(f machine.L2Fetch, done func([]machine.L2FetchResult)
 			for k, i := range idx {
 				if k < len(more) {
 					res[i] = more[k]
+					if more[k].OK {
+						// Into the node tier too, while the slots are
+						// still this fetch's: the node's other pods
+						// then find it there.
+						b := f.Blocks[i]
+						s.node.Promote(machine.L2Write{NS: f.NS, Digest: b.Digest, Length: more[k].Length, PoolOffsets: b.PoolOffsets})
+					}
 				}
 			}
 			done(res)
@@ -218,7 +225,8 @@ func nodeCounts(st *node.ClientStats) map[string]uint64 {
 		"fetch_blocks": st.FetchBlocks.Load(), "fetched_blocks": st.FetchOK.Load(), "fetch_missed_blocks": st.FetchMiss.Load(),
 		"fetch_rejected_values": st.FetchRejected.Load(), "writes": st.Writes.Load(), "writes_stored": st.WritesOK.Load(),
 		"writes_held_already": st.WritesExist.Load(), "writes_refused": st.WritesRefused.Load(), "writes_failed": st.WritesFailed.Load(),
-		"timeouts": st.Timeouts.Load(),
+		"promotions": st.Promotions.Load(),
+		"timeouts":   st.Timeouts.Load(),
 	}
 }
 

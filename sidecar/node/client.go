@@ -102,6 +102,7 @@ type ClientStats struct {
 	FetchBlocks, FetchOK, FetchMiss, FetchRejected atomic.Uint64
 	Writes, WritesOK, WritesExist, WritesRefused   atomic.Uint64 // WritesRefused: queue full, no window slot, not attached
 	WritesFailed                                   atomic.Uint64 // the node answered otherwise, or not in time
+	Promotions                                     atomic.Uint64 // blocks Redis gave, offered to the node tier
 	Timeouts                                       atomic.Uint64
 }
 
@@ -126,9 +127,26 @@ type Client struct {
 	slotBytes uint64
 }
 
+// writeJob is a write waiting for a writer: a block still in the pool
+// (copied is called once the writer has read it), or a block copied into
+// the window already (cc, slots and items set: Promote's).
 type writeJob struct {
 	w      machine.L2Write
 	copied func(refused bool)
+	cc     *cliConn
+	slots  []uint32
+	items  wire.Items
+}
+
+// refuse ends a job without writing it.
+func (c *Client) refuse(j *writeJob) {
+	c.met.WritesRefused.Add(1)
+	if j.cc != nil {
+		j.cc.freeSlots(j.slots)
+		j.cc.users.Done()
+		return
+	}
+	j.copied(true)
 }
 
 // NewClient starts a client over pool (the sidecar's pool bytes; offsets
@@ -194,8 +212,7 @@ func (c *Client) Close() {
 	for {
 		select {
 		case j := <-c.writes:
-			c.met.WritesRefused.Add(1)
-			j.copied(true)
+			c.refuse(j)
 		default:
 			return
 		}
@@ -760,8 +777,7 @@ func (c *Client) writer() {
 			for {
 				select {
 				case j := <-c.writes:
-					c.met.WritesRefused.Add(1)
-					j.copied(true)
+					c.refuse(j)
 				default:
 					return
 				}
@@ -773,6 +789,17 @@ func (c *Client) writer() {
 }
 
 func (c *Client) write(j *writeJob) {
+	deadline := time.Now().Add(c.cfg.IOTimeout)
+	if j.cc != nil { // copied by Promote
+		defer j.cc.users.Done()
+		if !j.cc.register(j.w.NS, deadline) {
+			c.met.WritesRefused.Add(1)
+			j.cc.freeSlots(j.slots)
+			return
+		}
+		c.put(j.cc, j.slots, j.items, deadline)
+		return
+	}
 	w := j.w
 	cc := c.cur.Load()
 	if cc == nil || !cc.use() {
@@ -781,17 +808,30 @@ func (c *Client) write(j *writeJob) {
 		return
 	}
 	defer cc.users.Done()
-	deadline := time.Now().Add(c.cfg.IOTimeout)
-	if w.Length == 0 || w.Length > cc.maxPayload || len(w.PoolOffsets) > wire.MaxItems || !cc.register(w.NS, deadline) {
+	if !cc.register(w.NS, deadline) {
 		c.met.WritesRefused.Add(1)
 		j.copied(true)
 		return
 	}
-	slots, ok := cc.takeSlots(len(w.PoolOffsets), time.Time{})
+	slots, items, ok := c.copyOut(cc, w)
 	if !ok {
 		c.met.WritesRefused.Add(1)
 		j.copied(true)
 		return
+	}
+	j.copied(false) // the pool is not read past this point
+	c.put(cc, slots, items, deadline)
+}
+
+// copyOut takes window slots for every rank of w and copies its values
+// into them; false: w does not fit, or no slots are free.
+func (c *Client) copyOut(cc *cliConn, w machine.L2Write) ([]uint32, wire.Items, bool) {
+	if w.Length == 0 || w.Length > cc.maxPayload || len(w.PoolOffsets) == 0 || len(w.PoolOffsets) > wire.MaxItems {
+		return nil, wire.Items{}, false
+	}
+	slots, ok := cc.takeSlots(len(w.PoolOffsets), time.Time{})
+	if !ok {
+		return nil, wire.Items{}, false
 	}
 	win := cc.win.Bytes()
 	items := wire.Items{FP: w.NS.FP, Items: make([]wire.Item, len(w.PoolOffsets))}
@@ -802,7 +842,12 @@ func (c *Client) write(j *writeJob) {
 		copy(it.Digest[:], w.Digest)
 		items.Items[r] = it
 	}
-	j.copied(false) // the pool is not read past this point
+	return slots, items, true
+}
+
+// put asks the node to take the values in slots and frees the slots once
+// it has answered.
+func (c *Client) put(cc *cliConn, slots []uint32, items wire.Items, deadline time.Time) {
 	body, err := cc.call(wire.TypePut, func(b []byte) []byte { return items.Append(b, true) }, slots, deadline)
 	if !errors.Is(err, errTimeout) {
 		defer cc.freeSlots(slots)
@@ -831,5 +876,35 @@ func (c *Client) write(j *writeJob) {
 		c.met.WritesExist.Add(1)
 	} else {
 		c.met.WritesOK.Add(1)
+	}
+}
+
+// Promote writes a block another tier (Redis) gave into the node tier, so
+// that the node's other pods find it there: its values are copied out of
+// the pool now, on the caller's goroutine (the caller's slots must hold
+// the block until Promote returns), and the node is asked to take them
+// later. It never waits: with the tier not attached, no window slot free or
+// the queue full it does nothing (counted as a refused write).
+func (c *Client) Promote(w machine.L2Write) {
+	c.met.Writes.Add(1)
+	c.met.Promotions.Add(1)
+	c.opsMu.RLock()
+	defer c.opsMu.RUnlock()
+	cc := c.cur.Load()
+	if c.closed.Load() || cc == nil || !cc.use() {
+		c.met.WritesRefused.Add(1)
+		return
+	}
+	slots, items, ok := c.copyOut(cc, w)
+	if !ok {
+		cc.users.Done()
+		c.met.WritesRefused.Add(1)
+		return
+	}
+	j := &writeJob{w: w, cc: cc, slots: slots, items: items}
+	select {
+	case c.writes <- j:
+	default:
+		c.refuse(j)
 	}
 }
