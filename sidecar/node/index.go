@@ -121,12 +121,6 @@ func (x *index) forget(o *owner) {
 	}
 }
 
-// present reports whether key's value is in the pool, ready to read.
-func (x *index) present(key string) bool {
-	i, ok := x.byKey[key]
-	return ok && x.slots[i].state == slotPresent
-}
-
 // pin returns the slot and length of key's value and pins it (it is not
 // evicted until unpin), making it the most recently used.
 func (x *index) pin(key string) (int32, uint64, bool) {
