@@ -259,3 +259,63 @@ func TestNodeTierAcrossProcesses(t *testing.T) {
 	}
 	row.add("both re-attached to the new node process; B loaded 8/8 blocks A stored after it")
 }
+
+// TestNodeTierHung stops the node process (SIGSTOP) under traffic: engine
+// requests neither fail nor wait past the tier's deadlines, stores go on,
+// and once it runs again (SIGCONT) the tier serves again.
+func TestNodeTierHung(t *testing.T) {
+	row := record(t, "Faults", "the node tier's process stopped (SIGSTOP) while two sidecars use it, then continued (SIGCONT)",
+		"while it is stopped, every engine request succeeds: a lookup that asks the node tier is answered within the tier's lookup deadline (500 ms) plus the Machine's margin (50 ms) and 500 ms of slack, with the pod's own blocks; stores succeed at once; once it continues, the blocks stored before are served byte-exact through it again", "")
+	ndir, err := os.MkdirTemp("", "rs-rel-node-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(ndir) })
+	np := startNode(t, filepath.Join(ndir, "n"))
+	tier := []string{"--node.socket", np.sock, "--node.lookup-timeout", "500ms", "--node.io-timeout", "1s"}
+	a := startSidecar(t, newDir(t), append(tier, "--node.pod", "pod-a")...)
+	b := startSidecar(t, newDir(t), append(tier, "--node.pod", "pod-b")...)
+	for _, sc := range []*sidecar{a, b} {
+		sc.waitNode("attached", func(s nodeState) bool { return s.Connected })
+	}
+	storePrompt(t, a, "engine-a", "before the stop", 8, 3)
+	a.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] == 8 })
+
+	np.cmd.Process.Signal(syscall.SIGSTOP)
+	stopped := true
+	defer func() {
+		if stopped {
+			np.cmd.Process.Signal(syscall.SIGCONT)
+		}
+	}()
+	var worstLookup, worstStore time.Duration
+	for i := 0; i < 4; i++ {
+		got, took := loadPrompt(t, b, fmt.Sprintf("engine-b%d", i), "before the stop", 8, 3)
+		if got != 0 {
+			t.Fatalf("B loaded %d blocks from a stopped node tier", got)
+		}
+		worstLookup = max(worstLookup, took)
+		t0 := time.Now()
+		storePrompt(t, a, fmt.Sprintf("engine-a%d", i), fmt.Sprintf("while stopped %d", i), 8, 4)
+		worstStore = max(worstStore, time.Since(t0))
+	}
+	if worstLookup > 1050*time.Millisecond {
+		t.Fatalf("a lookup waited %v for the stopped node tier", worstLookup)
+	}
+	row.add("node process stopped: 4 lookups answered without it, slowest %v; 4 stores of 8 blocks, slowest %v (attach, register, store)", worstLookup.Round(time.Millisecond), worstStore.Round(time.Millisecond))
+
+	np.cmd.Process.Signal(syscall.SIGCONT)
+	stopped = false
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		got, _ := loadPrompt(t, b, "engine-b-after", "before the stop", 8, 3)
+		if got == 8 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the node tier did not serve again after SIGCONT: %+v", b.nodeState())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	row.add("continued: B loaded 8/8 blocks stored before the stop, byte-exact; B's client timed out %d requests and attached %d times", b.nodeState().Counts["timeouts"], b.nodeState().Counts["attaches"])
+}
