@@ -236,3 +236,22 @@ func ExampleOracle() {
 	fmt.Printf("%d pages, %d hits\n", o.TotalPages, o.HitPages)
 	// Output: 95248 pages, 3168 hits
 }
+
+// TestWriteCSVOptionalFigure: an optional figure (a pointer field, as
+// live_hints_hit_ratio) is its value in the CSV, or empty when absent;
+// never the pointer's address.
+func TestWriteCSVOptionalFigure(t *testing.T) {
+	r := 0.25
+	rep := &Report{Rows: []any{
+		PolicyRow{Bench: "replay_policy", CapacityPages: 1, LiveHintsHitRatio: &r},
+		PolicyRow{Bench: "replay_policy", CapacityPages: 2},
+	}}
+	var b strings.Builder
+	if err := rep.writeCSV(&b, "replay_policy"); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(b.String()), "\n")
+	if len(lines) != 3 || !strings.HasSuffix(lines[1], ",0.25") || !strings.HasSuffix(lines[2], ",") {
+		t.Fatalf("CSV:\n%s", b.String())
+	}
+}

@@ -696,6 +696,10 @@ func (rep *Report) writeCSV(w io.Writer, bench string) error {
 			switch f := v.Field(i); f.Kind() {
 			case reflect.Float64:
 				rec[i] = strconv.FormatFloat(f.Float(), 'g', -1, 64)
+			case reflect.Pointer: // an optional figure: empty when absent
+				if !f.IsNil() {
+					rec[i] = fmt.Sprint(f.Elem().Interface())
+				}
 			default:
 				rec[i] = fmt.Sprint(f.Interface())
 			}
