@@ -257,3 +257,48 @@ func TestNodeTierAboveRedis(t *testing.T) {
 		t.Fatalf("F's tiers: node %v, redis fetches %v", st.Node.Counts, st.Client.FetchBlocks)
 	}
 }
+
+// With --l2.policy write-on-evict the node tier is given the blocks at the
+// pod pool's LRU tail ahead of their eviction: once the pool evicts them,
+// the pod (a new engine of it) loads them back from the node tier.
+func TestNodeTierWriteOnEvict(t *testing.T) {
+	nt := startNodeTier(t, "")
+	a := newHarness(t, func(c *sidecar.Config) {
+		withNodeTier(nt.Socket(), "pod-a")(c)
+		c.PoolBytes = 32 * slot
+		c.L2.Tier.Policy, c.L2.Tier.WriteSlots, c.L2.Tier.EvictAhead = machine.WriteOnEvict, 4, 4
+	})
+	waitNode(t, a, func(n *sidecar.NodeState) bool { return n.Connected }, "attached")
+	slots := a.srv.State().Pool.Capacity
+	d := digests("evicted", slots+4)
+	ca := a.dial(nil)
+	src := newRegion(1, slots+4)
+	ca.RegisterRegion(src.reg)
+	for i := 0; i < slots+4; i++ {
+		src.stamp(i, 700+i)
+	}
+	ca.PutHashes(1, d, false)
+	for i := 0; i < slots; i += 4 {
+		if r, err := ca.Store(schema.View{Batch: 1, Start: uint32(i), Count: 4}, 1, pages(i, 4)); err != nil || r.Stored != 4 {
+			t.Fatalf("store %d: %+v %v", i, r, err)
+		}
+	}
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] >= 4 }, "written ahead")
+	if w := a.srv.State().L2.Machine.Writes; w > 8 {
+		t.Fatalf("write-on-evict wrote %d blocks of a pool not yet full", w)
+	}
+	// Four more evict the four written ahead.
+	if r, err := ca.Store(schema.View{Batch: 1, Start: uint32(slots), Count: 4}, 1, pages(slots, 4)); err != nil || r.Stored != 4 {
+		t.Fatalf("store past the pool: %+v %v", r, err)
+	}
+	if st := a.srv.State(); st.Pool.Evictions != 4 || st.L2.EvictedUnwritten != 0 {
+		t.Fatalf("evictions %d, unwritten %d", st.Pool.Evictions, st.L2.EvictedUnwritten)
+	}
+	ca.Close()
+	if got := loadAll(t, a, d[:4*32], 4, 700); got != 4 {
+		t.Fatalf("the evicted blocks: %d of 4 back from the node tier", got)
+	}
+	if n := a.srv.State().L2.Node.Counts["fetched_blocks"]; n != 4 {
+		t.Fatalf("%d blocks fetched from the node tier, want the 4 evicted", n)
+	}
+}
