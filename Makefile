@@ -203,6 +203,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzLookup$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzItems$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzItemsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/
 
 # The reliability soak (not part of make test): three engine processes replay
 # the conversation trace, one request at a time in trace order, with random

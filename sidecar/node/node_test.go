@@ -20,7 +20,7 @@ import (
 
 const testSlot = 4096
 
-func testLog(t *testing.T) zerolog.Logger {
+func testLog(t testing.TB) zerolog.Logger {
 	if testing.Verbose() {
 		return zerolog.New(zerolog.NewTestWriter(t))
 	}
@@ -28,7 +28,7 @@ func testLog(t *testing.T) zerolog.Logger {
 }
 
 // startServer runs a node tier in a directory of its own.
-func startServer(t *testing.T, mod func(*ServerConfig)) *Server {
+func startServer(t testing.TB, mod func(*ServerConfig)) *Server {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "rsnode")
 	if err != nil {
@@ -62,7 +62,7 @@ type testClient struct {
 	pool []byte
 }
 
-func newTestClient(t *testing.T, sock, pod string) *testClient {
+func newTestClient(t testing.TB, sock, pod string) *testClient {
 	t.Helper()
 	pool := make([]byte, 32*testSlot)
 	c, err := NewClient(ClientConfig{Socket: sock, Pod: pod, LookupTimeout: time.Second, IOTimeout: 2 * time.Second}, pool, testSlot, testLog(t))
@@ -96,7 +96,7 @@ func (c *testClient) fill(i, k int) []uint64 {
 	return offs
 }
 
-func (c *testClient) write(t *testing.T, i, k int) {
+func (c *testClient) write(t testing.TB, i, k int) {
 	t.Helper()
 	offs := c.fill(i, k)
 	done := make(chan bool, 1)
@@ -144,7 +144,7 @@ func (c *testClient) fetch(t *testing.T, ds ...int) []bool {
 }
 
 // waitFor polls cond for up to 5 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for !cond() {
