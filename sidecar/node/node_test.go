@@ -286,3 +286,27 @@ func TestServerMetrics(t *testing.T) {
 		t.Fatalf("healthz: %d", rec.Code)
 	}
 }
+
+// A sidecar whose slots are larger than the node's does not attach (its
+// blocks might not fit): its lookups miss and its writes are refused.
+func TestSlotsTooLarge(t *testing.T) {
+	s := startServer(t, nil)
+	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "big"}, make([]byte, 4*2*testSlot), 2*testSlot, testLog(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if c.WaitConnected(300 * time.Millisecond) {
+		t.Fatal("a sidecar with larger slots attached")
+	}
+	ch := make(chan int, 1)
+	c.Lookup(machine.L2Lookup{NS: testNS, Digests: digest(1)}, func(n int) { ch <- n })
+	if <-ch != 0 {
+		t.Fatal("a lookup of a tier not attached found blocks")
+	}
+	refused := make(chan bool, 1)
+	c.Write(machine.L2Write{NS: testNS, Digest: digest(1), Length: testSlot, PoolOffsets: []uint64{0}}, func(r bool) { refused <- r })
+	if !<-refused {
+		t.Fatal("a write to a tier not attached was taken")
+	}
+}
