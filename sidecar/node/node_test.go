@@ -310,3 +310,17 @@ func TestSlotsTooLarge(t *testing.T) {
 		t.Fatal("a write to a tier not attached was taken")
 	}
 }
+
+// One node process per directory: a second one refuses to start, naming
+// the lock, and leaves the first serving.
+func TestOneNodePerDir(t *testing.T) {
+	s := startServer(t, nil)
+	_, err := NewServer(ServerConfig{Dir: filepath.Dir(s.Socket()), PoolBytes: 8 * (testSlot + SlotHeadroom), SlotBytes: testSlot}, testLog(t))
+	if err == nil || !strings.Contains(err.Error(), "node.lock") {
+		t.Fatalf("a second node process on the directory: %v", err)
+	}
+	a := newTestClient(t, s.Socket(), "pod-a")
+	if n := a.lookup(1); n != 0 {
+		t.Fatal("lookup")
+	}
+}
