@@ -15,11 +15,14 @@ answered, hints sent, the sidecar's answers read) and the sidecar has
 handled them (a ping on the same session): the test reads the sidecar's
 state and the connector's counters, never a clock.
 
-The sidecar runs ``--cache.policy lru``, where a retention ranks a block
-above every unretained one, so that "the unretained peer is gone" does not
-depend on a policy's scan guard or learned lifetimes (a retention under
-``mqp2`` is evidence in the policy; docs/architecture.md). Needs the vLLM
-venv (``make vllm-venv``); skipped without it, except under CI=true.
+The sidecar runs its default policy (``mqp2``), where a retention is
+evidence in the policy: a retained block is kept one lifetime longer than
+its peers (docs/protocol.md, section 5.14), which the flood here (fewer
+blocks than the pool holds) does not outlast, while its unretained peer,
+stored in the same step, goes. A retained block may still be evicted, so
+the hostile test bounds what is retained by the share rather than
+expecting the share exactly full. Needs the vLLM venv (``make
+vllm-venv``); skipped without it, except under CI=true.
 """
 
 from __future__ import annotations
@@ -115,7 +118,6 @@ def engine(model_dir, ringside_bin, tmp_path_factory):  # noqa: F811
         ringside_bin,
         pool="1MiB",
         slot="32KiB",
-        args=["--cache.policy", "lru"],
         metrics=True,
         log=os.path.join(tmp, "sidecar.log"),
         prefix="rs-e2e-",
@@ -174,7 +176,7 @@ def test_a_hostile_callers_pins_stay_inside_its_share(engine):
         mine = prompt("BYSTANDER%d" % i, 4)
         assert e.hits("by-%d" % i, mine) == 0  # new: stored
         assert e.hits("by-%d-again" % i, mine) == 4, "a bystander's prompt did not load after pin %d" % i
-    assert retained(sc) == SHARE
+    assert 0 < retained(sc) <= SHARE
     assert pins == {"accepted": 1, "clipped": 5}, pins
     st = e.stats
     assert st["worker_load_error_blocks"] == 0 and st["load_refusals"] == 0, st
