@@ -52,7 +52,7 @@ func (d *realDriver) Start(c scenario.Config) (scenario.Node, error) {
 		if t := c.Tier; t != nil {
 			// A lookup timeout far above the product's: a scenario checks
 			// what the tier holds, not how a slow one is bounded.
-			cfg.L2 = &sidecar.L2Config{Redis: l2.Config{Addrs: []string{d.redis}, Prefix: d.prefix, LookupTimeout: 10 * time.Second},
+			cfg.L2 = &sidecar.L2Config{Redis: l2.Config{Addrs: []string{d.redis}, Prefix: d.prefix, LookupTimeout: 10 * time.Second, IOTimeout: 10 * time.Second},
 				Tier: machine.L2Config{WriteSlots: t.WriteSlots, EvictAhead: t.EvictAhead}}
 			if t.WriteOnEvict {
 				cfg.L2.Tier.Policy = machine.WriteOnEvict

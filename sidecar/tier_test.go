@@ -24,14 +24,16 @@ import (
 func withTier(addrs []string, mod func(*sidecar.L2Config)) func(*sidecar.Config) {
 	return func(c *sidecar.Config) {
 		c.PoolBytes = 128 * slot
-		// A lookup timeout far above the product's default (100 ms): under
-		// the race detector, beside other packages' tests, a first lookup on a
-		// cluster (its connections to every node made then) took longer and
-		// came back with the local hits only, which is the product's
-		// behaviour, not what these tests check. The test of a slow tier sets
-		// its own (TestL2PausedAndUnreachable's mod).
+		// Lookup and I/O timeouts far above the product's defaults (100 ms,
+		// 2 s): under the race detector, beside other packages' tests, a
+		// first lookup on a cluster (its connections to every node made
+		// then) took longer and came back with the local hits only, and a
+		// write or fetch on a loaded machine can outlast 2 s; both are the
+		// product's behaviour (skip, never block), not what these tests
+		// check. The tests of a slow tier set their own (the mods of
+		// TestL2PausedAndUnreachable and others).
 		c.L2 = &sidecar.L2Config{Redis: l2.Config{Addrs: addrs, Prefix: fmt.Sprintf("t%d:", time.Now().UnixNano()),
-			LookupTimeout: 10 * time.Second}, Tier: machine.L2Config{WriteSlots: 64}}
+			LookupTimeout: 10 * time.Second, IOTimeout: 10 * time.Second}, Tier: machine.L2Config{WriteSlots: 64}}
 		if mod != nil {
 			mod(c.L2)
 		}
