@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -283,6 +284,7 @@ func TestNodeTierHung(t *testing.T) {
 
 	np.cmd.Process.Signal(syscall.SIGSTOP)
 	stopped := true
+	waitStopped(t, np.cmd.Process.Pid)
 	defer func() {
 		if stopped {
 			np.cmd.Process.Signal(syscall.SIGCONT)
@@ -321,4 +323,34 @@ func TestNodeTierHung(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	row.add("continued: B loaded 8/8 blocks stored before the stop, byte-exact; B's client timed out %d requests and attached %d times", b.nodeState().Counts["timeouts"], b.nodeState().Counts["attaches"])
+}
+
+// waitStopped waits until every thread of process pid is stopped (state T
+// in /proc): kill(SIGSTOP) returns before the process's threads stop, and
+// on a loaded machine one of them may still answer a request meanwhile.
+func waitStopped(t *testing.T, pid int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		all := len(tasks) > 0
+		for _, task := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+			// The state follows the command name's closing parenthesis.
+			if i := strings.LastIndexByte(string(b), ')'); err != nil || i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+				all = false
+				break
+			}
+		}
+		if all {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d did not stop", pid)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
