@@ -32,6 +32,7 @@ func nodeCommandFlags() []cli.Flag {
 		&cli.StringFlag{Name: "pool.slot-bytes", Value: units.FormatBytes(node.DefaultSlotBytes), Usage: "the largest block payload (one rank's shard); each slot takes 4 KiB more for the value's header. A sidecar with larger slots (--pool.slot-bytes) does not attach", EnvVars: e("pool.slot-bytes")},
 		&cli.BoolFlag{Name: "pool.reserve", Value: true, Usage: "allocate the whole pool at start, so that a memory limit too small for it fails now, not as the pool fills", EnvVars: e("pool.reserve")},
 		&cli.Float64Flag{Name: "pod-share", Value: node.DefaultPodShare, Usage: "part of the pool the blocks one pod wrote may hold (the default fits eight pods); a write past it evicts that pod's own least recently used block", EnvVars: e("pod-share")},
+		&cli.StringFlag{Name: "pool.desc-bytes", Value: units.FormatBytes(node.DefaultDescBytes), Usage: "bound on the block descriptions (token ids, parents) the node keeps so that each pod's sidecar can announce the node tier's blocks in its engine's KV events; blocks described past it are cached but not announced", EnvVars: e("pool.desc-bytes")},
 		&cli.IntFlag{Name: "max-pods", Value: node.DefaultMaxPods, Usage: "sidecar connections at once", EnvVars: e("max-pods")},
 		&cli.IntFlag{Name: "max-namespaces", Value: node.DefaultMaxNamespaces, Usage: "namespaces one connection may register", EnvVars: e("max-namespaces")},
 		&cli.IntFlag{Name: "window-slots", Value: node.DefaultWindowSlots, Usage: "slots of each connection's window (the memory blocks move through), each a pool slot's size", EnvVars: e("window-slots")},
@@ -102,7 +103,8 @@ func NodeConfig(c *cli.Context) (node.ServerConfig, error) {
 	}
 	cfg := node.ServerConfig{Dir: c.String("dir"), Socket: c.String("socket"), PoolBytes: size("pool.bytes"), SlotBytes: size("pool.slot-bytes"),
 		Reserve: c.Bool("pool.reserve"), PodShare: c.Float64("pod-share"), MaxPods: c.Int("max-pods"), MaxNamespaces: c.Int("max-namespaces"),
-		WindowSlots: c.Int("window-slots"), IOTimeout: c.Duration("io-timeout"), GroupAccess: c.Bool("group-access")}
+		WindowSlots: c.Int("window-slots"), IOTimeout: c.Duration("io-timeout"), GroupAccess: c.Bool("group-access"),
+		DescBytes: int64(size("pool.desc-bytes"))}
 	if s := c.String("allow-uid"); s != "" {
 		for _, f := range strings.Split(s, ",") {
 			u, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)

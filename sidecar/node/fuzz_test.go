@@ -27,6 +27,8 @@ func FuzzServe(f *testing.F) {
 			return wire.Items{FP: testNS.FP, Items: []wire.Item{it}}.Append(b, true)
 		}),
 		wire.Message(wire.TypeRegister, 7, wireNS(otherNS).Append),
+		wire.Message(wire.TypeDescribe, 7, wire.Describe{FP: testNS.FP, Entries: []wire.Entry{descOf(1, -1), descOf(2, 1)}}.Append),
+		wire.Message(wire.TypeEvents, 7, wire.Events{FP: testNS.FP, Cursor: 1, Max: 8}.Append),
 		wire.Message(wire.TypeHello, 7, wire.Hello{Pod: "x"}.Append),
 		{1, 2, 3},
 	} {

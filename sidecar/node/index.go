@@ -13,6 +13,8 @@ type index struct {
 	owners map[string]*owner
 	share  int // slots one owner may hold
 	st     IndexStats
+	// onRemove, if set, is told the key of every present value that leaves.
+	onRemove func(key string)
 }
 
 // IndexStats are the index's counts.
@@ -207,6 +209,9 @@ func (x *index) release(i int32) {
 	if s.state == slotPresent {
 		x.unlink(&x.lru, i, x.gl)
 		x.unlink(&s.owner.lru, i, x.ol)
+		if x.onRemove != nil {
+			x.onRemove(s.key)
+		}
 	}
 	delete(x.byKey, s.key)
 	o := s.owner

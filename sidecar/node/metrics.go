@@ -35,6 +35,9 @@ func (s *Server) Handler() http.Handler {
 	counter("dropped_connections_total", "Connections ended by the node: a bad header, an oversized message, or replies not read in time.", &m.Dropped)
 	counter("bytes_in_total", "Bytes of values stored.", &m.BytesIn)
 	counter("bytes_out_total", "Bytes of values copied into windows.", &m.BytesOut)
+	counter("described_blocks_total", "Block descriptions accepted, for KV events.", &m.Described)
+	counter("describe_refused_total", "Block descriptions refused past --pool.desc-bytes: the block is cached but not announced.", &m.DescribeRefused)
+	counter("event_reads_total", "Reads of a namespace's event log.", &m.EventReads)
 	gauge := func(name, help string, get func(IndexStats) float64) {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ringside_node_server_" + name, Help: help}, func() float64 { return get(s.Index()) }))
 	}

@@ -58,6 +58,9 @@ type ServerConfig struct {
 	AllowUIDs []uint32
 	// GroupAccess makes Dir and the socket group-accessible (0770, 0660).
 	GroupAccess bool
+	// DescBytes bounds the block descriptions the node keeps for KV
+	// events, all namespaces together.
+	DescBytes int64
 }
 
 // Defaults.
@@ -70,6 +73,7 @@ const (
 	DefaultMaxNamespaces = 64
 	DefaultWindowSlots   = 64
 	DefaultIOTimeout     = 2 * time.Second
+	DefaultDescBytes     = 64 << 20
 	// SlotHeadroom is what a slot holds beside its payload: the value's
 	// header, rounded up to keep slots page-aligned.
 	SlotHeadroom = 4096
@@ -106,6 +110,9 @@ func (c *ServerConfig) EnsureDefaults() {
 	if c.IOTimeout == 0 {
 		c.IOTimeout = DefaultIOTimeout
 	}
+	if c.DescBytes == 0 {
+		c.DescBytes = DefaultDescBytes
+	}
 }
 
 // Stride is the bytes a slot (of the pool or a window) takes.
@@ -138,6 +145,9 @@ func (c *ServerConfig) Validate() error {
 	if c.IOTimeout < time.Millisecond {
 		bad("io-timeout", "%v: at least 1ms", c.IOTimeout)
 	}
+	if c.DescBytes < 1<<20 || c.DescBytes > 1<<36 {
+		bad("pool.desc-bytes", "%d: 1 MiB to 64 GiB", c.DescBytes)
+	}
 	return errors.Join(errs...)
 }
 
@@ -151,8 +161,9 @@ type Server struct {
 	ln     *net.UnixListener
 	lock   *sys.FileLock
 
-	mu    sync.Mutex // guards idx and conns
+	mu    sync.Mutex // guards idx, ev and conns
 	idx   *index
+	ev    *events
 	conns map[*srvConn]struct{}
 
 	met  ServerStats
@@ -170,6 +181,7 @@ type ServerStats struct {
 	PutItems, PutStored, PutExists, PutFull atomic.Uint64
 	Rejected, Malformed, NotRegistered      atomic.Uint64
 	Dropped                                 atomic.Uint64 // connections ended for not reading their replies, or a bad header
+	Described, DescribeRefused, EventReads  atomic.Uint64
 	BytesIn, BytesOut                       atomic.Uint64
 }
 
@@ -199,6 +211,11 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	}
 	share := int(float64(slots) * cfg.PodShare)
 	s.idx = newIndex(int(slots), share)
+	s.ev = newEvents(cfg.DescBytes)
+	s.idx.onRemove = func(key string) {
+		// key: fingerprint (16), digest (its width), rank (2)
+		s.ev.removed([16]byte([]byte(key[:16])), key[16:len(key)-2])
+	}
 	var e [8]byte
 	rand.Read(e[:])
 	s.epoch = binary.LittleEndian.Uint64(e[:])
@@ -538,6 +555,34 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 			}
 		}
 		return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.OK, Items: res}.Append, nil)
+	case wire.TypeDescribe:
+		m, err := wire.DecodeDescribe(body)
+		if err != nil {
+			s.met.Malformed.Add(1)
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.Malformed}.Append, nil)
+		}
+		ns, ok := c.ns[m.FP]
+		if !ok {
+			s.met.NotRegistered.Add(1)
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.NotRegistered}.Append, nil)
+		}
+		return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.OK, Items: c.describe(ns, m.Entries)}.Append, nil)
+	case wire.TypeEvents:
+		m, err := wire.DecodeEvents(body)
+		if err != nil {
+			s.met.Malformed.Add(1)
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.EventsReply{Status: wire.Malformed}.Append, nil)
+		}
+		ns, ok := c.ns[m.FP]
+		if !ok {
+			s.met.NotRegistered.Add(1)
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.EventsReply{Status: wire.NotRegistered}.Append, nil)
+		}
+		s.met.EventReads.Add(1)
+		s.mu.Lock()
+		rep := s.ev.read(ns.FP, int(ns.Width), m.Cursor, int(m.Max), wire.MaxMessage-wire.HeaderSize-16)
+		s.mu.Unlock()
+		return c.reply(h.Type|wire.ReplyBit, h.ID, rep.Append, nil)
 	}
 	s.met.Malformed.Add(1)
 	return c.status(h.Type, h.ID, wire.Malformed, 0)
@@ -648,4 +693,48 @@ func (c *srvConn) put(ns wire.NS, it *wire.Item) wire.ItemReply {
 	s.met.PutStored.Add(1)
 	s.met.BytesIn.Add(it.Length)
 	return wire.ItemReply{Status: wire.OK, Length: it.Length}
+}
+
+// describe attaches descriptions to blocks of ns whose every rank the pool
+// holds (an item's status: OK, NotFound, Exists when described already,
+// Limit past --pool.desc-bytes, Malformed for a digest's padding).
+func (c *srvConn) describe(ns wire.NS, entries []wire.Entry) []wire.ItemReply {
+	s, w := c.s, int(ns.Width)
+	res := make([]wire.ItemReply, len(entries))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i := range entries {
+		e := &entries[i]
+		if !zero(e.Digest[w:]) || !zero(e.Parent[w:]) || len(e.Tokens) == 0 {
+			s.met.Malformed.Add(1)
+			res[i].Status = wire.Malformed
+			continue
+		}
+		all := true
+		for r := uint16(0); r < ns.World && all; r++ {
+			j, ok := s.idx.byKey[c.key(ns, e.Digest[:w], r)]
+			all = ok && s.idx.slots[j].state == slotPresent
+		}
+		if !all {
+			res[i].Status = wire.NotFound
+			continue
+		}
+		res[i].Status = s.ev.describe(ns.FP, string(e.Digest[:w]), *e)
+		switch res[i].Status {
+		case wire.OK:
+			s.met.Described.Add(1)
+		case wire.Limit:
+			s.met.DescribeRefused.Add(1)
+		}
+	}
+	return res
+}
+
+func zero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }

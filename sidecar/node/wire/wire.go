@@ -67,7 +67,7 @@ const (
 	Mismatch      Status = 10 // Register: the fingerprint is registered with another layout, width or world
 )
 
-var statusNames = [...]string{"ok", "not_found", "exists", "malformed", "not_registered", "no_space", "rejected", "limit", "bad_version", "denied", "mismatch"}
+var statusNames = [...]string{"ok", "not_found", "exists", "malformed", "not_registered", "no_space", "rejected", "limit", "bad_version", "denied", "mismatch", "gone"}
 
 func (s Status) String() string {
 	if int(s) < len(statusNames) {
@@ -481,4 +481,259 @@ func Message(t Type, id uint64, body func([]byte) []byte) []byte {
 		b = body(b)
 	}
 	return b
+}
+
+// Block descriptions and the node's event log (added within version 1):
+// what a sidecar needs to announce the node tier's blocks in its engine's
+// KV events (docs/kv-events.md). A Describe attaches descriptions to blocks
+// the node holds; an Events request reads a namespace's event log from a
+// cursor the sidecar keeps.
+const (
+	TypeDescribe Type = 0x06
+	TypeEvents   Type = 0x07
+	// Gone (Events): the cursor is older than the log keeps; the reply's
+	// entries start at the log's beginning and rebuild the whole set.
+	Gone Status = 11
+)
+
+// Bounds of a description.
+const (
+	// MaxDescTokens bounds a description's token ids, MaxDescExtra its
+	// engine-defined bytes.
+	MaxDescTokens = 4096
+	MaxDescExtra  = 1024
+	// MaxEvents bounds the entries of one Events reply.
+	MaxEvents = 1024
+	// EntryHead is an entry's fixed part.
+	EntryHead = 40
+)
+
+// Event-log entry kinds (the op of an Entry).
+const (
+	OpStored  uint8 = 1
+	OpRemoved uint8 = 2
+)
+
+// Entry is one block's description (a Describe's, or a stored entry of an
+// Events reply) or a removal:
+//
+//	off size field
+//	  0    1 op (1 stored / described, 2 removed)
+//	  1    1 flags (bit 0: a parent; stored only)
+//	  2    2 token ids (0..4096; removed: 0)
+//	  4    2 extra bytes (0..1024; removed: 0)
+//	  6    2 zero
+//	  8   32 digest (zero padded past the namespace's width)
+//	 40   32 parent digest (stored only; zero padded; zero without a parent)
+//	 72  4·t token ids (u32 each; stored only)
+//	  …    e extra bytes (stored only)
+type Entry struct {
+	Op        uint8
+	HasParent bool
+	Digest    [DigestSize]byte
+	Parent    [DigestSize]byte
+	Tokens    []uint32
+	Extra     []byte
+}
+
+// Size is the entry's encoded size.
+func (e *Entry) Size() int {
+	if e.Op != OpStored {
+		return EntryHead
+	}
+	return EntryHead + DigestSize + 4*len(e.Tokens) + len(e.Extra)
+}
+
+// Append appends the entry.
+func (e *Entry) Append(b []byte) []byte {
+	var fl uint8
+	if e.HasParent {
+		fl = 1
+	}
+	b = append(b, e.Op, fl)
+	b = le.AppendUint16(b, uint16(len(e.Tokens)))
+	b = le.AppendUint16(b, uint16(len(e.Extra)))
+	b = append(b, 0, 0)
+	b = append(b, e.Digest[:]...)
+	if e.Op != OpStored {
+		return b
+	}
+	b = append(b, e.Parent[:]...)
+	for _, t := range e.Tokens {
+		b = le.AppendUint32(b, t)
+	}
+	return append(b, e.Extra...)
+}
+
+// decodeEntry decodes one entry at the start of b and returns the rest.
+func decodeEntry(b []byte) (Entry, []byte, error) {
+	if len(b) < EntryHead || !zero(b[6:8]) {
+		return Entry{}, nil, malformed("entry of %d bytes, or reserved bytes set", len(b))
+	}
+	e := Entry{Op: b[0], HasParent: b[1] == 1, Digest: [DigestSize]byte(b[8:40])}
+	t, x := int(le.Uint16(b[2:])), int(le.Uint16(b[4:]))
+	switch {
+	case e.Op == OpRemoved && b[1] == 0 && t == 0 && x == 0:
+		return e, b[EntryHead:], nil
+	case e.Op != OpStored || b[1] > 1 || t > MaxDescTokens || x > MaxDescExtra:
+		return Entry{}, nil, malformed("entry: op %d, flags %d, %d tokens, %d extra bytes", e.Op, b[1], t, x)
+	}
+	n := EntryHead + DigestSize + 4*t + x
+	if len(b) < n {
+		return Entry{}, nil, malformed("entry of %d bytes in %d", n, len(b))
+	}
+	e.Parent = [DigestSize]byte(b[40:72])
+	if !e.HasParent && !zero(e.Parent[:]) {
+		return Entry{}, nil, malformed("entry: a parent digest without its flag")
+	}
+	e.Tokens = make([]uint32, t)
+	for i := range e.Tokens {
+		e.Tokens[i] = le.Uint32(b[72+4*i:])
+	}
+	e.Extra = append([]byte(nil), b[72+4*t:n]...)
+	return e, b[n:], nil
+}
+
+// Describe attaches descriptions to blocks of a namespace (every entry's
+// op is 1):
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    4 count (1..64)
+//	 20    4 zero
+//	 24    … the entries
+//
+// Its reply is an ItemsReply, one item an entry (Length 0).
+type Describe struct {
+	FP      [16]byte
+	Entries []Entry
+}
+
+// Append appends the body.
+func (m Describe) Append(b []byte) []byte {
+	b = append(b, m.FP[:]...)
+	b = le.AppendUint32(b, uint32(len(m.Entries)))
+	b = le.AppendUint32(b, 0)
+	for i := range m.Entries {
+		b = m.Entries[i].Append(b)
+	}
+	return b
+}
+
+// DecodeDescribe decodes a Describe body.
+func DecodeDescribe(b []byte) (Describe, error) {
+	if len(b) < 24 || !zero(b[20:24]) {
+		return Describe{}, malformed("describe of %d bytes, or reserved bytes set", len(b))
+	}
+	n := int(le.Uint32(b[16:]))
+	if n < 1 || n > MaxItems {
+		return Describe{}, malformed("describe: %d entries", n)
+	}
+	m := Describe{FP: [16]byte(b[:16]), Entries: make([]Entry, 0, n)}
+	rest := b[24:]
+	for i := 0; i < n; i++ {
+		e, r, err := decodeEntry(rest)
+		if err != nil {
+			return Describe{}, err
+		}
+		if e.Op != OpStored {
+			return Describe{}, malformed("describe: entry %d is not a description", i)
+		}
+		m.Entries, rest = append(m.Entries, e), r
+	}
+	if len(rest) != 0 {
+		return Describe{}, malformed("describe: %d bytes past the entries", len(rest))
+	}
+	return m, nil
+}
+
+// Events reads a namespace's event log from a cursor:
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    8 cursor (the log's sequence number to read from; 0: the beginning)
+//	 24    4 most entries wanted (1..1024)
+//	 28    4 zero
+type Events struct {
+	FP     [16]byte
+	Cursor uint64
+	Max    uint32
+}
+
+// EventsSize is an Events body's size.
+const EventsSize = 32
+
+// Append appends the body.
+func (m Events) Append(b []byte) []byte {
+	b = append(b, m.FP[:]...)
+	b = le.AppendUint64(b, m.Cursor)
+	b = le.AppendUint32(b, m.Max)
+	return le.AppendUint32(b, 0)
+}
+
+// DecodeEvents decodes an Events body.
+func DecodeEvents(b []byte) (Events, error) {
+	if len(b) != EventsSize || !zero(b[28:32]) {
+		return Events{}, malformed("events of %d bytes, or reserved bytes set", len(b))
+	}
+	m := Events{FP: [16]byte(b[:16]), Cursor: le.Uint64(b[16:]), Max: le.Uint32(b[24:])}
+	if m.Max < 1 || m.Max > MaxEvents {
+		return Events{}, malformed("events: %d entries wanted", m.Max)
+	}
+	return m, nil
+}
+
+// EventsReply answers Events:
+//
+//	off size field
+//	  0    2 status (0; 11: the cursor was older than the log keeps, and
+//	         the entries start at its beginning; 4: not registered)
+//	  2    2 zero
+//	  4    4 count
+//	  8    8 next cursor (the sequence number to read from next)
+//	 16    … the entries, in the log's order
+//
+// A stored entry carries the block's description as it is when the node
+// reads it; a stored entry of a block gone since is left out (its removal
+// follows).
+type EventsReply struct {
+	Status  Status
+	Next    uint64
+	Entries []Entry
+}
+
+// Append appends the body.
+func (m EventsReply) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(m.Status))
+	b = le.AppendUint16(b, 0)
+	b = le.AppendUint32(b, uint32(len(m.Entries)))
+	b = le.AppendUint64(b, m.Next)
+	for i := range m.Entries {
+		b = m.Entries[i].Append(b)
+	}
+	return b
+}
+
+// DecodeEventsReply decodes an EventsReply body.
+func DecodeEventsReply(b []byte) (EventsReply, error) {
+	if len(b) < 16 || !zero(b[2:4]) {
+		return EventsReply{}, malformed("events reply of %d bytes, or reserved bytes set", len(b))
+	}
+	n := int(le.Uint32(b[4:]))
+	if n > MaxEvents {
+		return EventsReply{}, malformed("events reply: %d entries", n)
+	}
+	m := EventsReply{Status: Status(le.Uint16(b)), Next: le.Uint64(b[8:])}
+	rest := b[16:]
+	for i := 0; i < n; i++ {
+		e, r, err := decodeEntry(rest)
+		if err != nil {
+			return EventsReply{}, err
+		}
+		m.Entries, rest = append(m.Entries, e), r
+	}
+	if len(rest) != 0 {
+		return EventsReply{}, malformed("events reply: %d bytes past the entries", len(rest))
+	}
+	return m, nil
 }

@@ -59,6 +59,16 @@ func goldenMessages() []struct {
 			return wire.Items{FP: fp(1), Items: []wire.Item{{Digest: d2, Rank: 1, Slot: 7, Length: 4192}}}.Append(b, true)
 		})},
 		{"put_reply", wire.Message(wire.TypePut|wire.ReplyBit, 5, wire.ItemsReply{Status: wire.OK, Items: []wire.ItemReply{{Status: wire.Exists}}}.Append)},
+		{"describe", wire.Message(wire.TypeDescribe, 6, wire.Describe{FP: fp(1), Entries: []wire.Entry{
+			{Op: wire.OpStored, Digest: d1, Tokens: []uint32{1, 2, 3, 4}},
+			{Op: wire.OpStored, HasParent: true, Digest: d2, Parent: d1, Tokens: []uint32{5, 6, 7, 8}, Extra: []byte("lora-a")},
+		}}.Append)},
+		{"describe_reply", wire.Message(wire.TypeDescribe|wire.ReplyBit, 6, wire.ItemsReply{Status: wire.OK, Items: []wire.ItemReply{{Status: wire.OK}, {Status: wire.NotFound}}}.Append)},
+		{"events", wire.Message(wire.TypeEvents, 7, wire.Events{FP: fp(1), Cursor: 42, Max: 256}.Append)},
+		{"events_reply", wire.Message(wire.TypeEvents|wire.ReplyBit, 7, wire.EventsReply{Status: wire.OK, Next: 45, Entries: []wire.Entry{
+			{Op: wire.OpStored, HasParent: true, Digest: d2, Parent: d1, Tokens: []uint32{5, 6, 7, 8}},
+			{Op: wire.OpRemoved, Digest: d1},
+		}}.Append)},
 	}
 }
 
@@ -128,6 +138,31 @@ func TestRefused(t *testing.T) {
 	}
 	if _, err := wire.DecodeItems(wire.Items{}.Append(nil, false), false); !errors.Is(err, wire.ErrMalformed) {
 		t.Errorf("no items: %v", err)
+	}
+	st := wire.Entry{Op: wire.OpStored, Tokens: []uint32{1}}
+	for name, body := range map[string][]byte{
+		"no entries":      wire.Describe{}.Append(nil),
+		"a removal":       wire.Describe{Entries: []wire.Entry{{Op: wire.OpRemoved}}}.Append(nil),
+		"op 3":            wire.Describe{Entries: []wire.Entry{{Op: 3}}}.Append(nil),
+		"too many tokens": wire.Describe{Entries: []wire.Entry{{Op: wire.OpStored, Tokens: make([]uint32, wire.MaxDescTokens+1)}}}.Append(nil),
+		"too much extra":  wire.Describe{Entries: []wire.Entry{{Op: wire.OpStored, Extra: make([]byte, wire.MaxDescExtra+1)}}}.Append(nil),
+		"parent no flag":  wire.Describe{Entries: []wire.Entry{{Op: wire.OpStored, Parent: dg(1, 8)}}}.Append(nil),
+		"trailing":        append(wire.Describe{Entries: []wire.Entry{st}}.Append(nil), 0),
+		"truncated":       wire.Describe{Entries: []wire.Entry{st}}.Append(nil)[:24+wire.EntryHead+wire.DigestSize],
+	} {
+		if _, err := wire.DecodeDescribe(body); !errors.Is(err, wire.ErrMalformed) {
+			t.Errorf("describe, %s: %v", name, err)
+		}
+	}
+	for _, n := range []uint32{0, wire.MaxEvents + 1} {
+		if _, err := wire.DecodeEvents(wire.Events{Max: n}.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
+			t.Errorf("events of %d: %v", n, err)
+		}
+	}
+	rm := wire.EventsReply{Entries: []wire.Entry{{Op: wire.OpRemoved}}}.Append(nil)
+	rm[16+1] = 1 // a removal with a parent flag
+	if _, err := wire.DecodeEventsReply(rm); !errors.Is(err, wire.ErrMalformed) {
+		t.Errorf("removal with flags: %v", err)
 	}
 	lk := wire.Lookup{Width: 16, Digests: make([]byte, 16*(wire.MaxLookup+1))}
 	if _, err := wire.DecodeLookup(lk.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
@@ -223,5 +258,26 @@ func FuzzItemsReply(f *testing.F) {
 	seeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		fuzzRoundTrip(t, b, wire.DecodeItemsReply, func(v wire.ItemsReply, d []byte) []byte { return v.Append(d) })
+	})
+}
+
+func FuzzDescribe(f *testing.F) {
+	seeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRoundTrip(t, b, wire.DecodeDescribe, func(v wire.Describe, d []byte) []byte { return v.Append(d) })
+	})
+}
+
+func FuzzEvents(f *testing.F) {
+	seeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRoundTrip(t, b, wire.DecodeEvents, func(v wire.Events, d []byte) []byte { return v.Append(d) })
+	})
+}
+
+func FuzzEventsReply(f *testing.F) {
+	seeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRoundTrip(t, b, wire.DecodeEventsReply, func(v wire.EventsReply, d []byte) []byte { return v.Append(d) })
 	})
 }
