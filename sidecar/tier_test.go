@@ -372,10 +372,15 @@ func TestL2PausedAndUnreachable(t *testing.T) {
 func TestL2MasterKilledMidReplay(t *testing.T) {
 	cl := redistest.NewCluster(t, 3, 1, redistest.Options{})
 	addrs := cl.Addrs()
-	a := tierHarness(t, addrs, func(c *sidecar.L2Config) { c.Redis.IOTimeout = 300 * time.Millisecond })
+	// Lookups to the killed master wait up to the lookup timeout, which
+	// must stay under the client's call timeout (5 s): the harness's 10 s
+	// made a lookup during the failover fail the test's call, not miss.
+	a := tierHarness(t, addrs, func(c *sidecar.L2Config) {
+		c.Redis.IOTimeout, c.Redis.LookupTimeout = 300*time.Millisecond, 2*time.Second
+	})
 	prefix := a.cfg.L2.Redis.Prefix
 	b := tierHarness(t, addrs, func(c *sidecar.L2Config) {
-		c.Redis.Prefix, c.Redis.IOTimeout = prefix, 300*time.Millisecond
+		c.Redis.Prefix, c.Redis.IOTimeout, c.Redis.LookupTimeout = prefix, 300*time.Millisecond, 2*time.Second
 	})
 	type node struct {
 		h   *harness
