@@ -1,6 +1,8 @@
 package node
 
 import (
+	"time"
+
 	"testing"
 
 	"github.com/ringside-kv/ringside/sidecar/machine"
@@ -244,4 +246,43 @@ func (v *events) statsLocked(s *Server) (int, int64, int) {
 
 func (r *rawConn) lookupDigest(ns machine.L2Namespace, d []byte) uint32 {
 	return r.status(wire.TypeLookup, wire.Lookup{FP: ns.FP, Width: ns.Width, Digests: d}.Append).Value
+}
+
+// Two sidecars' clients on one node process: a block pod A writes and
+// describes is in pod B's read of the node's event log, with A's
+// description, and its eviction from the node tier is a removal there.
+func TestClientEventsBetweenPods(t *testing.T) {
+	s := startServer(t, nil)
+	a, b := newTestClient(t, s.Socket(), "pod-a"), newTestClient(t, s.Socket(), "pod-b")
+	a.write(t, 1, 0)
+	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
+	if st := a.Describe(testNS, []wire.Entry{descOf(1, -1)}); len(st) != 1 || st[0] != wire.OK {
+		t.Fatalf("describe: %v", st)
+	}
+	ev, ok := b.ReadEvents(testNS, 0, 16)
+	if !ok || ev.Gone || ev.Epoch != s.Epoch() || len(ev.Entries) != 1 {
+		t.Fatalf("read: %+v %v", ev, ok)
+	}
+	if e := ev.Entries[0]; e.Op != wire.OpStored || string(e.Digest[:16]) != string(digest(1)) || len(e.Tokens) != 2 || string(e.Extra) != "lora" {
+		t.Fatalf("entry: %+v", e)
+	}
+	// Pod A writes past its share: block 1, its least recently used, goes.
+	for i := 2; i < 2+s.ShareSlots(); i++ {
+		a.write(t, i, i%16)
+	}
+	waitFor(t, "evicted", func() bool { return a.lookup(1) == 0 })
+	ev2, ok := b.ReadEvents(testNS, ev.Next, 16)
+	if !ok || ev2.Gone || len(ev2.Entries) != 1 || ev2.Entries[0].Op != wire.OpRemoved || string(ev2.Entries[0].Digest[:16]) != string(digest(1)) {
+		t.Fatalf("after the eviction: %+v %v", ev2, ok)
+	}
+	// Bounded: with the node gone, a read fails within the client's deadline.
+	s.Shutdown()
+	<-s.Done()
+	start := time.Now()
+	if _, ok := b.ReadEvents(testNS, ev2.Next, 16); ok {
+		t.Fatal("a read from a stopped node")
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Fatalf("a read waited %v", d)
+	}
 }
