@@ -285,6 +285,7 @@ func TestHostileMalformed(t *testing.T) {
 	s := startServer(t, nil)
 	good := newTestClient(t, s.Socket(), "pod-good")
 	good.write(t, 1, 0)
+	waitFor(t, "stored", func() bool { return good.Stats().WritesOK.Load() == 1 })
 	r := rawDial(t, s.Socket(), "pod-bad")
 	for _, body := range [][]byte{nil, {1, 2, 3}, make([]byte, 31), make([]byte, 33)} {
 		if st := r.status(wire.TypeRegister, func(b []byte) []byte { return append(b, body...) }); st.Status != wire.Malformed {
