@@ -80,12 +80,24 @@ func (c *Client) ReadEvents(ns machine.L2Namespace, cursor uint64, maxN int) (No
 	if err != nil || (rep.Status != wire.OK && rep.Status != wire.Gone) || len(rep.Entries) > maxN {
 		return NodeEvents{}, false
 	}
-	for i := range rep.Entries {
-		e := &rep.Entries[i]
-		if !zero(e.Digest[ns.Width:]) || !zero(e.Parent[ns.Width:]) || (e.Op == wire.OpStored && len(e.Tokens) == 0) {
-			c.log.Warn().Msg("node tier: an event entry outside its namespace's digest width; the read is dropped")
-			return NodeEvents{}, false
-		}
+	if !entriesFit(ns, rep.Entries) {
+		c.log.Warn().Msg("node tier: an event entry outside its namespace's digest width, or without tokens; the read is dropped")
+		return NodeEvents{}, false
 	}
 	return NodeEvents{Epoch: cc.epoch, Gone: rep.Status == wire.Gone, Next: rep.Next, Entries: rep.Entries}, true
+}
+
+// entriesFit checks a node's entries against the namespace the request
+// named: digests and parents within its width, a description's tokens.
+func entriesFit(ns machine.L2Namespace, es []wire.Entry) bool {
+	if ns.Width < 1 || ns.Width > wire.DigestSize {
+		return false
+	}
+	for i := range es {
+		e := &es[i]
+		if !zero(e.Digest[ns.Width:]) || !zero(e.Parent[ns.Width:]) || (e.Op == wire.OpStored && len(e.Tokens) == 0) {
+			return false
+		}
+	}
+	return true
 }

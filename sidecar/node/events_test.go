@@ -111,8 +111,12 @@ func TestEventsBetweenPods(t *testing.T) {
 	if st := c.describe(testNS, descOf(2, -1)); st[0] != wire.NotRegistered {
 		t.Fatalf("unregistered describe: %v", st)
 	}
-	// Another namespace's log is its own.
+	// Another namespace's log is its own, and registering it gives no hold
+	// on this one's blocks.
 	c.register(otherNS)
+	if st := c.describe(otherNS, descOf(1, -1)); st[0] != wire.NotFound {
+		t.Fatalf("describe of another namespace's block: %v", st)
+	}
 	if r := c.events(otherNS, 0, 16); r.Status != wire.OK || len(r.Entries) != 0 {
 		t.Fatalf("other namespace: %+v", r)
 	}
@@ -284,5 +288,26 @@ func TestClientEventsBetweenPods(t *testing.T) {
 	}
 	if d := time.Since(start); d > 3*time.Second {
 		t.Fatalf("a read waited %v", d)
+	}
+}
+
+// A node's entries that do not fit the namespace the request named (a
+// digest or parent past its width: another namespace's, or none at all;
+// a description without tokens) make the read fail.
+func TestEntriesFit(t *testing.T) {
+	ok := descOf(1, 0)
+	if !entriesFit(testNS, []wire.Entry{ok, {Op: wire.OpRemoved, Digest: ok.Digest}}) {
+		t.Fatal("a valid read refused")
+	}
+	wide := ok
+	wide.Digest[20] = 1
+	wideParent := ok
+	wideParent.Parent[16] = 1
+	empty := ok
+	empty.Tokens = nil
+	for name, e := range map[string]wire.Entry{"digest": wide, "parent": wideParent, "tokens": empty} {
+		if entriesFit(testNS, []wire.Entry{ok, e}) {
+			t.Errorf("%s: accepted", name)
+		}
 	}
 }
