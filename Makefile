@@ -259,7 +259,8 @@ bench-vllm-peers: peers-venv build
 # connector, ringside (its default policy, and LRU), OffloadingConnector and
 # LMCache (with the peers venv, else skipped), arms alternated over rounds
 # (bench/vllm/bench_trace.py; docs/benchmarks.md, "vLLM's own trace replay").
-# ~25 minutes on the 2-vCPU VM; results.json and results.md in TRACE_OUT.
+# 43 minutes on the 2-vCPU VM under load 8-17 (--quick: 9); results.json and
+# results.md in TRACE_OUT.
 # ARGS adds flags (--quick, --arms, --limit, --capacity-pages, ...).
 TRACE_OUT ?= $(CURDIR)/out/bench-trace
 bench-trace: vllm-venv build
