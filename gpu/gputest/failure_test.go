@@ -783,20 +783,30 @@ func TestCUDAPollLatency(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Unregister(h)
-	var late []time.Duration
-	for i := range 100 {
-		res, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{uint32(i % 16)}, PoolOffsets: []uint64{0}})
-		if err != nil {
-			t.Fatal(err)
+	// A loaded machine (others' tests on 2 vCPUs) delays the device
+	// thread's wake-ups in bursts that a baseline measured a moment later
+	// does not see; a poll that sleeps on a Go timer is late every time.
+	// So: up to three rounds, each against its own baseline; one within
+	// the bound passes.
+	for round := 1; ; round++ {
+		var late []time.Duration
+		for i := range 100 {
+			res, err := gpu.Do(c, gpu.Op{Dir: gpu.PoolToEngine, Region: h, Pages: []uint32{uint32(i % 16)}, PoolOffsets: []uint64{0}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			late = append(late, res.Elapsed-opTime)
 		}
-		late = append(late, res.Elapsed-opTime)
-	}
-	sleep := nanosleepLateness(t, 50*time.Microsecond)
-	got, bound := median(late), 150*time.Microsecond+2*sleep
-	t.Logf("a completion is noticed %v after it (median of 100; p90 %v); this machine's nanosleep of 50 µs ends %v late (median)",
-		got, quantile(late, 0.9), sleep)
-	if got > bound {
-		t.Fatalf("completions are noticed %v late (median), more than %v: the poll's sleep is not the thread's own", got, bound)
+		sleep := nanosleepLateness(t, 50*time.Microsecond)
+		got, bound := median(late), 150*time.Microsecond+2*sleep
+		t.Logf("round %d: a completion is noticed %v after it (median of 100; p90 %v); this machine's nanosleep of 50 µs ends %v late (median)",
+			round, got, quantile(late, 0.9), sleep)
+		if got <= bound {
+			return
+		}
+		if round == 3 {
+			t.Fatalf("completions are noticed %v late (median), more than %v, in 3 rounds: the poll's sleep is not the thread's own", got, bound)
+		}
 	}
 }
 
