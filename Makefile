@@ -203,6 +203,9 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzLookup$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzItems$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzItemsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzDescribe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzEvents$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzEventsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/
 
 # The reliability soak (not part of make test): three engine processes replay
