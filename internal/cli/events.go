@@ -38,7 +38,7 @@ func eventsCommand() *cli.Command {
 			&cli.StringFlag{Name: "from", Usage: "first sequence number wanted: the batches before the first one received come from the replay socket (e.g. 0: everything it holds)"},
 			&cli.DurationFlag{Name: "duration", Usage: "stop after this long (0: at SIGINT/SIGTERM)"},
 			&cli.IntFlag{Name: "count", Usage: "stop after this many batches (0: no limit)"},
-			&cli.DurationFlag{Name: "replay-timeout", Value: 5 * time.Second, Usage: "deadline of one replay request"},
+			&cli.DurationFlag{Name: "replay-timeout", Value: 5 * time.Second, Usage: "deadline of one replay request; one that got nothing is asked once more on a fresh connection"},
 			&cli.StringFlag{Name: "prefix", Usage: "a prompt's block hashes (comma-separated, or @FILE): print each tier's leading match at the end"},
 			&cli.BoolFlag{Name: "quiet", Usage: "print no events (only gaps, restarts and the prefix answer)"},
 			&cli.Uint64Flag{Name: "debug.drop-nth", Hidden: true, Usage: "tests: drop the n-th live message, as if lost, to exercise the gap fill"},

@@ -144,6 +144,7 @@ type Stream struct {
 // StreamStats counts what a Stream saw.
 type StreamStats struct {
 	Live, Replayed, Restarts, Gaps, Lost uint64
+	ReplayRetries                        uint64 // replay requests asked again after one got nothing (replay)
 }
 
 // Subscribe connects to the publisher, waiting for it to listen as long as
@@ -173,7 +174,7 @@ func Subscribe(ctx context.Context, o Options) (*Stream, error) {
 // subscription is up already, so that nothing published meanwhile is
 // lost: a batch received both ways is returned once).
 func (s *Stream) start(ctx context.Context, from uint64) {
-	got, err := Replay(ctx, s.opts.Replay, from, s.opts.ReplayTimeout)
+	got, err := s.replay(ctx, from)
 	if err != nil {
 		s.pending = append(s.pending, Item{GapFrom: from, Err: err})
 	}
@@ -255,12 +256,26 @@ func (s *Stream) Next(ctx context.Context) ([]Item, error) {
 	return items, nil
 }
 
+// replay asks the replay endpoint for the batches from seq from on; a
+// request that got nothing and failed is asked once more on a fresh
+// connection (a reply can be lost on the way: go-zeromq's ROUTER has been
+// seen to drop the answer to a connection it had just accepted, on a loaded
+// machine), so a gap waits at most twice ReplayTimeout.
+func (s *Stream) replay(ctx context.Context, from uint64) ([]Message, error) {
+	got, err := Replay(ctx, s.opts.Replay, from, s.opts.ReplayTimeout)
+	if err != nil && len(got) == 0 && ctx.Err() == nil {
+		s.stats.ReplayRetries++
+		got, err = Replay(ctx, s.opts.Replay, from, s.opts.ReplayTimeout)
+	}
+	return got, err
+}
+
 func (s *Stream) fill(ctx context.Context, from, to uint64, restart bool) []Item {
 	if s.opts.Replay == "" {
 		s.stats.Lost += to - from
 		return []Item{{Missing: to - from, GapFrom: from, Err: errors.New("no replay endpoint"), Restart: restart}}
 	}
-	got, err := Replay(ctx, s.opts.Replay, from, s.opts.ReplayTimeout)
+	got, err := s.replay(ctx, from)
 	var items []Item
 	next := from
 	for i := range got {

@@ -25,6 +25,7 @@ type publisher struct {
 	mu       sync.Mutex
 	buf      [][2][]byte // (seq, payload)
 	keep     int         // buffer_steps
+	ignore   int         // replay requests left unanswered, from the next one on
 }
 
 func freeEndpoint(t *testing.T) string {
@@ -91,7 +92,14 @@ func (p *publisher) serveReplay() {
 		id, start := m.Frames[0], binary.BigEndian.Uint64(m.Frames[2])
 		p.mu.Lock()
 		buf := append([][2][]byte(nil), p.buf...)
+		drop := p.ignore > 0
+		if drop {
+			p.ignore--
+		}
 		p.mu.Unlock()
+		if drop {
+			continue
+		}
 		for _, b := range buf {
 			if binary.BigEndian.Uint64(b[0]) >= start {
 				if p.rtr.Send(zmq4.NewMsgFrom(id, []byte{}, []byte("kv@t@m"), b[0], b[1])) != nil {
@@ -250,5 +258,35 @@ func TestSequencer(t *testing.T) {
 	q = NewSequencer(&from)
 	if st := q.Observe(4); !st.Gap() || st.GapFrom != 2 || st.GapTo != 4 {
 		t.Fatalf("from 2, first 4: %+v", st)
+	}
+}
+
+
+// A replay request whose answer never comes (a reply lost on the way) is
+// asked once more on a fresh connection: the gap is filled, not reported.
+func TestStreamAsksAReplayAgain(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	ps := payloads(t)
+	p := newPublisher(t, ctx)
+	from := uint64(0)
+	s, err := Subscribe(ctx, Options{Endpoint: p.pubEP, Replay: p.rtrEP, From: &from, ReplayTimeout: 500 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	time.Sleep(300 * time.Millisecond) // the subscription reaches the publisher
+	p.mu.Lock()
+	p.ignore = 1
+	p.mu.Unlock()
+	p.send(0, ps[0], false)
+	p.send(1, ps[1%len(ps)], true) // lost live, in the replay buffer
+	p.send(2, ps[2%len(ps)], false)
+	got := collect(t, ctx, s, func(x []seen) bool { return len(x) > 0 && x[len(x)-1].seq == 2 })
+	if len(got) != 3 || got[1].seq != 1 || !got[1].replayed || got[1].missing != 0 {
+		t.Fatalf("a replay asked once and left unanswered: %+v", got)
+	}
+	if st := s.Stats(); st.ReplayRetries != 1 {
+		t.Fatalf("stats %+v, want one replay asked again", st)
 	}
 }
