@@ -265,7 +265,14 @@ def test_ringside_events_fills_the_gap_and_answers_the_prefix(run1):
     lines = [json.loads(x) for x in res.stdout.splitlines()]
     events = [x for x in lines if "event" in x]
     assert events and all(x["replayed"] for x in events)
-    assert sorted({x["seq"] for x in events}) == sorted({b["seq"] for b in r["batches"] if b["events"]})
+    # Every batch the run recorded, and past them only batches published
+    # later (the probe's step, the sidecar's view settling on a loaded
+    # machine): those are the engine's too, but not in the record.
+    recorded = {b["seq"] for b in r["batches"] if b["events"]}
+    last = max(b["seq"] for b in r["batches"])
+    got = {x["seq"] for x in events}
+    assert recorded <= got and all(seq > last for seq in got - recorded), (sorted(recorded), sorted(got))
+    events = [x for x in events if x["seq"] <= last]
     answer = [x["prefix"] for x in lines if "prefix" in x][-1]
     assert answer["blocks"] == len(r["prompt_external"]) > 0
     assert r["sidecar_prefix_hits"] > 0, "the probe prompt is not in the sidecar: nothing was compared"
