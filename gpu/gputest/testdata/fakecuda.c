@@ -49,6 +49,7 @@
 //                         memory management)
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -328,6 +329,18 @@ CUresult cuCtxGetDevice(int *d) {
 }
 CUresult cuCtxGetStreamPriorityRange(int *l, int *g) { NEEDCTX(); *l = 0; *g = -5; return 0; }
 
+// shm_create creates a shared memory object exclusively. Its names hold
+// this process's pid, so one that exists already was left by a dead process
+// that had the same pid (killed before it unlinked its files): it goes.
+static int shm_create(const char *name) {
+	int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+	if (fd < 0 && errno == EEXIST) {
+		shm_unlink(name);
+		fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+	}
+	return fd;
+}
+
 CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
 	NEEDCTX();
 	if (n == 0) return 1;
@@ -336,7 +349,7 @@ CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
 	pthread_mutex_lock(&mu);
 	snprintf(name, sizeof name, "/fakecuda-%d-%d", getpid(), counter++);
 	pthread_mutex_unlock(&mu);
-	int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+	int fd = shm_create(name);
 	if (fd < 0) return 2;
 	if (ftruncate(fd, rounded) != 0) { close(fd); shm_unlink(name); return 2; }
 	void *m = mmap(NULL, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -1154,7 +1167,7 @@ static struct ev *ev_new(unsigned flags) {
 	return e;
 }
 static struct ipcev *map_ipcev(const char *name, int create) {
-	int fd = shm_open(name, create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+	int fd = create ? shm_create(name) : shm_open(name, O_RDWR, 0600);
 	if (fd < 0) return NULL;
 	if (create && ftruncate(fd, sizeof(struct ipcev)) != 0) { close(fd); shm_unlink(name); return NULL; }
 	void *m = mmap(NULL, sizeof(struct ipcev), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
