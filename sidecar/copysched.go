@@ -264,7 +264,14 @@ func (l *lane) submit(sess uint64, uid uint32, op gpu.Op, alive func() bool, don
 		done(gpu.Result{Err: errStalled}, false)
 		return
 	}
-	q.chunks = append(q.chunks, &chunk{op: op, alive: alive, done: done, q: q})
+	c := &chunk{op: op, alive: alive, done: done, q: q}
+	// The clocks are set here, before the chunk is shared: scan reads
+	// c.op under mu while start runs without it.
+	c.op.Fence = &c.fence
+	if l.gpu {
+		c.op.Issued = &c.issued
+	}
+	q.chunks = append(q.chunks, c)
 	if !q.queued {
 		q.queued = true
 		l.order = append(l.order, q)
@@ -371,10 +378,6 @@ func (l *lane) pick(room bool) *chunk {
 // dispatch) and after the copy: a store is kept only if its process was
 // alive at both ends, so its pid cannot have changed hands in between.
 func (l *lane) start(c *chunk) {
-	c.op.Fence = &c.fence
-	if l.gpu {
-		c.op.Issued = &c.issued
-	}
 	err := l.eng.Submit(c.op, func(r gpu.Result) {
 		exited := c.alive != nil && !c.alive()
 		l.finish(c, r, exited, true)
