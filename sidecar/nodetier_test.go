@@ -248,7 +248,9 @@ func TestNodeTierAboveRedis(t *testing.T) {
 	}
 	// What Redis gave E went into node 2's tier too: pod F, new on node 2,
 	// finds the whole prompt there and asks Redis for nothing.
-	waitNode(t, e, func(s *sidecar.NodeState) bool { return s.Counts["promotions"] == n/2 && s.Counts["writes_stored"] == n/2 }, "promoted")
+	waitNode(t, e, func(s *sidecar.NodeState) bool {
+		return s.Counts["promotions"] == n/2 && s.Counts["writes_stored"] == n/2
+	}, "promoted")
 	f := both(n2.Socket(), "f")
 	if got := loadAll(t, f, d, n, 500); got != n {
 		t.Fatalf("pod F loaded %d of %d", got, n)

@@ -261,7 +261,6 @@ func TestSequencer(t *testing.T) {
 	}
 }
 
-
 // A replay request whose answer never comes (a reply lost on the way) is
 // asked once more on a fresh connection: the gap is filled, not reported.
 func TestStreamAsksAReplayAgain(t *testing.T) {
