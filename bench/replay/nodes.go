@@ -54,7 +54,10 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		// models commit a request's pages (with two, a request of more
 		// pages than a chunk holds, such as thousands of 16-token pages,
 		// committed its chunks in whatever order they finished).
-		args = append(args, "--copy.workers", "1")
+		// And no stall bound a loaded machine reaches: a store of
+		// thousands of pages that outlasts --copy.stall (1 s) is cancelled
+		// as stuck, and the run stops on a copy the model never loses.
+		args = append(args, "--copy.workers", "1", "--copy.stall", c.Timeout.String())
 	}
 	if tiered(transport) {
 		pages := strconv.Itoa(max(w.MaxPages, 1))
