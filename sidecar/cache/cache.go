@@ -155,6 +155,7 @@ type namespace struct {
 	doomed  int // dropped blocks whose slots wait for a copy in flight (not indexed)
 	log     deltaLog
 	ev      *nsEvents // the event log (meta.go), from the first description on
+	node    *nodeSet  // the node tier's described blocks (nodeset.go), from the first on
 	guard   nsGuard   // MQP's scan guard (mqp.go)
 }
 
@@ -197,6 +198,7 @@ type Cache struct {
 	nsByKey     map[NamespaceKey]NamespaceID
 	incarnation uint64 // namespaces ever added: each log's seq starts at incarnation<<logSeqShift
 	logBytes    int64  // bytes held by all change logs
+	nodeBytes   int64  // the node sets' descriptions (DescCost each; nodeset.go)
 	doomed      int    // doomed blocks in all namespaces
 
 	// Loads in flight (BeginLoad .. EndLoad): each holds a pin on its
@@ -399,6 +401,7 @@ func (c *Cache) RemoveNamespace(id NamespaceID) error {
 	}
 	c.logBytes -= n.log.bytes()
 	c.dropNamespaceDescs(id, n)
+	c.dropNodeSet(n)
 	delete(c.nsByKey, n.key)
 	c.nsList[id-1] = nil
 	c.nsFree = append(c.nsFree, id)

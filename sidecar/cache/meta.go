@@ -146,6 +146,9 @@ type DescEvent struct {
 	Parent []byte // nil: the first block of its chain (and for EventRemoved)
 	Tokens []byte // u32 token ids, little-endian
 	Extra  []byte
+	// Node: the description is the node tier's (a block of the node set
+	// the pool does not announce; nodeset.go).
+	Node bool
 }
 
 // Describe attaches to each block of a run of digests of ns its
@@ -255,6 +258,9 @@ func (c *Cache) unchargeDesc(r *descRec) {
 // announce logs EventStored for head, a present block of n just described
 // (or just present).
 func (c *Cache) announce(n *namespace, head uint32) {
+	if n.nodeHas(c.digest[head][:n.width]) {
+		return // announced already, as the node tier's
+	}
 	c.logGrowAppend(c.eventLog(n), OpStored, head, c.digest[head][:n.width])
 }
 
@@ -306,8 +312,7 @@ func (c *Cache) dropDesc(head uint32) {
 		return
 	}
 	delete(c.ev.descs, head)
-	if c.present(head) {
-		n := c.nsList[c.nsOf[head]-1]
+	if n := c.nsList[c.nsOf[head]-1]; c.present(head) && !n.nodeHas(c.digest[head][:n.width]) {
 		c.logGrowAppend(c.eventLog(n), OpEvicted, head, c.digest[head][:n.width])
 	}
 	c.unchargeDesc(&r)
@@ -453,15 +458,14 @@ func (c *Cache) EventsSince(ns NamespaceID, cur Cursor, maxEntries, maxScan int,
 			e = DescEvent{Op: EventRemoved, Digest: d}
 		} else {
 			h := c.find(uint16(ns), d)
-			if h == NoSlot || !c.present(h) {
-				continue
-			}
 			r, ok := c.ev.descs[h]
-			if !ok {
+			switch {
+			case h != NoSlot && ok && c.present(h):
+				e = DescEvent{Op: EventStored, Digest: d}
+				r.view(n.width, &e)
+			case !n.nodeEvent(d, &e):
 				continue
 			}
-			e = DescEvent{Op: EventStored, Digest: d}
-			r.view(n.width, &e)
 		}
 		if !fn(&e) {
 			break
@@ -476,7 +480,10 @@ func (c *Cache) EventsSince(ns NamespaceID, cur Cursor, maxEntries, maxScan int,
 // on, at most maxScan slots (<= 0: no bound), until fn returns false (that
 // block is not consumed). It returns the head cursor of ns's event log at
 // the time of the call, the position the next page starts at, and done when
-// the scan reached the end of the pool. Pages and the event log from the
+// the scan reached the end of the pool. Past the pool's slots (positions
+// capacity and up) come the namespace's node-set blocks that the pool does
+// not announce (nodeset.go), and done is when those are read too. Pages
+// and the event log from the
 // first page's cursor rebuild the set of announced blocks exactly, as
 // SnapshotPage and the change log do (docs/protocol.md, section 11.1).
 func (c *Cache) EventSnapshotPage(ns NamespaceID, from uint64, maxScan int, fn func(e *DescEvent) bool) (cur Cursor, next uint64, done bool, err error) {
@@ -486,11 +493,13 @@ func (c *Cache) EventSnapshotPage(ns NamespaceID, from uint64, maxScan int, fn f
 	}
 	n := c.nsList[ns-1]
 	capacity := uint64(c.capacity)
-	if from >= capacity {
-		return cur, from, true, nil
+	if from >= capacity { // the node set's entries, by id, follow the pool's slots
+		nx, done := c.nodeSnapshotPage(uint16(ns), n, from-capacity, maxScan, fn)
+		return cur, capacity + nx, done, nil
 	}
+	nodeLeft := n.node != nil && n.node.live > 0
 	if n.ev == nil || n.blocks == 0 || len(c.ev.descs) == 0 {
-		return cur, capacity, true, nil
+		return cur, capacity, !nodeLeft, nil
 	}
 	end := capacity
 	if maxScan > 0 && capacity-from > uint64(maxScan) {
@@ -512,11 +521,12 @@ func (c *Cache) EventSnapshotPage(ns NamespaceID, from uint64, maxScan int, fn f
 			return cur, s, false, nil
 		}
 	}
-	return cur, end, end >= capacity, nil
+	return cur, end, end >= capacity && !nodeLeft, nil
 }
 
 // checkDescs verifies the descriptions' invariants (CheckInvariants).
 func (c *Cache) checkDescs(bad func(format string, args ...any)) {
+	c.checkNodeSets(bad)
 	ev := &c.ev
 	var total int64
 	byKey := map[uint32]int64{}
