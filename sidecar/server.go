@@ -45,8 +45,9 @@ type Server struct {
 	exits  *sys.ExitWatcher
 	ln     *net.UnixListener
 	met    *metrics
-	tier   *l2.Tier     // the shared tier (tier.go); nil: off
-	node   *node.Client // the node tier (tier.go); nil: off
+	tier   *l2.Tier      // the shared tier (tier.go); nil: off
+	node   *node.Client  // the node tier (tier.go); nil: off
+	nodeEv *nodeFollower // the node tier's blocks in the KV events (nodeevents.go)
 	// dirLock keeps a second sidecar off Dir (dirlock.go).
 	dirLock *sys.FileLock
 
@@ -195,6 +196,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 				s.closeResources()
 				return nil, err
 			}
+			s.nodeEv = newNodeFollower(s)
 		}
 	}
 	if cfg.PrefillBlocks > 0 {
@@ -398,6 +400,10 @@ func (s *Server) Config() Config { return s.cfg }
 func (s *Server) Serve(ctx context.Context) error {
 	s.wg.Add(1)
 	go s.reaper()
+	if s.nodeEv != nil {
+		s.wg.Add(1)
+		go s.nodeEv.run()
+	}
 	var httpErr chan error
 	if s.cfg.MetricsAddr != "" {
 		httpErr = s.met.serve(s.cfg.MetricsAddr, s.deviceFailure)

@@ -218,8 +218,11 @@ type NodeState struct {
 	Counts    map[string]uint64 `json:"counts"`
 }
 
-func nodeCounts(st *node.ClientStats) map[string]uint64 {
+func nodeCounts(st *node.ClientStats, ev *nodeEventStats) map[string]uint64 {
 	return map[string]uint64{
+		"events_stored": ev.Stored.Load(), "events_removed": ev.Removed.Load(), "events_dropped": ev.Dropped.Load(),
+		"events_rebuilds": ev.Rebuilds.Load(), "events_read_failures": ev.ReadFailures.Load(),
+		"described": ev.Described.Load(), "describe_dropped": ev.DescribeDropped.Load(),
 		"attaches": st.Attaches.Load(), "lookups": st.Lookups.Load(), "lookup_blocks": st.LookupBlocks.Load(),
 		"lookup_hit_blocks": st.LookupHits.Load(), "lookups_unanswered": st.LookupMiss.Load(),
 		"fetch_blocks": st.FetchBlocks.Load(), "fetched_blocks": st.FetchOK.Load(), "fetch_missed_blocks": st.FetchMiss.Load(),
@@ -243,7 +246,7 @@ func (s *Server) l2State(c machine.L2Counters, evictedUnmarked uint64) *L2State 
 	}
 	if s.node != nil {
 		nc := s.node.Config()
-		st.Node = &NodeState{Socket: nc.Socket, Pod: nc.Pod, Connected: s.node.Connected(), Epoch: s.node.Epoch(), Counts: nodeCounts(s.node.Stats())}
+		st.Node = &NodeState{Socket: nc.Socket, Pod: nc.Pod, Connected: s.node.Connected(), Epoch: s.node.Epoch(), Counts: nodeCounts(s.node.Stats(), &s.nodeEv.met)}
 	}
 	return st
 }
@@ -299,6 +302,20 @@ func (s *Server) nodeMetrics(f func(prometheus.Collector)) {
 	counter("ringside_node_writes_refused_total", "Writes not handed to the node tier: its queue full, no window slot free, or not attached.", &st.WritesRefused)
 	counter("ringside_node_writes_failed_total", "Writes the node tier refused or did not answer in time.", &st.WritesFailed)
 	counter("ringside_node_timeouts_total", "Requests to the node tier not answered within their deadline.", &st.Timeouts)
+	ev := &s.nodeEv.met
+	counter("ringside_node_event_stored_total", "Blocks of the node tier added to the set this sidecar announces (from the node's event logs of its namespaces).", &ev.Stored)
+	counter("ringside_node_event_removed_total", "Blocks that left the node tier's set this sidecar announces (removed entries, and blocks a rebuild did not find again).", &ev.Removed)
+	counter("ringside_node_event_dropped_total", "Node-tier blocks not announced: the node sets' bound (64 MiB of descriptions) was reached, or an entry failed its checks.", &ev.Dropped)
+	counter("ringside_node_event_rebuilds_total", "Rebuilds of a namespace's node-tier set from the beginning of its log (a new node process, or a cursor the log no longer holds).", &ev.Rebuilds)
+	counter("ringside_node_event_read_failures_total", "Reads of the node tier's event logs that failed or were not answered within --node.io-timeout.", &ev.ReadFailures)
+	counter("ringside_node_described_total", "Descriptions of this pool's blocks the node tier took.", &ev.Described)
+	counter("ringside_node_describe_dropped_total", "Blocks written to the node tier not described to it: the queue of blocks to describe (4,096) was full.", &ev.DescribeDropped)
+	f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ringside_node_event_blocks", Help: "Blocks of the node tier this sidecar announces (its node sets; some may be in its pool too)."}, func() float64 {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		n, _ := s.m.Cache().NodeBlocks()
+		return float64(n)
+	}))
 	f(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ringside_node_connected", Help: "1 while attached to the node tier."}, func() float64 {
 		if s.node.Connected() {
 			return 1

@@ -897,3 +897,11 @@ func (m *Machine) l2Invariants(bad func(format string, args ...any)) {
 		}
 	}
 }
+
+// L2Namespaces calls fn with each namespace of the Machine (each one its
+// engines attached with) and the tiers' name of it.
+func (m *Machine) L2Namespaces(fn func(id cache.NamespaceID, ns L2Namespace)) {
+	for id, n := range m.namespaces {
+		fn(id, m.l2NS(n))
+	}
+}

@@ -125,7 +125,15 @@ type Client struct {
 	closed    atomic.Bool
 	tooLarge  atomic.Bool // the node's slots are smaller than this sidecar's
 	slotBytes uint64
+	onStored  atomic.Pointer[func(ns [16]byte, digest []byte)]
 }
+
+// OnStored sets fn to be called, on a writer's goroutine, with each block
+// a write put in the node tier or found there already (its namespace's
+// fingerprint, its digest, zero padded to 32 bytes): the sidecar then
+// describes it to the node (docs/kv-events.md, "The node tier"). fn must
+// not wait.
+func (c *Client) OnStored(fn func(ns [16]byte, digest []byte)) { c.onStored.Store(&fn) }
 
 // writeJob is a write waiting for a writer: a block still in the pool
 // (copied is called once the writer has read it), or a block copied into
@@ -876,6 +884,9 @@ func (c *Client) put(cc *cliConn, slots []uint32, items wire.Items, deadline tim
 		c.met.WritesExist.Add(1)
 	} else {
 		c.met.WritesOK.Add(1)
+	}
+	if fn := c.onStored.Load(); fn != nil && len(items.Items) > 0 {
+		(*fn)(items.FP, items.Items[0].Digest[:])
 	}
 }
 
