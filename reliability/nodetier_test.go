@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -24,6 +25,8 @@ type nodeProc struct {
 	cmd     *exec.Cmd
 	logPath string
 	exited  chan struct{}
+	extra   []string // more flags of `ringside node`
+	ns      bool     // run it in mount and PID namespaces of its own (nodens_test.go)
 }
 
 func startNode(t *testing.T, dir string) *nodeProc {
@@ -41,7 +44,12 @@ func (n *nodeProc) start() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n.cmd = exec.Command(ringsideBin, "node", "--dir", n.dir, "--pool.bytes", "2MiB", "--pool.slot-bytes", "4KiB", "--pool.reserve=false", "--io-timeout", "1s")
+	args := append([]string{"node", "--dir", n.dir, "--pool.bytes", "2MiB", "--pool.slot-bytes", "4KiB", "--pool.reserve=false", "--io-timeout", "1s"}, n.extra...)
+	if n.ns {
+		n.cmd = nsCommand("node", "node", n.logPath, args)
+	} else {
+		n.cmd = exec.Command(ringsideBin, args...)
+	}
 	n.cmd.Stdout, n.cmd.Stderr = logf, logf
 	if err := n.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -128,19 +136,8 @@ func (s *sidecar) waitNode(what string, cond func(nodeState) bool) {
 // storePrompt stores a prompt's n blocks through an engine of sc.
 func storePrompt(t *testing.T, sc *sidecar, instance, seed string, n int, tag uint64) {
 	t.Helper()
-	c := dial(t, opts(sc.sock, instance))
-	defer c.Close()
-	r := newRegion(1, n)
-	if err := c.RegisterRegion(r.reg); err != nil {
+	if err := engineStore(opts(sc.sock, instance), seed, n, tag); err != nil {
 		t.Fatal(err)
-	}
-	d := digests(seed, n)
-	for j := 0; j < n; j++ {
-		fillPage(r.page(j), d[j*32:(j+1)*32], tag)
-	}
-	c.PutHashes(1, d, false)
-	if st, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, iota32(n)); err != nil || int(st.Stored) != n {
-		t.Fatalf("store: %+v %v", st, err)
 	}
 }
 
@@ -150,50 +147,97 @@ func storePrompt(t *testing.T, sc *sidecar, instance, seed string, n int, tag ui
 // engine's request.
 func loadPrompt(t *testing.T, sc *sidecar, instance, seed string, n int, tag uint64) (int, time.Duration) {
 	t.Helper()
-	c := dial(t, opts(sc.sock, instance))
+	got, took, err := engineLoad(opts(sc.sock, instance), seed, n, tag, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got, took
+}
+
+// engineStore stores a prompt's n blocks as an engine attached with o:
+// storePrompt's steps, for a test or a child process.
+func engineStore(o connector.Options, seed string, n int, tag uint64) error {
+	c, err := connector.Dial(o)
+	if err != nil {
+		return err
+	}
 	defer c.Close()
 	r := newRegion(1, n)
 	if err := c.RegisterRegion(r.reg); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	d := digests(seed, n)
-	c.PutHashes(1, d, false)
+	for j := 0; j < n; j++ {
+		fillPage(r.page(j), d[j*32:(j+1)*32], tag)
+	}
+	if _, err := c.PutHashes(1, d, false); err != nil {
+		return err
+	}
+	if st, err := c.Store(schema.View{Batch: 1, Count: uint32(n)}, 1, iota32(n)); err != nil || int(st.Stored) != n {
+		return fmt.Errorf("store: %+v %v", st, err)
+	}
+	return nil
+}
+
+// engineLoad is loadPrompt's steps as an engine attached with o; pause,
+// when not nil, runs between the lookup and the acquire with the blocks
+// the lookup found. A block that loads with other bytes than its prompt's
+// is an error.
+func engineLoad(o connector.Options, seed string, n int, tag uint64, pause func(hits int) error) (int, time.Duration, error) {
+	c, err := connector.Dial(o)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer c.Close()
+	r := newRegion(1, n)
+	if err := c.RegisterRegion(r.reg); err != nil {
+		return 0, 0, err
+	}
+	d := digests(seed, n)
+	if _, err := c.PutHashes(1, d, false); err != nil {
+		return 0, 0, err
+	}
 	t0 := time.Now()
 	hits, err := c.Lookup(schema.View{Batch: 1, Count: uint32(n)})
 	took := time.Since(t0)
 	if err != nil {
-		t.Fatalf("lookup: %v", err)
+		return 0, took, fmt.Errorf("lookup: %w", err)
+	}
+	if pause != nil {
+		if err := pause(hits); err != nil {
+			return 0, took, err
+		}
 	}
 	if hits == 0 {
-		return 0, took
+		return 0, took, nil
 	}
 	l, err := c.Acquire(schema.View{Batch: 1, Count: uint32(n)}, 10*time.Second)
 	if err != nil {
-		t.Fatal(err)
+		return 0, took, fmt.Errorf("acquire: %w", err)
 	}
 	for i := 0; l.State == schema.StateWaiting; i++ {
 		if i > 5000 {
-			t.Fatalf("lease still waiting: %+v", l)
+			return 0, took, fmt.Errorf("lease still waiting: %+v", l)
 		}
 		time.Sleep(time.Millisecond)
 		if l, err = c.Poll(l.Lease); err != nil {
-			t.Fatal(err)
+			return 0, took, fmt.Errorf("poll: %w", err)
 		}
 	}
 	if l.State != schema.StateReady {
-		return 0, took
+		return 0, took, nil
 	}
 	got, err := c.Load(l.Lease, 1, 0, iota32(int(l.Blocks)))
 	if err != nil {
-		t.Fatal(err)
+		return 0, took, fmt.Errorf("load: %w", err)
 	}
 	for j := 0; j < got; j++ {
 		if !pageOK(r.page(j), d[j*32:(j+1)*32], tag) {
-			t.Fatalf("STALE OR CORRUPT: %s block %d", seed, j)
+			return got, took, fmt.Errorf("STALE OR CORRUPT: %s block %d", seed, j)
 		}
 	}
 	c.Release(l.Lease)
-	return got, took
+	return got, took, nil
 }
 
 // TestNodeTierAcrossProcesses runs a real `ringside node` and two real
