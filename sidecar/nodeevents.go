@@ -39,8 +39,9 @@ const (
 	// not announced (counted).
 	nodeEventsBytes = 64 << 20
 	// nodeReadsPerPoll bounds the reads of one namespace's log a poll
-	// (of wire.MaxEvents entries each).
-	nodeReadsPerPoll = 4
+	// (of wire.MaxEvents entries each, at most one datagram); the last
+	// one, empty, says it is read to its end.
+	nodeReadsPerPoll = 8
 	// nodeStoredQueue bounds the blocks written and waiting to be
 	// described; past it they are dropped (counted).
 	nodeStoredQueue = 4096
@@ -286,7 +287,9 @@ func (f *nodeFollower) follow(id cache.NamespaceID) {
 				f.met.Removed.Add(1)
 			}
 		}
-		caughtUp := len(ev.Entries) < wire.MaxEvents
+		// A reply holds what fits one datagram, often fewer than asked:
+		// only an empty one says the log is read to its end.
+		caughtUp := len(ev.Entries) == 0
 		if fl.rebuilding && caughtUp {
 			if n, _ := c.NodeSweep(id); n > 0 {
 				f.met.Removed.Add(uint64(n))
