@@ -68,13 +68,22 @@ class NodeProcess:
         self.sock = os.path.join(self.base, "n", "node.sock")
         self.metrics = "127.0.0.1:%d" % free_port()
         self.log = open(os.path.join(tmp, "node.log"), "wb")
-        cmd = [
+        self.cmd = [
             binary, "node", "--dir", os.path.dirname(self.sock), "--metrics.addr", self.metrics,
             "--pool.bytes", "64MiB", "--pool.slot-bytes", "32KiB", "--pool.reserve=false", "--pod-share", "0.5",
             "--window-slots", "512",
         ]  # fmt: skip
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._start()
+
+    def _start(self) -> None:
+        self.p = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
         _wait("ringside node did not start: see %s" % self.log.name, self._ready)
+
+    def restart(self) -> None:
+        """A new node process on the same socket (a new epoch, an empty pool)."""
+        self.p.terminate()
+        assert self.p.wait(20) == 0, "ringside node exited badly: see %s" % self.log.name
+        self._start()
 
     def _ready(self) -> bool:
         assert self.p.poll() is None, "ringside node exited: see %s" % self.log.name
