@@ -1,5 +1,7 @@
 package replay
 
+import "github.com/ringside-kv/ringside/sidecar/machine"
+
 // FleetResult is what an exact offline model of several nodes gives: one
 // LRU pool per node (OraclePages' model each) and, with a tier, a shared
 // tier under them that never evicts and holds every page any node stored.
@@ -11,6 +13,11 @@ type FleetResult struct {
 	FetchedPages int64 // pages fetched from the tier into a pool
 	LoadedPages  int64 // pages the leases held (the engine loads them all)
 	MissedLeases int64 // acquires that came back holding nothing
+	// A node tier (OracleNodeTier): the tier is an LRU of TierCapacity
+	// pages (0: unbounded, the shared tier's model).
+	TierCapacity  int
+	TierStored    int64 // pages written into the tier (new there)
+	TierEvictions int64 // pages the tier evicted
 }
 
 // OracleFleet replays reqs one at a time, in order, request i on node
@@ -22,9 +29,10 @@ type FleetResult struct {
 //     with the tier, c more pages: the leading run of the rest that the
 //     tier holds. The engine is told h+c.
 //  2. Acquire of [0, h+c): the local run is pinned. The rest is fetched:
-//     for each page in order, a present one is passed over, an absent one
-//     takes a slot (evicting the LRU's tail if none is free; none
-//     evictable: the fetch stops there). The fetched pages commit in
+//     for each page in order (at most capacity-h of them: the pin share is
+//     the pool), a present one is passed over, an absent one takes a slot
+//     (evicting the LRU's tail if none is free; none evictable, or
+//     FetchPendingLimit pages reserved already: the fetch stops there). The fetched pages commit in
 //     order (each to the front of the LRU), then the lease takes the
 //     leading present pages after the local run (pinned). A lease of
 //     nothing is a miss.
@@ -40,14 +48,42 @@ type FleetResult struct {
 //
 // With one node and no tier it is exactly OraclePages.
 func OracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tier bool) FleetResult {
-	res := FleetResult{OracleResult: OracleResult{CapacityPages: capacity, Requests: len(reqs)}, Nodes: nodes, Tier: tier}
+	return oracleFleet(reqs, nodeOf, nodes, numIDs, capacity, tier, 0)
+}
+
+// OracleNodeTier is OracleFleet with the node tier (`ringside node`,
+// sidecar/node) for the tier: one LRU pool of tierCapacity pages that the
+// pods (nodes, podCapacity slots each) share, as its index keeps it with
+// --pod-share 1 (index.go): a lookup touches nothing; a fetch's Get pins
+// each fetched page, making it the most recently used, in the fetch's
+// order; a write of a page the tier holds changes nothing (Exists), of a
+// page it lacks takes a free slot or evicts the least recently used page
+// (nothing is pinned then: one request at a time) and commits it to the
+// front, in the pod's commit order (one writer). Pages a pod fetched from
+// the tier are not written back.
+func OracleNodeTier(reqs [][]uint32, nodeOf []int, pods, numIDs, podCapacity, tierCapacity int) FleetResult {
+	return oracleFleet(reqs, nodeOf, pods, numIDs, podCapacity, true, max(tierCapacity, 1))
+}
+
+func oracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tier bool, tierCap int) FleetResult {
+	res := FleetResult{OracleResult: OracleResult{CapacityPages: capacity, Requests: len(reqs)}, Nodes: nodes, Tier: tier, TierCapacity: tierCap}
+	pendLimit := FetchPendingLimit(capacity)
 	ns := make([]*lruModel, nodes)
 	for i := range ns {
 		ns[i] = newLRUModel(numIDs, capacity)
 	}
 	var inTier []bool
-	if tier {
+	var nt *lruModel // the node tier's LRU (tierCap > 0)
+	if tier && tierCap > 0 {
+		nt = newLRUModel(numIDs, tierCap)
+	} else if tier {
 		inTier = make([]bool, numIDs)
+	}
+	held := func(p uint32) bool {
+		if nt != nil {
+			return nt.state[p] == present
+		}
+		return inTier[p]
 	}
 	var written, fetched []int32
 	for k, pages := range reqs {
@@ -62,7 +98,7 @@ func OracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tie
 		}
 		c := 0
 		if tier {
-			for h+c < len(pages) && inTier[pages[h+c]] {
+			for h+c < len(pages) && held(pages[h+c]) {
 				c++
 			}
 		}
@@ -77,18 +113,26 @@ func OracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tie
 			if c > 0 {
 				fetched = fetched[:0]
 				covered := 0
-				for i := h; i < h+c; i++ {
+				// The Machine scans no more blocks than the uid may still
+				// pin (the pin share is the whole pool: the local run is
+				// pinned), and reserves no more than its pending share.
+				for i := h; i < h+min(c, capacity-h); i++ {
 					p := int32(pages[i])
 					if m.state[p] == present {
 						covered = i + 1
 						continue
 					}
-					if !m.take() {
+					if len(fetched) >= pendLimit || !m.take() {
 						break
 					}
 					m.state[p] = writing
 					fetched = append(fetched, p)
 					covered = i + 1
+				}
+				for _, p := range fetched {
+					if nt != nil { // the Get's pin: the most recent
+						nt.touch(p)
+					}
 				}
 				for _, p := range fetched {
 					m.state[p] = present
@@ -131,7 +175,15 @@ func OracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tie
 		}
 		if tier {
 			for _, p := range written { // the writes' pins end in commit order
-				inTier[p] = true
+				switch {
+				case nt == nil:
+					inTier[p] = true
+				case nt.state[p] != present:
+					nt.take() // never refused: nothing is pinned between requests
+					nt.state[p] = present
+					nt.pushFront(p)
+					res.TierStored++
+				}
 				m.remove(p)
 				m.pushFront(p)
 			}
@@ -144,7 +196,21 @@ func OracleFleet(reqs [][]uint32, nodeOf []int, nodes, numIDs, capacity int, tie
 		res.Evictions += m.evictions
 		res.Resident += m.used
 	}
+	if nt != nil {
+		res.TierEvictions = nt.evictions
+	}
 	return res
+}
+
+// FetchPendingShare is the replay's sidecars' --limits.pending-share with
+// a tier (serve's default): the part of the pool one uid's fetches may
+// hold reserved, which bounds the pages one acquire fetches.
+const FetchPendingShare = machine.DefaultPendingShare
+
+// FetchPendingLimit is the pages one acquire may fetch into a pool of
+// capacity slots (the Machine's pendingLimit).
+func FetchPendingLimit(capacity int) int {
+	return max(int(float64(capacity)*FetchPendingShare), 1)
 }
 
 const (

@@ -67,8 +67,9 @@ func fleetReplay(t *testing.T, w *Workload, nodeOf []int, nodes, capacity int, t
 			if hits > h {
 				var fetch [][]cache.Ticket
 				covered := 0
-				for i := h; i < hits; i++ {
-					ts, st, err := c.BeginFetch(n.ns, dg(i), 1, now, cache.Charge{})
+				pend := cache.Charge{Key: 2, Limit: FetchPendingLimit(capacity)}
+				for i := h; i < min(hits, capacity); i++ {
+					ts, st, err := c.BeginFetch(n.ns, dg(i), 1, now, pend)
 					if err != nil {
 						t.Fatal(err)
 					}

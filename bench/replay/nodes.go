@@ -15,6 +15,7 @@ import (
 
 	"github.com/ringside-kv/ringside/bench/harness"
 	"github.com/ringside-kv/ringside/internal/redistest"
+	"github.com/ringside-kv/ringside/sidecar/node"
 )
 
 // sidecarNode is one node of a run: a sidecar process with its own
@@ -26,14 +27,15 @@ type sidecarNode struct {
 	metrics string // host:port of /debug/state; empty: none
 }
 
-// startNode starts node i's sidecar for run k.
-func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacity int, transport string, k, i int) (*sidecarNode, error) {
+// startNode starts node i's sidecar for run k; with nt, attached to that
+// node tier as pod i.
+func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacity int, transport string, nt *nodeTier, k, i int) (*sidecarNode, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
 	n := &sidecarNode{dir: dir, sock: filepath.Join(dir, "ringside.sock")}
 	budget := max(int64(64<<20), int64(w.MaxPages)*int64(c.PageBytes))
-	if tiered(transport) {
+	if tiered(transport) || nt != nil {
 		p, err := freeTCP()
 		if err != nil {
 			return nil, err
@@ -48,7 +50,9 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 		// leases and take the hit rate off the exact LRU model, and a
 		// retain quota would cut the hints of --hints short.
 		"--limits.pin-share", "1", "--limits.retain-share", "1",
-		"--cache.policy", c.Policy}
+		"--cache.policy", c.Policy,
+		// Stated, as the models read it: what one acquire may fetch.
+		"--limits.pending-share", strconv.FormatFloat(FetchPendingShare, 'g', -1, 64)}
 	if c.Sequential {
 		// One copy worker: a store's chunks commit in prefix order, as the
 		// models commit a request's pages (with two, a request of more
@@ -74,6 +78,19 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 			args = append(args, "--l2.redis.writers", "1", "--l2.redis.lookup-timeout", c.Timeout.String(), "--l2.redis.io-timeout", c.Timeout.String())
 		}
 	}
+	if nt != nil {
+		pages := strconv.Itoa(max(w.MaxPages, 1))
+		args = append(args, "--node.socket", nt.sock, "--node.pod", fmt.Sprintf("replay-pod-%d", i),
+			// No bound may cut a continuation short or skip a write: the
+			// model has none (as for the shared tier above).
+			"--l2.max-lookup-blocks", pages, "--l2.max-fetch-blocks", pages,
+			"--l2.write-slots", strconv.Itoa(capacity), "--node.write-queue", strconv.Itoa(max(capacity, w.MaxPages, 1024)))
+		if c.Sequential {
+			// One writer (its pins end in commit order, the node takes the
+			// writes in that order) and deadlines no loaded machine reaches.
+			args = append(args, "--node.writers", "1", "--node.lookup-timeout", c.Timeout.String(), "--node.io-timeout", c.Timeout.String())
+		}
+	}
 	sc, err := harness.Start(fmt.Sprintf("sidecar %d", i), c.Ringside, args, harness.Options{Timeout: c.Timeout})
 	if err != nil {
 		return nil, err
@@ -96,6 +113,20 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 			return n, err
 		}
 	}
+	if nt != nil {
+		if err := sc.WaitUntil(ctx, c.Timeout, "attached to the node tier", func() error {
+			st, err := n.state()
+			if err != nil {
+				return err
+			}
+			if st.L2 == nil || st.L2.Node == nil || !st.L2.Node.Connected {
+				return fmt.Errorf("node tier not attached")
+			}
+			return nil
+		}); err != nil {
+			return n, err
+		}
+	}
 	return n, nil
 }
 
@@ -109,6 +140,10 @@ type nodeState struct {
 		Client struct {
 			Writes map[string]float64 `json:"writes"`
 		} `json:"client"`
+		Node *struct {
+			Connected bool              `json:"connected"`
+			Counts    map[string]uint64 `json:"counts"`
+		} `json:"node"`
 	} `json:"l2"`
 }
 
@@ -141,7 +176,13 @@ func (n *sidecarNode) waitWrites(timeout time.Duration) func() error {
 			if err != nil {
 				return err
 			}
-			if l := st.L2; l != nil && uint64(l.Client.Writes["ok"]+l.Client.Writes["error"])+l.Machine.WritesNotTaken >= l.Machine.Writes {
+			if l := st.L2; l != nil && l.Node != nil {
+				// The node tier's client ends each write one way.
+				nc := l.Node.Counts
+				if nc["writes_stored"]+nc["writes_held_already"]+nc["writes_refused"]+nc["writes_failed"] >= l.Machine.Writes {
+					return nil
+				}
+			} else if l != nil && uint64(l.Client.Writes["ok"]+l.Client.Writes["error"])+l.Machine.WritesNotTaken >= l.Machine.Writes {
 				return nil
 			}
 			if time.Now().After(deadline) {
@@ -186,4 +227,97 @@ func (c *Config) startTier() (func(), error) {
 		c.L2Addrs = cl.Addrs()
 		return func() { cl.Close(); os.RemoveAll(base) }, nil
 	}
+}
+
+// nodeTier is a run's `ringside node` process (--node-tier): one pool the
+// pods' sidecars attach to.
+type nodeTier struct {
+	sc      *harness.Child
+	sock    string
+	metrics string
+}
+
+// NodeTierStats are the node process's counts at the end of a run (its
+// /metrics, ringside_node_server_*).
+type NodeTierStats struct {
+	Slots, PresentSlots                      int64
+	LookupHitBlocks, GetHitValues            int64
+	PutStored, PutHeld, PutNoSpace, Rejected int64
+	Evicted                                  int64
+	BytesIn, BytesOut                        int64
+}
+
+// startNodeTier starts the node process of a run with a pool of pages
+// slots (the pages' bytes plus the value's header each).
+func (c *Config) startNodeTier(ctx context.Context, dir string, pages int) (*nodeTier, error) {
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		return nil, err
+	}
+	p, err := freeTCP()
+	if err != nil {
+		return nil, err
+	}
+	nt := &nodeTier{sock: filepath.Join(dir, "node.sock"), metrics: p}
+	stride := int64(c.PageBytes) + node.SlotHeadroom
+	args := []string{"node", "--dir", dir, "--socket", nt.sock, "--metrics.addr", nt.metrics,
+		"--pool.bytes", strconv.FormatInt(int64(pages)*stride, 10), "--pool.slot-bytes", strconv.Itoa(c.PageBytes),
+		// The engines of one trace are one tenant (as --limits.pin-share 1
+		// above): no pod's share evicts its own blocks first, the pool is
+		// one LRU, as the model's.
+		"--pod-share", "1", "--max-pods", strconv.Itoa(c.Engines + 4),
+		"--io-timeout", c.Timeout.String(), "--log.level", "warn"}
+	sc, err := harness.Start("node tier", c.Ringside, args, harness.Options{Timeout: c.Timeout})
+	if err != nil {
+		return nil, err
+	}
+	nt.sc = sc
+	if err := sc.WaitUntil(ctx, c.Timeout, "serving", func() error {
+		if _, err := os.Stat(nt.sock); err != nil {
+			return err
+		}
+		_, err := nt.stats()
+		return err
+	}); err != nil {
+		sc.Kill()
+		return nil, err
+	}
+	return nt, nil
+}
+
+func (nt *nodeTier) stats() (NodeTierStats, error) {
+	var st NodeTierStats
+	resp, err := httpClient.Get("http://" + nt.metrics + "/metrics")
+	if err != nil {
+		return st, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return st, err
+	}
+	fields := map[string]*int64{
+		"slots": &st.Slots, "present_slots": &st.PresentSlots, "lookup_hit_blocks_total": &st.LookupHitBlocks,
+		"get_hit_values_total": &st.GetHitValues, "put_stored_values_total": &st.PutStored, "put_held_values_total": &st.PutHeld,
+		"put_no_space_values_total": &st.PutNoSpace, "rejected_values_total": &st.Rejected, "evicted_total": &st.Evicted,
+		"bytes_in_total": &st.BytesIn, "bytes_out_total": &st.BytesOut,
+	}
+	seen := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		name, v, ok := strings.Cut(line, " ")
+		if !ok || !strings.HasPrefix(name, "ringside_node_server_") {
+			continue
+		}
+		if f := fields[strings.TrimPrefix(name, "ringside_node_server_")]; f != nil {
+			x, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				return st, fmt.Errorf("/metrics: %q: %w", line, err)
+			}
+			*f = int64(x)
+			seen++
+		}
+	}
+	if seen != len(fields) {
+		return st, fmt.Errorf("/metrics: %d of %d series", seen, len(fields))
+	}
+	return st, nil
 }

@@ -40,6 +40,13 @@ const (
 	model                  = "replay-model"
 )
 
+// DefaultNodeTierPodFractions are the pods' pools of a --node-tier run,
+// as fractions of an even split of the capacity: a quarter (each pod
+// keeps its hot prefixes and the largest request's pages; the node tier
+// holds three quarters of the bytes) and a sixteenth (pools near the
+// smallest that still stage a request's pages).
+var DefaultNodeTierPodFractions = []float64{0.25, 0.0625}
+
 // DefaultCapacityGiB are the pool sizes of a default sweep, in GiB of
 // model KV (at KVBytesPerToken x PageTokens per page).
 var DefaultCapacityGiB = []int{1, 4, 16, 64}
@@ -94,12 +101,23 @@ type Config struct {
 	// L2Start starts one instead ("single" or "cluster": real redis-server
 	// processes, internal/redistest). With a tier, every capacity runs
 	// twice: without it ("ring") and with it ("ring+l2").
-	L2Addrs  []string
-	L2Start  string
-	JSON     bool
-	Quiet    bool
-	Progress bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
-	Out, Log io.Writer
+	L2Addrs []string
+	L2Start string
+	// NodeTier runs each capacity as the total bytes of one node's pods:
+	// every engine its own pod (a sidecar, Nodes = Engines), first with
+	// pools of capacity/Engines each and nothing beneath ("ring"), then,
+	// for each of NodeTierPodFractions, with pools of that fraction of
+	// capacity/Engines over one real `ringside node` process holding the
+	// rest of the capacity ("ring+node"): the same bytes, split otherwise.
+	NodeTier bool
+	// NodeTierPodFractions are the pods' pools of the ring+node runs, as
+	// fractions of capacity/Engines (default DefaultNodeTierPodFractions);
+	// each pool at least 16 slots.
+	NodeTierPodFractions []float64
+	JSON                 bool
+	Quiet                bool
+	Progress             bool // draw a progress bar on Log (the CLI sets it when Log is a terminal)
+	Out, Log             io.Writer
 }
 
 func (c *Config) modelPageBytes() int64 { return int64(c.KVBytesPerToken) * int64(c.PageTokens) }
@@ -182,10 +200,39 @@ func (c *Config) defaults() error {
 	if c.Policy == "" {
 		c.Policy = cache.DefaultPolicy.String()
 	}
+	if c.NodeTier {
+		if c.Nodes > 1 && c.Nodes != c.Engines {
+			return fmt.Errorf("--node-tier: every engine is a pod of its own (--nodes %d, --engines %d: give --nodes %d or leave it out)", c.Nodes, c.Engines, c.Engines)
+		}
+		if len(c.L2Addrs) > 0 || c.L2Start != "" || c.Hints || c.Offline {
+			return errors.New("--node-tier: not with --l2.*, --hints or --offline")
+		}
+		c.Nodes = c.Engines
+		if len(c.NodeTierPodFractions) == 0 {
+			c.NodeTierPodFractions = DefaultNodeTierPodFractions
+		}
+		for _, f := range c.NodeTierPodFractions {
+			if !(f > 0 && f < 1) {
+				return fmt.Errorf("--node-tier.pod-fraction %g: want a fraction between 0 and 1", f)
+			}
+		}
+		for _, p := range c.CapacityPages {
+			if p/c.Engines < 16 {
+				return fmt.Errorf("--capacity-pages %d: %d pods' pools of %d pages; the sidecar needs at least 16 slots", p, c.Engines, p/c.Engines)
+			}
+			for _, f := range c.NodeTierPodFractions {
+				if _, n := c.split(p, f); n < 16 {
+					return fmt.Errorf("--capacity-pages %d, --node-tier.pod-fraction %g: the node tier gets %d pages, under 16", p, f, n)
+				}
+			}
+		}
+	} else if len(c.NodeTierPodFractions) > 0 {
+		return errors.New("--node-tier.pod-fraction: only with --node-tier")
+	}
 	switch c.Policy {
 	case "lru":
 	case "mqp", "mqp2":
-		if c.Nodes > 1 || len(c.L2Addrs) > 0 || c.L2Start != "" {
+		if c.Nodes > 1 || c.NodeTier || len(c.L2Addrs) > 0 || c.L2Start != "" {
 			return fmt.Errorf("--cache.policy %s: its offline model is of one node without a tier; the model of several nodes and the tier is of LRU pools (give --cache.policy lru, or --nodes 1 and no --l2.*)", c.Policy)
 		}
 	default:
@@ -259,6 +306,14 @@ type RunResult struct {
 	// tier (their /debug/state).
 	Fleet        *FleetResult
 	FetchedPages int64
+	// PodPages is each node's (pod's) pool, NodeTierPages the node tier's
+	// (--node-tier: ring+node; 0 otherwise), PodFraction the split's;
+	// NodeTier the node process's counts at the end, NodeTierUsage its
+	// CPU and memory.
+	PodPages, NodeTierPages int
+	PodFraction             float64
+	NodeTier                *NodeTierStats
+	NodeTierUsage           *harness.Usage
 	// ARC and MIN are the reference policy and the optimum at this
 	// capacity, offline (policies.go); MQP and MQP2 (mqp.go, mqp2.go).
 	ARC, MIN, MQP, MQP2 PolicyResult
@@ -286,6 +341,26 @@ func (c *Config) loadWorkload() (*Workload, error) {
 	}
 	return Load(c.Traces, o)
 }
+
+// split is a run's pool sizes, in pages: each pod's pool and the node
+// tier's (0: none). Without --node-tier every node's pool is the capacity.
+// With it, frac 0 is the pods' own pools of capacity/Engines; frac > 0 a
+// pool of that fraction of it (at least 16 slots) for each pod, and the
+// rest of the capacity for the node tier.
+func (c *Config) split(capacity int, frac float64) (pod, node int) {
+	if !c.NodeTier {
+		return capacity, 0
+	}
+	even := capacity / c.Engines
+	if frac <= 0 {
+		return even, 0
+	}
+	pod = max(16, int(frac*float64(even)))
+	return pod, capacity - c.Engines*pod
+}
+
+// nodeTiered reports whether a transport's pods attach to a node tier.
+func nodeTiered(transport string) bool { return strings.HasSuffix(transport, "+node") }
 
 // tiered reports whether a transport runs with the shared tier.
 func tiered(transport string) bool { return strings.HasSuffix(transport, "+l2") }
@@ -335,6 +410,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	type plan struct {
 		capacity  int
 		transport string
+		frac      float64 // ring+node: the pods' pools (split)
 	}
 	var plans []plan
 	if cfg.L2Start != "" {
@@ -349,16 +425,21 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		if cfg.Offline {
 			break
 		}
-		plans = append(plans, plan{c, "ring"})
+		plans = append(plans, plan{c, "ring", 0})
 		if len(cfg.L2Addrs) > 0 {
-			plans = append(plans, plan{c, "ring+l2"})
+			plans = append(plans, plan{c, "ring+l2", 0})
 		}
 		if cfg.Hints {
-			plans = append(plans, plan{c, "ring+hints"})
+			plans = append(plans, plan{c, "ring+hints", 0})
+		}
+		if cfg.NodeTier {
+			for _, f := range cfg.NodeTierPodFractions {
+				plans = append(plans, plan{c, "ring+node", f})
+			}
 		}
 	}
 	if !cfg.NoUDS && !cfg.Offline {
-		plans = append(plans, plan{cfg.UDSCapacity, "uds"})
+		plans = append(plans, plan{cfg.UDSCapacity, "uds", 0})
 	}
 	oracles := map[int]OracleResult{} // the offline LRU
 	for _, p := range plans {
@@ -375,7 +456,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			nodeOf[i] = (i % cfg.Engines) % cfg.Nodes // the sequential replay's routing
 		}
 		for _, p := range plans {
-			f := OracleFleet(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), p.capacity, tiered(p.transport))
+			pod, node := cfg.split(p.capacity, p.frac)
+			var f FleetResult
+			if node > 0 {
+				f = OracleNodeTier(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, node)
+			} else {
+				f = OracleFleet(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, tiered(p.transport))
+			}
 			fleets[p] = &f
 		}
 	}
@@ -422,7 +509,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	for k, p := range plans {
 		logf("run %d/%d: %d pages (%s), %s, %d engines", k+1, len(plans), p.capacity, cfg.gibLabel(p.capacity), p.transport, cfg.Engines)
 		prog.describe(fmt.Sprintf("%s %s", cfg.gibLabel(p.capacity), p.transport))
-		r, err := cfg.runOne(ctx, w, p.capacity, p.transport, k, prog)
+		r, err := cfg.runOne(ctx, w, p.capacity, p.transport, p.frac, k, prog)
 		if err != nil {
 			return rep, fmt.Errorf("capacity %d pages, %s: %w", p.capacity, p.transport, err)
 		}
@@ -437,6 +524,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		if f := fleets[p]; f != nil {
 			r.Fleet, r.Oracle = f, f.OracleResult
+			r.Oracle.CapacityPages = p.capacity
 		}
 		rep.Runs = append(rep.Runs, r)
 		logf("  hit ratio %.4f (offline %s %.4f), %v, sidecar CPU %v", ratio(r.Counts.HitPages, r.Counts.TotalPages), cfg.modelName(), r.Oracle.HitRatio(), r.Wall.Round(time.Millisecond), r.Sidecar.CPU.Round(time.Millisecond))
@@ -509,13 +597,32 @@ func (c *Config) layout() string {
 
 // runOne starts a sidecar with capacity slots on each node, replays the
 // workload through them and stops them.
-func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transport string, k int, prog *progress) (res *RunResult, err error) {
+func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transport string, frac float64, k int, prog *progress) (res *RunResult, err error) {
 	dir := filepath.Join(c.Dir, fmt.Sprintf("run%d", k))
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
 	defer os.RemoveAll(dir)
-	res = &RunResult{CapacityPages: capacity, Transport: transport, Hists: newHists()}
+	pod, nodePages := c.split(capacity, frac)
+	res = &RunResult{CapacityPages: capacity, Transport: transport, Hists: newHists(), PodPages: pod, NodeTierPages: nodePages, PodFraction: frac}
+	var nt *nodeTier
+	if nodeTiered(transport) {
+		if nt, err = c.startNodeTier(ctx, filepath.Join(dir, "node"), nodePages); err != nil {
+			return res, fmt.Errorf("node tier: %w", err)
+		}
+		defer func() {
+			st, serr := nt.stats()
+			if serr == nil {
+				res.NodeTier = &st
+			}
+			peak := nt.sc.PeakRSS()
+			if serr := nt.sc.Stop(c.Timeout); serr != nil && err == nil {
+				err = fmt.Errorf("the node tier did not stop cleanly: %w", serr)
+			}
+			u := nt.sc.Usage(peak)
+			res.NodeTierUsage = &u
+		}()
+	}
 	var nodes []*sidecarNode
 	var engines []*engine
 	var relays []*harness.Child
@@ -549,7 +656,7 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 		}
 	}()
 	for i := 0; i < c.Nodes; i++ {
-		n, err := c.startNode(ctx, w, filepath.Join(dir, fmt.Sprintf("node%d", i)), capacity, transport, k, i)
+		n, err := c.startNode(ctx, w, filepath.Join(dir, fmt.Sprintf("node%d", i)), pod, transport, nt, k, i)
 		if n != nil {
 			nodes = append(nodes, n)
 		}
@@ -569,7 +676,7 @@ func (c *Config) runOne(ctx context.Context, w *Workload, capacity int, transpor
 		if err != nil {
 			return res, fmt.Errorf("engine %d: %w", i, err)
 		}
-		if tiered(transport) && c.Sequential {
+		if (tiered(transport) || nodeTiered(transport)) && c.Sequential {
 			// The next request may run on another node: this one's writes
 			// must be in the tier first (and, for the exact model, before
 			// the release).
@@ -636,7 +743,7 @@ func (c *Config) newEngine(w *Workload, i int, dir, sock, transport string) (*en
 	instance := fmt.Sprintf("replay-engine-%d", i)
 	e.hints, e.pace = hinted(transport), c.Pace
 	switch transport {
-	case "ring", "ring+l2", "ring+hints":
+	case "ring", "ring+l2", "ring+hints", "ring+node":
 		cl, err := connector.Dial(connector.Options{Socket: sock, Instance: instance, Model: model, Layout: c.layout(), Timeout: c.Timeout})
 		if err != nil {
 			return e, nil, err

@@ -63,6 +63,23 @@ type CapacityRow struct {
 	RetainedPages int64 `json:"retained_pages"` // blocks they retained or renewed
 	Ends          int64 `json:"ends"`           // Retain records that ended a session's retentions
 	EndedPages    int64 `json:"ended_pages"`    // retentions they ended
+	// One node's pods (--node-tier): capacity_pages is the node's pages in
+	// all, pod_pages each pod's pool, node_tier_pages the node tier's
+	// (transport ring+node; 0: the pods' own pools alone, transport ring),
+	// pod_fraction the split's. The node process's counts beside the
+	// model's: pages written into it (new there) and evicted from it.
+	NodeTier                bool    `json:"node_tier"`
+	PodPages                int     `json:"pod_pages"`
+	NodeTierPages           int     `json:"node_tier_pages"`
+	PodFraction             float64 `json:"pod_fraction"`
+	NodeTierStoredPages     int64   `json:"node_tier_stored_pages"`
+	OracleNodeTierStored    int64   `json:"oracle_node_tier_stored_pages"`
+	NodeTierEvictions       int64   `json:"node_tier_evictions"`
+	OracleNodeTierEvictions int64   `json:"oracle_node_tier_evictions"`
+	NodeTierHeldPages       int64   `json:"node_tier_held_pages"` // writes of pages it held already
+	NodeTierCPUSec          float64 `json:"node_tier_cpu_s"`
+	NodeTierPeakRSSBytes    int64   `json:"node_tier_peak_rss_bytes"`
+	NodeTierBytesOut        int64   `json:"node_tier_bytes_out"` // value bytes copied out to pods
 }
 
 // PolicyRow is one capacity's prefix-hit ratios: the live sidecar's
@@ -140,6 +157,7 @@ type SidecarRow struct {
 	PeakRSSBytes         int64   `json:"peak_rss_bytes"`          // pool pages touched included (shared memory)
 	CopyBytes            int64   `json:"copy_bytes"`
 	CopyBytesPerSec      float64 `json:"copy_bytes_per_sec"`
+	PodFraction          float64 `json:"pod_fraction"` // --node-tier's split (ring+node)
 }
 
 func opRow(capacity int, transport, key string, s Summary) OpRow {
@@ -188,11 +206,19 @@ func (rep *Report) build() {
 			Nodes: c.Nodes, Tier: tiered(r.Transport), FetchedPages: r.FetchedPages,
 			Hints: hinted(r.Transport), Retains: r.Counts.Retains, RetainedPages: r.Counts.RetainedPages,
 			Ends: r.Counts.Ends, EndedPages: r.Counts.EndedPages,
+			NodeTier: nodeTiered(r.Transport), PodPages: r.PodPages, NodeTierPages: r.NodeTierPages, PodFraction: r.PodFraction,
 		}
 		if f := r.Fleet; f != nil {
 			cr.OracleFetchedPages, cr.OracleTierHitPages, cr.OracleLoadedPages = f.FetchedPages, f.TierHitPages, f.LoadedPages
+			cr.OracleNodeTierStored, cr.OracleNodeTierEvictions = f.TierStored, f.TierEvictions
 		} else {
 			cr.OracleLoadedPages = r.Oracle.HitPages
+		}
+		if st := r.NodeTier; st != nil {
+			cr.NodeTierStoredPages, cr.NodeTierEvictions, cr.NodeTierHeldPages, cr.NodeTierBytesOut = st.PutStored, st.Evicted, st.PutHeld, st.BytesOut
+		}
+		if u := r.NodeTierUsage; u != nil {
+			cr.NodeTierCPUSec, cr.NodeTierPeakRSSBytes = u.CPU.Seconds(), u.MaxRSS
 		}
 		rep.Rows = append(rep.Rows, cr)
 	}
@@ -233,6 +259,7 @@ func (rep *Report) build() {
 			CPUFraction: r.Sidecar.CPU.Seconds() / max(r.Sidecar.Elapsed.Seconds(), 1e-9),
 			TraceSec:    trace, PeakRSSBytes: r.Sidecar.MaxRSS,
 			CopyBytes: r.CopyBytes(c.PageBytes), CopyBytesPerSec: float64(r.CopyBytes(c.PageBytes)) / max(r.Wall.Seconds(), 1e-9),
+			PodFraction: r.PodFraction,
 		}
 		if trace > 0 {
 			sr.CPUFractionTracePace = r.Sidecar.CPU.Seconds() / trace
@@ -411,6 +438,32 @@ func (rep *Report) verdicts() []string {
 			out = append(out, targetFleet.Holds(ok, ""))
 		}
 	}
+	if nr := rep.runsOf("ring+node"); len(nr) > 0 {
+		var parts []string
+		for _, r := range nr {
+			for _, b := range runs {
+				if b.CapacityPages == r.CapacityPages {
+					hb, hn := ratio(b.Counts.HitPages, b.Counts.TotalPages), ratio(r.Counts.HitPages, r.Counts.TotalPages)
+					parts = append(parts, fmt.Sprintf("%d pages: pods' own pools of %d %.2f%%, pools of %d over a node tier of %d %.2f%% (%.3fx; %d pages fetched from the node tier)",
+						r.CapacityPages, b.PodPages, 100*hb, r.PodPages, r.NodeTierPages, 100*hn, hn/max(hb, 1e-12), r.FetchedPages))
+				}
+			}
+		}
+		out = append(out, fmt.Sprintf("hit rate of %d pods on one node, the same pages in all: %s", c.Engines, strings.Join(parts, "; ")))
+		if c.Sequential {
+			ok := true
+			var bad []string
+			for _, r := range nr {
+				f, st := r.Fleet, r.NodeTier
+				if f == nil || st == nil || r.FetchedPages != f.FetchedPages || r.Counts.LoadedPages != f.LoadedPages ||
+					st.PutStored != f.TierStored || st.Evicted != f.TierEvictions || st.PresentSlots != f.TierStored-f.TierEvictions {
+					ok = false
+					bad = append(bad, fmt.Sprintf("%d pages, pods of %d", r.CapacityPages, r.PodPages))
+				}
+			}
+			out = append(out, targetNodeTier.Holds(ok, strings.Join(bad, "; ")))
+		}
+	}
 	if hr := rep.runsOf("ring+hints"); len(hr) > 0 {
 		var parts []string
 		for _, r := range hr {
@@ -509,7 +562,9 @@ func (rep *Report) print() error {
 		pace = fmt.Sprintf("at the trace's timestamps / %g", c.Pace)
 	}
 	nodes := "one sidecar process per run"
-	if c.Nodes > 1 || len(c.L2Addrs) > 0 {
+	if c.NodeTier {
+		nodes = fmt.Sprintf("node tier: %d pods (sidecar processes) on one node, the capacity their pages in all: ring, pools of capacity/%d each; ring+node, smaller pools over one `ringside node` holding the rest", c.Engines, c.Engines)
+	} else if c.Nodes > 1 || len(c.L2Addrs) > 0 {
 		nodes = fmt.Sprintf("%d nodes (sidecar processes, pools of the capacity each) per run", c.Nodes)
 		if len(c.L2Addrs) > 0 {
 			nodes += fmt.Sprintf(", ring+l2: sharing the tier at %s", strings.Join(c.L2Addrs, ","))
@@ -523,7 +578,7 @@ func (rep *Report) print() error {
 	for _, r := range rep.Runs {
 		var sr SidecarRow
 		for _, x := range rep.Rows {
-			if s, ok := x.(SidecarRow); ok && s.CapacityPages == r.CapacityPages && s.Transport == r.Transport {
+			if s, ok := x.(SidecarRow); ok && s.CapacityPages == r.CapacityPages && s.Transport == r.Transport && s.PodFraction == r.PodFraction {
 				sr = s
 			}
 		}
@@ -547,6 +602,11 @@ func (rep *Report) print() error {
 		return err
 	}
 	fmt.Fprintln(out, "sidecar CPU: CPU time / process lifetime (cores busy during the run; all nodes' together); peak RSS counts the pool pages it touched (the largest node)")
+	if c.NodeTier {
+		if err := rep.printNodeTier(out); err != nil {
+			return err
+		}
+	}
 	var beyond []string
 	for _, o := range rep.OracleCurve {
 		if o.CapacityPages > slices.Max(c.CapacityPages) {
@@ -778,5 +838,51 @@ func (rep *Report) printPolicies(out io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	return nil
+}
+
+// printNodeTier is --node-tier's table: each split of a capacity beside
+// the pods' own pools of the same pages.
+func (rep *Report) printNodeTier(out io.Writer) error {
+	c := &rep.Config
+	fmt.Fprintf(out, "\nnode tier: %d pods, the capacity their pages in all (node-tier slots take %d bytes more each for the value's header)\n", c.Engines, 4096)
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "capacity\tGiB equiv\tpod pools\tnode tier\thit ratio\tmodel\tx pods' own\tfrom node tier\tmodel\tnode stored\tmodel\tnode evicted\tmodel\tpods' no space\tnode CPU\t")
+	for _, r := range rep.Runs {
+		if r.Transport != "ring" && !nodeTiered(r.Transport) {
+			continue
+		}
+		var base float64
+		for _, b := range rep.runsOf("ring") {
+			if b.CapacityPages == r.CapacityPages {
+				base = ratio(b.Counts.HitPages, b.Counts.TotalPages)
+			}
+		}
+		hr := ratio(r.Counts.HitPages, r.Counts.TotalPages)
+		node, ostored, oevicted, stored, evicted, cpu := "-", "-", "-", "-", "-", "-"
+		if r.NodeTierPages > 0 {
+			node = strconv.Itoa(r.NodeTierPages)
+		}
+		if f := r.Fleet; f != nil && f.TierCapacity > 0 {
+			ostored, oevicted = strconv.FormatInt(f.TierStored, 10), strconv.FormatInt(f.TierEvictions, 10)
+		}
+		if st := r.NodeTier; st != nil {
+			stored, evicted = strconv.FormatInt(st.PutStored, 10), strconv.FormatInt(st.Evicted, 10)
+		}
+		if u := r.NodeTierUsage; u != nil {
+			cpu = fmt.Sprintf("%.1f s", u.CPU.Seconds())
+		}
+		var ofetched int64
+		if r.Fleet != nil {
+			ofetched = r.Fleet.FetchedPages
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%d x %d\t%s\t%.4f\t%.4f\t%.3f\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%s\t\n",
+			r.CapacityPages, c.gibLabel(r.CapacityPages), c.Engines, r.PodPages, node, hr, r.Oracle.HitRatio(), hr/max(base, 1e-12),
+			r.FetchedPages, ofetched, stored, ostored, evicted, oevicted, r.Counts.SkippedPages, cpu)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(out, "hit ratio: prefix pages served from the pod's pool or the node tier; x pods' own: over the run whose pods keep capacity/pods each and no node tier")
 	return nil
 }

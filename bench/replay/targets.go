@@ -19,4 +19,7 @@ var (
 	// a shared tier the fleet model's.
 	targetOracle = harness.Target{What: "hit rate equal to the offline LRU at every capacity", Cmp: harness.Statement}
 	targetFleet  = harness.Target{What: "pages fetched from the tier and loaded equal to the model's", Cmp: harness.Statement, Where: "sequential"}
+	// --node-tier: the pods' pools over one node process, against
+	// OracleNodeTier, count for count.
+	targetNodeTier = harness.Target{What: "pages fetched from the node tier, loaded, written into it, evicted from it and held at the end equal to the model's", Cmp: harness.Statement, Where: "sequential"}
 )

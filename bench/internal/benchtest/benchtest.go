@@ -21,7 +21,7 @@ import (
 func Main(m *testing.M, childEnv string) {
 	if os.Getenv(childEnv) == "1" {
 		app := benchcli.App()
-		if len(os.Args) > 1 && os.Args[1] == "serve" {
+		if len(os.Args) > 1 && (os.Args[1] == "serve" || os.Args[1] == "node") {
 			app = cli.App()
 		}
 		if err := app.Run(os.Args); err != nil {
