@@ -1,5 +1,5 @@
 // Package benchcli is ringside-bench's command line: the benchmarks, each a
-// subcommand (ring, poll, delta, replay, copy, l2) with its flags and their
+// subcommand (ring, poll, delta, replay, copy, l2, node) with its flags and their
 // RINGSIDE_BENCH_* environment variables, and the hidden subcommands that
 // the benchmarks re-run this executable as (their servers, relays and
 // peers). The sidecar that poll and replay start is the product binary,
@@ -28,6 +28,7 @@ func App() *cli.App {
 			benchReplayCommand(),
 			benchCopyCommand(),
 			benchL2Command(),
+			benchNodeCommand(),
 			// Hidden: run by the benchmarks above in child processes.
 			benchRingServerCommand(),
 			benchPollRelayCommand(),

@@ -24,7 +24,7 @@ func TestCommands(t *testing.T) {
 			visible = append(visible, c.Name)
 		}
 	}
-	if want := []string{"ring", "poll", "delta", "replay", "copy", "l2"}; !slices.Equal(visible, want) {
+	if want := []string{"ring", "poll", "delta", "replay", "copy", "l2", "node"}; !slices.Equal(visible, want) {
 		t.Errorf("benchmarks %v, want %v", visible, want)
 	}
 	if want := []string{"ring-server", "poll-relay", "replay-relay", "copy-peer"}; !slices.Equal(hidden, want) {

@@ -1,0 +1,366 @@
+// Package nodebench is `ringside-bench node`: the node tier's fetch
+// throughput (sidecar/node: a node process's pool, read by a sidecar's
+// client through its window) against a plain in-process copy of the same
+// bytes, in the same blocks, measured alternately in the same run.
+//
+// The node tier runs in this process (node.NewServer and node.NewClient,
+// as sidecar/node's BenchmarkNodeTier, which uses Start): the real Unix
+// socket (SEQPACKET), the pool and the window as sealed memfds, the node's
+// goroutine copying pool slots into the window and the client checking
+// each value's header and CRC32C while copying it into the pod pool. A
+// fetch is what an acquire's fetch from the node tier does: one
+// Client.Fetch of Blocks blocks, which the client sends as Gets of a
+// quarter of the window each (16 blocks at the default 64 slots). The
+// ceiling is Go's copy() of the same number of blocks of the same size
+// from one buffer into the same pod-pool slots.
+package nodebench
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"text/tabwriter"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ringside-kv/ringside/bench/harness"
+	"github.com/ringside-kv/ringside/sidecar/machine"
+	"github.com/ringside-kv/ringside/sidecar/node"
+)
+
+// Tier is a node tier in this process: a server whose pool holds Blocks
+// values of BlockBytes, and a client over Pool, a pod pool of 2 x Blocks
+// slots (the first half the written blocks' source, the second half where
+// fetches land).
+type Tier struct {
+	Server     *node.Server
+	Client     *node.Client
+	Pool       []byte
+	NS         machine.L2Namespace
+	BlockBytes int
+	Blocks     int
+	cancel     context.CancelFunc
+	dir        string
+}
+
+// Start starts a node tier in dir (created; removed by Close) for blocks
+// values of blockBytes, with the window's default size.
+func Start(dir string, blockBytes, blocks int) (*Tier, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	t := &Tier{BlockBytes: blockBytes, Blocks: blocks, dir: dir, NS: machine.L2NamespaceFor("m", "l", "", 16, 1)}
+	s, err := node.NewServer(node.ServerConfig{Dir: filepath.Join(dir, "n"), PoolBytes: uint64(blocks+2) * uint64(blockBytes+node.SlotHeadroom),
+		SlotBytes: uint64(blockBytes), PodShare: 1}, zerolog.Nop())
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Server, t.cancel = s, cancel
+	go s.Serve(ctx)
+	t.Pool = make([]byte, 2*blocks*blockBytes)
+	for i := range t.Pool[:blocks*blockBytes] {
+		t.Pool[i] = byte(i * 7)
+	}
+	c, err := node.NewClient(node.ClientConfig{Socket: s.Socket(), Pod: "bench", IOTimeout: 10 * time.Second, LookupTimeout: time.Second}, t.Pool, uint64(blockBytes), zerolog.Nop())
+	if err != nil {
+		t.Close()
+		return nil, err
+	}
+	t.Client = c
+	if !c.WaitConnected(10 * time.Second) {
+		t.Close()
+		return nil, errors.New("the client did not attach to the node tier")
+	}
+	return t, nil
+}
+
+// Close stops the client and the server and removes the directory.
+func (t *Tier) Close() {
+	if t.Client != nil {
+		t.Client.Close()
+	}
+	t.cancel()
+	<-t.Server.Done()
+	os.RemoveAll(t.dir)
+}
+
+// Digest is block i's digest.
+func Digest(i int) []byte { return []byte(fmt.Sprintf("%016d", i)) }
+
+// Write writes the block of digest d from pod-pool slot i and waits until
+// the client has handed it to the node (copied out of the pool); false:
+// refused.
+func (t *Tier) Write(d []byte, slot int) bool {
+	done := make(chan bool, 1)
+	t.Client.Write(machine.L2Write{NS: t.NS, Digest: d, Length: uint64(t.BlockBytes), PoolOffsets: []uint64{uint64(slot) * uint64(t.BlockBytes)}}, func(refused bool) { done <- refused })
+	return !<-done
+}
+
+// WriteAll writes blocks 0..Blocks-1 from the first half of the pod pool
+// and waits until the node has answered them all (WaitWrites).
+func (t *Tier) WriteAll(timeout time.Duration) error {
+	for i := 0; i < t.Blocks; i++ {
+		if !t.Write(Digest(i), i) {
+			return fmt.Errorf("write of block %d refused", i)
+		}
+	}
+	return t.WaitWrites(timeout)
+}
+
+// WaitWrites waits until the node has answered every write handed to the
+// client, and fails if any was not stored (or held already).
+func (t *Tier) WaitWrites(timeout time.Duration) error {
+	st := t.Client.Stats()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, bad := st.WritesOK.Load()+st.WritesExist.Load(), st.WritesRefused.Load()+st.WritesFailed.Load()
+		if bad > 0 {
+			return fmt.Errorf("%d writes refused or failed", bad)
+		}
+		if ok >= st.Writes.Load() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d writes answered after %v", ok, st.Writes.Load(), timeout)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
+// FetchRange fetches blocks first..first+n-1 into the second half of the
+// pod pool (block i into slot Blocks+i).
+func (t *Tier) FetchRange(first, n int) machine.L2Fetch {
+	f := machine.L2Fetch{NS: t.NS, Length: uint64(t.BlockBytes), MaxLength: uint64(t.BlockBytes)}
+	for k := first; k < first+n; k++ {
+		f.Blocks = append(f.Blocks, machine.L2FetchBlock{Digest: Digest(k), PoolOffsets: []uint64{uint64(t.Blocks+k) * uint64(t.BlockBytes)}})
+	}
+	return f
+}
+
+// Fetch runs f and reports how many of its blocks came.
+func (t *Tier) Fetch(f machine.L2Fetch) int {
+	ch := make(chan []machine.L2FetchResult, 1)
+	t.Client.Fetch(f, func(r []machine.L2FetchResult) { ch <- r })
+	ok := 0
+	for _, r := range <-ch {
+		if r.OK {
+			ok++
+		}
+	}
+	return ok
+}
+
+// Config configures a run. Zero fields take defaults.
+type Config struct {
+	BlockBytes []int // default 16 KiB, 256 KiB, 2 MiB
+	Blocks     int   // blocks per fetch (default 64)
+	TotalBytes int64 // bytes fetched (and copied) per block size and repetition (default 256 MiB)
+	// WorkingBytes are the blocks the node holds and the fetches cycle
+	// through (default 128 MiB; at least one fetch's): beyond the caches,
+	// as a pool's are.
+	WorkingBytes int64
+	Reps         int // repetitions, alternating fetch and copy (default 5)
+	Dir          string
+	JSON         bool
+	Quiet        bool
+	Out, Log     io.Writer
+}
+
+// Row is one block size's figures (bench "node_fetch").
+type Row struct {
+	Bench        string    `json:"bench"` // "node_fetch"
+	BlockBytes   int       `json:"block_bytes"`
+	Blocks       int       `json:"blocks"`        // per fetch
+	Bytes        int64     `json:"bytes"`         // per repetition, each side
+	WorkingBytes int64     `json:"working_bytes"` // the blocks the fetches cycle through
+	Reps         int       `json:"reps"`
+	FetchGBps    float64   `json:"fetch_gbps"` // median over the repetitions
+	CopyGBps     float64   `json:"copy_gbps"`  // the same, Go's copy()
+	Ratio        float64   `json:"ratio"`      // median of the repetitions' fetch/copy
+	RatioMin     float64   `json:"ratio_min"`  // lowest repetition's
+	RatioMax     float64   `json:"ratio_max"`  // highest repetition's
+	FetchEach    []float64 `json:"fetch_each"` // GB/s of each repetition
+	CopyEach     []float64 `json:"copy_each"`  // GB/s of each repetition
+	LoadAvg      string    `json:"loadavg"`    // at the row's end
+	Checked      bool      `json:"checked"`    // every fetched byte compared with the written block
+	CPUs         int       `json:"cpus"`
+	WindowSlots  int       `json:"window_slots"`
+}
+
+func (c *Config) defaults() {
+	if len(c.BlockBytes) == 0 {
+		c.BlockBytes = []int{16 << 10, 256 << 10, 2 << 20}
+	}
+	if c.Blocks <= 0 {
+		c.Blocks = 64
+	}
+	if c.TotalBytes <= 0 {
+		c.TotalBytes = 256 << 20
+	}
+	if c.Reps <= 0 {
+		c.Reps = 5
+	}
+	if c.WorkingBytes <= 0 {
+		c.WorkingBytes = 128 << 20
+	}
+	if c.Dir == "" {
+		c.Dir = filepath.Join(os.TempDir(), fmt.Sprintf("ringside-nodebench-%d", os.Getpid()))
+	}
+	if c.Out == nil {
+		c.Out = io.Discard
+	}
+	if c.Log == nil {
+		c.Log = io.Discard
+	}
+}
+
+// Run measures every block size and prints the rows and the verdicts.
+func Run(ctx context.Context, cfg Config) ([]Row, error) {
+	cfg.defaults()
+	var rows []Row
+	for _, bs := range cfg.BlockBytes {
+		if bs < 4096 || bs%64 != 0 {
+			return rows, fmt.Errorf("block size %d: want a multiple of 64, at least 4KiB", bs)
+		}
+		if !cfg.Quiet {
+			fmt.Fprintf(cfg.Log, "node: %d blocks of %d bytes a fetch, %d MiB a repetition, %d repetitions\n", cfg.Blocks, bs, cfg.TotalBytes>>20, cfg.Reps)
+		}
+		r, err := measure(ctx, cfg, bs)
+		if err != nil {
+			return rows, fmt.Errorf("%d-byte blocks: %w", bs, err)
+		}
+		rows = append(rows, r)
+	}
+	return rows, report(cfg, rows)
+}
+
+func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
+	row := Row{Bench: "node_fetch", BlockBytes: bs, Blocks: cfg.Blocks, Reps: cfg.Reps, CPUs: runtime.NumCPU(), WindowSlots: node.DefaultWindowSlots}
+	// The working set: fetches of Blocks blocks each cycle through it, so
+	// that neither side runs out of a cache the other cannot use.
+	groups := max(1, int(cfg.WorkingBytes/(int64(cfg.Blocks)*int64(bs))))
+	held := groups * cfg.Blocks
+	row.WorkingBytes = int64(held) * int64(bs)
+	t, err := Start(filepath.Join(cfg.Dir, fmt.Sprint(bs)), bs, held)
+	if err != nil {
+		return row, err
+	}
+	defer t.Close()
+	if err := t.WriteAll(time.Minute); err != nil {
+		return row, err
+	}
+	fs := make([]machine.L2Fetch, groups)
+	for g := range fs {
+		fs[g] = t.FetchRange(g*cfg.Blocks, cfg.Blocks)
+	}
+	per := int64(cfg.Blocks) * int64(bs)
+	rounds := max(groups, int(cfg.TotalBytes/per))
+	row.Bytes = int64(rounds) * per
+	src := make([]byte, held*bs) // the copy's source: the node pool's bytes, in this process
+	copy(src, t.Pool[:held*bs])
+	dst := t.Pool[held*bs:]
+	span := cfg.Blocks * bs
+	// Warm both paths (page faults of the pool, the window, dst).
+	for g := range fs {
+		if t.Fetch(fs[g]) != cfg.Blocks {
+			return row, errors.New("a warm-up fetch missed")
+		}
+	}
+	copyBlocks(dst, src, bs)
+	var ratios []float64
+	for rep := 0; rep < cfg.Reps; rep++ {
+		if err := ctx.Err(); err != nil {
+			return row, err
+		}
+		clear(dst)
+		// Interleaved at each fetch, so that both sides see the same
+		// machine (on a shared one, its load moves within a second); the
+		// copy takes the group half the working set away from the one
+		// just fetched, whose bytes are in no cache.
+		var fd, cd time.Duration
+		for i := 0; i < rounds; i++ {
+			t0 := time.Now()
+			if n := t.Fetch(fs[i%groups]); n != cfg.Blocks {
+				return row, fmt.Errorf("a fetch got %d of %d blocks", n, cfg.Blocks)
+			}
+			t1 := time.Now()
+			o := ((i + groups/2) % groups) * span
+			copyBlocks(dst[o:o+span], src[o:o+span], bs)
+			fd, cd = fd+t1.Sub(t0), cd+time.Since(t1)
+		}
+		if string(dst) != string(src) {
+			return row, errors.New("the fetched bytes differ from the written ones")
+		}
+		fg, cg := gbps(row.Bytes, fd), gbps(row.Bytes, cd)
+		row.FetchEach, row.CopyEach = append(row.FetchEach, fg), append(row.CopyEach, cg)
+		ratios = append(ratios, fg/cg)
+	}
+	row.Checked = true
+	row.FetchGBps, row.CopyGBps, row.Ratio = median(row.FetchEach), median(row.CopyEach), median(ratios)
+	row.RatioMin, row.RatioMax = slices.Min(ratios), slices.Max(ratios)
+	row.LoadAvg = harness.LoadAvg()
+	return row, nil
+}
+
+// copyBlocks copies src into dst block by block, as a fetch lands.
+func copyBlocks(dst, src []byte, bs int) {
+	for off := 0; off < len(src); off += bs {
+		copy(dst[off:off+bs], src[off:off+bs])
+	}
+}
+
+func gbps(n int64, d time.Duration) float64 { return float64(n) / max(d.Seconds(), 1e-9) / 1e9 }
+
+func median(v []float64) float64 {
+	s := slices.Sorted(slices.Values(v))
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func report(cfg Config, rows []Row) error {
+	var verdicts []string
+	worst, ok := 0.0, true
+	for i, r := range rows {
+		if i == 0 || r.Ratio < worst {
+			worst = r.Ratio
+		}
+		ok = ok && targetFetch.Met(r.Ratio)
+	}
+	if len(rows) > 0 {
+		verdicts = append(verdicts, targetFetch.Holds(ok, fmt.Sprintf("lowest %.2fx", worst)))
+	}
+	if cfg.JSON {
+		enc := json.NewEncoder(cfg.Out)
+		for _, r := range rows {
+			if err := enc.Encode(r); err != nil {
+				return err
+			}
+		}
+		harness.Verdicts(cfg.Out, cfg.Log, true, cfg.Quiet, verdicts)
+		return nil
+	}
+	fmt.Fprintf(cfg.Out, "node tier fetch (in-process node and client, real socket and memfds, %d-slot window) against Go's copy() of the same blocks; %d CPUs, load average %s\n\n",
+		node.DefaultWindowSlots, runtime.NumCPU(), harness.LoadAvg())
+	tw := tabwriter.NewWriter(cfg.Out, 2, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "block\tblocks/fetch\tworking set MiB\tMiB/rep\treps\tfetch GB/s\tcopy GB/s\tfetch/copy\tmin\tmax\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d KiB\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.BlockBytes>>10, r.Blocks, r.WorkingBytes>>20, r.Bytes>>20, r.Reps, r.FetchGBps, r.CopyGBps, r.Ratio, r.RatioMin, r.RatioMax)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(cfg.Out, "GB/s: the medians of the repetitions; fetch/copy: the median of each repetition's ratio (each fetch followed by a copy of as many bytes, each timed alone)")
+	harness.Verdicts(cfg.Out, cfg.Log, false, cfg.Quiet, verdicts)
+	return nil
+}
