@@ -63,6 +63,8 @@ func init() {
 						n.Socket, n.Pod, n.Connected, n.Epoch, k["lookups"], k["lookup_hit_blocks"], k["fetched_blocks"], k["fetch_missed_blocks"], k["fetch_rejected_values"])
 					fmt.Fprintf(w, "  writes stored %d, held already %d, refused %d, failed %d  timeouts %d  attaches %d\n",
 						k["writes_stored"], k["writes_held_already"], k["writes_refused"], k["writes_failed"], k["timeouts"], k["attaches"])
+					fmt.Fprintf(w, "  KV events: described %d (dropped %d)  node log: stored %d, removed %d, dropped %d, rebuilds %d, read failures %d\n",
+						k["described"], k["describe_dropped"], k["events_stored"], k["events_removed"], k["events_dropped"], k["events_rebuilds"], k["events_read_failures"])
 				}
 				if cl := l.Client; cl != nil {
 					fmt.Fprintf(w, "l2: %s %v connected %v tls %v prefix %q ttl %s\n", l.Mode, l.Addrs, l.Connected, l.TLS, l.Prefix, l.TTL)
