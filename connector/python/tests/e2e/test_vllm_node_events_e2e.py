@@ -77,8 +77,9 @@ def test_pod_b_announces_pod_a_blocks_through_the_node_tier(model_dir, ringside_
         node.restart()
         _wait(
             lambda: "B did not rebuild: %s" % _node(b)["counts"],
-            lambda: _node(b)["counts"]["events_rebuilds"] >= 1
-            and _node(b)["counts"]["events_removed"] >= len(a_blocks),
+            lambda: (
+                _node(b)["counts"]["events_rebuilds"] >= 1 and _node(b)["counts"]["events_removed"] >= len(a_blocks)
+            ),
         )
         _poke(done_b, pb, log_b)
         open(done_b, "w").close()
@@ -90,6 +91,8 @@ def test_pod_b_announces_pod_a_blocks_through_the_node_tier(model_dir, ringside_
             assert h in cpu, "B's stream never announced A's block %#x" % h
             parent, toks = cpu[h]
             assert toks == desc["tokens"], "A's block %#x announced by B with other tokens" % h
+            want_parent = int(desc["parent"][-16:], 16) if desc["parent"] else None  # as vLLM converts
+            assert parent == want_parent, "A's block %#x announced by B with parent %s" % (h, parent)
             stored, removed = ops.index(("stored", h)), ops.index(("removed", h))
             assert stored < removed, "A's block %#x withdrawn before it was announced" % h
             assert ops.count(("stored", h)) == ops.count(("removed", h)) == 1, h
@@ -101,7 +104,7 @@ def test_pod_b_announces_pod_a_blocks_through_the_node_tier(model_dir, ringside_
             % (len(a_blocks), _node(b)["counts"])
         )
     finally:
-        for p, done, log in procs:
+        for p, done, _log in procs:
             if done:
                 open(done, "w").close()
             if p.poll() is None:
