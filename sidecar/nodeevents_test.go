@@ -136,7 +136,17 @@ func tokensOf(i int) []uint32 { return []uint32{uint32(1000 + i), uint32(2000 + 
 // of h, as its scheduler does after their store.
 func describeBlocks(t *testing.T, h *harness, d []byte, n int) {
 	t.Helper()
-	c := h.dial(func(o *connector.Options) { o.Instance = "sched"; o.Role = schema.RoleScheduler })
+	describeBlocksAs(t, h, "", d, n)
+}
+
+func describeBlocksAs(t *testing.T, h *harness, model string, d []byte, n int) {
+	t.Helper()
+	c := h.dial(func(o *connector.Options) {
+		o.Instance, o.Role = "sched", schema.RoleScheduler
+		if model != "" {
+			o.Model = model
+		}
+	})
 	tokens := make([]byte, 0, 8*n)
 	for i := 0; i < n; i++ {
 		for _, tk := range tokensOf(i) {
@@ -161,17 +171,26 @@ func allOf(v *eventView, d []byte, n int, want bool) func() bool {
 
 // A block pod A writes into the node tier and describes is announced in
 // pod B's event log (B never held it), with A's description; when it
-// leaves the node tier, B's log removes it.
+// leaves the node tier, B's log removes it. B follows only the namespaces
+// its engines attached with.
 func TestNodeEventsBetweenPods(t *testing.T) {
 	nt := startNodeTier(t, "")
 	a := nodeHarness(t, nt.Socket(), "pod-a")
 	b := nodeHarness(t, nt.Socket(), "pod-b")
 	vb := followEvents(t, b) // B's engine registered the namespace
 	const n = 4
+	other := digests("another model's prompt", 2)
+	storeBlocksAs(t, a, "other-model", other, 2, 1)
+	describeBlocksAs(t, a, "other-model", other, 2)
 	d := digests("pod A's prompt", n)
 	storeBlocks(t, a, d, n, 10)
 	describeBlocks(t, a, d, n)
+	waitNode(t, a, func(s *sidecar.NodeState) bool { return s.Counts["described"] == n+2 }, "described")
 	vb.waitFor("announcing A's blocks", allOf(vb, d, n, true))
+	vb.holdsFor("announcing no other model's block", 200*time.Millisecond, func() bool { return len(vb.set) == n })
+	if st := b.srv.State().L2.Node.Counts; st["events_stored"] != n {
+		t.Fatalf("B read %d blocks of the node's logs, want %d (its own namespace's)", st["events_stored"], n)
+	}
 	for i := 0; i < n; i++ {
 		if got := vb.set[hex.EncodeToString(d[i*32:(i+1)*32])]; len(got) != 2 || got[0] != tokensOf(i)[0] || got[1] != tokensOf(i)[1] {
 			t.Fatalf("block %d announced with tokens %v, want %v", i, got, tokensOf(i))

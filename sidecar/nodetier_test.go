@@ -76,7 +76,19 @@ func waitNode(t *testing.T, h *harness, cond func(*sidecar.NodeState) bool, what
 // storeBlocks stores n stamped blocks of prefix through an engine of h.
 func storeBlocks(t *testing.T, h *harness, d []byte, n, first int) {
 	t.Helper()
-	c := h.dial(func(o *connector.Options) { o.Instance = "writer" })
+	storeBlocksAs(t, h, "", d, n, first)
+}
+
+// storeBlocksAs is storeBlocks through an engine of model (empty: the
+// harness's).
+func storeBlocksAs(t *testing.T, h *harness, model string, d []byte, n, first int) {
+	t.Helper()
+	c := h.dial(func(o *connector.Options) {
+		o.Instance = "writer"
+		if model != "" {
+			o.Model = model
+		}
+	})
 	src := newRegion(1, n)
 	if err := c.RegisterRegion(src.reg); err != nil {
 		t.Fatal(err)
