@@ -53,10 +53,12 @@ func init() { childRoles["ns"] = nsChild }
 
 // nsCommand returns the command that runs role ("node" or "pod") as the
 // first process of new mount and PID namespaces; args are `ringside`'s
-// (node) or the sidecar's serve flags (pod; none: a pod without one).
-func nsCommand(role, name, logPath string, args []string) *exec.Cmd {
+// (node) or the sidecar's serve flags (pod; none: a pod without one); env
+// adds RS_NS_RO=DIR: DIR is bind-mounted read-only in the namespace, as a
+// pod mounts the node's directory.
+func nsCommand(role, name, logPath string, args []string, env ...string) *exec.Cmd {
 	a, _ := json.Marshal(args)
-	cmd := child("ns", "RS_NS_ROLE="+role, "RS_NS_NAME="+name, "RS_NS_BIN="+ringsideBin, "RS_NS_ARGS="+string(a), "RS_NS_LOG="+logPath)
+	cmd := child("ns", append([]string{"RS_NS_ROLE=" + role, "RS_NS_NAME=" + name, "RS_NS_BIN=" + ringsideBin, "RS_NS_ARGS=" + string(a), "RS_NS_LOG=" + logPath}, env...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID, Pdeathsig: syscall.SIGKILL}
 	return cmd
 }
@@ -92,13 +94,19 @@ func needNamespaces(t *testing.T) {
 	t.Fatal(msg)
 }
 
-// startNodeNS starts `ringside node` on dir in namespaces of its own,
-// with its metrics on a free port of the loopback.
+// nodeUID is the uid `ringside node` runs as in the namespace tests, as
+// deployed (deploy/README.md): not root. The pods' processes run as root;
+// the node admits them with --allow-uid 0.
+const nodeUID = 1000
+
+// startNodeNS starts `ringside node` on dir (whose parent is nodeUID's)
+// in namespaces of its own, as nodeUID, with its metrics on a free port of
+// the loopback.
 func startNodeNS(t *testing.T, dir string, extra ...string) (*nodeProc, *sidecar) {
 	t.Helper()
 	addr := freePort(t)
 	n := &nodeProc{t: t, dir: dir, sock: filepath.Join(dir, "node.sock"), logPath: filepath.Join(t.TempDir(), "node.log"), ns: true,
-		extra: append([]string{"--metrics.addr", addr}, extra...)}
+		extra: append([]string{"--metrics.addr", addr, "--allow-uid", "0"}, extra...), env: []string{fmt.Sprintf("RS_NS_UID=%d", nodeUID)}}
 	n.start()
 	t.Cleanup(n.stop)
 	return n, &sidecar{t: t, addr: addr}
@@ -154,21 +162,22 @@ type nsPod struct {
 	dir     string   // its sidecar's --dir, inside the pod's /dev/shm
 }
 
-// startPod starts pod name in namespaces of its own; with nodeSock, its
-// sidecar attaches to the node tier there under the pod's name (extra
-// flags after the defaults); without, the pod has no sidecar.
-func startPod(t *testing.T, name, nodeSock string, extra ...string) *nsPod {
+// startPod starts pod name in namespaces of its own, with the directory
+// of the node's socket nodeSock mounted read-only, as the sidecars mount it
+// (deploy/README.md); withSidecar, its sidecar attaches to the node tier
+// under the pod's name (extra flags after the defaults).
+func startPod(t *testing.T, name, nodeSock string, withSidecar bool, extra ...string) *nsPod {
 	t.Helper()
 	p := &nsPod{t: t, name: name, logPath: filepath.Join(t.TempDir(), name+".log"), exited: make(chan struct{})}
 	var args []string
-	if nodeSock != "" {
+	if withSidecar {
 		addr := freePort(t)
 		args = append(append([]string{}, defaultArgs...), "--metrics.addr", addr, "--node.socket", nodeSock, "--node.pod", name,
 			"--node.lookup-timeout", "500ms", "--node.io-timeout", "2s")
 		args = append(args, extra...)
 		p.sc = &sidecar{t: t, addr: addr}
 	}
-	p.cmd = nsCommand("pod", name, p.logPath, args)
+	p.cmd = nsCommand("pod", name, p.logPath, args, "RS_NS_RO="+filepath.Dir(nodeSock))
 	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
@@ -277,15 +286,16 @@ func (p *nsPod) close() {
 }
 
 // checkHostMounts fails the test if a mount made in a namespace shows in
-// this process's mount table.
-func checkHostMounts(t *testing.T) {
+// this process's mount table: a tmpfs of a pod, or a mount on the node's
+// directory dir.
+func checkHostMounts(t *testing.T, dir string) {
 	t.Helper()
 	b, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if strings.Contains(line, nsMountTag) {
+		if f := strings.Fields(line); strings.Contains(line, nsMountTag) || len(f) > 4 && strings.HasPrefix(f[4], dir) {
 			t.Fatalf("a namespace's mount reached the host: %s", line)
 		}
 	}
@@ -301,10 +311,13 @@ func nsTier(t *testing.T, nodeFlags ...string) (np *nodeProc, nm *sidecar, a, b 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(ndir) })
-	t.Cleanup(func() { checkHostMounts(t) })
+	t.Cleanup(func() { checkHostMounts(t, ndir) })
+	if err := os.Chown(ndir, nodeUID, nodeUID); err != nil {
+		t.Fatal(err)
+	}
 	np, nm = startNodeNS(t, filepath.Join(ndir, "n"), nodeFlags...)
-	a = startPod(t, "pod-a", np.sock)
-	b = startPod(t, "pod-b", np.sock)
+	a = startPod(t, "pod-a", np.sock, true)
+	b = startPod(t, "pod-b", np.sock, true)
 	for _, p := range []*nsPod{a, b} {
 		p.sc.waitNode("attached", func(s nodeState) bool { return s.Connected })
 	}
@@ -315,8 +328,8 @@ func nsTier(t *testing.T, nodeFlags ...string) (np *nodeProc, nm *sidecar, a, b 
 // byte-exact by pod B's, through the node process, with no memory shared
 // but what the node hands each sidecar over the socket.
 func TestNodeTierNamespaces(t *testing.T) {
-	row := record(t, "Isolation", "the node tier with `ringside node` and two pods (each a `ringside serve` and an engine client beside it) in separate mount and PID namespaces, each pod with a fresh tmpfs on its /dev/shm; they share only the host directory of the node's socket",
-		"what A's engine stores, B's engine loads byte-exact, fetched from the node tier; from inside B, /proc shows only B's processes and /dev/shm only B's files (A's sidecar directory is absent), and no namespace's mount shows in the host's mount table", "")
+	row := record(t, "Isolation", "the node tier with `ringside node` and two pods (each a `ringside serve` and an engine client beside it) in separate mount and PID namespaces, each pod with a fresh tmpfs on its /dev/shm; they share only the host directory of the node's socket, which the pods mount read-only, as deployed",
+		"what A's engine stores, B's engine loads byte-exact, fetched from the node tier; from inside B, /proc shows only B's processes and /dev/shm only B's files (A's sidecar directory is absent), and no namespace's mount shows in the host's mount table; a second node process on the same directory in namespaces of its own exits, refused by the first one's lock, and the first serves on", "")
 	np, _, a, b := nsTier(t)
 	const n = 16
 	a.store("engine-a", "system prompt", n, 7)
@@ -361,7 +374,41 @@ func TestNodeTierNamespaces(t *testing.T) {
 	if _, err := os.Stat(a.dir); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the host sees pod A's %s: %v", a.dir, err)
 	}
-	checkHostMounts(t)
+	checkHostMounts(t, filepath.Dir(np.dir))
+
+	// A second node process on the directory, in namespaces of its own
+	// (a DaemonSet's old and new pod overlapping in a rollout), is refused
+	// by the first one's lock, and leaves its socket alone.
+	logp := filepath.Join(t.TempDir(), "node2.log")
+	logf, err := os.Create(logp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := nsCommand("node", "node-2", logp, []string{"node", "--dir", np.dir, "--pool.bytes", "2MiB", "--pool.slot-bytes", "4KiB", "--pool.reserve=false", "--metrics.addr", ""})
+	second.Stdout, second.Stderr = logf, logf
+	if err := second.Start(); err != nil {
+		t.Fatal(err)
+	}
+	logf.Close()
+	done := make(chan error, 1)
+	go func() { done <- second.Wait() }()
+	select {
+	case err = <-done:
+	case <-time.After(15 * time.Second):
+		second.Process.Kill()
+		<-done
+		t.Fatal("a second node process on the directory did not exit within 15 s")
+	}
+	msg, _ := os.ReadFile(logp)
+	if err == nil || !strings.Contains(string(msg), "another node process holds it") {
+		t.Fatalf("a second node process on the directory: %v: %s", err, msg)
+	}
+	a.store("engine-a", "after the second node", n, 8)
+	a.sc.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] == 2*n })
+	if got, _ := b.load(podCmd{Instance: "engine-b2", Seed: "after the second node", N: n, Tag: 8}); got != n {
+		t.Fatalf("after a second node process was refused, B loaded %d of %d", got, n)
+	}
+	row.add("a second node process on the directory, in namespaces of its own: refused (%v), and the first served on (B loaded A's next %d blocks)", err, n)
 	row.add("inside B: processes %v, /dev/shm %v (%s); A's %s: %s", pk.Procs, pk.Shm, strings.Fields(pk.ShmMount)[0], a.dir, pk.Seen[a.dir])
 }
 
@@ -553,8 +600,8 @@ func TestNodeTierNamespacesNodeKilledMidFetch(t *testing.T) {
 // pod A's blocks; a hostile client on the node socket cannot name A's
 // namespace without registering it, and cannot stall the node for B.
 func TestNodeTierNamespacesAttacks(t *testing.T) {
-	row := record(t, "Isolation", "from pods in mount and PID namespaces of their own: pod C's sidecar, whose engines use another tenant salt or another model, asks for and stores pod A's digests with its own bytes; a hostile client (no sidecar) on the node socket asks for A's namespace unregistered, then holds a silent connection and floods lookups it never reads while pod B loads A's prompts",
-		"C finds 0 of A's blocks and its stores do not replace them (B then loads A's bytes exactly); the hostile client's Lookup, Get and Put of A's namespace are refused (status 4), its own namespace finds 0 of A's digests, and it sees no process of another pod; during the flood B loads every one of A's prompts whole and byte-exact, each lookup within 1 s, and the node drops the silent and the flooding connection within its I/O timeout (1 s) plus 1.5 s", "")
+	row := record(t, "Isolation", "from pods in mount and PID namespaces of their own: pod C's sidecar, whose engines use another tenant salt or another model, asks for and stores pod A's digests with its own bytes; a hostile client (no sidecar) on the node socket, its pod mounting the socket's directory read-only as sidecars do, asks for A's namespace unregistered, tries to put a socket of its own in the node's place, holds a silent connection and floods lookups it never reads while pod B loads A's prompts, then, the node process killed, tries to hold the node's lock file so that none can start again",
+		"C finds 0 of A's blocks and its stores do not replace them (B then loads A's bytes exactly); the hostile client's Lookup, Get and Put of A's namespace are refused (status 4), its own namespace finds 0 of A's digests, and it sees no process of another pod; removing, renaming or binding a socket in the directory fails (read-only); during the flood B loads every one of A's prompts whole and byte-exact, each lookup within 1 s, and the node drops the silent and the flooding connection within its I/O timeout (1 s) plus 1.5 s; a new node process starts and B re-attaches", "")
 	np, nm, a, b := nsTier(t, "--pod-share", "0.5")
 	const n, prompts = 4, 8
 	for i := 0; i < prompts; i++ {
@@ -563,7 +610,7 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	a.sc.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] == n*prompts })
 
 	// Pod C: another tenant and another model, with A's very digests.
-	c := startPod(t, "pod-c", np.sock)
+	c := startPod(t, "pod-c", np.sock, true)
 	c.sc.waitNode("attached", func(s nodeState) bool { return s.Connected })
 	for _, who := range []podCmd{{Instance: "tenant-c", Salt: "tenant-c"}, {Instance: "model-c", Model: "other-model"}} {
 		for i := 0; i < 2; i++ {
@@ -588,7 +635,7 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	row.add("pod C (another salt, another model): 0 of A's blocks found, %d blocks of its own stored under A's digests; B then loaded A's 2 prompts byte-exact", 4*n)
 
 	// The hostile client, in a pod of its own without a sidecar.
-	h := startPod(t, "pod-hostile", "")
+	h := startPod(t, "pod-hostile", np.sock, false)
 	th := h.do(podCmd{Op: "thief", Sock: np.sock, Seed: "a's prompt 0", N: n}, 20*time.Second)
 	if th.Err != "" {
 		t.Fatal(th.Err)
@@ -608,6 +655,19 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 		t.Fatalf("the hostile pod sees processes %v", th.Procs)
 	}
 	row.add("hostile client: A's namespace unregistered: lookup %s, get %s, put %s; its own namespace: lookup %s; processes it sees: %v", th.Statuses["lookup"], th.Statuses["get"], th.Statuses["put"], th.Statuses["own_lookup"], th.Procs)
+
+	// Its pod mounts the node's directory read-only, as sidecars do: it
+	// cannot put a socket of its own in the node's place.
+	sq := h.do(podCmd{Op: "squat", Sock: np.sock}, 10*time.Second)
+	for op, res := range sq.Statuses {
+		if !strings.Contains(res, "read-only file system") {
+			t.Fatalf("the hostile client's %s in the node's directory: %s", op, res)
+		}
+	}
+	if _, err := os.Stat(np.sock); err != nil {
+		t.Fatalf("the node's socket: %v", err)
+	}
+	row.add("its remove, rename and bind of a socket, and create, in the node's directory (mounted read-only): %s", sq.Statuses["remove"])
 
 	dropped0, refused0 := nodeMetric(nm, "dropped_connections_total"), nodeMetric(nm, "attaches_refused_total")
 	if rep := h.do(podCmd{Op: "stall", Sock: np.sock}, 10*time.Second); rep.Err != "" {
@@ -644,19 +704,39 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	waitFor("the silent connection not counted refused", func() bool { return nodeMetric(nm, "attaches_refused_total") >= refused0+1 })
 	row.add("flood of %d lookups never read and a silent connection: closed by the node after %d ms and %d ms; B loaded %d prompts of A whole meanwhile, slowest lookup %v",
 		end.FloodSent, end.FloodMS, end.MuteMS, prompts-2, worst.Round(time.Microsecond))
+
+	// The node process killed (its lock file stays): the hostile client,
+	// as the node's uid, tries to take the node's lock through its
+	// read-only mount, so that no node process can start again.
+	np.kill9()
+	hl := h.do(podCmd{Op: "holdlock", Sock: filepath.Join(np.dir, "node.lock")}, 10*time.Second)
+	if hl.Err != "" {
+		t.Fatal(hl.Err)
+	}
+	np.start()
+	b.sc.waitNode("re-attached", func(s nodeState) bool { return s.Connected && s.Counts["attaches"] >= 2 })
+	row.add("the node process killed, the hostile client (the node's uid) opened its lock file: %s, flock: %s; a new node process started and B re-attached", hl.Statuses["open"], hl.Statuses["flock"])
 }
 
 // --- the namespaces' first process ---
 
 // nsSetup makes this process's mounts private (nothing it mounts reaches
-// the host's mount table), mounts a tmpfs of its own on /dev/shm and the
-// /proc of its PID namespace.
+// the host's mount table), bind-mounts RS_NS_RO read-only, and mounts a
+// tmpfs of its own on /dev/shm and the /proc of its PID namespace.
 func nsSetup(name string) error {
 	if os.Getpid() != 1 {
 		return fmt.Errorf("pid %d: not the first process of a new PID namespace", os.Getpid())
 	}
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("making / private: %w", err)
+	}
+	if ro := os.Getenv("RS_NS_RO"); ro != "" {
+		if err := unix.Mount(ro, ro, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind-mounting %s: %w", ro, err)
+		}
+		if err := unix.Mount("", ro, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
+			return fmt.Errorf("making %s read-only: %w", ro, err)
+		}
 	}
 	if err := unix.Mount(nsMountTag+name, "/dev/shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=64m,mode=1777"); err != nil {
 		return fmt.Errorf("mounting a tmpfs on /dev/shm: %w", err)
@@ -683,12 +763,37 @@ func nsChild() int {
 	case "probe":
 		return 0
 	case "node":
+		if uid := os.Getenv("RS_NS_UID"); uid != "" {
+			if err := dropTo(uid); err != nil {
+				return fail(err)
+			}
+		}
 		bin := os.Getenv("RS_NS_BIN")
 		return fail(syscall.Exec(bin, append([]string{"ringside"}, args...), os.Environ()))
 	case "pod":
 		return podMain(name, args)
 	}
 	return fail(fmt.Errorf("unknown role %q", role))
+}
+
+// dropTo makes this process uid (and gid) uid, without supplementary
+// groups, and sets its parent-death signal again (a change of credentials
+// clears it).
+func dropTo(uid string) error {
+	id, err := strconv.Atoi(uid)
+	if err != nil {
+		return err
+	}
+	if err := syscall.Setgroups(nil); err != nil {
+		return err
+	}
+	if err := syscall.Setresgid(id, id, id); err != nil {
+		return err
+	}
+	if err := syscall.Setresuid(id, id, id); err != nil {
+		return err
+	}
+	return unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(syscall.SIGKILL), 0, 0, 0)
 }
 
 // podSidecar is the pod's `ringside serve`, a child of its init.
@@ -849,6 +954,21 @@ func podMain(name string, args []string) int {
 			rep = peek(c.Paths)
 		case "thief":
 			rep = thief(c)
+		case "holdlock":
+			// As the node's uid, through the read-only mount: take the
+			// node's lock, and hold it.
+			rep.Statuses = map[string]string{}
+			if err := dropTo(strconv.Itoa(nodeUID)); err != nil {
+				rep.Err = err.Error()
+				break
+			}
+			fd, err := unix.Open(c.Sock, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+			rep.Statuses["open"] = errString(err)
+			if err == nil {
+				rep.Statuses["flock"] = errString(unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB))
+			}
+		case "squat":
+			rep = squat(c.Sock)
 		case "stall":
 			st, rep.Err = startStall(c.Sock)
 		case "stallend":
@@ -1050,6 +1170,27 @@ func thief(c podCmd) podReply {
 	rep.Seen = nil
 	rep.Statuses = st
 	return rep
+}
+
+// squat tries to put a socket of its own in the node's place, through the
+// pod's read-only mount of its directory: remove or rename the node's
+// socket, bind another, create a file.
+func squat(sock string) podReply {
+	dir := filepath.Dir(sock)
+	st := map[string]string{}
+	st["remove"] = errString(os.Remove(sock))
+	st["rename"] = errString(os.Rename(sock, sock+".old"))
+	ln, err := net.Listen("unixpacket", filepath.Join(dir, "squat.sock"))
+	if err == nil {
+		ln.Close()
+	}
+	st["bind"] = errString(err)
+	f, err := os.Create(filepath.Join(dir, "squat"))
+	if err == nil {
+		f.Close()
+	}
+	st["create"] = errString(err)
+	return podReply{Statuses: st}
 }
 
 // stall holds a silent connection (no Hello) and a flooding one (lookups

@@ -27,6 +27,7 @@ type nodeProc struct {
 	exited  chan struct{}
 	extra   []string // more flags of `ringside node`
 	ns      bool     // run it in mount and PID namespaces of its own (nodens_test.go)
+	env     []string // with ns: nsCommand's env
 }
 
 func startNode(t *testing.T, dir string) *nodeProc {
@@ -46,7 +47,7 @@ func (n *nodeProc) start() {
 	}
 	args := append([]string{"node", "--dir", n.dir, "--pool.bytes", "2MiB", "--pool.slot-bytes", "4KiB", "--pool.reserve=false", "--io-timeout", "1s"}, n.extra...)
 	if n.ns {
-		n.cmd = nsCommand("node", "node", n.logPath, args)
+		n.cmd = nsCommand("node", "node", n.logPath, args, n.env...)
 	} else {
 		n.cmd = exec.Command(ringsideBin, args...)
 	}
@@ -67,7 +68,7 @@ func (n *nodeProc) start() {
 		select {
 		case <-n.exited:
 			b, _ := os.ReadFile(n.logPath)
-			t.Fatalf("ringside node exited at start: %s", b)
+			t.Fatalf("ringside node exited at start (%v): %s", n.cmd.ProcessState, b)
 		default:
 		}
 		if time.Now().After(deadline) {
