@@ -28,6 +28,7 @@ type eventView struct {
 	c          *connector.Client
 	epoch, seq uint64
 	set        map[string][]uint32 // digest (hex) -> token ids
+	removed    int                 // removals read
 }
 
 func followEvents(t *testing.T, h *harness) *eventView {
@@ -64,6 +65,7 @@ func (v *eventView) apply(e *schema.Event) {
 			v.t.Errorf("removed %s, never announced", k[:8])
 		}
 		delete(v.set, k)
+		v.removed++
 		return
 	}
 	if _, ok := v.set[k]; ok {
@@ -130,7 +132,15 @@ func (v *eventView) holdsFor(what string, d time.Duration, cond func() bool) {
 }
 
 // tokensOf are block i's token ids as describeBlocks gives them.
-func tokensOf(i int) []uint32 { return []uint32{uint32(1000 + i), uint32(2000 + i)} }
+func tokensOf(i int) []uint32 { return tokensOfN(i, 2) }
+
+func tokensOfN(i, per int) []uint32 {
+	tk := make([]uint32, per)
+	for j := range tk {
+		tk[j] = uint32(1000*(j+1) + i)
+	}
+	return tk
+}
 
 // describeBlocks describes blocks [0, n) of d (one chain) through an engine
 // of h, as its scheduler does after their store.
@@ -141,20 +151,34 @@ func describeBlocks(t *testing.T, h *harness, d []byte, n int) {
 
 func describeBlocksAs(t *testing.T, h *harness, model string, d []byte, n int) {
 	t.Helper()
+	describeBlocksN(t, h, model, d, n, 2)
+}
+
+// describeBlocksN describes blocks of per token ids each.
+func describeBlocksN(t *testing.T, h *harness, model string, d []byte, n, per int) {
+	t.Helper()
 	c := h.dial(func(o *connector.Options) {
 		o.Instance, o.Role = "sched", schema.RoleScheduler
 		if model != "" {
 			o.Model = model
 		}
 	})
-	tokens := make([]byte, 0, 8*n)
-	for i := 0; i < n; i++ {
-		for _, tk := range tokensOf(i) {
-			tokens = binary.LittleEndian.AppendUint32(tokens, tk)
+	chunk := 12000 / (4*per + 32) // runs that fit a record
+	for first := 0; first < n; first += chunk {
+		k := min(chunk, n-first)
+		tokens := make([]byte, 0, 4*per*k)
+		for i := first; i < first+k; i++ {
+			for _, tk := range tokensOfN(i, per) {
+				tokens = binary.LittleEndian.AppendUint32(tokens, tk)
+			}
 		}
-	}
-	if _, err := c.Describe([]schema.DescribeRun{{Digests: d[:n*32], TokensPerBlock: 2, Tokens: tokens}}); err != nil {
-		t.Fatal(err)
+		run := schema.DescribeRun{Digests: d[first*32 : (first+k)*32], TokensPerBlock: uint16(per), Tokens: tokens}
+		if first > 0 {
+			run.Parent = d[(first-1)*32 : first*32]
+		}
+		if _, err := c.Describe([]schema.DescribeRun{run}); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
@@ -279,5 +303,71 @@ func TestNodeEventsNodeRestart(t *testing.T) {
 	}
 	if n := b.srv.State().L2.Node.Counts["events_rebuilds"]; n < 1 {
 		t.Fatalf("B rebuilt %d times", n)
+	}
+}
+
+// A rebuild that reads the new node process's log in several replies (one
+// datagram each) withdraws nothing that the new process holds too: pod B
+// announced A's blocks from the old process; a new one, holding the same
+// blocks (pod C wrote and described them), takes its socket.
+func TestNodeEventsRebuildKeepsWhatStays(t *testing.T) {
+	const n, per = 600, 64 // some 350 bytes an entry: 4 replies
+	cfg := func(dir string) node.ServerConfig {
+		return node.ServerConfig{Dir: dir, PoolBytes: 2 * n * (slot + node.SlotHeadroom), SlotBytes: slot, PodShare: 1}
+	}
+	serve := func(dir string) (*node.Server, func()) {
+		nt, err := node.NewServer(cfg(dir), zerolog.Nop())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { nt.Serve(ctx); close(done) }()
+		stop := func() { cancel(); <-done }
+		t.Cleanup(stop)
+		return nt, stop
+	}
+	base, err := os.MkdirTemp("", "rs-nt-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(base)
+	dir1, dir2 := filepath.Join(base, "1"), filepath.Join(base, "2")
+	nt1, stop1 := serve(dir1)
+	nt2, _ := serve(dir2)
+	big := func(sock, pod string) *harness {
+		h := newHarness(t, func(c *sidecar.Config) {
+			withNodeTier(sock, pod)(c)
+			c.PoolBytes = 2 * n * slot
+			c.L2.Tier.WriteSlots = 2 * n
+		})
+		waitNode(t, h, func(s *sidecar.NodeState) bool { return s.Connected }, "attached")
+		return h
+	}
+	a, b, c := big(nt1.Socket(), "pod-a"), big(nt1.Socket(), "pod-b"), big(nt2.Socket(), "pod-c")
+	vb := followEvents(t, b)
+	d := digests("a long shared prompt", n)
+	for _, h := range []*harness{a, c} {
+		for i := 0; i < n; i += 50 { // within the node window's 64 slots
+			storeBlocks(t, h, d[i*32:(i+50)*32], 50, 1+i)
+			waitNode(t, h, func(s *sidecar.NodeState) bool { return s.Counts["writes_stored"] == uint64(i+50) }, "written")
+		}
+		describeBlocksN(t, h, "", d, n, per)
+		waitNode(t, h, func(s *sidecar.NodeState) bool { return s.Counts["described"] == n }, "described")
+	}
+	vb.waitFor("announcing A's blocks", allOf(vb, d, n, true))
+	old := b.srv.State().L2.Node.Epoch
+	stop1()
+	if err := os.Rename(nt2.Socket(), nt1.Socket()); err != nil {
+		t.Fatal(err)
+	}
+	waitNode(t, b, func(s *sidecar.NodeState) bool { return s.Connected && s.Epoch != old }, "attached to the new process")
+	waitNode(t, b, func(s *sidecar.NodeState) bool { return s.Counts["events_rebuilds"] >= 1 }, "rebuilt")
+	vb.holdsFor("announcing every block", 300*time.Millisecond, allOf(vb, d, n, true))
+	if vb.removed != 0 {
+		t.Fatalf("the rebuild withdrew %d blocks the new process holds", vb.removed)
+	}
+	if got := vb.set[hex.EncodeToString(d[:32])]; len(got) != per {
+		t.Fatalf("block 0 announced with %d tokens, want %d", len(got), per)
 	}
 }
