@@ -49,7 +49,15 @@ const nsSkipEnv = "RINGSIDE_SKIP_NAMESPACE_TESTS"
 // mount table.
 const nsMountTag = "rs-ns-"
 
-func init() { childRoles["ns"] = nsChild }
+func init() {
+	childRoles["ns"] = nsChild
+	defect(Defect{
+		Title:  "a process that sees the node tier's directory through a read-only mount, as the node's uid (any sidecar container as deployed), could hold the node process's lock file once that process had died (flock takes a lock through a read-only descriptor): no node process could start again, and the tier stayed down",
+		Tests:  "TestNodeTierNamespacesAttacks",
+		Before: "at 1de4c06: the hostile pod (uid 1000, the directory mounted read-only) opened node.lock read-only: ok, flock: ok; the next `ringside node` exited at start (exit status 1): another node process holds it",
+		Fix:    "the node's lock file is mode 0200 and opened write-only (sys.TryLockWriteOnly): through a read-only mount it can be opened neither to read nor to write",
+	})
+}
 
 // nsCommand returns the command that runs role ("node" or "pod") as the
 // first process of new mount and PID namespaces; args are `ringside`'s

@@ -66,3 +66,33 @@ func TestTryLockRefusesLinksAndNonFiles(t *testing.T) {
 		t.Fatal("locked a directory")
 	}
 }
+
+// TryLockWriteOnly's file is mode 0200 (a stale one is made so once
+// locked), so that a process of the same uid that cannot write into the
+// directory cannot open it to hold the lock; a second holder is refused.
+func TestTryLockWriteOnly(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "lock")
+	os.WriteFile(path, []byte("a stale holder, readable\n"), 0o644)
+	l, err := TryLockWriteOnly(path, []byte("1\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(path); err != nil || st.Mode().Perm() != 0o200 {
+		t.Fatalf("lock file mode %v (%v), want 0200", st.Mode().Perm(), err)
+	}
+	_, err = TryLockWriteOnly(path, []byte("2\n"))
+	var le *LockedError
+	if !errors.As(err, &le) || le.Holder != "" {
+		t.Fatalf("second lock: %v, want a LockedError", err)
+	}
+	l.Unlock()
+	l, err = TryLockWriteOnly(path, []byte("3\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(path); err != nil || st.Mode().Perm() != 0o200 {
+		t.Fatalf("a new lock file's mode %v (%v), want 0200", st.Mode().Perm(), err)
+	}
+	l.Unlock()
+}

@@ -198,7 +198,10 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	if err := os.MkdirAll(cfg.Dir, mode); err != nil {
 		return nil, fmt.Errorf("--dir: %w", err)
 	}
-	lock, err := sys.TryLock(filepath.Join(cfg.Dir, "node.lock"), []byte(strconv.Itoa(os.Getpid())+"\n"))
+	// Write-only: the sidecars see the directory through a read-only
+	// mount, as the node's uid; a lock file they could open they could
+	// hold, and no node process could start again.
+	lock, err := sys.TryLockWriteOnly(filepath.Join(cfg.Dir, "node.lock"), []byte(strconv.Itoa(os.Getpid())+"\n"))
 	if err != nil {
 		return nil, fmt.Errorf("--dir %s: another node process holds it: %w", cfg.Dir, err)
 	}
