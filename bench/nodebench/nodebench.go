@@ -31,6 +31,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/bench/harness"
+	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 	"github.com/ringside-kv/ringside/sidecar/node"
 )
@@ -177,23 +178,30 @@ type Config struct {
 
 // Row is one block size's figures (bench "node_fetch").
 type Row struct {
-	Bench        string    `json:"bench"` // "node_fetch"
-	BlockBytes   int       `json:"block_bytes"`
-	Blocks       int       `json:"blocks"`        // per fetch
-	Bytes        int64     `json:"bytes"`         // per repetition, each side
-	WorkingBytes int64     `json:"working_bytes"` // the blocks the fetches cycle through
-	Reps         int       `json:"reps"`
-	FetchGBps    float64   `json:"fetch_gbps"` // median over the repetitions
-	CopyGBps     float64   `json:"copy_gbps"`  // the same, Go's copy()
-	Ratio        float64   `json:"ratio"`      // median of the repetitions' fetch/copy
-	RatioMin     float64   `json:"ratio_min"`  // lowest repetition's
-	RatioMax     float64   `json:"ratio_max"`  // highest repetition's
-	FetchEach    []float64 `json:"fetch_each"` // GB/s of each repetition
-	CopyEach     []float64 `json:"copy_each"`  // GB/s of each repetition
-	LoadAvg      string    `json:"loadavg"`    // at the row's end
-	Checked      bool      `json:"checked"`    // every fetched byte compared with the written block
-	CPUs         int       `json:"cpus"`
-	WindowSlots  int       `json:"window_slots"`
+	Bench        string  `json:"bench"` // "node_fetch"
+	BlockBytes   int     `json:"block_bytes"`
+	Blocks       int     `json:"blocks"`        // per fetch
+	Bytes        int64   `json:"bytes"`         // per repetition, each side
+	WorkingBytes int64   `json:"working_bytes"` // the blocks the fetches cycle through
+	Reps         int     `json:"reps"`
+	FetchGBps    float64 `json:"fetch_gbps"` // median over the repetitions
+	CopyGBps     float64 `json:"copy_gbps"`  // the same, Go's copy()
+	Ratio        float64 `json:"ratio"`      // median of the repetitions' fetch/copy
+	RatioMin     float64 `json:"ratio_min"`  // lowest repetition's
+	RatioMax     float64 `json:"ratio_max"`  // highest repetition's
+	// TwoCopiesGBps is a fetch's copies without its messages, on one
+	// thread (the node's copy into a window, the sidecar's copy with
+	// CRC32C into the pool), timed beside the others; RatioTwoCopies the
+	// median of fetch over it.
+	TwoCopiesGBps  float64   `json:"two_copies_gbps"`
+	RatioTwoCopies float64   `json:"ratio_two_copies"`
+	TwoCopiesEach  []float64 `json:"two_copies_each"`
+	FetchEach      []float64 `json:"fetch_each"` // GB/s of each repetition
+	CopyEach       []float64 `json:"copy_each"`  // GB/s of each repetition
+	LoadAvg        string    `json:"loadavg"`    // at the row's end
+	Checked        bool      `json:"checked"`    // every fetched byte compared with the written block
+	CPUs           int       `json:"cpus"`
+	WindowSlots    int       `json:"window_slots"`
 }
 
 func (c *Config) defaults() {
@@ -276,7 +284,8 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 		}
 	}
 	copyBlocks(dst, src, bs)
-	var ratios []float64
+	var ratios, floor []float64
+	win := make([]byte, span) // the two copies' middle buffer, as the window
 	for rep := 0; rep < cfg.Reps; rep++ {
 		if err := ctx.Err(); err != nil {
 			return row, err
@@ -286,7 +295,7 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 		// machine (on a shared one, its load moves within a second); the
 		// copy takes the group half the working set away from the one
 		// just fetched, whose bytes are in no cache.
-		var fd, cd time.Duration
+		var fd, cd, wd time.Duration
 		for i := 0; i < rounds; i++ {
 			t0 := time.Now()
 			if n := t.Fetch(fs[i%groups]); n != cfg.Blocks {
@@ -295,20 +304,36 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 			t1 := time.Now()
 			o := ((i + groups/2) % groups) * span
 			copyBlocks(dst[o:o+span], src[o:o+span], bs)
-			fd, cd = fd+t1.Sub(t0), cd+time.Since(t1)
+			t2 := time.Now()
+			o = ((i + groups/4) % groups) * span
+			twoCopies(dst[o:o+span], win, src[o:o+span], bs)
+			fd, cd, wd = fd+t1.Sub(t0), cd+t2.Sub(t1), wd+time.Since(t2)
 		}
 		if string(dst) != string(src) {
 			return row, errors.New("the fetched bytes differ from the written ones")
 		}
-		fg, cg := gbps(row.Bytes, fd), gbps(row.Bytes, cd)
-		row.FetchEach, row.CopyEach = append(row.FetchEach, fg), append(row.CopyEach, cg)
+		fg, cg, tg := gbps(row.Bytes, fd), gbps(row.Bytes, cd), gbps(row.Bytes, wd)
+		row.FetchEach, row.CopyEach, row.TwoCopiesEach = append(row.FetchEach, fg), append(row.CopyEach, cg), append(row.TwoCopiesEach, tg)
 		ratios = append(ratios, fg/cg)
+		floor = append(floor, fg/tg)
 	}
 	row.Checked = true
 	row.FetchGBps, row.CopyGBps, row.Ratio = median(row.FetchEach), median(row.CopyEach), median(ratios)
 	row.RatioMin, row.RatioMax = slices.Min(ratios), slices.Max(ratios)
+	row.TwoCopiesGBps, row.RatioTwoCopies = median(row.TwoCopiesEach), median(floor)
 	row.LoadAvg = harness.LoadAvg()
 	return row, nil
+}
+
+// twoCopies is a fetch's work without its messages, on one thread: each
+// block copied into win (the node's copy into the window), then copied on
+// into dst with its CRC32C (the sidecar's, l2.CopyCRC).
+func twoCopies(dst, win, src []byte, bs int) {
+	for off := 0; off < len(src); off += bs {
+		w := win[off : off+bs]
+		copy(w, src[off:off+bs])
+		l2.CopyCRC(dst[off:off+bs], w)
+	}
 }
 
 // copyBlocks copies src into dst block by block, as a fetch lands.
@@ -353,14 +378,14 @@ func report(cfg Config, rows []Row) error {
 	fmt.Fprintf(cfg.Out, "node tier fetch (in-process node and client, real socket and memfds, %d-slot window) against Go's copy() of the same blocks; %d CPUs, load average %s\n\n",
 		node.DefaultWindowSlots, runtime.NumCPU(), harness.LoadAvg())
 	tw := tabwriter.NewWriter(cfg.Out, 2, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "block\tblocks/fetch\tworking set MiB\tMiB/rep\treps\tfetch GB/s\tcopy GB/s\tfetch/copy\tmin\tmax\t")
+	fmt.Fprintln(tw, "block\tblocks/fetch\tworking set MiB\tMiB/rep\treps\tfetch GB/s\tcopy GB/s\tfetch/copy\tmin\tmax\ttwo copies+CRC GB/s\tfetch/two copies\t")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d KiB\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.BlockBytes>>10, r.Blocks, r.WorkingBytes>>20, r.Bytes>>20, r.Reps, r.FetchGBps, r.CopyGBps, r.Ratio, r.RatioMin, r.RatioMax)
+		fmt.Fprintf(tw, "%d KiB\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.BlockBytes>>10, r.Blocks, r.WorkingBytes>>20, r.Bytes>>20, r.Reps, r.FetchGBps, r.CopyGBps, r.Ratio, r.RatioMin, r.RatioMax, r.TwoCopiesGBps, r.RatioTwoCopies)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(cfg.Out, "GB/s: the medians of the repetitions; fetch/copy: the median of each repetition's ratio (each fetch followed by a copy of as many bytes, each timed alone)")
+	fmt.Fprintln(cfg.Out, "GB/s: the medians of the repetitions; fetch/copy: the median of each repetition's ratio (each fetch followed by a copy of as many bytes, each timed alone);\ntwo copies+CRC: the fetch's copies without its messages, one thread (into a window-sized buffer, then on with CRC32C), timed beside them")
 	harness.Verdicts(cfg.Out, cfg.Log, false, cfg.Quiet, verdicts)
 	return nil
 }
