@@ -4,10 +4,12 @@ package reliability
 // as on a node: `ringside node` in its own, and each engine pod (its
 // `ringside serve` and an engine client beside it, sharing the pod's own
 // /dev/shm, a fresh tmpfs) in its own. They share only the host directory
-// of the node's socket. Each namespace's first process is a copy of this
-// test binary in the role "ns": it makes its mounts private, mounts its
-// tmpfs on /dev/shm and a /proc of its PID namespace, and then either
-// becomes `ringside node` (exec) or runs a pod: it starts the pod's
+// of the node's socket, which the pods mount read-only, as deployed; the
+// node process runs as nodeUID, the pods' as root. Each namespace's first
+// process is a copy of this test binary in the role "ns": it makes its
+// mounts private, mounts its tmpfs on /dev/shm and a /proc of its PID
+// namespace, and then either becomes `ringside node` (exec, as nodeUID)
+// or runs a pod: it starts the pod's
 // sidecar and carries out the parent's steps (one JSON object a line on
 // its stdin), answering one JSON object a line on its stdout. It is the
 // PID namespace's init: when it dies, the kernel kills the rest of its
