@@ -2,6 +2,7 @@ package replay
 
 import (
 	"os"
+	"slices"
 	"testing"
 	"time"
 
@@ -271,5 +272,112 @@ func TestMQPMatchesCacheSmallPages(t *testing.T) {
 	}
 	for _, c := range []int{2000, 8000} {
 		checkModelExactIn(t, "agentic, 16-token pages", w, workloadPages(w), c, cache.PolicyMQP, MQPPages)
+	}
+}
+
+// TestMQP2AnchorPages: the anchor rule. A page is an anchor by its hash
+// alone, one in max(1, (off+1)/2) for the tip's offset off, and the anchors
+// of a longer offset are anchors of every shorter one. Only anchors are
+// looked up in the tip table: a non-anchor page that shares an entry with
+// a counted tip (a false find, as a 12-bit fingerprint gives one lookup
+// in hundreds of pages) gives the pages before it no count, where an
+// anchor's entry does. The tip is the nearest anchor at or before the
+// offset, not the page at it.
+func TestMQP2AnchorPages(t *testing.T) {
+	const keys = 1 << 16
+	for k := range mqp2OffK {
+		off := mqp2OffOf(k)
+		want := float64(keys) / float64(max(1, (off+1)/2))
+		n := 0
+		for x := range uint64(keys) {
+			a := mqp2Anchor(x, off)
+			if a {
+				n++
+			}
+			if a != mqp2Anchor(x, off) {
+				t.Fatalf("offset %d: key %d is an anchor or not by chance", off, x)
+			}
+			if k > 0 && a && !mqp2Anchor(x, mqp2OffOf(k-1)) {
+				t.Fatalf("key %d: an anchor at offset %d, not at %d", x, off, mqp2OffOf(k-1))
+			}
+		}
+		if f := float64(n) / want; f < 0.9 || f > 1.1 {
+			t.Errorf("offset %d: %d anchors of %d keys, want about %.0f", off, n, keys, want)
+		}
+	}
+
+	const off, n = 7, 40
+	model := func() *mqp {
+		m := newMQP2(1000, 1000)
+		m.r2.off = off // fewer than mqp2OffMin records of any offset: it stays
+		return m
+	}
+	isAnchor := func(m *mqp, p uint32) bool { return mqp2Anchor(m.key(p), off) }
+	// A request of pages base..base+n-1 whose page at the offset is not an
+	// anchor and that has an anchor before it.
+	var pages []uint32
+	for base := uint32(0); pages == nil; base += n {
+		if base >= 100*n {
+			t.Fatalf("no request of %d pages among 100 with an anchor before the offset %d and none at it", n, off)
+		}
+		m := model()
+		r := make([]uint32, n)
+		for i := range r {
+			r[i] = base + uint32(i)
+		}
+		if !isAnchor(m, r[n-1-off]) && slices.ContainsFunc(r[:n-1-off], func(p uint32) bool { return isAnchor(m, p) }) {
+			pages = r
+		}
+	}
+	m := model()
+	m.begin2(0, pages, 0)
+	want := n - 1 - off
+	for !isAnchor(m, pages[want]) {
+		want--
+	}
+	for i, p := range pages {
+		if got := m.tfind(p) >= 0; got != (i == want) {
+			t.Errorf("page %d of %d (offset %d, anchor %v): a tip %v; want the tip at page %d, the nearest anchor at or before %d",
+				i, n, n-1-i, isAnchor(m, p), got, want, n-1-off)
+		}
+	}
+
+	for _, anchor := range []bool{false, true} {
+		m := model()
+		i := slices.IndexFunc(pages[1:], func(p uint32) bool { return isAnchor(m, p) == anchor }) + 1
+		m.tinsert(pages[i], false)
+		j := m.tfind(pages[i])
+		m.tfp[j] = m.tfp[j]&^15 | 5 // a tip read five times
+		m.begin2(0, pages, 0)
+		for k := 0; k <= i; k++ {
+			if got, wantInf := m.inf[k], map[bool]uint8{false: 0, true: 5}[anchor]; got != wantInf {
+				t.Errorf("a counted tip at page %d (anchor %v): page %d inherits %d, want %d", i, anchor, k, got, wantInf)
+			}
+		}
+	}
+}
+
+// TestMQP2TraceInvariance: on the whole Mooncake trace at 2,000 blocks,
+// where a lookup in 16-token pages checks the tip table 32 times as often
+// as in 512-token pages, MQP2 in 16-token pages keeps 95% of its hit ratio
+// in 512-token pages (at every page the lookups checked, false finds in
+// the tip table's 12-bit fingerprints gave pages unrelated tips' counts:
+// 0.915).
+func TestMQP2TraceInvariance(t *testing.T) {
+	p := mooncakeTrace()
+	if p == "" || testing.Short() {
+		t.Skip("the whole Mooncake trace, tens of seconds")
+	}
+	const blocks = 2000
+	ratio := map[int]float64{}
+	for _, pt := range []int{512, 16} {
+		w, err := Load([]string{p}, LoadOptions{PageTokens: pt})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ratio[pt] = MQP2(w, blocks*512/pt).HitRatio()
+	}
+	if r := ratio[16] / ratio[512]; r < 0.95 {
+		t.Errorf("MQP2 at %d blocks: %.4f in 16-token pages, %.3f of its %.4f in 512-token pages", blocks, ratio[16], r, ratio[512])
 	}
 }

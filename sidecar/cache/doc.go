@@ -175,11 +175,14 @@
 // agentic workload and the Mooncake trace through the cache's calls and
 // get the research simulator's hits block for block.
 //
-// PolicyMQP2 is MQP with six changes, each of which stops the policy
+// PolicyMQP2 is MQP with seven changes, each of which stops the policy
 // depending on how many pages a prompt is cut into (mqp2.go has the
 // details): the tip is the digest at a learned offset from a lookup's end
 // (MQP's, the last digest, lay in the part of a prompt the next request
-// does not send at 16- and 32-token pages); the lifetime's histogram
+// does not send at 16- and 32-token pages); only anchor digests (one in
+// (offset+1)/2 by their hash) are tips and are looked up in the tip table,
+// the tip the nearest anchor at or before the offset, so a lookup checks
+// the table about as often at any page size; the lifetime's histogram
 // counts distances relative to the capacity; the distance sampler takes
 // one tip in 4 into at least 1,024 entries; a fresh lookup (no hit, no tip
 // found) leaves a cold mark for its blocks when fresh lookups rarely come
