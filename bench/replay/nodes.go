@@ -89,6 +89,12 @@ func (c *Config) startNode(ctx context.Context, w *Workload, dir string, capacit
 			// One writer (its pins end in commit order, the node takes the
 			// writes in that order) and deadlines no loaded machine reaches.
 			args = append(args, "--node.writers", "1", "--node.lookup-timeout", c.Timeout.String(), "--node.io-timeout", c.Timeout.String())
+			// One chunk per store: its commits, each followed by its write's
+			// pin, come in one step, before any write ends. Over several
+			// chunks a write could end between two of them, and MQP's clock
+			// (markers, demotions) would see its block listed at a time the
+			// model cannot know; the LRU's order is the same either way.
+			args = append(args, "--copy.chunk-bytes", strconv.FormatInt(max(4<<20, int64(w.MaxPages)*int64(c.PageBytes)), 10))
 		}
 	}
 	sc, err := harness.Start(fmt.Sprintf("sidecar %d", i), c.Ringside, args, harness.Options{Timeout: c.Timeout})

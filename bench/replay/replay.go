@@ -77,8 +77,9 @@ type Config struct {
 	// Policy is the sidecars' eviction policy (serve --cache.policy): "lru",
 	// "mqp" or "mqp2"; empty is serve's default (cache.DefaultPolicy). The
 	// runs are checked against the offline model of it: OraclePages for
-	// LRU, MQPPages for MQP, MQP2Pages for MQP2. Several nodes or the tier
-	// are modelled with LRU pools only.
+	// LRU, MQPPages for MQP, MQP2Pages for MQP2. Several nodes or the shared
+	// tier are modelled with LRU pools only; --node-tier's pods with any
+	// of the three (OracleNodeTier).
 	Policy string
 	// Offline runs no sidecar: the offline policies alone, at the sweep's
 	// capacities (the policy rows, without live columns). Bounded by CPU
@@ -232,8 +233,9 @@ func (c *Config) defaults() error {
 	switch c.Policy {
 	case "lru":
 	case "mqp", "mqp2":
-		if c.Nodes > 1 || c.NodeTier || len(c.L2Addrs) > 0 || c.L2Start != "" {
-			return fmt.Errorf("--cache.policy %s: its offline model is of one node without a tier; the model of several nodes and the tier is of LRU pools (give --cache.policy lru, or --nodes 1 and no --l2.*)", c.Policy)
+		// --node-tier's model takes the pods' policy (OracleNodeTier).
+		if (c.Nodes > 1 && !c.NodeTier) || len(c.L2Addrs) > 0 || c.L2Start != "" {
+			return fmt.Errorf("--cache.policy %s: its offline model is of one node without a tier, or of --node-tier's pods; the model of several nodes and the shared tier is of LRU pools (give --cache.policy lru, or --nodes 1 and no --l2.*)", c.Policy)
 		}
 	default:
 		return fmt.Errorf("--cache.policy %q: want lru, mqp or mqp2", c.Policy)
@@ -459,9 +461,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			pod, node := cfg.split(p.capacity, p.frac)
 			var f FleetResult
 			if node > 0 {
-				f = OracleNodeTier(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, node)
+				f = OracleNodeTier(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, node, cfg.Policy)
 			} else {
-				f = OracleFleet(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, tiered(p.transport))
+				f = oracleFleet(reqs, nodeOf, cfg.Nodes, w.NumPageIDs(), pod, tiered(p.transport), 0, cfg.Policy)
 			}
 			fleets[p] = &f
 		}
