@@ -341,15 +341,12 @@ func TestBenchReplayOffline(t *testing.T) {
 // TestBenchReplayNodeTier replays agentic requests through three pods'
 // sidecars, first with pools of their share of the capacity each, then
 // with smaller pools over one real `ringside node` process holding the
-// rest, one request at a time, and checks every count against the model
-// (OracleNodeTier: LRU pools over an LRU node pool), the node process's
-// own among them; and that the node tier served hits.
+// rest, one request at a time, under the pods' default policy (MQP2) and
+// under LRU, and checks every count against the model (OracleNodeTier:
+// the pods' policy over an LRU node pool), the node process's own among
+// them; that the node tier served hits; and that the two policies' hits
+// differ (the check can tell them apart).
 func TestBenchReplayNodeTier(t *testing.T) {
-	var stdout, stderr bytes.Buffer
-	app := benchcli.App()
-	app.Writer, app.ErrWriter = &stdout, &stderr
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
 	requests := "200"
 	if raceEnabled || testing.Short() {
 		requests = "120"
@@ -358,55 +355,82 @@ func TestBenchReplayNodeTier(t *testing.T) {
 	if _, err := os.Stat("/dev/shm"); err != nil {
 		dir = filepath.Join(t.TempDir(), "sidecars")
 	}
-	err := app.RunContext(ctx, append([]string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
-		"--cache.policy", "lru", "--workload", "agentic", "--limit", requests, "--page-tokens", "128",
-		"--capacity-pages", "480,1920", "--engines", "3", "--node-tier", "--node-tier.pod-fraction", "0.25",
-		"--dir", dir, "--out", "-", "--timeout", "60s"}, benchtest.Ringside(t)...))
-	if err != nil {
-		t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
-	}
 	hit := map[string]float64{}
-	for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
-		var row map[string]any
-		if err := json.Unmarshal([]byte(line), &row); err != nil {
-			t.Fatalf("not JSON: %q", line)
+	for _, policy := range []string{"", "lru"} { // "": the default
+		var stdout, stderr bytes.Buffer
+		app := benchcli.App()
+		app.Writer, app.ErrWriter = &stdout, &stderr
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		args := []string{"ringside-bench", "replay", "--json", "--quiet", "--sequential", "--no-uds", "--no-walk",
+			"--workload", "agentic", "--limit", requests, "--page-tokens", "128",
+			"--capacity-pages", "480,1920", "--engines", "3", "--node-tier", "--node-tier.pod-fraction", "0.25",
+			"--dir", dir, "--out", "-", "--timeout", "60s"}
+		if policy != "" {
+			args = append(args, "--cache.policy", policy)
 		}
-		if row["bench"] != "replay" {
-			continue
+		err := app.RunContext(ctx, append(args, benchtest.Ringside(t)...))
+		cancel()
+		if err != nil {
+			t.Fatalf("bench replay: %v\nstdout:\n%s\nstderr:\n%s", err, stdout.String(), stderr.String())
 		}
-		num := func(k string) float64 { v, _ := row[k].(float64); return v }
-		key := fmt.Sprint(row["transport"], "/", num("capacity_pages"))
-		hit[key] = num("hit_ratio")
-		if num("nodes") != 3 || row["oracle_match"] != true || num("stored_pages") != num("oracle_stored_pages") ||
-			num("skipped_pages") != num("oracle_skipped_pages") || num("view_blocks") != num("oracle_resident_pages") ||
-			num("loaded_pages") != num("oracle_loaded_pages") || num("fetched_pages") != num("oracle_fetched_pages") {
-			t.Errorf("differs from the model: %s", line)
+		runs := 0
+		for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
+			var row map[string]any
+			if err := json.Unmarshal([]byte(line), &row); err != nil {
+				t.Fatalf("not JSON: %q", line)
+			}
+			if row["bench"] != "replay" {
+				continue
+			}
+			runs++
+			num := func(k string) float64 { v, _ := row[k].(float64); return v }
+			if want := policy; row["policy"] != want && (want != "" || row["policy"] != "mqp2") {
+				t.Errorf("policy %v, want %q (mqp2 by default): %s", row["policy"], want, line)
+			}
+			key := fmt.Sprint(row["policy"], "/", row["transport"], "/", num("capacity_pages"))
+			hit[key] = num("hit_ratio")
+			if num("nodes") != 3 || row["oracle_match"] != true || num("stored_pages") != num("oracle_stored_pages") ||
+				num("skipped_pages") != num("oracle_skipped_pages") || num("view_blocks") != num("oracle_resident_pages") ||
+				num("loaded_pages") != num("oracle_loaded_pages") || num("fetched_pages") != num("oracle_fetched_pages") {
+				t.Errorf("differs from the model: %s", line)
+			}
+			pods, node := num("pod_pages"), num("node_tier_pages")
+			switch row["transport"] {
+			case "ring":
+				if row["node_tier"] != false || node != 0 || pods != num("capacity_pages")/3 {
+					t.Errorf("the pods' own pools are not the capacity split three ways: %s", line)
+				}
+			case "ring+node":
+				if row["node_tier"] != true || pods != num("capacity_pages")/12 || 3*pods+node != num("capacity_pages") {
+					t.Errorf("the split is not pools of a quarter over a node tier of the rest: %s", line)
+				}
+				if num("node_tier_stored_pages") != num("oracle_node_tier_stored_pages") || num("node_tier_evictions") != num("oracle_node_tier_evictions") {
+					t.Errorf("the node process's writes or evictions differ from the model: %s", line)
+				}
+				if num("fetched_pages") == 0 || num("node_tier_stored_pages") == 0 {
+					t.Errorf("nothing went through the node tier: %s", line)
+				}
+			default:
+				t.Errorf("unexpected transport: %s", line)
+			}
 		}
-		pods, node := num("pod_pages"), num("node_tier_pages")
-		switch row["transport"] {
-		case "ring":
-			if row["node_tier"] != false || node != 0 || pods != num("capacity_pages")/3 {
-				t.Errorf("the pods' own pools are not the capacity split three ways: %s", line)
-			}
-		case "ring+node":
-			if row["node_tier"] != true || pods != num("capacity_pages")/12 || 3*pods+node != num("capacity_pages") {
-				t.Errorf("the split is not pools of a quarter over a node tier of the rest: %s", line)
-			}
-			if num("node_tier_stored_pages") != num("oracle_node_tier_stored_pages") || num("node_tier_evictions") != num("oracle_node_tier_evictions") {
-				t.Errorf("the node process's writes or evictions differ from the model: %s", line)
-			}
-			if num("fetched_pages") == 0 || num("node_tier_stored_pages") == 0 {
-				t.Errorf("nothing went through the node tier: %s", line)
-			}
-		default:
-			t.Errorf("unexpected transport: %s", line)
+		if runs != 4 {
+			t.Fatalf("policy %q: want 4 runs (2 capacities, 2 splits), got %d", policy, runs)
 		}
 	}
-	if len(hit) != 4 {
-		t.Fatalf("want 4 runs (2 capacities, 2 splits): %v", hit)
+	for _, p := range []string{"mqp2", "lru"} {
+		if hit[p+"/ring+node/480"] <= hit[p+"/ring/480"] {
+			t.Errorf("%s: the node tier added no hits at 480 pages: %v", p, hit)
+		}
 	}
-	if hit["ring+node/480"] <= hit["ring/480"] {
-		t.Errorf("the node tier added no hits at 480 pages: %v", hit)
+	same := true
+	for k, v := range hit {
+		if strings.HasPrefix(k, "mqp2/") && hit["lru/"+strings.TrimPrefix(k, "mqp2/")] != v {
+			same = false
+		}
+	}
+	if same {
+		t.Errorf("MQP2 pods hit what LRU pods hit in every run; the check cannot tell them apart: %v", hit)
 	}
 }
 
@@ -416,7 +440,6 @@ func TestBenchReplayNodeTierFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"--node-tier", "--nodes", "2", "--engines", "3"},
 		{"--node-tier", "--l2.start", "single"},
-		{"--node-tier", "--cache.policy", "mqp2"},
 		{"--node-tier", "--capacity-pages", "40", "--engines", "4"},
 		{"--node-tier", "--node-tier.pod-fraction", "1.5"},
 		{"--node-tier.pod-fraction", "0.5"},

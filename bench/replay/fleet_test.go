@@ -12,8 +12,9 @@ import (
 // then AcquireOpen, BeginFetch, CommitStore and ExtendLease for the tier's
 // part; BeginStore and CommitStore for the store; PinBlock and EndLoad for
 // write-through, in commit order; Release), with a set standing for the
-// tier. It returns the counts OracleFleet gives.
-func fleetReplay(t *testing.T, w *Workload, nodeOf []int, nodes, capacity int, tier bool) FleetResult {
+// tier, every cache under pol. It returns the counts OracleFleet (the
+// fleet model, oracleFleet, of that policy) gives.
+func fleetReplay(t *testing.T, w *Workload, nodeOf []int, nodes, capacity int, tier bool, pol cache.Policy) FleetResult {
 	t.Helper()
 	type node struct {
 		c  *cache.Cache
@@ -21,7 +22,7 @@ func fleetReplay(t *testing.T, w *Workload, nodeOf []int, nodes, capacity int, t
 	}
 	var ns []node
 	for i := 0; i < nodes; i++ {
-		c, err := cache.New(cache.Config{Capacity: capacity, Epoch: 1})
+		c, err := cache.New(cache.Config{Capacity: capacity, Epoch: 1, Policy: pol})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -173,7 +174,7 @@ func TestOracleFleetMatchesCaches(t *testing.T) {
 		}
 		for _, capacity := range []int{16, 200, 2000, 65536} {
 			for _, tier := range []bool{false, true} {
-				got, want := OracleFleet(reqs, nodeOf, nodes, w.NumPageIDs(), capacity, tier), fleetReplay(t, w, nodeOf, nodes, capacity, tier)
+				got, want := OracleFleet(reqs, nodeOf, nodes, w.NumPageIDs(), capacity, tier), fleetReplay(t, w, nodeOf, nodes, capacity, tier, cache.PolicyLRU)
 				if got != want {
 					t.Errorf("%d nodes, capacity %d, tier %v:\noracle %+v\ncaches %+v", nodes, capacity, tier, got, want)
 				}
@@ -184,6 +185,56 @@ func TestOracleFleetMatchesCaches(t *testing.T) {
 				}
 				if tier && nodes > 1 && capacity == 2000 && got.TierHitPages == 0 {
 					t.Errorf("%d nodes: the tier never hit; the test should exercise it", nodes)
+				}
+			}
+		}
+	}
+}
+
+// TestOracleFleetMQPMatchesCaches: the fleet model with MQP2 (and MQP)
+// pools, as --node-tier models its pods, against caches under that
+// policy driven call for call, with and without a tier beneath them: the
+// agentic workload in 16-token pages over three nodes (requests longer
+// than the smaller pools, fetches cut short by the pending share, write
+// pins between commits), and the shipped trace in 32-token pages.
+func TestOracleFleetMQPMatchesCaches(t *testing.T) {
+	ag, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: 16, Limit: 600})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := Load([]string{testTrace}, LoadOptions{PageTokens: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const nodes = 3
+	for _, tc := range []struct {
+		name   string
+		w      *Workload
+		caps   []int
+		differ bool // from LRU pools at the first capacity: the check can tell them apart
+	}{{"agentic, 16-token pages", ag, []int{600, 3000}, true}, {"trace, 32-token pages", tr, []int{1000, 8000}, false}} {
+		reqs := workloadPages(tc.w)
+		nodeOf := make([]int, len(reqs))
+		for i := range nodeOf {
+			nodeOf[i] = i % nodes
+		}
+		for _, pol := range []cache.Policy{cache.PolicyMQP2, cache.PolicyMQP} {
+			for _, capacity := range tc.caps {
+				for _, tier := range []bool{false, true} {
+					got := oracleFleet(reqs, nodeOf, nodes, tc.w.NumPageIDs(), capacity, tier, 0, pol.String())
+					want := fleetReplay(t, tc.w, nodeOf, nodes, capacity, tier, pol)
+					if got != want {
+						t.Errorf("%s, %v, capacity %d, tier %v:\nmodel  %+v\ncaches %+v", tc.name, pol, capacity, tier, got, want)
+					}
+					if pol != cache.PolicyMQP2 || capacity != tc.caps[0] || !tc.differ {
+						continue
+					}
+					if lru := OracleFleet(reqs, nodeOf, nodes, tc.w.NumPageIDs(), capacity, tier); got.HitPages == lru.HitPages {
+						t.Errorf("%s, capacity %d, tier %v: MQP2 pools hit what LRU pools hit; the check cannot tell them apart", tc.name, capacity, tier)
+					}
+					if tier && (got.FetchedPages == 0 || got.Evictions == 0) {
+						t.Errorf("%s, capacity %d: nothing fetched or evicted; the test should exercise both: %+v", tc.name, capacity, got)
+					}
 				}
 			}
 		}
