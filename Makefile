@@ -206,6 +206,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDescribe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzEvents$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzEventsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzFetch$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzFetchReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/
 
 # The reliability soak (not part of make test): three engine processes replay

@@ -37,6 +37,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 	"github.com/ringside-kv/ringside/sidecar/node/wire"
@@ -643,7 +644,7 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	if th.Err != "" {
 		t.Fatal(th.Err)
 	}
-	for _, op := range []string{"lookup", "get", "put"} {
+	for _, op := range []string{"lookup", "fetch", "put"} {
 		if th.Statuses[op] != wire.NotRegistered.String() {
 			t.Fatalf("the hostile client's %s of A's namespace: %s", op, th.Statuses[op])
 		}
@@ -657,7 +658,7 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	if len(th.Procs) != 1 {
 		t.Fatalf("the hostile pod sees processes %v", th.Procs)
 	}
-	row.add("hostile client: A's namespace unregistered: lookup %s, get %s, put %s; its own namespace: lookup %s; processes it sees: %v", th.Statuses["lookup"], th.Statuses["get"], th.Statuses["put"], th.Statuses["own_lookup"], th.Procs)
+	row.add("hostile client: A's namespace unregistered: lookup %s, fetch %s, put %s; its own namespace: lookup %s; processes it sees: %v", th.Statuses["lookup"], th.Statuses["fetch"], th.Statuses["put"], th.Statuses["own_lookup"], th.Procs)
 
 	// Its pod mounts the node's directory read-only, as sidecars do: it
 	// cannot put a socket of its own in the node's place.
@@ -1045,9 +1046,10 @@ func peek(paths []string) podReply {
 
 // rawNode is a hand-driven client of the node's wire, as a hostile one.
 type rawNode struct {
-	c   *net.UnixConn
-	win int
-	id  uint64
+	c    *net.UnixConn
+	win  int
+	pool *shm.Mapping // its pool, passed with the Hello (a memfd of 64 KiB)
+	id   uint64
 }
 
 func rawNodeDial(sock, pod string) (*rawNode, error) {
@@ -1055,10 +1057,15 @@ func rawNodeDial(sock, pod string) (*rawNode, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &rawNode{c: c, win: -1}
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: pod}.Append)); err != nil {
+	pool, err := shm.CreateMemfd("thief-pool", 64<<10, true)
+	if err != nil {
 		c.Close()
+		return nil, err
+	}
+	r := &rawNode{c: c, win: -1, pool: pool}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, _, err := c.WriteMsgUnix(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: pod}.Append), syscall.UnixRights(pool.FD()), nil); err != nil {
+		r.close()
 		return nil, err
 	}
 	buf := make([]byte, wire.MaxMessage)
@@ -1094,6 +1101,7 @@ func (r *rawNode) close() {
 		unix.Close(r.win)
 	}
 	r.c.Close()
+	r.pool.Close()
 }
 
 // req sends one request and returns its reply's body.
@@ -1131,7 +1139,7 @@ func (r *rawNode) status(t wire.Type, body func([]byte) []byte) string {
 }
 
 func (r *rawNode) items(t wire.Type, m wire.Items) string {
-	b, err := r.req(t, func(b []byte) []byte { return m.Append(b, t == wire.TypePut) })
+	b, err := r.req(t, m.Append)
 	if err != nil {
 		return err.Error()
 	}
@@ -1145,9 +1153,24 @@ func (r *rawNode) items(t wire.Type, m wire.Items) string {
 	return "ok " + s.Items[0].Status.String()
 }
 
+func (r *rawNode) fetch(m wire.Fetch) string {
+	b, err := r.req(wire.TypeFetch, m.Append)
+	if err != nil {
+		return err.Error()
+	}
+	s, err := wire.DecodeFetchReply(b)
+	if err != nil {
+		return err.Error()
+	}
+	if s.Status != wire.OK {
+		return s.Status.String()
+	}
+	return "ok " + s.Items[0].Status.String()
+}
+
 // thief attaches to the node as a sidecar would and names pod A's
 // namespace (the engines' defaults: it knows the fingerprint, not having
-// registered it) in a Lookup, a Get and a Put; then it registers a
+// registered it) in a Lookup, a Fetch and a Put; then it registers a
 // namespace of its own and looks A's digests up in it. It also lists the
 // processes it can see.
 func thief(c podCmd) podReply {
@@ -1160,10 +1183,11 @@ func thief(c podCmd) podReply {
 	d := digests(c.Seed, c.N)
 	st := map[string]string{}
 	st["lookup"] = r.status(wire.TypeLookup, wire.Lookup{FP: a.FP, Width: 32, Digests: d}.Append)
-	it := wire.Item{Slot: 0}
+	fi := wire.FetchItem{Max: 4096}
+	copy(fi.Digest[:], d[:32])
+	st["fetch"] = r.fetch(wire.Fetch{FP: a.FP, Items: []wire.FetchItem{fi}})
+	it := wire.Item{Slot: 0, Length: 4096 + 96}
 	copy(it.Digest[:], d[:32])
-	st["get"] = r.items(wire.TypeGet, wire.Items{FP: a.FP, Items: []wire.Item{it}})
-	it.Length = 4096 + 96
 	st["put"] = r.items(wire.TypePut, wire.Items{FP: a.FP, Items: []wire.Item{it}})
 	own := machine.L2NamespaceFor("llama-rel", "bf16/16/HND", "thief", 32, 1)
 	st["register"] = r.status(wire.TypeRegister, wire.NS{FP: own.FP, Layout: own.Layout, Width: uint8(own.Width), World: uint16(own.World)}.Append)

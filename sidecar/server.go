@@ -192,7 +192,7 @@ func New(cfg Config, log zerolog.Logger) (_ *Server, err error) {
 			}
 		}
 		if cfg.L2.Node != nil {
-			if s.node, err = node.NewClient(*cfg.L2.Node, s.pool.Bytes(), cfg.Machine.SlotBytes, log); err != nil {
+			if s.node, err = node.NewClient(*cfg.L2.Node, s.pool, cfg.Machine.SlotBytes, log); err != nil {
 				s.closeResources()
 				return nil, err
 			}

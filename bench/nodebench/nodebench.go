@@ -1,16 +1,16 @@
 // Package nodebench is `ringside-bench node`: the node tier's fetch
-// throughput (sidecar/node: a node process's pool, read by a sidecar's
-// client through its window) against a plain in-process copy of the same
-// bytes, in the same blocks, measured alternately in the same run.
+// throughput (sidecar/node: a node process's pool, copied by the node
+// straight into a sidecar's pool) against a plain in-process copy of the
+// same bytes, in the same blocks, measured alternately in the same run.
 //
 // The node tier runs in this process (node.NewServer and node.NewClient,
 // as sidecar/node's BenchmarkNodeTier, which uses Start): the real Unix
-// socket (SEQPACKET), the pool and the window as sealed memfds, the node's
-// goroutine copying pool slots into the window and the client checking
-// each value's header and CRC32C while copying it into the pod pool. A
-// fetch is what an acquire's fetch from the node tier does: one
-// Client.Fetch of Blocks blocks, which the client sends as Gets of a
-// quarter of the window each (16 blocks at the default 64 slots). The
+// socket (SEQPACKET), the node's pool and the pod's pool as memfds (the
+// pod's passed to the node with the Hello), the node's goroutine copying
+// each value's payload into the pod's pool with its CRC32C in one pass and
+// the client checking the reply's header and checksum. A fetch is what an
+// acquire's fetch from the node tier does: one Client.Fetch of Blocks
+// blocks, sent as Fetches of up to 64 values each, all at once. The
 // ceiling is Go's copy() of the same number of blocks of the same size
 // from one buffer into the same pod-pool slots.
 package nodebench
@@ -31,6 +31,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/bench/harness"
+	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 	"github.com/ringside-kv/ringside/sidecar/node"
@@ -44,6 +45,7 @@ type Tier struct {
 	Server     *node.Server
 	Client     *node.Client
 	Pool       []byte
+	poolMap    *shm.Mapping
 	NS         machine.L2Namespace
 	BlockBytes int
 	Blocks     int
@@ -67,11 +69,20 @@ func Start(dir string, blockBytes, blocks int) (*Tier, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Server, t.cancel = s, cancel
 	go s.Serve(ctx)
-	t.Pool = make([]byte, 2*blocks*blockBytes)
+	// The pod's pool as the sidecar's is: a file in memory, its pages
+	// allocated at start (--pool.reserve).
+	if t.poolMap, err = shm.CreateMemfd("bench-pod-pool", 2*blocks*blockBytes, true); err == nil {
+		err = t.poolMap.Reserve()
+	}
+	if err != nil {
+		t.Close()
+		return nil, err
+	}
+	t.Pool = t.poolMap.Bytes()
 	for i := range t.Pool[:blocks*blockBytes] {
 		t.Pool[i] = byte(i * 7)
 	}
-	c, err := node.NewClient(node.ClientConfig{Socket: s.Socket(), Pod: "bench", IOTimeout: 10 * time.Second, LookupTimeout: time.Second}, t.Pool, uint64(blockBytes), zerolog.Nop())
+	c, err := node.NewClient(node.ClientConfig{Socket: s.Socket(), Pod: "bench", IOTimeout: 10 * time.Second, LookupTimeout: time.Second}, t.poolMap, uint64(blockBytes), zerolog.Nop())
 	if err != nil {
 		t.Close()
 		return nil, err
@@ -91,6 +102,9 @@ func (t *Tier) Close() {
 	}
 	t.cancel()
 	<-t.Server.Done()
+	if t.poolMap != nil {
+		t.poolMap.Close()
+	}
 	os.RemoveAll(t.dir)
 }
 
@@ -189,19 +203,17 @@ type Row struct {
 	Ratio        float64 `json:"ratio"`      // median of the repetitions' fetch/copy
 	RatioMin     float64 `json:"ratio_min"`  // lowest repetition's
 	RatioMax     float64 `json:"ratio_max"`  // highest repetition's
-	// TwoCopiesGBps is a fetch's copies without its messages, on one
-	// thread (the node's copy into a window, the sidecar's copy with
-	// CRC32C into the pool), timed beside the others; RatioTwoCopies the
-	// median of fetch over it.
-	TwoCopiesGBps  float64   `json:"two_copies_gbps"`
-	RatioTwoCopies float64   `json:"ratio_two_copies"`
-	TwoCopiesEach  []float64 `json:"two_copies_each"`
-	FetchEach      []float64 `json:"fetch_each"` // GB/s of each repetition
-	CopyEach       []float64 `json:"copy_each"`  // GB/s of each repetition
-	LoadAvg        string    `json:"loadavg"`    // at the row's end
-	Checked        bool      `json:"checked"`    // every fetched byte compared with the written block
-	CPUs           int       `json:"cpus"`
-	WindowSlots    int       `json:"window_slots"`
+	// CopyCRCGBps is a fetch's copy without its messages, on one thread
+	// (the node's copy into the pod's pool with CRC32C, l2.CopyCRC),
+	// timed beside the others; RatioCopyCRC the median of fetch over it.
+	CopyCRCGBps  float64   `json:"copy_crc_gbps"`
+	RatioCopyCRC float64   `json:"ratio_copy_crc"`
+	CopyCRCEach  []float64 `json:"copy_crc_each"`
+	FetchEach    []float64 `json:"fetch_each"` // GB/s of each repetition
+	CopyEach     []float64 `json:"copy_each"`  // GB/s of each repetition
+	LoadAvg      string    `json:"loadavg"`    // at the row's end
+	Checked      bool      `json:"checked"`    // every fetched byte compared with the written block
+	CPUs         int       `json:"cpus"`
 }
 
 func (c *Config) defaults() {
@@ -252,7 +264,7 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 }
 
 func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
-	row := Row{Bench: "node_fetch", BlockBytes: bs, Blocks: cfg.Blocks, Reps: cfg.Reps, CPUs: runtime.NumCPU(), WindowSlots: node.DefaultWindowSlots}
+	row := Row{Bench: "node_fetch", BlockBytes: bs, Blocks: cfg.Blocks, Reps: cfg.Reps, CPUs: runtime.NumCPU()}
 	// The working set: fetches of Blocks blocks each cycle through it, so
 	// that neither side runs out of a cache the other cannot use.
 	groups := max(1, int(cfg.WorkingBytes/(int64(cfg.Blocks)*int64(bs))))
@@ -277,7 +289,7 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 	copy(src, t.Pool[:held*bs])
 	dst := t.Pool[held*bs:]
 	span := cfg.Blocks * bs
-	// Warm both paths (page faults of the pool, the window, dst).
+	// Warm both paths (page faults of the pools and dst).
 	for g := range fs {
 		if t.Fetch(fs[g]) != cfg.Blocks {
 			return row, errors.New("a warm-up fetch missed")
@@ -285,7 +297,6 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 	}
 	copyBlocks(dst, src, bs)
 	var ratios, floor []float64
-	win := make([]byte, span) // the two copies' middle buffer, as the window
 	for rep := 0; rep < cfg.Reps; rep++ {
 		if err := ctx.Err(); err != nil {
 			return row, err
@@ -306,33 +317,30 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 			copyBlocks(dst[o:o+span], src[o:o+span], bs)
 			t2 := time.Now()
 			o = ((i + groups/4) % groups) * span
-			twoCopies(dst[o:o+span], win, src[o:o+span], bs)
+			copyCRCBlocks(dst[o:o+span], src[o:o+span], bs)
 			fd, cd, wd = fd+t1.Sub(t0), cd+t2.Sub(t1), wd+time.Since(t2)
 		}
 		if string(dst) != string(src) {
 			return row, errors.New("the fetched bytes differ from the written ones")
 		}
 		fg, cg, tg := gbps(row.Bytes, fd), gbps(row.Bytes, cd), gbps(row.Bytes, wd)
-		row.FetchEach, row.CopyEach, row.TwoCopiesEach = append(row.FetchEach, fg), append(row.CopyEach, cg), append(row.TwoCopiesEach, tg)
+		row.FetchEach, row.CopyEach, row.CopyCRCEach = append(row.FetchEach, fg), append(row.CopyEach, cg), append(row.CopyCRCEach, tg)
 		ratios = append(ratios, fg/cg)
 		floor = append(floor, fg/tg)
 	}
 	row.Checked = true
 	row.FetchGBps, row.CopyGBps, row.Ratio = median(row.FetchEach), median(row.CopyEach), median(ratios)
 	row.RatioMin, row.RatioMax = slices.Min(ratios), slices.Max(ratios)
-	row.TwoCopiesGBps, row.RatioTwoCopies = median(row.TwoCopiesEach), median(floor)
+	row.CopyCRCGBps, row.RatioCopyCRC = median(row.CopyCRCEach), median(floor)
 	row.LoadAvg = harness.LoadAvg()
 	return row, nil
 }
 
-// twoCopies is a fetch's work without its messages, on one thread: each
-// block copied into win (the node's copy into the window), then copied on
-// into dst with its CRC32C (the sidecar's, l2.CopyCRC).
-func twoCopies(dst, win, src []byte, bs int) {
+// copyCRCBlocks is a fetch's work without its messages, on one thread:
+// each block copied into dst with its CRC32C (the node's l2.CopyCRC).
+func copyCRCBlocks(dst, src []byte, bs int) {
 	for off := 0; off < len(src); off += bs {
-		w := win[off : off+bs]
-		copy(w, src[off:off+bs])
-		l2.CopyCRC(dst[off:off+bs], w)
+		l2.CopyCRC(dst[off:off+bs], src[off:off+bs])
 	}
 }
 
@@ -375,17 +383,17 @@ func report(cfg Config, rows []Row) error {
 		harness.Verdicts(cfg.Out, cfg.Log, true, cfg.Quiet, verdicts)
 		return nil
 	}
-	fmt.Fprintf(cfg.Out, "node tier fetch (in-process node and client, real socket and memfds, %d-slot window) against Go's copy() of the same blocks; %d CPUs, load average %s\n\n",
-		node.DefaultWindowSlots, runtime.NumCPU(), harness.LoadAvg())
+	fmt.Fprintf(cfg.Out, "node tier fetch (in-process node and client, real socket and memfds, the node copying into the pod's pool) against Go's copy() of the same blocks; %d CPUs, load average %s\n\n",
+		runtime.NumCPU(), harness.LoadAvg())
 	tw := tabwriter.NewWriter(cfg.Out, 2, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "block\tblocks/fetch\tworking set MiB\tMiB/rep\treps\tfetch GB/s\tcopy GB/s\tfetch/copy\tmin\tmax\ttwo copies+CRC GB/s\tfetch/two copies\t")
+	fmt.Fprintln(tw, "block\tblocks/fetch\tworking set MiB\tMiB/rep\treps\tfetch GB/s\tcopy GB/s\tfetch/copy\tmin\tmax\tcopy+CRC GB/s\tfetch/copy+CRC\t")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d KiB\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.BlockBytes>>10, r.Blocks, r.WorkingBytes>>20, r.Bytes>>20, r.Reps, r.FetchGBps, r.CopyGBps, r.Ratio, r.RatioMin, r.RatioMax, r.TwoCopiesGBps, r.RatioTwoCopies)
+		fmt.Fprintf(tw, "%d KiB\t%d\t%d\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t\n", r.BlockBytes>>10, r.Blocks, r.WorkingBytes>>20, r.Bytes>>20, r.Reps, r.FetchGBps, r.CopyGBps, r.Ratio, r.RatioMin, r.RatioMax, r.CopyCRCGBps, r.RatioCopyCRC)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(cfg.Out, "GB/s: the medians of the repetitions; fetch/copy: the median of each repetition's ratio (each fetch followed by a copy of as many bytes, each timed alone);\ntwo copies+CRC: the fetch's copies without its messages, one thread (into a window-sized buffer, then on with CRC32C), timed beside them")
+	fmt.Fprintln(cfg.Out, "GB/s: the medians of the repetitions; fetch/copy: the median of each repetition's ratio (each fetch followed by a copy of as many bytes, each timed alone);\ncopy+CRC: the fetch's copy without its messages, one thread (l2.CopyCRC: copied and checksummed in 16 KiB pieces), timed beside them")
 	harness.Verdicts(cfg.Out, cfg.Log, false, cfg.Quiet, verdicts)
 	return nil
 }

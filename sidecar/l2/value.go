@@ -97,9 +97,10 @@ func PutValue(dst []byte, ns machine.L2Namespace, digest []byte, rank int, paylo
 }
 
 // CopyCRC copies src into dst (len(dst) >= len(src)) and returns the
-// CRC32C of src, in one pass of 64 KiB pieces.
+// CRC32C of src, in one pass of 16 KiB pieces: each piece is checksummed
+// from dst while it is still in the first-level cache.
 func CopyCRC(dst, src []byte) uint32 {
-	const piece = 64 << 10
+	const piece = 16 << 10
 	var crc uint32
 	for off := 0; off < len(src); off += piece {
 		e := min(off+piece, len(src))
@@ -117,23 +118,9 @@ func CheckHeader(v []byte, ns machine.L2Namespace, digest []byte, rank int, want
 	if len(v) < HeaderSize {
 		return nil, 0, RejectShort
 	}
-	h := v[:HeaderSize]
-	if binary.LittleEndian.Uint32(h[0:]) != valueMagic || binary.LittleEndian.Uint16(h[4:]) != valueVersion ||
-		binary.LittleEndian.Uint16(h[6:]) != HeaderSize || binary.LittleEndian.Uint32(h[84:]) != crc32.Update(0, castagnoli, h[:84]) ||
-		h[13]|h[14]|h[15] != 0 || binary.LittleEndian.Uint64(h[88:]) != 0 {
-		return nil, 0, RejectHeader
-	}
-	var d [32]byte
-	copy(d[:], digest)
-	var fp [16]byte
-	copy(fp[:], h[32:48])
-	if binary.LittleEndian.Uint16(h[8:]) != uint16(rank) || binary.LittleEndian.Uint16(h[10:]) != uint16(ns.World) ||
-		int(h[12]) != len(digest) || binary.LittleEndian.Uint64(h[24:]) != ns.Layout || fp != ns.FP || [32]byte(h[48:80]) != d {
-		return nil, 0, RejectIdentity
-	}
-	n := binary.LittleEndian.Uint64(h[16:])
-	if n == 0 || n > maxLen || (want != 0 && n != want) {
-		return nil, 0, RejectLength
+	n, crc, why := CheckHead(v[:HeaderSize], ns, digest, rank, want, maxLen)
+	if why != "" {
+		return nil, 0, why
 	}
 	if uint64(len(v)-HeaderSize) < n {
 		return nil, 0, RejectShort
@@ -141,7 +128,34 @@ func CheckHeader(v []byte, ns machine.L2Namespace, digest []byte, rank int, want
 	if uint64(len(v)-HeaderSize) > n {
 		return nil, 0, RejectTrailing
 	}
-	return v[HeaderSize:], binary.LittleEndian.Uint32(h[80:]), ""
+	return v[HeaderSize:], crc, ""
+}
+
+// CheckHead checks a value's header alone (HeaderSize bytes) against the
+// block it should be and returns the payload's length and the CRC32C the
+// header promises for it, or the reason it is rejected.
+func CheckHead(h []byte, ns machine.L2Namespace, digest []byte, rank int, want, maxLen uint64) (uint64, uint32, string) {
+	if len(h) != HeaderSize {
+		return 0, 0, RejectShort
+	}
+	if binary.LittleEndian.Uint32(h[0:]) != valueMagic || binary.LittleEndian.Uint16(h[4:]) != valueVersion ||
+		binary.LittleEndian.Uint16(h[6:]) != HeaderSize || binary.LittleEndian.Uint32(h[84:]) != crc32.Update(0, castagnoli, h[:84]) ||
+		h[13]|h[14]|h[15] != 0 || binary.LittleEndian.Uint64(h[88:]) != 0 {
+		return 0, 0, RejectHeader
+	}
+	var d [32]byte
+	copy(d[:], digest)
+	var fp [16]byte
+	copy(fp[:], h[32:48])
+	if binary.LittleEndian.Uint16(h[8:]) != uint16(rank) || binary.LittleEndian.Uint16(h[10:]) != uint16(ns.World) ||
+		int(h[12]) != len(digest) || binary.LittleEndian.Uint64(h[24:]) != ns.Layout || fp != ns.FP || [32]byte(h[48:80]) != d {
+		return 0, 0, RejectIdentity
+	}
+	n := binary.LittleEndian.Uint64(h[16:])
+	if n == 0 || n > maxLen || (want != 0 && n != want) {
+		return 0, 0, RejectLength
+	}
+	return n, binary.LittleEndian.Uint32(h[80:]), ""
 }
 
 // Reasons a value is rejected (the rejected-values metric's label).

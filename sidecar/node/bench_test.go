@@ -10,9 +10,10 @@ import (
 )
 
 // BenchmarkNodeTier measures writes and fetches of 256 KiB blocks (world
-// size 1) through a node process in this process, over the real socket and
-// windows: each block is copied twice (pod pool to window to node pool, or
-// back) and checksummed on both sides. The node tier is bench/nodebench's
+// size 1) through a node process in this process, over the real socket: a
+// write is copied twice (pod pool to window to node pool) and checksummed
+// on both sides, a fetch copied once (node pool to pod pool) and
+// checksummed as it is copied. The node tier is bench/nodebench's
 // (`ringside-bench node` measures its fetches against a plain copy).
 func BenchmarkNodeTier(b *testing.B) {
 	const bs, blocks = 256 << 10, 64

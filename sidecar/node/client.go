@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -100,6 +102,7 @@ type ClientStats struct {
 	Attaches                                       atomic.Uint64
 	Lookups, LookupBlocks, LookupHits, LookupMiss  atomic.Uint64 // LookupMiss: lookups answered 0 unasked (not attached, busy) or failed
 	FetchBlocks, FetchOK, FetchMiss, FetchRejected atomic.Uint64
+	FetchUnready                                   atomic.Uint64 // fetches not asked: the pool's pages could not be made resident
 	Writes, WritesOK, WritesExist, WritesRefused   atomic.Uint64 // WritesRefused: queue full, no window slot, not attached
 	WritesFailed                                   atomic.Uint64 // the node answered otherwise, or not in time
 	Promotions                                     atomic.Uint64 // blocks Redis gave, offered to the node tier
@@ -112,6 +115,8 @@ type ClientStats struct {
 type Client struct {
 	cfg       ClientConfig
 	pool      []byte
+	poolMap   *shm.Mapping
+	populated []atomic.Bool // pool slots whose pages Populate has made resident
 	log       zerolog.Logger
 	met       ClientStats
 	cur       atomic.Pointer[cliConn]
@@ -157,15 +162,22 @@ func (c *Client) refuse(j *writeJob) {
 	j.copied(true)
 }
 
-// NewClient starts a client over pool (the sidecar's pool bytes; offsets
-// in requests index it), whose slots hold at most slotBytes.
-func NewClient(cfg ClientConfig, pool []byte, slotBytes uint64, log zerolog.Logger) (*Client, error) {
+// NewClient starts a client over pool (the sidecar's pool, a shared
+// mapping of a file in memory; offsets in requests index it), whose slots
+// hold at most slotBytes. The pool's descriptor is passed to the node
+// process with each attach: fetches land in it straight from the node's
+// pool.
+func NewClient(cfg ClientConfig, pool *shm.Mapping, slotBytes uint64, log zerolog.Logger) (*Client, error) {
 	cfg.EnsureDefaults()
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	c := &Client{cfg: cfg, pool: pool, slotBytes: slotBytes, log: log.With().Str("tier", "node").Logger(),
-		writes: make(chan *writeJob, cfg.Queue), inflight: make(chan struct{}, cfg.Inflight), stop: make(chan struct{})}
+	if slotBytes == 0 || slotBytes%4096 != 0 {
+		return nil, fmt.Errorf("node tier: slots of %d bytes: a multiple of 4 KiB", slotBytes)
+	}
+	c := &Client{cfg: cfg, pool: pool.Bytes(), poolMap: pool, slotBytes: slotBytes, log: log.With().Str("tier", "node").Logger(),
+		populated: make([]atomic.Bool, uint64(pool.Len())/slotBytes),
+		writes:    make(chan *writeJob, cfg.Queue), inflight: make(chan struct{}, cfg.Inflight), stop: make(chan struct{})}
 	c.wg.Add(1 + cfg.Writers)
 	go c.connector()
 	for i := 0; i < cfg.Writers; i++ {
@@ -282,13 +294,18 @@ type cliConn struct {
 	slots      chan uint32 // free window slots
 	wmu        sync.Mutex  // socket writes
 
-	mu        sync.Mutex
-	calls     map[uint64]*call
-	nextID    uint64
-	held      int // window slots of calls given up on, freed when their reply comes
-	ns        map[[16]byte]bool
-	deadFlag  bool
-	dead      chan struct{}
+	mu       sync.Mutex
+	calls    map[uint64]*call
+	nextID   uint64
+	held     int // window slots of calls given up on, freed when their reply comes
+	ns       map[[16]byte]bool
+	deadFlag bool
+	dead     chan struct{}
+	// drained is closed once the node's end of the socket has closed (or
+	// Close gave up on it): the node process's copies into the pool, which
+	// end before its connection closes, are over. Fetches wait for their
+	// reply or for this, never for a timer alone.
+	drained   chan struct{}
 	users     sync.WaitGroup // users of win
 	closeOnce sync.Once
 }
@@ -297,6 +314,9 @@ type call struct {
 	ch        chan []byte // the reply's body; nil: the connection ended
 	slots     []uint32
 	abandoned bool
+	// fetch: the node copies into the pool for it; answered by its reply
+	// or once the connection has drained, even after fail.
+	fetch bool
 }
 
 var errDead = errors.New("node tier: not attached")
@@ -312,7 +332,7 @@ func (c *Client) dial() (*cliConn, error) {
 		return nil, err
 	}
 	sock.SetDeadline(time.Now().Add(c.cfg.IOTimeout))
-	if _, err := sock.Write(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: c.cfg.Pod}.Append)); err != nil {
+	if _, _, err := sock.WriteMsgUnix(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: c.cfg.Pod}.Append), syscall.UnixRights(c.poolMap.FD()), nil); err != nil {
 		return fail(err)
 	}
 	buf := make([]byte, wire.MaxMessage)
@@ -361,7 +381,7 @@ func (c *Client) dial() (*cliConn, error) {
 	}
 	sock.SetDeadline(time.Time{})
 	cc := &cliConn{c: c, sock: sock, win: win, stride: r.SlotStride, maxPayload: r.MaxPayload, nslots: int(r.WindowSlots), epoch: r.Epoch,
-		slots: make(chan uint32, r.WindowSlots), calls: map[uint64]*call{}, nextID: 1, ns: map[[16]byte]bool{}, dead: make(chan struct{})}
+		slots: make(chan uint32, r.WindowSlots), calls: map[uint64]*call{}, nextID: 1, ns: map[[16]byte]bool{}, dead: make(chan struct{}), drained: make(chan struct{})}
 	for i := uint32(0); i < r.WindowSlots; i++ {
 		cc.slots <- i
 	}
@@ -375,21 +395,43 @@ func (cc *cliConn) isDead() bool {
 	return cc.deadFlag
 }
 
-// fail ends the connection: every call waiting is answered nil.
+// fail ends the connection: no new call starts, and every call waiting is
+// answered nil except fetches, which the node may still be copying for:
+// this side stops writing, the node ends the connection once it has
+// answered what it read, and the reader answers them (drain).
 func (cc *cliConn) fail() {
 	cc.closeOnce.Do(func() {
 		cc.mu.Lock()
 		cc.deadFlag = true
 		for id, k := range cc.calls {
+			if k.fetch {
+				continue
+			}
 			if !k.abandoned {
 				close(k.ch)
 			}
 			delete(cc.calls, id)
 		}
 		cc.mu.Unlock()
-		cc.sock.Close()
+		cc.sock.CloseWrite()
 		close(cc.dead)
 	})
+}
+
+// drain runs when the reader stops (the node's end closed, or Close gave
+// up): the calls left are answered nil and the socket is closed.
+func (cc *cliConn) drain() {
+	cc.fail()
+	cc.mu.Lock()
+	for id, k := range cc.calls {
+		if !k.abandoned {
+			close(k.ch)
+		}
+		delete(cc.calls, id)
+	}
+	cc.mu.Unlock()
+	close(cc.drained)
+	cc.sock.Close()
 }
 
 // wait waits for the window's users, then unmaps it.
@@ -409,20 +451,29 @@ func (cc *cliConn) use() bool {
 	return true
 }
 
+// reader delivers replies until the node's end of the socket closes: after
+// fail too, when fetches may still be answered (the node has copied for
+// them).
 func (cc *cliConn) reader() {
+	defer cc.drain()
 	buf := make([]byte, wire.MaxMessage+1)
 	for {
 		n, fds, trunc, err := sys.ReadFDs(cc.sock, buf, 1)
 		sys.CloseFDs(fds)
-		if err != nil || trunc || len(fds) > 0 {
-			cc.fail()
+		if err != nil || n == 0 {
 			return
+		}
+		if trunc || len(fds) > 0 {
+			cc.fail()
+			continue
 		}
 		h, body, err := wire.DecodeHeader(buf[:n])
 		if err != nil || h.Type&wire.ReplyBit == 0 {
-			cc.c.log.Warn().Err(err).Msg("node tier: a bad reply; reconnecting")
+			if !cc.isDead() {
+				cc.c.log.Warn().Err(err).Msg("node tier: a bad reply; reconnecting")
+			}
 			cc.fail()
-			return
+			continue
 		}
 		cc.mu.Lock()
 		k := cc.calls[h.ID]
@@ -493,6 +544,36 @@ func (cc *cliConn) call(t wire.Type, body func([]byte) []byte, slots []uint32, d
 		return nil, errDead
 	}
 	return b, nil
+}
+
+// startFetch sends a Fetch; its reply comes on the call's channel, nil
+// once the connection has drained (never for a timer: the node may be
+// copying into the pool until it answers or its end closes).
+func (cc *cliConn) startFetch(body func([]byte) []byte, deadline time.Time) (*call, error) {
+	k := &call{ch: make(chan []byte, 1), fetch: true}
+	cc.mu.Lock()
+	if cc.deadFlag {
+		cc.mu.Unlock()
+		return nil, errDead
+	}
+	id := cc.nextID
+	cc.nextID++
+	cc.calls[id] = k
+	cc.mu.Unlock()
+	msg := wire.Message(wire.TypeFetch, id, body)
+	cc.wmu.Lock()
+	cc.sock.SetWriteDeadline(deadline)
+	_, err := cc.sock.Write(msg)
+	cc.wmu.Unlock()
+	if err != nil {
+		// A datagram is sent whole or not at all: this one was not.
+		cc.mu.Lock()
+		delete(cc.calls, id)
+		cc.mu.Unlock()
+		cc.fail()
+		return nil, errDead
+	}
+	return k, nil
 }
 
 // takeSlots takes n free window slots, waiting until deadline at most
@@ -665,80 +746,109 @@ func (c *Client) fetch(cc *cliConn, f machine.L2Fetch, res []machine.L2FetchResu
 	deadline := time.Now().Add(c.cfg.IOTimeout)
 	world := max(f.NS.World, 1)
 	c.met.FetchBlocks.Add(uint64(len(f.Blocks)))
+	defer func() {
+		for _, r := range res {
+			if !r.OK {
+				c.met.FetchMiss.Add(1)
+			} else {
+				c.met.FetchOK.Add(1)
+			}
+		}
+	}()
 	if !cc.register(f.NS, deadline) {
-		c.met.FetchMiss.Add(uint64(len(f.Blocks)))
 		return
 	}
-	// Batches of whole blocks, at most a quarter of the window each (so
-	// that fetches side by side and writes share it).
-	per := max(1, min(wire.MaxItems, cc.nslots/4)/world)
+	limit := f.MaxLength
+	if f.Length != 0 {
+		limit = f.Length
+	}
+	limit = min(limit, c.slotBytes)
+	// Every batch is sent at once (the node copies one while this side
+	// checks another); each is waited for until its reply comes or the
+	// connection has drained: the node may be copying into its slots
+	// until then.
+	type batch struct {
+		first, end int
+		items      []wire.FetchItem
+		k          *call
+	}
+	var batches []batch
+	per := max(1, wire.MaxItems/world)
 	for first := 0; first < len(f.Blocks); first += per {
-		end := min(first+per, len(f.Blocks))
-		if !c.fetchBatch(cc, f, first, end, res, deadline) {
+		b := batch{first: first, end: min(first+per, len(f.Blocks))}
+		for i := b.first; i < b.end; i++ {
+			for r, off := range f.Blocks[i].PoolOffsets {
+				if limit == 0 || off > uint64(len(c.pool)) || limit > uint64(len(c.pool))-off || !c.ready(off, limit) {
+					b.items = nil
+					break // the batch is not sent: its blocks miss
+				}
+				it := wire.FetchItem{Rank: uint16(r), Offset: off, Max: limit}
+				copy(it.Digest[:], f.Blocks[i].Digest)
+				b.items = append(b.items, it)
+			}
+			if b.items == nil {
+				break
+			}
+		}
+		if len(b.items) == 0 || len(b.items) != (b.end-b.first)*world {
+			continue
+		}
+		k, err := cc.startFetch(wire.Fetch{FP: f.NS.FP, Items: b.items}.Append, deadline)
+		if err != nil {
 			break
 		}
+		b.k = k
+		batches = append(batches, b)
 	}
-	for _, r := range res {
-		if !r.OK {
-			c.met.FetchMiss.Add(1)
-		} else {
-			c.met.FetchOK.Add(1)
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	for _, b := range batches {
+		var body []byte
+		ok := true
+		select {
+		case body, ok = <-b.k.ch:
+		case <-timer.C:
+			c.met.Timeouts.Add(1)
+			if !cc.isDead() {
+				c.log.Warn().Msg("node tier: a fetch not answered in time; reconnecting once the node has let go of it")
+			}
+			cc.fail()
+			body, ok = <-b.k.ch // the reply, or nil once the connection has drained
+		}
+		if ok {
+			c.fetchResults(f, b.first, b.end, b.items, body, res)
 		}
 	}
 }
 
-// fetchBatch fetches blocks [first, end) of f; false: stop (the deadline
-// passed, or the connection ended).
-func (c *Client) fetchBatch(cc *cliConn, f machine.L2Fetch, first, end int, res []machine.L2FetchResult, deadline time.Time) bool {
-	world := max(f.NS.World, 1)
-	slots, ok := cc.takeSlots((end-first)*world, deadline)
-	if !ok {
-		return false
+// fetchResults checks a Fetch's reply against what was asked and marks
+// the blocks of [first, end) whose every rank landed whole and checked.
+func (c *Client) fetchResults(f machine.L2Fetch, first, end int, items []wire.FetchItem, body []byte, res []machine.L2FetchResult) {
+	rep, err := wire.DecodeFetchReply(body)
+	if err != nil || rep.Status != wire.OK || len(rep.Items) != len(items) {
+		return
 	}
-	items := wire.Items{FP: f.NS.FP, Items: make([]wire.Item, 0, len(slots))}
-	for i := first; i < end; i++ {
-		b := f.Blocks[i]
-		for r := range b.PoolOffsets {
-			it := wire.Item{Rank: uint16(r), Slot: slots[len(items.Items)]}
-			copy(it.Digest[:], b.Digest)
-			items.Items = append(items.Items, it)
-		}
-	}
-	slots = slots[:len(items.Items)]
-	body, err := cc.call(wire.TypeGet, func(b []byte) []byte { return items.Append(b, false) }, slots, deadline)
-	if errors.Is(err, errTimeout) {
-		return false // the slots are the late reply's to free
-	}
-	defer cc.freeSlots(slots)
-	if err != nil {
-		return false
-	}
-	rep, err := wire.DecodeItemsReply(body)
-	if err != nil || rep.Status != wire.OK || len(rep.Items) != len(items.Items) {
-		return false
-	}
-	win := cc.win.Bytes()
 	k := 0
 	for i := first; i < end; i++ {
 		b := f.Blocks[i]
 		ok, length := true, f.Length
-		for r, off := range b.PoolOffsets {
-			ir := rep.Items[k]
-			s := uint64(items.Items[k].Slot)
+		for r := range b.PoolOffsets {
+			ir, it := &rep.Items[k], &items[k]
 			k++
-			if !ok {
-				continue
-			}
-			if ir.Status != wire.OK || ir.Length > cc.stride {
+			if !ok || ir.Status != wire.OK {
 				ok = false
 				continue
 			}
-			v := win[s*cc.stride : s*cc.stride+ir.Length]
-			p, crc, why := l2.CheckHeader(v, f.NS, b.Digest, r, length, f.MaxLength)
-			if why == "" && off+uint64(len(p)) > uint64(len(c.pool)) {
-				why = "bounds"
-			}
-			if why == "" && l2.CopyCRC(c.pool[off:off+uint64(len(p))], p) != crc {
+			// The header as the node holds it, against the block asked
+			// for; the payload's length against what was allowed; the
+			// checksum the node computed over what it wrote against the
+			// header's.
+			n, crc, why := l2.CheckHead(ir.Header[:], f.NS, b.Digest, r, length, min(f.MaxLength, it.Max))
+			switch {
+			case why != "":
+			case n != ir.Length:
+				why = l2.RejectLength
+			case crc != ir.CRC:
 				why = l2.RejectChecksum
 			}
 			if why != "" {
@@ -746,13 +856,55 @@ func (c *Client) fetchBatch(cc *cliConn, f machine.L2Fetch, first, end int, res 
 				c.met.FetchRejected.Add(1)
 				continue
 			}
-			length = uint64(len(p))
+			length = ir.Length
 		}
 		if ok {
 			res[i] = machine.L2FetchResult{OK: true, Length: length}
 		}
 	}
+}
+
+// ready makes sure the pages of the pool that a fetch of up to n bytes at
+// off writes are allocated and in memory, charged to this process (the
+// node never writes a page that is not): once per slot.
+func (c *Client) ready(off, n uint64) bool {
+	slot := off / c.slotBytes
+	whole := off%c.slotBytes == 0 && n <= c.slotBytes && slot < uint64(len(c.populated))
+	if whole {
+		if c.populated[slot].Load() {
+			return true
+		}
+		n = c.slotBytes
+	}
+	b := c.pool[off : off+n]
+	err := shm.Populate(b)
+	if errors.Is(err, shm.ErrReserveUnsupported) {
+		err = touch(b)
+	}
+	if err != nil {
+		c.met.FetchUnready.Add(1)
+		return false
+	}
+	if whole {
+		c.populated[slot].Store(true)
+	}
 	return true
+}
+
+// touch writes a zero into every page of b (before MADV_POPULATE_WRITE,
+// Linux 5.14): the slot is the fetch's, about to be overwritten. A page
+// that cannot be allocated (a full mount) faults: an error, not a crash.
+func touch(b []byte) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if recover() != nil {
+			err = errors.New("node tier: the pool's pages cannot be allocated")
+		}
+	}()
+	for i := 0; i < len(b); i += 4096 {
+		b[i] = 0
+	}
+	return nil
 }
 
 // Write queues w: a writer copies every rank's bytes out of the pool into
@@ -856,7 +1008,7 @@ func (c *Client) copyOut(cc *cliConn, w machine.L2Write) ([]uint32, wire.Items, 
 // put asks the node to take the values in slots and frees the slots once
 // it has answered.
 func (c *Client) put(cc *cliConn, slots []uint32, items wire.Items, deadline time.Time) {
-	body, err := cc.call(wire.TypePut, func(b []byte) []byte { return items.Append(b, true) }, slots, deadline)
+	body, err := cc.call(wire.TypePut, func(b []byte) []byte { return items.Append(b) }, slots, deadline)
 	if !errors.Is(err, errTimeout) {
 		defer cc.freeSlots(slots)
 	}

@@ -16,15 +16,15 @@ import (
 func FuzzServe(f *testing.F) {
 	for _, m := range [][]byte{
 		wire.Message(wire.TypeLookup, 7, wire.Lookup{FP: testNS.FP, Width: 16, Digests: digest(1)}.Append),
-		wire.Message(wire.TypeGet, 7, func(b []byte) []byte {
-			it := wire.Item{Slot: 1}
+		wire.Message(wire.TypeFetch, 7, func(b []byte) []byte {
+			it := wire.FetchItem{Offset: testSlot, Max: testSlot}
 			copy(it.Digest[:], digest(1))
-			return wire.Items{FP: testNS.FP, Items: []wire.Item{it}}.Append(b, false)
+			return wire.Fetch{FP: testNS.FP, Items: []wire.FetchItem{it}}.Append(b)
 		}),
 		wire.Message(wire.TypePut, 7, func(b []byte) []byte {
 			it := wire.Item{Slot: 2, Length: l2.HeaderSize + testSlot}
 			copy(it.Digest[:], digest(2))
-			return wire.Items{FP: testNS.FP, Items: []wire.Item{it}}.Append(b, true)
+			return wire.Items{FP: testNS.FP, Items: []wire.Item{it}}.Append(b)
 		}),
 		wire.Message(wire.TypeRegister, 7, wireNS(otherNS).Append),
 		wire.Message(wire.TypeDescribe, 7, wire.Describe{FP: testNS.FP, Entries: []wire.Entry{descOf(1, -1), descOf(2, 1)}}.Append),

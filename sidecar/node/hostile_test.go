@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"net"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -20,19 +21,33 @@ type rawConn struct {
 	t    *testing.T
 	sock *net.UnixConn
 	win  *shm.Mapping
+	pool *shm.Mapping // the pod's pool, passed with the Hello: 8 slots, resident
 	rep  wire.HelloReply
 	id   uint64
 }
 
 func rawDial(t *testing.T, sock, pod string) *rawConn {
 	t.Helper()
+	pool := testPool(t, 8*testSlot)
+	if err := shm.Populate(pool.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	return rawDialPool(t, sock, pod, pool)
+}
+
+// rawDialPool attaches with pool's descriptor as the pod's pool.
+func rawDialPool(t *testing.T, sock, pod string, pool *shm.Mapping) *rawConn {
+	t.Helper()
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: sock, Net: "unixpacket"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	r := &rawConn{t: t, sock: c}
-	r.send(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: pod}.Append))
+	r := &rawConn{t: t, sock: c, pool: pool}
+	c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	if _, _, err := c.WriteMsgUnix(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: pod}.Append), syscall.UnixRights(pool.FD()), nil); err != nil {
+		t.Fatal(err)
+	}
 	buf := make([]byte, wire.MaxMessage)
 	c.SetReadDeadline(time.Now().Add(5 * time.Second))
 	n, fds, _, err := sys.ReadFDs(c, buf, 4)
@@ -109,7 +124,7 @@ func (r *rawConn) status(t wire.Type, body func([]byte) []byte) wire.StatusReply
 }
 
 func (r *rawConn) items(t wire.Type, m wire.Items) wire.ItemsReply {
-	_, b := r.req(t, func(b []byte) []byte { return m.Append(b, t == wire.TypePut) })
+	_, b := r.req(t, m.Append)
 	if b == nil {
 		r.t.Fatal("connection ended")
 	}
@@ -142,15 +157,38 @@ func (r *rawConn) putValue(ns machine.L2Namespace, d []byte, rank int, s uint32,
 	return rep.Items[0].Status
 }
 
+func (r *rawConn) fetch(m wire.Fetch) wire.FetchReply {
+	_, b := r.req(wire.TypeFetch, m.Append)
+	if b == nil {
+		r.t.Fatal("connection ended")
+	}
+	s, err := wire.DecodeFetchReply(b)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return s
+}
+
+// get fetches a value into pod-pool slot s and returns it as the value the
+// node holds: the header the reply carries, the payload the node wrote,
+// with the checksum it computed checked against the header's.
 func (r *rawConn) get(ns machine.L2Namespace, d []byte, rank int, s uint32) (wire.Status, []byte) {
-	it := wire.Item{Rank: uint16(rank), Slot: s}
+	off := uint64(s) * testSlot
+	it := wire.FetchItem{Rank: uint16(rank), Offset: off, Max: testSlot}
 	copy(it.Digest[:], d)
-	rep := r.items(wire.TypeGet, wire.Items{FP: ns.FP, Items: []wire.Item{it}})
+	rep := r.fetch(wire.Fetch{FP: ns.FP, Items: []wire.FetchItem{it}})
 	if rep.Status != wire.OK {
 		return rep.Status, nil
 	}
-	v := r.win.Bytes()[uint64(s)*r.rep.SlotStride:]
-	return rep.Items[0].Status, v[:rep.Items[0].Length]
+	ir := rep.Items[0]
+	if ir.Status != wire.OK {
+		return ir.Status, nil
+	}
+	v := append(ir.Header[:], r.pool.Bytes()[off:off+ir.Length]...)
+	if _, crc, why := l2.CheckHeader(v, ns, d, rank, 0, testSlot); why != "" || crc != ir.CRC {
+		r.t.Fatalf("a fetch's reply: %q, checksum %#x against the header's %#x", why, ir.CRC, crc)
+	}
+	return ir.Status, v
 }
 
 var otherNS = machine.L2NamespaceFor("llama", "bf16/16/HND", "tenant-b-salt", 16, 2)
@@ -243,9 +281,19 @@ func TestHostileBadValues(t *testing.T) {
 		}
 	}
 	// A window slot past the window, a rank past the world, digest padding.
-	for name, it := range map[string]wire.Item{"slot": {Slot: r.rep.WindowSlots}, "rank": {Rank: 2}, "padding": {Digest: [32]byte{31: 1}}} {
-		if rep := r.items(wire.TypeGet, wire.Items{FP: testNS.FP, Items: []wire.Item{it}}); rep.Status != wire.Malformed {
-			t.Fatalf("%s: %+v", name, rep)
+	for name, it := range map[string]wire.Item{"slot": {Slot: r.rep.WindowSlots, Length: l2.HeaderSize + 1}, "rank": {Rank: 2, Length: l2.HeaderSize + 1},
+		"padding": {Digest: [32]byte{31: 1}, Length: l2.HeaderSize + 1}} {
+		if rep := r.items(wire.TypePut, wire.Items{FP: testNS.FP, Items: []wire.Item{it}}); rep.Status != wire.Malformed {
+			t.Fatalf("put, %s: %+v", name, rep)
+		}
+	}
+	// A fetch past the pod's pool (or wrapping around), a rank past the
+	// world, digest padding: the whole request is malformed.
+	size := uint64(r.pool.Len())
+	for name, it := range map[string]wire.FetchItem{"past the pool": {Offset: size - testSlot + 1, Max: testSlot}, "larger than the pool": {Max: size + 1},
+		"wrapping": {Offset: 1<<64 - testSlot, Max: 2 * testSlot}, "rank": {Rank: 2, Max: testSlot}, "padding": {Digest: [32]byte{31: 1}, Max: testSlot}} {
+		if rep := r.fetch(wire.Fetch{FP: testNS.FP, Items: []wire.FetchItem{it}}); rep.Status != wire.Malformed {
+			t.Fatalf("fetch, %s: %+v", name, rep)
 		}
 	}
 	// A sidecar scribbling on its window while the node copies it: whatever

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
@@ -56,7 +57,9 @@ func startServer(t testing.TB, mod func(*ServerConfig)) *Server {
 	return s
 }
 
-// testClient is a client over a heap pool of 32 slots.
+// testClient is a client over a pool of 32 slots (a memfd, not yet
+// populated: the client makes each slot resident as a fetch first lands
+// there).
 type testClient struct {
 	*Client
 	pool []byte
@@ -64,7 +67,7 @@ type testClient struct {
 
 func newTestClient(t testing.TB, sock, pod string) *testClient {
 	t.Helper()
-	pool := make([]byte, 32*testSlot)
+	pool := testPool(t, 32*testSlot)
 	c, err := NewClient(ClientConfig{Socket: sock, Pod: pod, LookupTimeout: time.Second, IOTimeout: 2 * time.Second}, pool, testSlot, testLog(t))
 	if err != nil {
 		t.Fatal(err)
@@ -73,7 +76,18 @@ func newTestClient(t testing.TB, sock, pod string) *testClient {
 	if !c.WaitConnected(5 * time.Second) {
 		t.Fatal("not attached")
 	}
-	return &testClient{c, pool}
+	return &testClient{c, pool.Bytes()}
+}
+
+// testPool is a pod pool of size bytes: a memfd, its pages not allocated.
+func testPool(t testing.TB, size int) *shm.Mapping {
+	t.Helper()
+	m, err := shm.CreateMemfd("test-pod-pool", size, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
 }
 
 var testNS = machine.L2NamespaceFor("llama", "bf16/16/HND", "", 16, 2)
@@ -291,7 +305,7 @@ func TestServerMetrics(t *testing.T) {
 // blocks might not fit): its lookups miss and its writes are refused.
 func TestSlotsTooLarge(t *testing.T) {
 	s := startServer(t, nil)
-	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "big"}, make([]byte, 4*2*testSlot), 2*testSlot, testLog(t))
+	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "big"}, testPool(t, 4*2*testSlot), 2*testSlot, testLog(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,6 +19,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -166,11 +167,15 @@ type Server struct {
 	ev    *events
 	conns map[*srvConn]struct{}
 
-	met  ServerStats
-	wg   sync.WaitGroup
-	stop chan struct{}
-	done chan struct{} // closed when Serve has released everything
-	once sync.Once
+	met ServerStats
+	// beforeCopy, when set (tests), runs in a Fetch after the value is
+	// pinned and before its copy into the pod's pool: a node stalled
+	// mid-fetch.
+	beforeCopy atomic.Pointer[func()]
+	wg         sync.WaitGroup
+	stop       chan struct{}
+	done       chan struct{} // closed when Serve has released everything
+	once       sync.Once
 }
 
 // ServerStats are the node's counts (atomics).
@@ -182,6 +187,7 @@ type ServerStats struct {
 	Rejected, Malformed, NotRegistered      atomic.Uint64
 	Dropped                                 atomic.Uint64 // connections ended for not reading their replies, or a bad header
 	Described, DescribeRefused, EventReads  atomic.Uint64
+	FetchNotResident, FetchFaults           atomic.Uint64 // Fetch items refused: the pod's pool range not in memory; a fault under the copy
 	BytesIn, BytesOut                       atomic.Uint64
 }
 
@@ -328,9 +334,12 @@ func (s *Server) Shutdown() {
 	s.once.Do(func() {
 		close(s.stop)
 		s.ln.Close()
+		// Each connection's reads end; its goroutine then closes it, after
+		// any copy into the pod's pool: the sidecar takes the socket's end
+		// to mean that no copy of this node's into its pool is left.
 		s.mu.Lock()
 		for c := range s.conns {
-			c.sock.Close()
+			c.sock.CloseRead()
 		}
 		s.mu.Unlock()
 	})
@@ -358,14 +367,18 @@ func (s *Server) uidAllowed(uid uint32) bool {
 
 // srvConn is one attached sidecar.
 type srvConn struct {
-	s      *Server
-	sock   *net.UnixConn
-	pod    string
-	owner  *owner
-	win    *shm.Mapping
-	ns     map[[16]byte]wire.NS
-	keyBuf []byte
-	out    []byte
+	s     *Server
+	sock  *net.UnixConn
+	pod   string
+	owner *owner
+	win   *shm.Mapping
+	// podPool is the pod's pool (nil: the sidecar passed none; its
+	// fetches go through the window); vec is mincore's scratch.
+	podPool *shm.Mapping
+	vec     []byte
+	ns      map[[16]byte]wire.NS
+	keyBuf  []byte
+	out     []byte
 }
 
 // serveConn runs one connection: the Hello, then requests in order.
@@ -375,8 +388,8 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	buf := make([]byte, wire.MaxMessage+1)
 	sock.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
 	n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
-	sys.CloseFDs(fds)
-	if err != nil || trunc || len(fds) > 0 {
+	if err != nil || trunc {
+		sys.CloseFDs(fds)
 		s.met.AttachRefused.Add(1)
 		return
 	}
@@ -387,22 +400,47 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		c.reply(wire.TypeHello|wire.ReplyBit, h.ID, wire.HelloReply{Status: st}.Append, nil)
 	}
 	if errors.Is(err, wire.ErrVersion) {
+		sys.CloseFDs(fds)
 		refuse(wire.BadVersion, err.Error())
 		return
 	}
 	if err != nil || h.Type != wire.TypeHello {
+		sys.CloseFDs(fds)
 		s.met.AttachRefused.Add(1)
 		return
 	}
 	hello, err := wire.DecodeHello(body)
 	if err != nil {
+		sys.CloseFDs(fds)
 		refuse(wire.Malformed, err.Error())
 		return
 	}
 	cred, err := sys.PeerCred(sock)
 	if err != nil || !s.uidAllowed(cred.UID) {
+		sys.CloseFDs(fds)
 		refuse(wire.Denied, fmt.Sprintf("uid %d may not attach (--allow-uid)", cred.UID))
 		return
+	}
+	if len(fds) > 1 {
+		sys.CloseFDs(fds)
+		refuse(wire.Malformed, fmt.Sprintf("a hello with %d descriptors (one at most: the pod's pool)", len(fds)))
+		return
+	}
+	if len(fds) == 1 {
+		// The pod's pool, which Fetch copies into: a file in memory (a
+		// copy never waits on a device or a server), mapped here until
+		// the connection ends. The pod may still truncate it: every copy
+		// into it is fault-safe.
+		if !shm.OnMemoryFS(fds[0]) {
+			sys.CloseFDs(fds)
+			refuse(wire.Malformed, "the pod's pool is not a file in memory (tmpfs or hugetlbfs)")
+			return
+		}
+		if c.podPool, err = shm.OpenFD(fds[0], "pod-pool", 4096); err != nil {
+			refuse(wire.Malformed, "the pod's pool: "+err.Error())
+			return
+		}
+		defer c.podPool.Close()
 	}
 	c.pod = hello.Pod
 	s.mu.Lock()
@@ -446,8 +484,8 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	for {
 		n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
 		sys.CloseFDs(fds)
-		if err != nil {
-			return
+		if err != nil || n == 0 {
+			return // closed, or shut down (Shutdown)
 		}
 		if trunc || len(fds) > 0 {
 			s.met.Dropped.Add(1)
@@ -525,9 +563,8 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 		s.met.LookupBlocks.Add(uint64(len(lk.Digests) / lk.Width))
 		s.met.LookupHits.Add(uint64(found))
 		return c.status(h.Type, h.ID, wire.OK, uint32(found))
-	case wire.TypeGet, wire.TypePut:
-		put := h.Type == wire.TypePut
-		m, err := wire.DecodeItems(body, put)
+	case wire.TypePut:
+		m, err := wire.DecodeItems(body)
 		var ns wire.NS
 		st := wire.OK
 		switch {
@@ -537,7 +574,7 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 			var ok bool
 			if ns, ok = c.ns[m.FP]; !ok {
 				st = wire.NotRegistered
-			} else if !c.itemsValid(ns, m.Items, put) {
+			} else if !c.itemsValid(ns, m.Items) {
 				st = wire.Malformed
 			}
 		}
@@ -551,13 +588,39 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 		}
 		res := make([]wire.ItemReply, len(m.Items))
 		for i := range m.Items {
-			if put {
-				res[i] = c.put(ns, &m.Items[i])
-			} else {
-				res[i] = c.get(ns, &m.Items[i])
-			}
+			res[i] = c.put(ns, &m.Items[i])
 		}
 		return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: wire.OK, Items: res}.Append, nil)
+	case wire.TypeFetch:
+		m, err := wire.DecodeFetch(body)
+		var ns wire.NS
+		st := wire.OK
+		switch {
+		case err != nil:
+			st = wire.Malformed
+		case c.podPool == nil:
+			st = wire.Malformed // no pool to fetch into
+		default:
+			var ok bool
+			if ns, ok = c.ns[m.FP]; !ok {
+				st = wire.NotRegistered
+			} else if !c.fetchValid(ns, m.Items) {
+				st = wire.Malformed
+			}
+		}
+		if st != wire.OK {
+			if st == wire.Malformed {
+				s.met.Malformed.Add(1)
+			} else {
+				s.met.NotRegistered.Add(1)
+			}
+			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.FetchReply{Status: st}.Append, nil)
+		}
+		res := make([]wire.FetchReplyItem, len(m.Items))
+		for i := range m.Items {
+			res[i] = c.fetch(ns, &m.Items[i])
+		}
+		return c.reply(h.Type|wire.ReplyBit, h.ID, wire.FetchReply{Status: wire.OK, Items: res}.Append, nil)
 	case wire.TypeDescribe:
 		m, err := wire.DecodeDescribe(body)
 		if err != nil {
@@ -593,7 +656,7 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 
 // itemsValid checks items against the connection: the digest's padding,
 // the rank, the window slot and a Put's length.
-func (c *srvConn) itemsValid(ns wire.NS, items []wire.Item, put bool) bool {
+func (c *srvConn) itemsValid(ns wire.NS, items []wire.Item) bool {
 	for _, it := range items {
 		for _, b := range it.Digest[ns.Width:] {
 			if b != 0 {
@@ -603,11 +666,87 @@ func (c *srvConn) itemsValid(ns wire.NS, items []wire.Item, put bool) bool {
 		if it.Rank >= ns.World || it.Slot >= uint32(c.s.cfg.WindowSlots) {
 			return false
 		}
-		if put && (it.Length <= l2.HeaderSize || it.Length > l2.HeaderSize+c.s.cfg.SlotBytes) {
+		if it.Length <= l2.HeaderSize || it.Length > l2.HeaderSize+c.s.cfg.SlotBytes {
 			return false
 		}
 	}
 	return true
+}
+
+// fetchValid checks a Fetch's items against the connection: the digest's
+// padding, the rank, and that each item's range lies in the pod's pool.
+func (c *srvConn) fetchValid(ns wire.NS, items []wire.FetchItem) bool {
+	size := uint64(c.podPool.Len())
+	for _, it := range items {
+		if !zero(it.Digest[ns.Width:]) || it.Rank >= ns.World || it.Max > size || it.Offset > size-it.Max {
+			return false
+		}
+	}
+	return true
+}
+
+// fetch copies a value's payload from the pool into the pod's pool at the
+// item's offset, checksumming what it writes in the same pass, and
+// returns the value's header with that checksum: the sidecar checks the
+// two. A payload larger than the item allows is not copied (NotFound:
+// another block size); nor is one whose destination is not all in memory
+// (a write there would allocate the pod's memory as the node's), and a
+// fault under the copy (the pod truncated its pool) is answered Fault.
+func (c *srvConn) fetch(ns wire.NS, it *wire.FetchItem) wire.FetchReplyItem {
+	s := c.s
+	s.met.GetItems.Add(1)
+	k := c.key(ns, it.Digest[:ns.Width], it.Rank)
+	s.mu.Lock()
+	i, n, ok := s.idx.pin(k)
+	s.mu.Unlock()
+	if !ok {
+		return wire.FetchReplyItem{Status: wire.NotFound}
+	}
+	defer func() {
+		s.mu.Lock()
+		s.idx.unpin(i)
+		s.mu.Unlock()
+	}()
+	v := c.slot(s.pool.Bytes(), uint64(i))[:n]
+	p := n - l2.HeaderSize
+	if p > it.Max {
+		return wire.FetchReplyItem{Status: wire.NotFound}
+	}
+	dst := c.podPool.Bytes()[it.Offset : it.Offset+p]
+	var resident bool
+	resident, c.vec, _ = shm.Resident(dst, c.vec)
+	if !resident {
+		s.met.FetchNotResident.Add(1)
+		return wire.FetchReplyItem{Status: wire.NotResident}
+	}
+	if f := s.beforeCopy.Load(); f != nil {
+		(*f)()
+	}
+	crc, ok := copyFaultSafe(dst, v[l2.HeaderSize:])
+	if !ok {
+		s.met.FetchFaults.Add(1)
+		return wire.FetchReplyItem{Status: wire.Fault}
+	}
+	r := wire.FetchReplyItem{Status: wire.OK, CRC: crc, Length: p}
+	copy(r.Header[:], v[:l2.HeaderSize])
+	s.met.GetHits.Add(1)
+	s.met.BytesOut.Add(p)
+	return r
+}
+
+// copyFaultSafe is l2.CopyCRC, false if dst faulted under it (a pod's
+// pool truncated, or on a full mount).
+func copyFaultSafe(dst, src []byte) (crc uint32, ok bool) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			if _, fault := r.(interface{ Addr() uintptr }); !fault {
+				panic(r)
+			}
+			ok = false
+		}
+	}()
+	return l2.CopyCRC(dst, src), true
 }
 
 // key is the index's key of rank's value of digest in ns.
@@ -638,26 +777,6 @@ func (c *srvConn) lookup(ns wire.NS, digests []byte) int {
 
 func (c *srvConn) slot(pool []byte, i uint64) []byte {
 	return pool[i*c.s.stride : (i+1)*c.s.stride]
-}
-
-// get copies a value from the pool into the item's window slot.
-func (c *srvConn) get(ns wire.NS, it *wire.Item) wire.ItemReply {
-	s := c.s
-	s.met.GetItems.Add(1)
-	k := c.key(ns, it.Digest[:ns.Width], it.Rank)
-	s.mu.Lock()
-	i, n, ok := s.idx.pin(k)
-	s.mu.Unlock()
-	if !ok {
-		return wire.ItemReply{Status: wire.NotFound}
-	}
-	copy(c.slot(c.win.Bytes(), uint64(it.Slot)), c.slot(s.pool.Bytes(), uint64(i))[:n])
-	s.mu.Lock()
-	s.idx.unpin(i)
-	s.mu.Unlock()
-	s.met.GetHits.Add(1)
-	s.met.BytesOut.Add(n)
-	return wire.ItemReply{Status: wire.OK, Length: n}
 }
 
 // put takes the value in the item's window slot into a pool slot: copied

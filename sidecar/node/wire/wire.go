@@ -1,8 +1,9 @@
 // Package wire is the node tier's wire format (docs/protocol.md, section
 // 17): the fixed-layout messages a sidecar and `ringside node` exchange over
 // a SOCK_SEQPACKET Unix socket, one message a datagram. Block bytes never
-// cross the socket: they move through the connection's window, a memfd the
-// node passes in the Hello reply.
+// cross the socket: writes move through the connection's window, a memfd
+// the node passes in the Hello reply; fetches land straight in the pod's
+// pool, whose descriptor the sidecar passes with its Hello.
 //
 // Every decoder checks the exact length, the bounds of every count and that
 // every reserved byte is zero; it returns an error wrapping ErrMalformed
@@ -19,11 +20,11 @@ import (
 // Constants of the wire.
 const (
 	Magic      = 0x444e5352 // "RSND", little-endian
-	Version    = 1
+	Version    = 2
 	HeaderSize = 16
 	// MaxMessage bounds a datagram, either way.
 	MaxMessage = 65536
-	// MaxItems bounds the items of a Get or a Put (and of their reply);
+	// MaxItems bounds the items of a Fetch or a Put (and of their reply);
 	// MaxLookup the digests of a Lookup.
 	MaxItems  = 64
 	MaxLookup = 1024
@@ -44,9 +45,9 @@ const (
 	TypeHello    Type = 0x01
 	TypeRegister Type = 0x02
 	TypeLookup   Type = 0x03
-	TypeGet      Type = 0x04
-	TypePut      Type = 0x05
-	ReplyBit     Type = 0x80
+	// 0x04 was version 1's Get (through the window), replaced by Fetch.
+	TypePut  Type = 0x05
+	ReplyBit Type = 0x80
 )
 
 // Status is a reply's (or an item's) outcome.
@@ -55,7 +56,7 @@ type Status uint16
 // Statuses.
 const (
 	OK            Status = 0
-	NotFound      Status = 1  // no such block (Get), or nothing found
+	NotFound      Status = 1  // no such block (Fetch), or nothing found
 	Exists        Status = 2  // Put: the node holds the block already (nothing copied)
 	Malformed     Status = 3  // the request failed its decoder or a bound
 	NotRegistered Status = 4  // the namespace was not registered on this connection
@@ -67,7 +68,7 @@ const (
 	Mismatch      Status = 10 // Register: the fingerprint is registered with another layout, width or world
 )
 
-var statusNames = [...]string{"ok", "not_found", "exists", "malformed", "not_registered", "no_space", "rejected", "limit", "bad_version", "denied", "mismatch", "gone"}
+var statusNames = [...]string{"ok", "not_found", "exists", "malformed", "not_registered", "no_space", "rejected", "limit", "bad_version", "denied", "mismatch", "gone", "not_resident", "fault"}
 
 func (s Status) String() string {
 	if int(s) < len(statusNames) {
@@ -92,7 +93,7 @@ var le = binary.LittleEndian
 //
 //	off size field
 //	  0    4 magic "RSND"
-//	  4    2 version (1)
+//	  4    2 version (2)
 //	  6    2 type
 //	  8    8 id (a request's, echoed by its reply)
 type Header struct {
@@ -132,7 +133,8 @@ func zero(b []byte) bool {
 }
 
 // Hello (sidecar → node) names the pod whose share the connection's writes
-// are charged to:
+// are charged to, and may carry one descriptor (SCM_RIGHTS): the pod's
+// pool, which Fetch copies into:
 //
 //	off size field
 //	  0    2 pod name length (1..63)
@@ -341,14 +343,14 @@ func DecodeLookup(b []byte) (Lookup, error) {
 	return Lookup{FP: [16]byte(b[:16]), Width: w, Digests: b[24:]}, nil
 }
 
-// Item is one block rank of a Get or a Put:
+// Item is one block rank of a Put:
 //
 //	off size field
 //	  0   32 digest (zero padded)
 //	 32    2 rank
 //	 34    2 zero
 //	 36    4 window slot
-//	 40    8 value length (Put only: header and payload in the window slot)
+//	 40    8 value length (header and payload in the window slot)
 type Item struct {
 	Digest [DigestSize]byte
 	Rank   uint16
@@ -356,28 +358,23 @@ type Item struct {
 	Length uint64
 }
 
-// Items is a Get or a Put: a namespace and its items.
+// Items is a Put: a namespace and its items.
 //
 //	off size field
 //	  0   16 namespace fingerprint
 //	 16    4 count (1..64)
 //	 20    4 zero
-//	 24  c·s the items (s: 40 bytes for a Get, 48 for a Put)
+//	 24 c·48 the items
 type Items struct {
 	FP    [16]byte
 	Items []Item
 }
 
-// ItemSize is the size of one item of a Get (put false) or a Put.
-func ItemSize(put bool) int {
-	if put {
-		return 48
-	}
-	return 40
-}
+// ItemSize is the size of one item of a Put.
+const ItemSize = 48
 
-// Append appends the body of a Get (put false) or a Put.
-func (m Items) Append(b []byte, put bool) []byte {
+// Append appends the body.
+func (m Items) Append(b []byte) []byte {
 	b = append(b, m.FP[:]...)
 	b = le.AppendUint32(b, uint32(len(m.Items)))
 	b = le.AppendUint32(b, 0)
@@ -386,34 +383,27 @@ func (m Items) Append(b []byte, put bool) []byte {
 		b = le.AppendUint16(b, it.Rank)
 		b = le.AppendUint16(b, 0)
 		b = le.AppendUint32(b, it.Slot)
-		if put {
-			b = le.AppendUint64(b, it.Length)
-		}
+		b = le.AppendUint64(b, it.Length)
 	}
 	return b
 }
 
-// DecodeItems decodes the body of a Get (put false) or a Put. A Get's
-// items have Length 0.
-func DecodeItems(b []byte, put bool) (Items, error) {
+// DecodeItems decodes a Put's body.
+func DecodeItems(b []byte) (Items, error) {
 	if len(b) < 24 || !zero(b[20:24]) {
 		return Items{}, malformed("items of %d bytes, or reserved bytes set", len(b))
 	}
-	n, s := int(le.Uint32(b[16:])), ItemSize(put)
-	if n < 1 || n > MaxItems || len(b) != 24+n*s {
+	n := int(le.Uint32(b[16:]))
+	if n < 1 || n > MaxItems || len(b) != 24+n*ItemSize {
 		return Items{}, malformed("%d items in %d bytes", n, len(b)-24)
 	}
 	m := Items{FP: [16]byte(b[:16]), Items: make([]Item, n)}
 	for i := range m.Items {
-		p := b[24+i*s:]
+		p := b[24+i*ItemSize:]
 		if !zero(p[34:36]) {
 			return Items{}, malformed("item %d: reserved bytes set", i)
 		}
-		it := Item{Digest: [DigestSize]byte(p[:32]), Rank: le.Uint16(p[32:]), Slot: le.Uint32(p[36:])}
-		if put {
-			it.Length = le.Uint64(p[40:])
-		}
-		m.Items[i] = it
+		m.Items[i] = Item{Digest: [DigestSize]byte(p[:32]), Rank: le.Uint16(p[32:]), Slot: le.Uint32(p[36:]), Length: le.Uint64(p[40:])}
 	}
 	return m, nil
 }
@@ -423,13 +413,13 @@ func DecodeItems(b []byte, put bool) (Items, error) {
 //	off size field
 //	  0    2 status
 //	  2    6 zero
-//	  8    8 value length (Get: the bytes in the window slot)
+//	  8    8 value length (Put: the bytes taken)
 type ItemReply struct {
 	Status Status
 	Length uint64
 }
 
-// ItemsReply answers a Get or a Put, one ItemReply an item, in order:
+// ItemsReply answers a Put or a Describe, one ItemReply an item, in order:
 //
 //	off size field
 //	  0    2 status (of the whole request)
@@ -734,6 +724,161 @@ func DecodeEventsReply(b []byte) (EventsReply, error) {
 	}
 	if len(rest) != 0 {
 		return EventsReply{}, malformed("events reply: %d bytes past the entries", len(rest))
+	}
+	return m, nil
+}
+
+// Fetches into the pod's pool (version 2): a sidecar that passed its pool's
+// descriptor with its Hello asks the node to copy values straight into its
+// pool, one copy, instead of through the window (TypeGet). The node copies
+// a value's payload to the item's pool offset and checksums what it wrote
+// in the same pass; the reply carries the value's header and that
+// checksum, which the sidecar checks against the header before it trusts
+// the bytes.
+const (
+	TypeFetch Type = 0x08
+	// NotResident (Fetch): the item's pool range is not all in memory (the
+	// sidecar populates its pool's pages before it asks; the node never
+	// allocates a page of a pod's pool).
+	NotResident Status = 12
+	// Fault (Fetch): the pool faulted under the node's copy (the pod's
+	// pool was truncated, or its mount is full): nothing to trust there.
+	Fault Status = 13
+	// FetchItemSize is a Fetch item's size, FetchReplyItemSize a reply
+	// item's; ValueHeaderSize the value header a reply item carries.
+	FetchItemSize      = 56
+	ValueHeaderSize    = 96
+	FetchReplyItemSize = 16 + ValueHeaderSize
+)
+
+// FetchItem is one value of a Fetch:
+//
+//	off size field
+//	  0   32 digest (zero padded)
+//	 32    2 rank
+//	 34    6 zero
+//	 40    8 pool offset (where the payload goes in the pod's pool)
+//	 48    8 largest payload the sidecar takes there (1..)
+type FetchItem struct {
+	Digest [DigestSize]byte
+	Rank   uint16
+	Offset uint64
+	Max    uint64
+}
+
+// Fetch asks for values to be copied into the pod's pool:
+//
+//	off size field
+//	  0   16 namespace fingerprint
+//	 16    4 count (1..64)
+//	 20    4 zero
+//	 24 c·56 the items
+type Fetch struct {
+	FP    [16]byte
+	Items []FetchItem
+}
+
+// Append appends the body.
+func (m Fetch) Append(b []byte) []byte {
+	b = append(b, m.FP[:]...)
+	b = le.AppendUint32(b, uint32(len(m.Items)))
+	b = le.AppendUint32(b, 0)
+	for _, it := range m.Items {
+		b = append(b, it.Digest[:]...)
+		b = le.AppendUint16(b, it.Rank)
+		b = append(b, 0, 0, 0, 0, 0, 0)
+		b = le.AppendUint64(b, it.Offset)
+		b = le.AppendUint64(b, it.Max)
+	}
+	return b
+}
+
+// DecodeFetch decodes a Fetch body.
+func DecodeFetch(b []byte) (Fetch, error) {
+	if len(b) < 24 || !zero(b[20:24]) {
+		return Fetch{}, malformed("fetch of %d bytes, or reserved bytes set", len(b))
+	}
+	n := int(le.Uint32(b[16:]))
+	if n < 1 || n > MaxItems || len(b) != 24+n*FetchItemSize {
+		return Fetch{}, malformed("%d fetch items in %d bytes", n, len(b)-24)
+	}
+	m := Fetch{FP: [16]byte(b[:16]), Items: make([]FetchItem, n)}
+	for i := range m.Items {
+		p := b[24+i*FetchItemSize:]
+		if !zero(p[34:40]) {
+			return Fetch{}, malformed("fetch item %d: reserved bytes set", i)
+		}
+		it := FetchItem{Digest: [DigestSize]byte(p[:32]), Rank: le.Uint16(p[32:]), Offset: le.Uint64(p[40:]), Max: le.Uint64(p[48:])}
+		if it.Max == 0 {
+			return Fetch{}, malformed("fetch item %d: a largest payload of 0", i)
+		}
+		m.Items[i] = it
+	}
+	return m, nil
+}
+
+// FetchReplyItem is how one item of a Fetch ended:
+//
+//	off size field
+//	  0    2 status
+//	  2    2 zero
+//	  4    4 CRC32C of the payload as written into the pod's pool
+//	  8    8 payload length (the bytes written at the item's offset)
+//	 16   96 the value's header (OK only; zero otherwise)
+type FetchReplyItem struct {
+	Status Status
+	CRC    uint32
+	Length uint64
+	Header [ValueHeaderSize]byte
+}
+
+// FetchReply answers a Fetch, one item an item, in order:
+//
+//	off size field
+//	  0    2 status (of the whole request)
+//	  2    2 zero
+//	  4    4 count (0 when the status is not OK; else the request's)
+//	  8 c·112 the items
+type FetchReply struct {
+	Status Status
+	Items  []FetchReplyItem
+}
+
+// Append appends the body.
+func (m FetchReply) Append(b []byte) []byte {
+	b = le.AppendUint16(b, uint16(m.Status))
+	b = le.AppendUint16(b, 0)
+	b = le.AppendUint32(b, uint32(len(m.Items)))
+	for _, it := range m.Items {
+		b = le.AppendUint16(b, uint16(it.Status))
+		b = le.AppendUint16(b, 0)
+		b = le.AppendUint32(b, it.CRC)
+		b = le.AppendUint64(b, it.Length)
+		b = append(b, it.Header[:]...)
+	}
+	return b
+}
+
+// DecodeFetchReply decodes a FetchReply body.
+func DecodeFetchReply(b []byte) (FetchReply, error) {
+	if len(b) < 8 || !zero(b[2:4]) {
+		return FetchReply{}, malformed("fetch reply of %d bytes, or reserved bytes set", len(b))
+	}
+	n := int(le.Uint32(b[4:]))
+	if n > MaxItems || len(b) != 8+FetchReplyItemSize*n {
+		return FetchReply{}, malformed("fetch reply: %d items in %d bytes", n, len(b)-8)
+	}
+	m := FetchReply{Status: Status(le.Uint16(b))}
+	for i := 0; i < n; i++ {
+		p := b[8+FetchReplyItemSize*i:]
+		if !zero(p[2:4]) {
+			return FetchReply{}, malformed("fetch reply item %d: reserved bytes set", i)
+		}
+		it := FetchReplyItem{Status: Status(le.Uint16(p)), CRC: le.Uint32(p[4:]), Length: le.Uint64(p[8:]), Header: [ValueHeaderSize]byte(p[16:FetchReplyItemSize])}
+		if it.Status != OK && (it.CRC != 0 || it.Length != 0 || !zero(it.Header[:])) {
+			return FetchReply{}, malformed("fetch reply item %d: %v with a value", i, it.Status)
+		}
+		m.Items = append(m.Items, it)
 	}
 	return m, nil
 }

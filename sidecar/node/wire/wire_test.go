@@ -51,12 +51,8 @@ func goldenMessages() []struct {
 		{"register_reply", wire.Message(wire.TypeRegister|wire.ReplyBit, 2, wire.StatusReply{Status: wire.OK}.Append)},
 		{"lookup", wire.Message(wire.TypeLookup, 3, wire.Lookup{FP: fp(1), Width: 16, Digests: append(d1[:16:16], d2[:16]...)}.Append)},
 		{"lookup_reply", wire.Message(wire.TypeLookup|wire.ReplyBit, 3, wire.StatusReply{Status: wire.OK, Value: 1}.Append)},
-		{"get", wire.Message(wire.TypeGet, 4, func(b []byte) []byte {
-			return wire.Items{FP: fp(1), Items: []wire.Item{{Digest: d1, Rank: 0, Slot: 3}, {Digest: d1, Rank: 1, Slot: 4}}}.Append(b, false)
-		})},
-		{"get_reply", wire.Message(wire.TypeGet|wire.ReplyBit, 4, wire.ItemsReply{Status: wire.OK, Items: []wire.ItemReply{{Status: wire.OK, Length: 4192}, {Status: wire.NotFound}}}.Append)},
 		{"put", wire.Message(wire.TypePut, 5, func(b []byte) []byte {
-			return wire.Items{FP: fp(1), Items: []wire.Item{{Digest: d2, Rank: 1, Slot: 7, Length: 4192}}}.Append(b, true)
+			return wire.Items{FP: fp(1), Items: []wire.Item{{Digest: d2, Rank: 1, Slot: 7, Length: 4192}}}.Append(b)
 		})},
 		{"put_reply", wire.Message(wire.TypePut|wire.ReplyBit, 5, wire.ItemsReply{Status: wire.OK, Items: []wire.ItemReply{{Status: wire.Exists}}}.Append)},
 		{"describe", wire.Message(wire.TypeDescribe, 6, wire.Describe{FP: fp(1), Entries: []wire.Entry{
@@ -64,6 +60,10 @@ func goldenMessages() []struct {
 			{Op: wire.OpStored, HasParent: true, Digest: d2, Parent: d1, Tokens: []uint32{5, 6, 7, 8}, Extra: []byte("lora-a")},
 		}}.Append)},
 		{"describe_reply", wire.Message(wire.TypeDescribe|wire.ReplyBit, 6, wire.ItemsReply{Status: wire.OK, Items: []wire.ItemReply{{Status: wire.OK}, {Status: wire.NotFound}}}.Append)},
+		{"fetch", wire.Message(wire.TypeFetch, 8, wire.Fetch{FP: fp(1), Items: []wire.FetchItem{{Digest: d1, Rank: 0, Offset: 3 << 18, Max: 1 << 18},
+			{Digest: d1, Rank: 1, Offset: 9 << 18, Max: 1 << 18}}}.Append)},
+		{"fetch_reply", wire.Message(wire.TypeFetch|wire.ReplyBit, 8, wire.FetchReply{Status: wire.OK, Items: []wire.FetchReplyItem{
+			{Status: wire.OK, CRC: 0xdeadbeef, Length: 4096, Header: [wire.ValueHeaderSize]byte{0x52, 0x53, 0x4c, 0x32, 1}}, {Status: wire.NotResident}}}.Append)},
 		{"events", wire.Message(wire.TypeEvents, 7, wire.Events{FP: fp(1), Cursor: 42, Max: 256}.Append)},
 		{"events_reply", wire.Message(wire.TypeEvents|wire.ReplyBit, 7, wire.EventsReply{Status: wire.OK, Next: 45, Entries: []wire.Entry{
 			{Op: wire.OpStored, HasParent: true, Digest: d2, Parent: d1, Tokens: []uint32{5, 6, 7, 8}},
@@ -107,10 +107,10 @@ func TestRefused(t *testing.T) {
 	if _, _, err := wire.DecodeHeader(ok); err != nil {
 		t.Fatal(err)
 	}
-	v2 := bytes.Clone(ok)
-	v2[4] = 2
-	if _, _, err := wire.DecodeHeader(v2); !errors.Is(err, wire.ErrVersion) {
-		t.Fatalf("version 2: %v", err)
+	v1 := bytes.Clone(ok)
+	v1[4] = 1
+	if _, _, err := wire.DecodeHeader(v1); !errors.Is(err, wire.ErrVersion) {
+		t.Fatalf("version 1: %v", err)
 	}
 	bad := bytes.Clone(ok)
 	bad[0] = 'X'
@@ -133,10 +133,10 @@ func TestRefused(t *testing.T) {
 		}
 	}
 	many := wire.Items{Items: make([]wire.Item, wire.MaxItems+1)}
-	if _, err := wire.DecodeItems(many.Append(nil, true), true); !errors.Is(err, wire.ErrMalformed) {
+	if _, err := wire.DecodeItems(many.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
 		t.Errorf("65 items: %v", err)
 	}
-	if _, err := wire.DecodeItems(wire.Items{}.Append(nil, false), false); !errors.Is(err, wire.ErrMalformed) {
+	if _, err := wire.DecodeItems(wire.Items{}.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
 		t.Errorf("no items: %v", err)
 	}
 	st := wire.Entry{Op: wire.OpStored, Tokens: []uint32{1}}
@@ -163,6 +163,19 @@ func TestRefused(t *testing.T) {
 	rm[16+1] = 1 // a removal with a parent flag
 	if _, err := wire.DecodeEventsReply(rm); !errors.Is(err, wire.ErrMalformed) {
 		t.Errorf("removal with flags: %v", err)
+	}
+	for name, body := range map[string][]byte{
+		"no items":  wire.Fetch{}.Append(nil),
+		"65 items":  wire.Fetch{Items: make([]wire.FetchItem, wire.MaxItems+1)}.Append(nil),
+		"max 0":     wire.Fetch{Items: []wire.FetchItem{{Offset: 4096}}}.Append(nil),
+		"truncated": wire.Fetch{Items: []wire.FetchItem{{Max: 1}}}.Append(nil)[:24+wire.FetchItemSize-1],
+	} {
+		if _, err := wire.DecodeFetch(body); !errors.Is(err, wire.ErrMalformed) {
+			t.Errorf("fetch, %s: %v", name, err)
+		}
+	}
+	if _, err := wire.DecodeFetchReply(wire.FetchReply{Items: []wire.FetchReplyItem{{Status: wire.NotFound, Length: 1}}}.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
+		t.Errorf("fetch reply, a miss with a length: %v", err)
 	}
 	lk := wire.Lookup{Width: 16, Digests: make([]byte, 16*(wire.MaxLookup+1))}
 	if _, err := wire.DecodeLookup(lk.Append(nil)); !errors.Is(err, wire.ErrMalformed) {
@@ -247,10 +260,7 @@ func FuzzLookup(f *testing.F) {
 func FuzzItems(f *testing.F) {
 	seeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
-		for _, put := range []bool{false, true} {
-			fuzzRoundTrip(t, b, func(b []byte) (wire.Items, error) { return wire.DecodeItems(b, put) },
-				func(v wire.Items, d []byte) []byte { return v.Append(d, put) })
-		}
+		fuzzRoundTrip(t, b, wire.DecodeItems, func(v wire.Items, d []byte) []byte { return v.Append(d) })
 	})
 }
 
@@ -279,5 +289,19 @@ func FuzzEventsReply(f *testing.F) {
 	seeds(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		fuzzRoundTrip(t, b, wire.DecodeEventsReply, func(v wire.EventsReply, d []byte) []byte { return v.Append(d) })
+	})
+}
+
+func FuzzFetch(f *testing.F) {
+	seeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRoundTrip(t, b, wire.DecodeFetch, func(v wire.Fetch, d []byte) []byte { return v.Append(d) })
+	})
+}
+
+func FuzzFetchReply(f *testing.F) {
+	seeds(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzRoundTrip(t, b, wire.DecodeFetchReply, func(v wire.FetchReply, d []byte) []byte { return v.Append(d) })
 	})
 }
