@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ringside-kv/ringside/internal/invariants"
 	"github.com/ringside-kv/ringside/sidecar/cache"
 )
 
@@ -196,9 +197,15 @@ func TestOracleFleetMatchesCaches(t *testing.T) {
 // policy driven call for call, with and without a tier beneath them: the
 // agentic workload in 16-token pages over three nodes (requests longer
 // than the smaller pools, fetches cut short by the pending share, write
-// pins between commits), and the shipped trace in 32-token pages.
+// pins between commits), and the shipped trace in 32-token pages. With
+// invariants (the race detector's builds) or -short: 300 requests, MQP2
+// at the smaller capacity only (about 10 s under the race detector).
 func TestOracleFleetMQPMatchesCaches(t *testing.T) {
-	ag, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: 16, Limit: 600})
+	n := 600
+	if invariants.Enabled || testing.Short() {
+		n = 300
+	}
+	ag, err := Generate(AgenticConfig{}, LoadOptions{PageTokens: 16, Limit: n})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,8 +225,12 @@ func TestOracleFleetMQPMatchesCaches(t *testing.T) {
 		for i := range nodeOf {
 			nodeOf[i] = i % nodes
 		}
-		for _, pol := range []cache.Policy{cache.PolicyMQP2, cache.PolicyMQP} {
-			for _, capacity := range tc.caps {
+		pols, caps := []cache.Policy{cache.PolicyMQP2, cache.PolicyMQP}, tc.caps
+		if invariants.Enabled || testing.Short() {
+			pols, caps = pols[:1], caps[:1]
+		}
+		for _, pol := range pols {
+			for _, capacity := range caps {
 				for _, tier := range []bool{false, true} {
 					got := oracleFleet(reqs, nodeOf, nodes, tc.w.NumPageIDs(), capacity, tier, 0, pol.String())
 					want := fleetReplay(t, tc.w, nodeOf, nodes, capacity, tier, pol)
