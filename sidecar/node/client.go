@@ -213,7 +213,10 @@ func (c *Client) WaitConnected(d time.Duration) bool {
 	return true
 }
 
-// Close stops the client; once it returns, nothing of it touches the pool.
+// Close stops the client; once it returns, nothing of it touches the pool,
+// and the node process writes into it no more unless it was stopped in the
+// middle of a fetch for longer than the fetch's deadline (then Close gives
+// up on it: it is for a sidecar that stops).
 func (c *Client) Close() {
 	c.opsMu.Lock()
 	if c.closed.Swap(true) {
@@ -224,6 +227,12 @@ func (c *Client) Close() {
 	close(c.stop)
 	if cc := c.cur.Load(); cc != nil {
 		cc.fail()
+		// A node stopped mid-fetch would keep the fetch, and so this
+		// Close, waiting: past the deadline the socket is closed, the
+		// fetch ends as a miss, and the sidecar, which is stopping,
+		// serves nothing from its pool again.
+		abort := time.AfterFunc(c.cfg.IOTimeout, func() { cc.sock.Close() })
+		defer abort.Stop()
 	}
 	c.wg.Wait()
 	c.ops.Wait()

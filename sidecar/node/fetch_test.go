@@ -270,3 +270,35 @@ func TestHostilePool(t *testing.T) {
 		t.Fatal("the good sidecar's block is gone after another pod's fault")
 	}
 }
+
+// Close does not wait for ever on a node stopped in the middle of a fetch:
+// past the fetch's deadline it gives up, and the fetch ends as a miss.
+func TestCloseGivesUpOnAStalledNode(t *testing.T) {
+	s := startServer(t, nil)
+	a := newTestClient(t, s.Socket(), "pod-a")
+	a.write(t, 1, 0)
+	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
+	pool := testPool(t, 32*testSlot)
+	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: 50 * time.Millisecond}, pool, testSlot, testLog(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.WaitConnected(5 * time.Second) {
+		t.Fatal("not attached")
+	}
+	b := &testClient{c, pool.Bytes()}
+	entered, release := stall(s)
+	defer close(release)
+	res := b.startFetch(1)
+	<-entered
+	closed := make(chan struct{})
+	go func() { c.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close waited on the stalled node")
+	}
+	if r := <-res; r[0].OK {
+		t.Fatal("a fetch the node never copied for reported whole")
+	}
+}
