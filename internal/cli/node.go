@@ -35,7 +35,7 @@ func nodeCommandFlags() []cli.Flag {
 		&cli.StringFlag{Name: "pool.desc-bytes", Value: units.FormatBytes(node.DefaultDescBytes), Usage: "bound on the block descriptions (token ids, parents) the node keeps so that each pod's sidecar can announce the node tier's blocks in its engine's KV events; blocks described past it are cached but not announced", EnvVars: e("pool.desc-bytes")},
 		&cli.IntFlag{Name: "max-pods", Value: node.DefaultMaxPods, Usage: "sidecar connections at once", EnvVars: e("max-pods")},
 		&cli.IntFlag{Name: "max-namespaces", Value: node.DefaultMaxNamespaces, Usage: "namespaces one connection may register", EnvVars: e("max-namespaces")},
-		&cli.IntFlag{Name: "window-slots", Value: node.DefaultWindowSlots, Usage: "slots of each connection's window (the memory blocks move through), each a pool slot's size", EnvVars: e("window-slots")},
+		&cli.IntFlag{Name: "window-slots", Value: node.DefaultWindowSlots, Usage: "slots of each connection's window (the memory written blocks move through; fetched ones land in the pod's pool straight), each a pool slot's size", EnvVars: e("window-slots")},
 		&cli.DurationFlag{Name: "io-timeout", Value: node.DefaultIOTimeout, Usage: "a sidecar that sends no Hello this long after connecting, or does not read a reply this long, is dropped", EnvVars: e("io-timeout")},
 		&cli.StringFlag{Name: "allow-uid", Usage: "comma-separated uids allowed to attach besides the node process's own (SO_PEERCRED)", EnvVars: e("allow-uid")},
 		&cli.BoolFlag{Name: "group-access", Usage: "make --dir group-accessible (0770) and the socket group read-write (0660), for sidecars of another uid in a shared group", EnvVars: e("group-access")},
