@@ -226,7 +226,7 @@ func nodeCounts(st *node.ClientStats, ev *nodeEventStats) map[string]uint64 {
 		"attaches": st.Attaches.Load(), "lookups": st.Lookups.Load(), "lookup_blocks": st.LookupBlocks.Load(),
 		"lookup_hit_blocks": st.LookupHits.Load(), "lookups_unanswered": st.LookupMiss.Load(),
 		"fetch_blocks": st.FetchBlocks.Load(), "fetched_blocks": st.FetchOK.Load(), "fetch_missed_blocks": st.FetchMiss.Load(),
-		"fetch_rejected_values": st.FetchRejected.Load(), "writes": st.Writes.Load(), "writes_stored": st.WritesOK.Load(),
+		"fetch_rejected_values": st.FetchRejected.Load(), "fetch_unready": st.FetchUnready.Load(), "writes": st.Writes.Load(), "writes_stored": st.WritesOK.Load(),
 		"writes_held_already": st.WritesExist.Load(), "writes_refused": st.WritesRefused.Load(), "writes_failed": st.WritesFailed.Load(),
 		"promotions": st.Promotions.Load(),
 		"timeouts":   st.Timeouts.Load(),
@@ -298,6 +298,7 @@ func (s *Server) nodeMetrics(f func(prometheus.Collector)) {
 	counter("ringside_node_fetched_blocks_total", "Blocks fetched from the node tier, checked and copied into the pool.", &st.FetchOK)
 	counter("ringside_node_fetch_missed_blocks_total", "Blocks of fetches the node tier did not give (absent, rejected, too late, not attached).", &st.FetchMiss)
 	counter("ringside_node_rejected_values_total", "Values from the node tier whose header or CRC32C did not match: never served.", &st.FetchRejected)
+	counter("ringside_node_fetch_unready_total", "Fetches not asked of the node tier: the pool's pages they land in could not be allocated.", &st.FetchUnready)
 	counter("ringside_node_writes_stored_total", "Blocks the node tier took.", &st.WritesOK)
 	counter("ringside_node_writes_refused_total", "Writes not handed to the node tier: its queue full, no window slot free, or not attached.", &st.WritesRefused)
 	counter("ringside_node_writes_failed_total", "Writes the node tier refused or did not answer in time.", &st.WritesFailed)
