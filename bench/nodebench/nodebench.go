@@ -174,9 +174,16 @@ func (t *Tier) Fetch(f machine.L2Fetch) int {
 	return ok
 }
 
+// DefaultBlockBytes are real models' KV blocks (bf16, every layer's K and V
+// of one rank): Qwen2.5-0.5B at 16 tokens (24 layers, 2 KV heads of 64:
+// 192 KiB), Llama-3.1-70B per rank at tensor parallelism 8 and 16 tokens
+// (80 layers, 1 KV head of 128: 640 KiB), Llama-3.1-8B at 16 and 32 tokens
+// (32 layers, 8 KV heads of 128: 2 and 4 MiB).
+var DefaultBlockBytes = []int{192 << 10, 640 << 10, 2 << 20, 4 << 20}
+
 // Config configures a run. Zero fields take defaults.
 type Config struct {
-	BlockBytes []int // default 16 KiB, 256 KiB, 2 MiB
+	BlockBytes []int // default DefaultBlockBytes
 	Blocks     int   // blocks per fetch (default 64)
 	TotalBytes int64 // bytes fetched (and copied) per block size and repetition (default 256 MiB)
 	// WorkingBytes are the blocks the node holds and the fetches cycle
@@ -218,7 +225,7 @@ type Row struct {
 
 func (c *Config) defaults() {
 	if len(c.BlockBytes) == 0 {
-		c.BlockBytes = []int{16 << 10, 256 << 10, 2 << 20}
+		c.BlockBytes = DefaultBlockBytes
 	}
 	if c.Blocks <= 0 {
 		c.Blocks = 64
