@@ -76,7 +76,8 @@ const (
 	DefaultIOTimeout     = 2 * time.Second
 	DefaultDescBytes     = 64 << 20
 	// SlotHeadroom is what a slot holds beside its payload: the value's
-	// header, rounded up to keep slots page-aligned.
+	// header, rounded up to keep slots and payloads page-aligned (the
+	// header sits just before the payload's page).
 	SlotHeadroom = 4096
 	// SocketName is the socket's name in Dir.
 	SocketName = "node.sock"
@@ -707,7 +708,7 @@ func (c *srvConn) fetch(ns wire.NS, it *wire.FetchItem) wire.FetchReplyItem {
 		s.idx.unpin(i)
 		s.mu.Unlock()
 	}()
-	v := c.slot(s.pool.Bytes(), uint64(i))[:n]
+	v := c.value(uint64(i), n)
 	p := n - l2.HeaderSize
 	if p > it.Max {
 		return wire.FetchReplyItem{Status: wire.NotFound}
@@ -779,6 +780,14 @@ func (c *srvConn) slot(pool []byte, i uint64) []byte {
 	return pool[i*c.s.stride : (i+1)*c.s.stride]
 }
 
+// value is the n bytes of pool slot i's value: placed so that its payload
+// starts on a page, as a pod pool's slot does (a fetch's copy then runs
+// aligned on both sides).
+func (c *srvConn) value(i, n uint64) []byte {
+	off := i*c.s.stride + SlotHeadroom - l2.HeaderSize
+	return c.s.pool.Bytes()[off : off+n]
+}
+
 // put takes the value in the item's window slot into a pool slot: copied
 // first, then checked on the node's own copy (header against the item and
 // the namespace, CRC32C of the payload as copied), so that what the pool
@@ -798,7 +807,7 @@ func (c *srvConn) put(ns wire.NS, it *wire.Item) wire.ItemReply {
 		s.met.PutFull.Add(1)
 		return wire.ItemReply{Status: wire.NoSpace}
 	}
-	dst := c.slot(s.pool.Bytes(), uint64(i))[:it.Length]
+	dst := c.value(uint64(i), it.Length)
 	src := c.slot(c.win.Bytes(), uint64(it.Slot))[:it.Length]
 	copy(dst[:l2.HeaderSize], src[:l2.HeaderSize])
 	crc := l2.CopyCRC(dst[l2.HeaderSize:], src[l2.HeaderSize:])
