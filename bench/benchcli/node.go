@@ -32,6 +32,7 @@ func benchNodeCommand() *cli.Command {
 			&cli.IntFlag{Name: "blocks", Value: 64, Usage: "blocks per fetch (an acquire's fetch)", EnvVars: e("blocks")},
 			&cli.StringFlag{Name: "total-bytes", Value: "256MiB", Usage: "bytes fetched, and copied, per block size and repetition", EnvVars: e("total-bytes")},
 			&cli.StringFlag{Name: "working-bytes", Value: "128MiB", Usage: "blocks the node holds, which the fetches (and the copies) cycle through: beyond the CPU's caches", EnvVars: e("working-bytes")},
+			&cli.IntFlag{Name: "inflight", Value: 1, Usage: "fetches in flight at once, of different blocks (as concurrent acquires' fetches); the copy then copies as many", EnvVars: e("inflight")},
 			&cli.IntFlag{Name: "reps", Value: 5, Usage: "repetitions, each a fetch pass and a copy pass (the medians are reported)", EnvVars: e("reps")},
 			&cli.StringFlag{Name: "dir", Usage: "directory of the node's socket (default $TMPDIR/ringside-nodebench-<pid>)", EnvVars: e("dir")},
 			&cli.BoolFlag{Name: "json", Usage: "print JSON Lines (rows node_fetch)", EnvVars: e("json")},
@@ -56,7 +57,7 @@ func benchNodeCommand() *cli.Command {
 			}
 			ctx, stop := signal.NotifyContext(c.Context, os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			_, err = nodebench.Run(ctx, nodebench.Config{BlockBytes: sizes, Blocks: c.Int("blocks"), TotalBytes: int64(total), WorkingBytes: int64(working), Reps: c.Int("reps"),
+			_, err = nodebench.Run(ctx, nodebench.Config{BlockBytes: sizes, Blocks: c.Int("blocks"), TotalBytes: int64(total), WorkingBytes: int64(working), Reps: c.Int("reps"), Inflight: c.Int("inflight"),
 				Dir: c.String("dir"), JSON: c.Bool("json"), Quiet: c.Bool("quiet"), Out: c.App.Writer, Log: c.App.ErrWriter})
 			return err
 		},

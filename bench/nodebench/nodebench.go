@@ -161,6 +161,27 @@ func (t *Tier) FetchRange(first, n int) machine.L2Fetch {
 	return f
 }
 
+// FetchAll runs the fetches fs at once and reports how many of their
+// blocks came.
+func (t *Tier) FetchAll(fs []machine.L2Fetch) int {
+	if len(fs) == 1 {
+		return t.Fetch(fs[0])
+	}
+	ch := make(chan []machine.L2FetchResult, len(fs))
+	for _, f := range fs {
+		t.Client.Fetch(f, func(r []machine.L2FetchResult) { ch <- r })
+	}
+	ok := 0
+	for range fs {
+		for _, r := range <-ch {
+			if r.OK {
+				ok++
+			}
+		}
+	}
+	return ok
+}
+
 // Fetch runs f and reports how many of its blocks came.
 func (t *Tier) Fetch(f machine.L2Fetch) int {
 	ch := make(chan []machine.L2FetchResult, 1)
@@ -191,6 +212,10 @@ type Config struct {
 	// as a pool's are.
 	WorkingBytes int64
 	Reps         int // repetitions, alternating fetch and copy (default 5)
+	// Inflight is the fetches in flight at once, of different groups of
+	// blocks, as concurrent acquires' (default 1); each copy then copies
+	// as many groups.
+	Inflight int
 	Dir          string
 	JSON         bool
 	Quiet        bool
@@ -202,6 +227,7 @@ type Row struct {
 	Bench        string  `json:"bench"` // "node_fetch"
 	BlockBytes   int     `json:"block_bytes"`
 	Blocks       int     `json:"blocks"`        // per fetch
+	Inflight     int     `json:"inflight"`      // fetches at once
 	Bytes        int64   `json:"bytes"`         // per repetition, each side
 	WorkingBytes int64   `json:"working_bytes"` // the blocks the fetches cycle through
 	Reps         int     `json:"reps"`
@@ -235,6 +261,9 @@ func (c *Config) defaults() {
 	}
 	if c.Reps <= 0 {
 		c.Reps = 5
+	}
+	if c.Inflight <= 0 {
+		c.Inflight = 1
 	}
 	if c.WorkingBytes <= 0 {
 		c.WorkingBytes = 128 << 20
@@ -271,10 +300,13 @@ func Run(ctx context.Context, cfg Config) ([]Row, error) {
 }
 
 func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
-	row := Row{Bench: "node_fetch", BlockBytes: bs, Blocks: cfg.Blocks, Reps: cfg.Reps, CPUs: runtime.NumCPU()}
+	row := Row{Bench: "node_fetch", BlockBytes: bs, Blocks: cfg.Blocks, Inflight: cfg.Inflight, Reps: cfg.Reps, CPUs: runtime.NumCPU()}
 	// The working set: fetches of Blocks blocks each cycle through it, so
-	// that neither side runs out of a cache the other cannot use.
-	groups := max(1, int(cfg.WorkingBytes/(int64(cfg.Blocks)*int64(bs))))
+	// that neither side runs out of a cache the other cannot use; at
+	// least two rounds of Inflight fetches.
+	k := cfg.Inflight
+	groups := max(2*k, int(cfg.WorkingBytes/(int64(cfg.Blocks)*int64(bs))))
+	groups -= groups % k
 	held := groups * cfg.Blocks
 	row.WorkingBytes = int64(held) * int64(bs)
 	t, err := Start(filepath.Join(cfg.Dir, fmt.Sprint(bs)), bs, held)
@@ -289,13 +321,13 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 	for g := range fs {
 		fs[g] = t.FetchRange(g*cfg.Blocks, cfg.Blocks)
 	}
-	per := int64(cfg.Blocks) * int64(bs)
-	rounds := max(groups, int(cfg.TotalBytes/per))
+	per := int64(k) * int64(cfg.Blocks) * int64(bs) // a round's bytes
+	rounds := max(groups/k, int(cfg.TotalBytes/per))
 	row.Bytes = int64(rounds) * per
 	src := make([]byte, held*bs) // the copy's source: the node pool's bytes, in this process
 	copy(src, t.Pool[:held*bs])
 	dst := t.Pool[held*bs:]
-	span := cfg.Blocks * bs
+	span := cfg.Blocks * bs // a group's bytes
 	// Warm both paths (page faults of the pools and dst).
 	for g := range fs {
 		if t.Fetch(fs[g]) != cfg.Blocks {
@@ -315,16 +347,19 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 		// just fetched, whose bytes are in no cache.
 		var fd, cd, wd time.Duration
 		for i := 0; i < rounds; i++ {
+			g := (i * k) % groups // this round's first group: k groups from it
 			t0 := time.Now()
-			if n := t.Fetch(fs[i%groups]); n != cfg.Blocks {
-				return row, fmt.Errorf("a fetch got %d of %d blocks", n, cfg.Blocks)
+			if n := t.FetchAll(fs[g : g+k]); n != k*cfg.Blocks {
+				return row, fmt.Errorf("%d fetches got %d of %d blocks", k, n, k*cfg.Blocks)
 			}
 			t1 := time.Now()
-			o := ((i + groups/2) % groups) * span
-			copyBlocks(dst[o:o+span], src[o:o+span], bs)
+			o := ((g + groups/2) % groups) * span
+			o -= o % (k * span)
+			copyBlocks(dst[o:o+k*span], src[o:o+k*span], bs)
 			t2 := time.Now()
-			o = ((i + groups/4) % groups) * span
-			copyCRCBlocks(dst[o:o+span], src[o:o+span], bs)
+			o = ((g + groups/4) % groups) * span
+			o -= o % (k * span)
+			copyCRCBlocks(dst[o:o+k*span], src[o:o+k*span], bs)
 			fd, cd, wd = fd+t1.Sub(t0), cd+t2.Sub(t1), wd+time.Since(t2)
 		}
 		if string(dst) != string(src) {

@@ -21,7 +21,7 @@ func TestBenchNodeCommand(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	err := app.RunContext(ctx, []string{"ringside-bench", "node", "--json", "--quiet", "--block-bytes", "16KiB,64KiB",
-		"--blocks", "8", "--working-bytes", "1MiB", "--total-bytes", "2MiB", "--reps", "2", "--dir", t.TempDir()})
+		"--blocks", "8", "--inflight", "2", "--working-bytes", "1MiB", "--total-bytes", "2MiB", "--reps", "2", "--dir", t.TempDir()})
 	if err != nil {
 		t.Fatalf("bench node: %v\n%s\n%s", err, stdout.String(), stderr.String())
 	}
@@ -36,7 +36,7 @@ func TestBenchNodeCommand(t *testing.T) {
 		}
 		num := func(k string) float64 { v, _ := r[k].(float64); return v }
 		if r["bench"] != "node_fetch" || r["checked"] != true || num("block_bytes") != float64([]int{16 << 10, 64 << 10}[i]) ||
-			num("blocks") != 8 || num("fetch_gbps") <= 0 || num("copy_gbps") <= 0 || num("ratio") <= 0 || num("reps") != 2 || num("copy_crc_gbps") <= 0 || num("ratio_copy_crc") <= 0 ||
+			num("blocks") != 8 || num("inflight") != 2 || num("fetch_gbps") <= 0 || num("copy_gbps") <= 0 || num("ratio") <= 0 || num("reps") != 2 || num("copy_crc_gbps") <= 0 || num("ratio_copy_crc") <= 0 ||
 			num("bytes") < 2<<20 || num("working_bytes") < 1<<20 {
 			t.Errorf("row %s", line)
 		}
