@@ -13,6 +13,7 @@ import (
 	"unsafe"
 
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/gpu/gputest"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -22,7 +23,9 @@ func TestMain(m *testing.M) {
 	if sock := os.Getenv("RINGSIDE_ENGINE_SOCKET"); sock != "" {
 		os.Exit(engineMain(sock))
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	gputest.SweepFakeFiles() // the fake driver's files of engines the tests killed
+	os.Exit(code)
 }
 
 func engineMain(sock string) int {

@@ -22,7 +22,9 @@ func TestMain(m *testing.M) {
 	if k := os.Getenv(PeerEnv); k != "" {
 		os.Exit(PeerMain(k))
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	SweepFakeFiles()
+	os.Exit(code)
 }
 
 const (
