@@ -844,6 +844,9 @@ func (c *Client) fetchResults(f machine.L2Fetch, first, end int, items []wire.Fe
 		for r := range b.PoolOffsets {
 			ir, it := &rep.Items[k], &items[k]
 			k++
+			if ir.Status == wire.NotResident {
+				c.unready(it.Offset) // swapped out since: populated again next time
+			}
 			if !ok || ir.Status != wire.OK {
 				ok = false
 				continue
@@ -898,6 +901,13 @@ func (c *Client) ready(off, n uint64) bool {
 		c.populated[slot].Store(true)
 	}
 	return true
+}
+
+// unready forgets that the slot at off was populated.
+func (c *Client) unready(off uint64) {
+	if slot := off / c.slotBytes; off%c.slotBytes == 0 && slot < uint64(len(c.populated)) {
+		c.populated[slot].Store(false)
+	}
 }
 
 // touch writes a zero into every page of b (before MADV_POPULATE_WRITE,

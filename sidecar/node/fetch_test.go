@@ -302,3 +302,38 @@ func TestCloseGivesUpOnAStalledNode(t *testing.T) {
 		t.Fatal("a fetch the node never copied for reported whole")
 	}
 }
+
+// A slot whose pages left memory after the client populated them (swapped
+// out; here punched out) makes one fetch into it miss, not every later one:
+// the client populates it again.
+func TestFetchRepopulates(t *testing.T) {
+	s := startServer(t, nil)
+	a := newTestClient(t, s.Socket(), "pod-a")
+	a.write(t, 1, 0)
+	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
+	pool := testPool(t, 32*testSlot)
+	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: 2 * time.Second}, pool, testSlot, testLog(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	if !c.WaitConnected(5 * time.Second) {
+		t.Fatal("not attached")
+	}
+	b := &testClient{c, pool.Bytes()}
+	if r := <-b.startFetch(1); !r[0].OK || !b.landed(1) {
+		t.Fatalf("first fetch: %+v", r[0])
+	}
+	if err := unix.Fallocate(pool.FD(), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 8*testSlot, 2*testSlot); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-b.startFetch(1); r[0].OK {
+		t.Fatal("a fetch into pages out of memory reported whole")
+	}
+	if s.Stats().FetchNotResident.Load() == 0 {
+		t.Fatal("the node did not refuse the pages out of memory")
+	}
+	if r := <-b.startFetch(1); !r[0].OK || !b.landed(1) {
+		t.Fatalf("the fetch after: %+v", r[0])
+	}
+}
