@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,11 +32,38 @@ from typing import Any, Optional
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing is bound to, for a process
+    started next to bind. It is below the kernel's ephemeral range (or above
+    it), so that no outgoing connection of any process can take it between
+    this call and that bind (a port the kernel picked with bind(0) can), and
+    it is never the same twice in one process."""
+    lo, hi = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        pass
+    first, last = (max(1024, lo - 16384), lo - 1) if lo > 2048 else (hi + 1, 65535)
+    for _ in range(1000):
+        port = random.randint(first, last)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket() as s:  # every try taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _given.add(port)
+    return port
 
 
 def listening(path: str) -> bool:

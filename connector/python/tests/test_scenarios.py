@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import tempfile
@@ -30,6 +29,7 @@ import pytest
 
 from ringside import schema as S
 from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
+from ringside.sidecar_process import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
@@ -236,12 +236,6 @@ ROLES = {"client": S.ROLE_CLIENT, "scheduler": S.ROLE_SCHEDULER, "worker": S.ROL
 
 
 # -- the driver: a real sidecar process ----------------------------------------
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(path):

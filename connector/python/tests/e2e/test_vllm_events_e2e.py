@@ -24,14 +24,13 @@ Needs the vLLM venv (`make vllm-venv`); skipped without it (not under CI).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 from test_vllm_e2e import HERE, REPO, VENV_PY, _env, _two_cpus, model_dir  # noqa: F401 - the fixture
 
-from ringside.sidecar_process import SidecarProcess
+from ringside.sidecar_process import SidecarProcess, free_port
 
 A = "You are a careful assistant. Answer briefly and cite the manual section. " * 3
 B = "System: the following is a transcript of a support conversation about ringside. " * 3
@@ -53,12 +52,6 @@ def metric(sc, name):
             if line.startswith(name + " "):
                 return float(line.split()[-1])
     raise AssertionError("no metric " + name)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ringside_bin(tmp):

@@ -24,18 +24,13 @@ import pytest
 from test_vllm_e2e import VENV_PY, connector_stats, model_dir, prompts_file, run_engine  # noqa: F401
 
 from ringside.sidecar_process import SidecarProcess
+from ringside.sidecar_process import free_port as _free_port
 
 REDIS = shutil.which("redis-server")
 if REDIS is None or not os.path.exists(VENV_PY):
     if os.environ.get("CI"):
         raise RuntimeError("CI: redis-server or the vLLM venv is missing")
     pytest.skip("needs redis-server and the vLLM venv", allow_module_level=True)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,13 +16,9 @@ from typing import Optional
 # default import mode, no __init__.py).
 from test_vllm_e2e import VENV_PY, _env
 
+from ringside.sidecar_process import free_port
+
 BLOCK = 32  # tokens a block in these engines (one token a byte)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ringside_config(sock: str, **extra) -> dict:
