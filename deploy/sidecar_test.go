@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -20,6 +19,7 @@ import (
 	"github.com/ringside-kv/ringside/connector"
 	rcli "github.com/ringside-kv/ringside/internal/cli"
 	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/internal/testport"
 	"github.com/ringside-kv/ringside/schema"
 )
 
@@ -140,15 +140,7 @@ func parseExposition(r io.Reader) (*exposition, error) {
 	return e, nil
 }
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
-}
+func freeAddr(t *testing.T) string { return testport.Addr() }
 
 // runningSidecarMetrics starts a real sidecar (`ringside serve`, this test
 // binary through cli.App()) with every optional part on: the CUDA copy

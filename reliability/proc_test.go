@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -23,6 +22,7 @@ import (
 	"unsafe"
 
 	"github.com/ringside-kv/ringside/connector"
+	"github.com/ringside-kv/ringside/internal/testport"
 	"github.com/ringside-kv/ringside/ring"
 	"github.com/ringside-kv/ringside/schema"
 )
@@ -55,16 +55,7 @@ func newDir(t testing.TB) string {
 	return dir
 }
 
-func freePort(t testing.TB) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
-}
+func freePort(t testing.TB) string { return testport.Addr() }
 
 // defaultArgs are the serve flags of a small, fast test sidecar.
 var defaultArgs = []string{"--pool.bytes", "4MiB", "--pool.slot-bytes", "4KiB", "--ring.capacity", "256KiB", "--lease.ttl", "3s", "--write-timeout", "3s"}

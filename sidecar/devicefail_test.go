@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/ringside-kv/ringside/gpu"
 	"github.com/ringside-kv/ringside/gpu/cuda"
+	"github.com/ringside-kv/ringside/internal/testport"
 )
 
 // TestSchedulerCancelFencesIssuedChunks: chunks handed to the engine carry
@@ -77,15 +77,7 @@ func TestSchedulerCancelFencesIssuedChunks(t *testing.T) {
 	}
 }
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
+func freeAddr(t *testing.T) string { return testport.Addr() }
 
 func get(t *testing.T, url string) (int, string) {
 	t.Helper()

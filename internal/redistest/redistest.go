@@ -21,7 +21,6 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
-	mrand "math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -32,6 +31,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ringside-kv/ringside/internal/testport"
 )
 
 // Binaries are the server and the command-line client.
@@ -121,14 +122,14 @@ func start(base string, o Options, cluster bool, tlsFiles *TLSFiles) (*Server, e
 		}
 		s.TLS = *tlsFiles
 	}
-	port, err := freePort()
+	port, err := testport.Free()
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, err
 	}
 	bus := 0
 	if cluster {
-		if bus, err = freePort(); err != nil || bus == port {
+		if bus, err = testport.Free(); err != nil || bus == port {
 			os.RemoveAll(dir)
 			return nil, fmt.Errorf("redistest: no bus port: %v", err)
 		}
@@ -303,36 +304,6 @@ func Single(t testing.TB, o Options) *Server {
 	}
 	t.Cleanup(s.Close)
 	return s
-}
-
-// freePort finds a free loopback port below the kernel's ephemeral range
-// (ip_local_port_range), so that no outgoing connection's local port can
-// take it between the pick and the server's bind (the cluster bus port,
-// chosen alike, is named with --cluster-port). Ports are drawn at random,
-// so that tests of several packages running at once rarely try the same.
-func freePort() (int, error) {
-	lo := 32768
-	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
-		if f := strings.Fields(string(b)); len(f) == 2 {
-			if v, err := strconv.Atoi(f[0]); err == nil {
-				lo = v
-			}
-		}
-	}
-	const from = 12000
-	for i := 0; i < 200 && lo > from+1000; i++ {
-		p := from + mrand.IntN(lo-from)
-		if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p)); err == nil {
-			l.Close()
-			return p, nil
-		}
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 // Cluster is a Redis Cluster of masters with replicas.
