@@ -29,6 +29,11 @@ func TestClusterFailover(t *testing.T) {
 	if _, err := m.CLI("SET", "{tag}x", "1"); err != nil {
 		t.Fatal(err)
 	}
+	// Replication is asynchronous: the write must reach the replica before
+	// its master dies, or the promoted replica rightly lacks it.
+	if out, err := m.CLI("WAIT", "1", "10000"); err != nil || strings.TrimSpace(out) != "1" {
+		t.Fatalf("WAIT for the replica: %q %v", out, err)
+	}
 	m.Kill()
 	if err := c.WaitHealthy(30e9); err != nil {
 		t.Fatal(err)
