@@ -506,23 +506,9 @@ func (cc *cliConn) reader() {
 // still be using them); on any other outcome they are the caller's.
 func (cc *cliConn) call(t wire.Type, body func([]byte) []byte, slots []uint32, deadline time.Time) ([]byte, error) {
 	k := &call{ch: make(chan []byte, 1), slots: slots}
-	cc.mu.Lock()
-	if cc.deadFlag {
-		cc.mu.Unlock()
-		return nil, errDead
-	}
-	id := cc.nextID
-	cc.nextID++
-	cc.calls[id] = k
-	cc.mu.Unlock()
-	msg := wire.Message(t, id, body)
-	cc.wmu.Lock()
-	cc.sock.SetWriteDeadline(deadline)
-	_, err := cc.sock.Write(msg)
-	cc.wmu.Unlock()
+	id, err := cc.send(k, t, body, deadline)
 	if err != nil {
-		cc.fail() // a request half sent, or the node not reading: start again
-		return nil, errDead
+		return nil, err
 	}
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
@@ -560,29 +546,39 @@ func (cc *cliConn) call(t wire.Type, body func([]byte) []byte, slots []uint32, d
 // copying into the pool until it answers or its end closes).
 func (cc *cliConn) startFetch(body func([]byte) []byte, deadline time.Time) (*call, error) {
 	k := &call{ch: make(chan []byte, 1), fetch: true}
+	if _, err := cc.send(k, wire.TypeFetch, body, deadline); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// send registers k under a new id and sends its request; an error
+// (errDead) means it was not sent: a datagram goes whole or not at all,
+// and k is forgotten. A failed write ends the connection (the node not
+// reading).
+func (cc *cliConn) send(k *call, t wire.Type, body func([]byte) []byte, deadline time.Time) (uint64, error) {
 	cc.mu.Lock()
 	if cc.deadFlag {
 		cc.mu.Unlock()
-		return nil, errDead
+		return 0, errDead
 	}
 	id := cc.nextID
 	cc.nextID++
 	cc.calls[id] = k
 	cc.mu.Unlock()
-	msg := wire.Message(wire.TypeFetch, id, body)
+	msg := wire.Message(t, id, body)
 	cc.wmu.Lock()
 	cc.sock.SetWriteDeadline(deadline)
 	_, err := cc.sock.Write(msg)
 	cc.wmu.Unlock()
 	if err != nil {
-		// A datagram is sent whole or not at all: this one was not.
 		cc.mu.Lock()
 		delete(cc.calls, id)
 		cc.mu.Unlock()
 		cc.fail()
-		return nil, errDead
+		return 0, errDead
 	}
-	return k, nil
+	return id, nil
 }
 
 // takeSlots takes n free window slots, waiting until deadline at most

@@ -60,16 +60,7 @@ func TestFetchWaitsForTheNodesCopy(t *testing.T) {
 	a := newTestClient(t, s.Socket(), "pod-a")
 	a.write(t, 1, 0)
 	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
-	pool := testPool(t, 32*testSlot)
-	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: 50 * time.Millisecond}, pool, testSlot, testLog(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
-	if !c.WaitConnected(5 * time.Second) {
-		t.Fatal("not attached")
-	}
-	b := &testClient{c, pool.Bytes()}
+	b := newTestClientIO(t, s.Socket(), "pod-b", 50*time.Millisecond)
 	entered, release := stall(s)
 	res := b.startFetch(1)
 	<-entered
@@ -278,21 +269,13 @@ func TestCloseGivesUpOnAStalledNode(t *testing.T) {
 	a := newTestClient(t, s.Socket(), "pod-a")
 	a.write(t, 1, 0)
 	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
-	pool := testPool(t, 32*testSlot)
-	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: 50 * time.Millisecond}, pool, testSlot, testLog(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !c.WaitConnected(5 * time.Second) {
-		t.Fatal("not attached")
-	}
-	b := &testClient{c, pool.Bytes()}
+	b := newTestClientIO(t, s.Socket(), "pod-b", 50*time.Millisecond)
 	entered, release := stall(s)
 	defer close(release)
 	res := b.startFetch(1)
 	<-entered
 	closed := make(chan struct{})
-	go func() { c.Close(); close(closed) }()
+	go func() { b.Close(); close(closed) }()
 	select {
 	case <-closed:
 	case <-time.After(10 * time.Second):
@@ -311,20 +294,11 @@ func TestFetchRepopulates(t *testing.T) {
 	a := newTestClient(t, s.Socket(), "pod-a")
 	a.write(t, 1, 0)
 	waitFor(t, "stored", func() bool { return a.Stats().WritesOK.Load() == 1 })
-	pool := testPool(t, 32*testSlot)
-	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: 2 * time.Second}, pool, testSlot, testLog(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(c.Close)
-	if !c.WaitConnected(5 * time.Second) {
-		t.Fatal("not attached")
-	}
-	b := &testClient{c, pool.Bytes()}
+	b := newTestClientIO(t, s.Socket(), "pod-b", 2*time.Second)
 	if r := <-b.startFetch(1); !r[0].OK || !b.landed(1) {
 		t.Fatalf("first fetch: %+v", r[0])
 	}
-	if err := unix.Fallocate(pool.FD(), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 8*testSlot, 2*testSlot); err != nil {
+	if err := unix.Madvise(b.pool[8*testSlot:10*testSlot], unix.MADV_REMOVE); err != nil {
 		t.Fatal(err)
 	}
 	if r := <-b.startFetch(1); r[0].OK {

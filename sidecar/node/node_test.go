@@ -67,8 +67,14 @@ type testClient struct {
 
 func newTestClient(t testing.TB, sock, pod string) *testClient {
 	t.Helper()
+	return newTestClientIO(t, sock, pod, 2*time.Second)
+}
+
+// newTestClientIO is newTestClient with fetches' and writes' deadline io.
+func newTestClientIO(t testing.TB, sock, pod string, io time.Duration) *testClient {
+	t.Helper()
 	pool := testPool(t, 32*testSlot)
-	c, err := NewClient(ClientConfig{Socket: sock, Pod: pod, LookupTimeout: time.Second, IOTimeout: 2 * time.Second}, pool, testSlot, testLog(t))
+	c, err := NewClient(ClientConfig{Socket: sock, Pod: pod, LookupTimeout: time.Second, IOTimeout: io}, pool, testSlot, testLog(t))
 	if err != nil {
 		t.Fatal(err)
 	}

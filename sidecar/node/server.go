@@ -580,11 +580,7 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 			}
 		}
 		if st != wire.OK {
-			if st == wire.Malformed {
-				s.met.Malformed.Add(1)
-			} else {
-				s.met.NotRegistered.Add(1)
-			}
+			c.refused(st)
 			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.ItemsReply{Status: st}.Append, nil)
 		}
 		res := make([]wire.ItemReply, len(m.Items))
@@ -610,11 +606,7 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 			}
 		}
 		if st != wire.OK {
-			if st == wire.Malformed {
-				s.met.Malformed.Add(1)
-			} else {
-				s.met.NotRegistered.Add(1)
-			}
+			c.refused(st)
 			return c.reply(h.Type|wire.ReplyBit, h.ID, wire.FetchReply{Status: st}.Append, nil)
 		}
 		res := make([]wire.FetchReplyItem, len(m.Items))
@@ -653,6 +645,16 @@ func (c *srvConn) handle(h wire.Header, body []byte) error {
 	}
 	s.met.Malformed.Add(1)
 	return c.status(h.Type, h.ID, wire.Malformed, 0)
+}
+
+// refused counts a request refused whole: malformed, or naming a
+// namespace the connection did not register.
+func (c *srvConn) refused(st wire.Status) {
+	if st == wire.Malformed {
+		c.s.met.Malformed.Add(1)
+	} else {
+		c.s.met.NotRegistered.Add(1)
+	}
 }
 
 // itemsValid checks items against the connection: the digest's padding,
