@@ -3,7 +3,8 @@ package reliability
 // The node tier with its processes in separate mount and PID namespaces,
 // as on a node: `ringside node` in its own, and each engine pod (its
 // `ringside serve` and an engine client beside it, sharing the pod's own
-// /dev/shm, a fresh tmpfs) in its own. They share only the host directory
+// /dev/shm, a fresh tmpfs) in its own, and in a network namespace of its
+// own, as Kubernetes gives each pod (the node tells pods apart by it). They share only the host directory
 // of the node's socket, which the pods mount read-only, as deployed; the
 // node process runs as nodeUID, the pods' as root. Each namespace's first
 // process is a copy of this test binary in the role "ns": it makes its
@@ -17,6 +18,7 @@ package reliability
 
 import (
 	"bufio"
+	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -39,6 +41,7 @@ import (
 	"github.com/ringside-kv/ringside/connector"
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
+	"github.com/ringside-kv/ringside/sidecar/l2"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 	"github.com/ringside-kv/ringside/sidecar/node/wire"
 )
@@ -60,17 +63,28 @@ func init() {
 		Before: "at 1de4c06: the hostile pod (uid 1000, the directory mounted read-only) opened node.lock read-only: ok, flock: ok; the next `ringside node` exited at start (exit status 1): another node process holds it",
 		Fix:    "the node's lock file is mode 0200 and opened write-only (sys.TryLockWriteOnly): through a read-only mount it can be opened neither to read nor to write",
 	})
+	defect(Defect{
+		Title:  "the node tier took a pod to be the name its sidecar declared: a hostile sidecar could hold every connection the node allows (each under another name), so that no other pod's sidecar could attach, and by writing under name after name it had a fresh pod share each time and could evict every other pod's blocks",
+		Tests:  "TestNodeTierNamespacesPodIdentity",
+		Before: "measured with --pod-identity declared, which takes a pod to be its declared name as every release before did: the hostile pod attached 14 of 20 connections (all that --max-pods 16 left), none refused for its pod; after its 384 blocks under 6 names, B loaded 0 of 4 blocks of each of A's 8 prompts, and the node counted 6 pods",
+		Fix:    "a pod is its network namespace, which the kernel reports for each connection (SO_NETNS_COOKIE) and a sidecar cannot choose (--pod-identity netns, the default): its connections are bounded by --conns-per-pod (2) and all its writes charged to one share",
+	})
 }
 
 // nsCommand returns the command that runs role ("node" or "pod") as the
-// first process of new mount and PID namespaces; args are `ringside`'s
+// first process of new mount and PID namespaces (and, for a pod, a new
+// network namespace); args are `ringside`'s
 // (node) or the sidecar's serve flags (pod; none: a pod without one); env
 // adds RS_NS_RO=DIR: DIR is bind-mounted read-only in the namespace, as a
 // pod mounts the node's directory.
 func nsCommand(role, name, logPath string, args []string, env ...string) *exec.Cmd {
 	a, _ := json.Marshal(args)
 	cmd := child("ns", append([]string{"RS_NS_ROLE=" + role, "RS_NS_NAME=" + name, "RS_NS_BIN=" + ringsideBin, "RS_NS_ARGS=" + string(a), "RS_NS_LOG=" + logPath}, env...)...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS | syscall.CLONE_NEWPID, Pdeathsig: syscall.SIGKILL}
+	flags := uintptr(syscall.CLONE_NEWNS | syscall.CLONE_NEWPID)
+	if role != "node" {
+		flags |= syscall.CLONE_NEWNET
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags, Pdeathsig: syscall.SIGKILL}
 	return cmd
 }
 
@@ -98,7 +112,7 @@ func needNamespaces(t *testing.T) {
 	if nsProbe.err == nil {
 		return
 	}
-	msg := fmt.Sprintf("the node tier's namespace tests need root and mount and PID namespaces (unshare with CLONE_NEWNS|CLONE_NEWPID, a tmpfs on /dev/shm): %v; set %s=1 to skip them", nsProbe.err, nsSkipEnv)
+	msg := fmt.Sprintf("the node tier's namespace tests need root and mount, PID and network namespaces (unshare with CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWNET, a tmpfs on /dev/shm, the loopback up): %v; set %s=1 to skip them", nsProbe.err, nsSkipEnv)
 	if os.Getenv(nsSkipEnv) == "1" {
 		t.Skip(msg)
 	}
@@ -137,7 +151,9 @@ type podCmd struct {
 	Tag      uint64   `json:"tag,omitempty"`
 	KillMS   int      `json:"kill_ms,omitempty"` // storeloop: SIGKILL the sidecar after this long
 	Paths    []string `json:"paths,omitempty"`   // peek: paths to stat
-	Sock     string   `json:"sock,omitempty"`    // thief, stall: the node's socket
+	Sock     string   `json:"sock,omitempty"`    // thief, stall, hold, renames: the node's socket
+	Names    int      `json:"names,omitempty"`   // hold: connections to try; renames: pod names to write under
+	Blocks   int      `json:"blocks,omitempty"`  // renames: blocks written under each name
 }
 
 // podReply is a pod's answer.
@@ -169,7 +185,7 @@ type nsPod struct {
 	out     *lineReader
 	exited  chan struct{}
 	logPath string
-	sc      *sidecar // its sidecar's metrics address (nodeState, waitNode)
+	sc      *sidecar // its sidecar's metrics address, through the pod (nodeState, waitNode)
 	dir     string   // its sidecar's --dir, inside the pod's /dev/shm
 }
 
@@ -186,9 +202,15 @@ func startPod(t *testing.T, name, nodeSock string, withSidecar bool, extra ...st
 		args = append(append([]string{}, defaultArgs...), "--metrics.addr", addr, "--node.socket", nodeSock, "--node.pod", name,
 			"--node.lookup-timeout", "500ms", "--node.io-timeout", "2s")
 		args = append(args, extra...)
-		p.sc = &sidecar{t: t, addr: addr}
+		// The sidecar's metrics address is in the pod's network
+		// namespace; the pod forwards a Unix socket here to it.
+		p.sc = &sidecar{t: t, addr: addr, via: filepath.Join(t.TempDir(), "metrics.sock")}
 	}
-	p.cmd = nsCommand("pod", name, p.logPath, args, "RS_NS_RO="+filepath.Dir(nodeSock))
+	env := []string{"RS_NS_RO=" + filepath.Dir(nodeSock)}
+	if p.sc != nil {
+		env = append(env, "RS_NS_VIA="+p.sc.via)
+	}
+	p.cmd = nsCommand("pod", name, p.logPath, args, env...)
 	logf, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		t.Fatal(err)
@@ -726,14 +748,71 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 	row.add("the node process killed, the hostile client (the node's uid) opened its lock file: %s, flock: %s; a new node process started and B re-attached", hl.Statuses["open"], hl.Statuses["flock"])
 }
 
+// TestNodeTierNamespacesPodIdentity: a pod is its network namespace, not
+// the name its sidecar declares. A hostile client, in a pod of its own,
+// tries to hold every connection the node allows and then writes the
+// pool full under name after name; pod A's blocks, stored first, stay,
+// and pod B's sidecar restarts and attaches meanwhile.
+func TestNodeTierNamespacesPodIdentity(t *testing.T) {
+	row := record(t, "Isolation", "from pods in network, mount and PID namespaces of their own: a hostile client (no sidecar) opens 20 connections to the node, each declaring another pod name, and holds them while pod B's sidecar restarts; then, under 6 new names one after the other, it writes 384 well-formed blocks (1.5 times the pool) of a namespace of its own, after pod A stored 32",
+		"the node attaches 2 of the 20 (--conns-per-pod) and refuses 18 (status 7); B's restarted sidecar attaches while they are held; every hostile block is charged to the hostile pod's one share (a quarter of the pool), so B then loads each of A's 8 prompts whole and byte-exact, and the node counts 3 pods", "")
+	np, nm, a, b := nsTier(t, "--pod-share", "0.25")
+	const n, prompts = 4, 8
+	for i := 0; i < prompts; i++ {
+		a.store("engine-a", fmt.Sprintf("a's prompt %d", i), n, 0xA)
+	}
+	a.sc.waitNode("written", func(s nodeState) bool { return s.Counts["writes_stored"] == n*prompts })
+
+	h := startPod(t, "pod-hostile", np.sock, false)
+	hold := h.do(podCmd{Op: "hold", Sock: np.sock, Names: 20}, 20*time.Second)
+	if hold.Got != 2 {
+		t.Fatalf("the hostile pod attached %d of 20 connections (want 2, --conns-per-pod); refusals %v", hold.Got, hold.Statuses)
+	}
+	if got := nodeMetric(nm, "attaches_refused_pod_limit_total"); got != 18 {
+		t.Fatalf("attaches refused for the hostile pod's limit: %v, want 18", got)
+	}
+	attaches := b.sc.nodeState().Counts["attaches"]
+	if rep := b.do(podCmd{Op: "kill"}, 15*time.Second); rep.Err != "" {
+		t.Fatal(rep.Err)
+	}
+	if rep := b.do(podCmd{Op: "restart"}, 30*time.Second); rep.Err != "" {
+		t.Fatal(rep.Err)
+	}
+	b.sc.waitNode("re-attached with the hostile connections held", func(s nodeState) bool { return s.Connected && s.Counts["attaches"] >= 1 })
+	row.add("20 connections under 20 names: %d attached, refused: %v; B's sidecar restarted and attached (attaches before: %d)", hold.Got, hold.Statuses, attaches)
+	h.do(podCmd{Op: "unhold"}, 10*time.Second)
+
+	ren := h.do(podCmd{Op: "renames", Sock: np.sock, Names: 6, Blocks: 64}, 60*time.Second)
+	if ren.Err != "" || ren.Stored != 6*64 {
+		t.Fatalf("the hostile pod's writes under new names: %d of %d taken: %s", ren.Stored, 6*64, ren.Err)
+	}
+	for i := 0; i < prompts; i++ {
+		if got, _ := b.load(podCmd{Instance: "engine-b", Seed: fmt.Sprintf("a's prompt %d", i), N: n, Tag: 0xA}); got != n {
+			t.Fatalf("after the hostile pod's writes under 6 names, B loaded %d of %d blocks of A's prompt %d", got, n, i)
+		}
+	}
+	if pods := nodeMetric(nm, "pods"); pods != 3 {
+		t.Fatalf("the node counts %v pods, want 3 (A, B, the hostile one)", pods)
+	}
+	row.add("%d hostile blocks taken under 6 names, all charged to its one share; B then loaded A's %d prompts whole; the node counts %v pods, %v attaches under another name than the pod's first",
+		ren.Stored, prompts, nodeMetric(nm, "pods"), nodeMetric(nm, "attaches_renamed_total"))
+}
+
 // --- the namespaces' first process ---
 
 // nsSetup makes this process's mounts private (nothing it mounts reaches
 // the host's mount table), bind-mounts RS_NS_RO read-only, and mounts a
-// tmpfs of its own on /dev/shm and the /proc of its PID namespace.
-func nsSetup(name string) error {
+// tmpfs of its own on /dev/shm and the /proc of its PID namespace; in a
+// network namespace of its own, it brings the loopback up (the sidecar's
+// metrics listen there).
+func nsSetup(name string, ownNet bool) error {
 	if os.Getpid() != 1 {
 		return fmt.Errorf("pid %d: not the first process of a new PID namespace", os.Getpid())
+	}
+	if ownNet {
+		if err := loopbackUp(); err != nil {
+			return fmt.Errorf("bringing the loopback up: %w", err)
+		}
 	}
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("making / private: %w", err)
@@ -762,7 +841,7 @@ func nsChild() int {
 		json.NewEncoder(os.Stdout).Encode(podReply{Err: err.Error()})
 		return 3
 	}
-	if err := nsSetup(name); err != nil {
+	if err := nsSetup(name, role != "node"); err != nil {
 		return fail(err)
 	}
 	var args []string
@@ -782,6 +861,53 @@ func nsChild() int {
 		return podMain(name, args)
 	}
 	return fail(fmt.Errorf("unknown role %q", role))
+}
+
+// loopbackUp sets IFF_UP on lo, as a pod's runtime does.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
+}
+
+// forward serves a Unix socket at via that forwards each connection to the
+// TCP address addr of this network namespace: the parent's way to the
+// sidecar's metrics. It runs until the pod exits.
+func forward(via, addr string) error {
+	ln, err := net.Listen("unix", via)
+	if err != nil {
+		return err
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				d, err := net.DialTimeout("tcp", addr, 5*time.Second)
+				if err != nil {
+					return
+				}
+				defer d.Close()
+				go func() { io.Copy(d, c); d.(*net.TCPConn).CloseWrite() }()
+				io.Copy(c, d)
+			}()
+		}
+	}()
+	return nil
 }
 
 // dropTo makes this process uid (and gid) uid, without supplementary
@@ -883,10 +1009,17 @@ func podMain(name string, args []string) int {
 			out.Encode(podReply{Err: err.Error()})
 			return 3
 		}
+		if via := os.Getenv("RS_NS_VIA"); via != "" {
+			if err := forward(via, side.addr); err != nil {
+				out.Encode(podReply{Err: err.Error()})
+				return 3
+			}
+		}
 	}
 	out.Encode(podReply{Dir: dir})
 	in := bufio.NewScanner(os.Stdin)
 	var st *stall
+	var held []*rawNode
 	for in.Scan() {
 		var c podCmd
 		if err := json.Unmarshal(in.Bytes(), &c); err != nil {
@@ -977,6 +1110,29 @@ func podMain(name string, args []string) int {
 			}
 		case "squat":
 			rep = squat(c.Sock)
+		case "hold":
+			// Names connections, each declaring a pod name of its own,
+			// held open: Got counts those attached, Statuses the refusals.
+			refused := map[string]int{}
+			for i := 0; i < c.Names; i++ {
+				r, err := rawNodeDial(c.Sock, fmt.Sprintf("pod-hold-%d", i))
+				if err != nil {
+					refused[err.Error()]++
+					continue
+				}
+				held = append(held, r)
+			}
+			rep.Got, rep.Statuses = len(held), map[string]string{}
+			for why, k := range refused {
+				rep.Statuses[why] = fmt.Sprintf("%d times", k)
+			}
+		case "unhold":
+			for _, r := range held {
+				r.close()
+			}
+			held = nil
+		case "renames":
+			rep = renames(c)
 		case "stall":
 			st, rep.Err = startStall(c.Sock)
 		case "stallend":
@@ -1046,10 +1202,11 @@ func peek(paths []string) podReply {
 
 // rawNode is a hand-driven client of the node's wire, as a hostile one.
 type rawNode struct {
-	c    *net.UnixConn
-	win  int
-	pool *shm.Mapping // its pool, passed with the Hello (a memfd of 64 KiB)
-	id   uint64
+	c      *net.UnixConn
+	win    int
+	stride int          // of the window's slots
+	pool   *shm.Mapping // its pool, passed with the Hello (a memfd of 64 KiB)
+	id     uint64
 }
 
 func rawNodeDial(sock, pod string) (*rawNode, error) {
@@ -1087,6 +1244,7 @@ func rawNodeDial(sock, pod string) (*rawNode, error) {
 		if rep, err = wire.DecodeHelloReply(body); err == nil && rep.Status != wire.OK {
 			err = fmt.Errorf("hello: %v", rep.Status)
 		}
+		r.stride = int(rep.SlotStride)
 	}
 	if err != nil {
 		r.close()
@@ -1200,6 +1358,46 @@ func thief(c podCmd) podReply {
 	rep := peek(nil)
 	rep.Seen = nil
 	rep.Statuses = st
+	return rep
+}
+
+// renames writes, under Names pod names one after the other (a connection
+// each, closed before the next), Blocks well-formed blocks of a namespace
+// of its own: what a sidecar that re-attaches under new names can store.
+// Stored counts the blocks the node took.
+func renames(c podCmd) podReply {
+	ns := machine.L2NamespaceFor("llama-rel", "bf16/16/HND", "renamer", 32, 1)
+	var rep podReply
+	payload := make([]byte, 4096)
+	for i := 0; i < c.Names; i++ {
+		r, err := rawNodeDial(c.Sock, fmt.Sprintf("pod-rename-%d", i))
+		if err != nil {
+			return podReply{Err: err.Error(), Stored: rep.Stored}
+		}
+		if st := r.status(wire.TypeRegister, wire.NS{FP: ns.FP, Layout: ns.Layout, Width: uint8(ns.Width), World: uint16(ns.World)}.Append); st != "ok 0" {
+			r.close()
+			return podReply{Err: "register: " + st, Stored: rep.Stored}
+		}
+		win, err := shm.OpenFD(r.win, "window", 4096)
+		r.win = -1 // the mapping owns it now
+		if err != nil {
+			r.close()
+			return podReply{Err: err.Error(), Stored: rep.Stored}
+		}
+		slots := win.Len() / r.stride
+		for k := 0; k < c.Blocks; k++ {
+			d := digests(fmt.Sprintf("rename %d block %d", i, k), 1)
+			rand.Read(payload)
+			n := l2.PutValue(win.Bytes()[(k%slots)*r.stride:], ns, d, 0, payload)
+			it := wire.Item{Slot: uint32(k % slots), Length: uint64(n)}
+			copy(it.Digest[:], d)
+			if st := r.items(wire.TypePut, wire.Items{FP: ns.FP, Items: []wire.Item{it}}); st == "ok ok" {
+				rep.Stored++
+			}
+		}
+		win.Close()
+		r.close()
+	}
 	return rep
 }
 

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -49,7 +48,9 @@ func (n *nodeProc) start() {
 	if n.ns {
 		n.cmd = nsCommand("node", "node", n.logPath, args, n.env...)
 	} else {
-		n.cmd = exec.Command(ringsideBin, args...)
+		// The sidecars share this process's network namespace: each is
+		// the pod its --node.pod names.
+		n.cmd = exec.Command(ringsideBin, append(args, "--pod-identity", "declared")...)
 	}
 	n.cmd.Stdout, n.cmd.Stderr = logf, logf
 	if err := n.cmd.Start(); err != nil {
@@ -111,8 +112,7 @@ func (s *sidecar) nodeState() nodeState {
 			Node *nodeState `json:"node"`
 		} `json:"l2"`
 	}
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get("http://" + s.addr + "/debug/state")
+	resp, err := s.http().Get("http://" + s.addr + "/debug/state")
 	if err == nil {
 		json.NewDecoder(resp.Body).Decode(&st)
 		resp.Body.Close()

@@ -3,12 +3,14 @@ package reliability
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -33,10 +35,13 @@ const slot = 4096
 
 // sidecar is a real `ringside serve` process.
 type sidecar struct {
-	t       testing.TB
-	dir     string
-	sock    string
-	addr    string
+	t    testing.TB
+	dir  string
+	sock string
+	addr string
+	// via, when set, is a Unix socket that reaches addr: the sidecar is in
+	// a network namespace of its own (a pod's), and its pod forwards.
+	via     string
 	args    []string
 	cmd     *exec.Cmd
 	logPath string
@@ -221,8 +226,7 @@ func (s *sidecar) state() state {
 
 func (s *sidecar) tryState() (state, error) {
 	var st state
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get("http://" + s.addr + "/debug/state")
+	resp, err := s.http().Get("http://" + s.addr + "/debug/state")
 	if err != nil {
 		return st, err
 	}
@@ -239,10 +243,21 @@ func (s *sidecar) epoch() uint64 {
 	return v
 }
 
+// http is a client of the sidecar's metrics address.
+func (s *sidecar) http() *http.Client {
+	c := &http.Client{Timeout: 5 * time.Second}
+	if s.via != "" {
+		c.Transport = &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", s.via)
+		}}
+	}
+	return c
+}
+
 // metric reads one unlabelled series from /metrics.
 func (s *sidecar) metric(name string) float64 {
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get("http://" + s.addr + "/metrics")
+	resp, err := s.http().Get("http://" + s.addr + "/metrics")
 	if err != nil {
 		return -1
 	}
@@ -262,8 +277,7 @@ func (s *sidecar) metric(name string) float64 {
 
 // metricSum adds every series of a metric family (all label values).
 func (s *sidecar) metricSum(name string) float64 {
-	c := http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Get("http://" + s.addr + "/metrics")
+	resp, err := s.http().Get("http://" + s.addr + "/metrics")
 	if err != nil {
 		return -1
 	}

@@ -272,7 +272,7 @@ func TestNodeEventsNodeRestart(t *testing.T) {
 	defer os.RemoveAll(dir)
 	sock := filepath.Join(dir, node.SocketName)
 	ctx, cancel := context.WithCancel(context.Background())
-	nt, err := node.NewServer(node.ServerConfig{Dir: dir, PoolBytes: 64 * (slot + node.SlotHeadroom), SlotBytes: slot}, zerolog.Nop())
+	nt, err := node.NewServer(node.ServerConfig{Dir: dir, PoolBytes: 64 * (slot + node.SlotHeadroom), SlotBytes: slot, PodIdentity: node.IdentityDeclared}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,7 +313,7 @@ func TestNodeEventsNodeRestart(t *testing.T) {
 func TestNodeEventsRebuildKeepsWhatStays(t *testing.T) {
 	const n, per = 600, 64 // some 350 bytes an entry: 4 replies
 	cfg := func(dir string) node.ServerConfig {
-		return node.ServerConfig{Dir: dir, PoolBytes: 2 * n * (slot + node.SlotHeadroom), SlotBytes: slot, PodShare: 1}
+		return node.ServerConfig{Dir: dir, PoolBytes: 2 * n * (slot + node.SlotHeadroom), SlotBytes: slot, PodShare: 1, PodIdentity: node.IdentityDeclared}
 	}
 	serve := func(dir string) (*node.Server, func()) {
 		nt, err := node.NewServer(cfg(dir), zerolog.Nop())

@@ -20,7 +20,9 @@ import (
 )
 
 // A node tier in this process (a real socket, real memfds) and sidecars
-// beside it stand for the engine pods of one node.
+// beside it stand for the engine pods of one node. Being in one network
+// namespace, the pods are the names they declare (--pod-identity
+// declared); pods in namespaces of their own: reliability's namespace tests.
 
 func startNodeTier(t *testing.T, sock string) *node.Server {
 	t.Helper()
@@ -32,7 +34,7 @@ func startNodeTier(t *testing.T, sock string) *node.Server {
 		t.Cleanup(func() { os.RemoveAll(dir) })
 		sock = filepath.Join(dir, "n", node.SocketName)
 	}
-	s, err := node.NewServer(node.ServerConfig{Dir: filepath.Dir(sock), Socket: sock, PoolBytes: 128 * (slot + node.SlotHeadroom), SlotBytes: slot}, zerolog.Nop())
+	s, err := node.NewServer(node.ServerConfig{Dir: filepath.Dir(sock), Socket: sock, PoolBytes: 128 * (slot + node.SlotHeadroom), SlotBytes: slot, PodIdentity: node.IdentityDeclared}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -182,7 +184,7 @@ func TestNodeTierRestarts(t *testing.T) {
 	defer os.RemoveAll(dir)
 	sock := filepath.Join(dir, node.SocketName)
 	ctx, cancel := context.WithCancel(context.Background())
-	nt, err := node.NewServer(node.ServerConfig{Dir: dir, PoolBytes: 64 * (slot + node.SlotHeadroom), SlotBytes: slot}, zerolog.Nop())
+	nt, err := node.NewServer(node.ServerConfig{Dir: dir, PoolBytes: 64 * (slot + node.SlotHeadroom), SlotBytes: slot, PodIdentity: node.IdentityDeclared}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -271,6 +271,9 @@ func (c *Config) startNodeTier(ctx context.Context, dir string, pages int) (*nod
 		// above): no pod's share evicts its own blocks first, the pool is
 		// one LRU, as the model's.
 		"--pod-share", "1", "--max-pods", strconv.Itoa(c.Engines + 4),
+		// The pods' sidecars share this process's network namespace: each
+		// is the pod its --node.pod names.
+		"--pod-identity", "declared",
 		"--io-timeout", c.Timeout.String(), "--log.level", "warn"}
 	sc, err := harness.Start("node tier", c.Ringside, args, harness.Options{Timeout: c.Timeout})
 	if err != nil {

@@ -34,6 +34,8 @@ func nodeCommandFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "pod-share", Value: node.DefaultPodShare, Usage: "part of the pool the blocks one pod wrote may hold (the default fits eight pods); a write past it evicts that pod's own least recently used block", EnvVars: e("pod-share")},
 		&cli.StringFlag{Name: "pool.desc-bytes", Value: units.FormatBytes(node.DefaultDescBytes), Usage: "bound on the block descriptions (token ids, parents) the node keeps so that each pod's sidecar can announce the node tier's blocks in its engine's KV events; blocks described past it are cached but not announced", EnvVars: e("pool.desc-bytes")},
 		&cli.IntFlag{Name: "max-pods", Value: node.DefaultMaxPods, Usage: "sidecar connections at once", EnvVars: e("max-pods")},
+		&cli.StringFlag{Name: "pod-identity", Value: node.DefaultPodIdentity, Usage: "what makes a pod, for --pod-share and --conns-per-pod: " + node.IdentityNetNS + " (its network namespace, which the kernel reports and a sidecar cannot choose; Linux 5.14 or later) or " + node.IdentityDeclared + " (the pod name its sidecar declares: for pods in the node's network namespace, hostNetwork, which " + node.IdentityNetNS + " counts as one pod)", EnvVars: e("pod-identity")},
+		&cli.IntFlag{Name: "conns-per-pod", Value: node.DefaultConnsPerPod, Usage: "sidecar connections one pod may hold at once (a sidecar needs one; a restart briefly two)", EnvVars: e("conns-per-pod")},
 		&cli.IntFlag{Name: "max-namespaces", Value: node.DefaultMaxNamespaces, Usage: "namespaces one connection may register", EnvVars: e("max-namespaces")},
 		&cli.IntFlag{Name: "window-slots", Value: node.DefaultWindowSlots, Usage: "slots of each connection's window (the memory written blocks move through; fetched ones land in the pod's pool straight), each a pool slot's size", EnvVars: e("window-slots")},
 		&cli.DurationFlag{Name: "io-timeout", Value: node.DefaultIOTimeout, Usage: "a sidecar that sends no Hello this long after connecting, or does not read a reply this long, is dropped", EnvVars: e("io-timeout")},
@@ -102,7 +104,7 @@ func NodeConfig(c *cli.Context) (node.ServerConfig, error) {
 		return v
 	}
 	cfg := node.ServerConfig{Dir: c.String("dir"), Socket: c.String("socket"), PoolBytes: size("pool.bytes"), SlotBytes: size("pool.slot-bytes"),
-		Reserve: c.Bool("pool.reserve"), PodShare: c.Float64("pod-share"), MaxPods: c.Int("max-pods"), MaxNamespaces: c.Int("max-namespaces"),
+		Reserve: c.Bool("pool.reserve"), PodShare: c.Float64("pod-share"), PodIdentity: c.String("pod-identity"), MaxPods: c.Int("max-pods"), ConnsPerPod: c.Int("conns-per-pod"), MaxNamespaces: c.Int("max-namespaces"),
 		WindowSlots: c.Int("window-slots"), IOTimeout: c.Duration("io-timeout"), GroupAccess: c.Bool("group-access"),
 		DescBytes: int64(size("pool.desc-bytes"))}
 	if s := c.String("allow-uid"); s != "" {

@@ -358,7 +358,9 @@ func (c *Client) dial() (*cliConn, error) {
 	if err == nil && h.Type != wire.TypeHello|wire.ReplyBit {
 		err = fmt.Errorf("a reply of type %#x to a hello", h.Type)
 	}
-	if err == nil && r.Status != wire.OK {
+	if err == nil && r.Status == wire.Limit {
+		err = errors.New("the node refused the attach: limit (its --max-pods connections, or this pod's --conns-per-pod: under the node's --pod-identity netns, pods in the node's network namespace, hostNetwork, count as one pod; the node's log says which)")
+	} else if err == nil && r.Status != wire.OK {
 		err = fmt.Errorf("the node refused the attach: %v", r.Status)
 	}
 	if err == nil && len(fds) != 1 {

@@ -460,3 +460,83 @@ func TestHostileAttach(t *testing.T) {
 		t.Fatalf("version 9: %v", rep.Status)
 	}
 }
+
+// dialHello connects and says Hello as pod, returning the reply's status.
+func dialHello(t *testing.T, sock, pod string) (*net.UnixConn, wire.Status) {
+	t.Helper()
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: sock, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: pod}.Append)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 256)
+	n, fds, _, err := sys.ReadFDs(c, buf, 1)
+	sys.CloseFDs(fds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, body, err := wire.DecodeHeader(buf[:n])
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep, err := wire.DecodeHelloReply(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, rep.Status
+}
+
+// TestPodIdentityNetNS: under --pod-identity netns (the default), a pod is
+// its network namespace, whatever names its connections declare: this
+// process's connections are one pod. Past --conns-per-pod its attaches
+// are refused, a connection whose peer closed does not hold a place, and
+// every block its connections write is charged to the one share, so that
+// renaming buys a sidecar nothing. Pods in separate namespaces: the
+// reliability suite's TestNodeTierNamespacesPodIdentity.
+func TestPodIdentityNetNS(t *testing.T) {
+	s := startServer(t, func(c *ServerConfig) { c.PodIdentity = IdentityNetNS; c.ConnsPerPod = 2; c.MaxPods = 8 })
+	a := rawDial(t, s.Socket(), "pod-a")
+	b := rawDial(t, s.Socket(), "pod-b")
+	cookie, err := sys.NetNSCookie(a.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := NetNSIdentity(cookie)
+	if st := s.Stats().AttachRenamed.Load(); st != 1 {
+		t.Fatalf("attaches under another name than the pod's first: %d, want 1", st)
+	}
+	for _, name := range []string{"pod-c", "pod-a"} {
+		if _, st := dialHello(t, s.Socket(), name); st != wire.Limit {
+			t.Fatalf("a third connection of the pod, declaring %s: %v, want limit", name, st)
+		}
+	}
+	if got := s.Stats().AttachPodLimit.Load(); got != 2 {
+		t.Fatalf("attaches refused for the pod's limit: %d, want 2", got)
+	}
+	// Blocks written under both names are the pod's.
+	a.register(testNS)
+	b.register(testNS)
+	for i, r := range []*rawConn{a, b} {
+		for k := 0; k < 3; k++ {
+			if st := r.putValue(testNS, digest(10*i+k), 0, uint32(k), make([]byte, testSlot), nil); st != wire.OK {
+				t.Fatalf("put: %v", st)
+			}
+		}
+	}
+	if u, ua, ub := s.OwnerUsed(id), s.OwnerUsed("pod-a"), s.OwnerUsed("pod-b"); u != 6 || ua != 0 || ub != 0 {
+		t.Fatalf("charges: the pod %d (want 6), by name a %d, b %d (want 0)", u, ua, ub)
+	}
+	// A connection closed (a sidecar restarted) frees its place at once,
+	// before the node's reader has seen the end.
+	b.sock.Close()
+	c, st := dialHello(t, s.Socket(), "pod-a")
+	if st != wire.OK {
+		t.Fatalf("an attach after one of the pod's connections closed: %v", st)
+	}
+	c.Close()
+	waitFor(t, "the closed connections detached", func() bool { return s.Conns() == 1 })
+}

@@ -52,10 +52,12 @@ type list struct {
 }
 
 type owner struct {
-	name  string
-	used  int // slots charged: writing or present
-	lru   list
-	conns int
+	name string // the pod's identity
+	// declared is the name its first connection declared (logs).
+	declared string
+	used     int // slots charged: writing or present
+	lru      list
+	conns    int
 }
 
 func newIndex(slots, share int) *index {

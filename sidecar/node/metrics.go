@@ -20,6 +20,8 @@ func (s *Server) Handler() http.Handler {
 	m := &s.met
 	counter("attaches_total", "Sidecars attached.", &m.Attaches)
 	counter("attaches_refused_total", "Attaches refused: no Hello in time, a bad one, a uid not allowed, too many pods, another version.", &m.AttachRefused)
+	counter("attaches_refused_pod_limit_total", "Attaches refused because their pod had --conns-per-pod connections already (counted in attaches_refused_total too).", &m.AttachPodLimit)
+	counter("attaches_renamed_total", "Attaches declaring another pod name than their pod's first (one network namespace under --pod-identity netns): charged to one share.", &m.AttachRenamed)
 	counter("lookups_total", "Lookups served.", &m.Lookups)
 	counter("lookup_blocks_total", "Blocks lookups asked about.", &m.LookupBlocks)
 	counter("lookup_hit_blocks_total", "Leading blocks lookups found.", &m.LookupHits)
@@ -46,7 +48,7 @@ func (s *Server) Handler() http.Handler {
 	gauge("slots", "Slots of the pool.", func(st IndexStats) float64 { return float64(st.Slots) })
 	gauge("present_slots", "Slots holding a value.", func(st IndexStats) float64 { return float64(st.Present) })
 	gauge("free_slots", "Slots free.", func(st IndexStats) float64 { return float64(st.Free) })
-	gauge("pods", "Pod names with a connection or blocks charged.", func(st IndexStats) float64 { return float64(st.Owners) })
+	gauge("pods", "Pods (by --pod-identity) with a connection or blocks charged.", func(st IndexStats) float64 { return float64(st.Owners) })
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ringside_node_server_connections", Help: "Sidecars attached now."},
 		func() float64 { return float64(s.Conns()) }))
 	reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ringside_node_server_evicted_total", Help: "Values evicted for room: the pool's (reason pool) or their pod's share (share)."},

@@ -28,7 +28,10 @@ func testLog(t testing.TB) zerolog.Logger {
 	return zerolog.Nop()
 }
 
-// startServer runs a node tier in a directory of its own.
+// startServer runs a node tier in a directory of its own. Its pods are
+// the names their clients declare: the tests' clients share one network
+// namespace (this process's), which --pod-identity netns, the default,
+// counts as one pod (TestPodIdentityNetNS tests that).
 func startServer(t testing.TB, mod func(*ServerConfig)) *Server {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "rsnode")
@@ -36,7 +39,8 @@ func startServer(t testing.TB, mod func(*ServerConfig)) *Server {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	cfg := ServerConfig{Dir: filepath.Join(dir, "n"), PoolBytes: 128 * (testSlot + SlotHeadroom), SlotBytes: testSlot, IOTimeout: 500 * time.Millisecond}
+	cfg := ServerConfig{Dir: filepath.Join(dir, "n"), PoolBytes: 128 * (testSlot + SlotHeadroom), SlotBytes: testSlot, IOTimeout: 500 * time.Millisecond,
+		PodIdentity: IdentityDeclared}
 	if mod != nil {
 		mod(&cfg)
 	}

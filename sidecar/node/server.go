@@ -49,9 +49,14 @@ type ServerConfig struct {
 	Reserve bool
 	// PodShare is the part of the pool one pod's writes may hold.
 	PodShare float64
-	// MaxPods bounds connections; MaxNamespaces the namespaces of one;
-	// WindowSlots the slots of each connection's window.
-	MaxPods, MaxNamespaces, WindowSlots int
+	// PodIdentity is what makes a pod: IdentityNetNS (the network
+	// namespace the kernel reports for a connection, which a sidecar
+	// cannot choose) or IdentityDeclared (the name in its Hello).
+	PodIdentity string
+	// MaxPods bounds connections; ConnsPerPod those of one pod;
+	// MaxNamespaces the namespaces of one connection; WindowSlots the
+	// slots of each connection's window.
+	MaxPods, ConnsPerPod, MaxNamespaces, WindowSlots int
 	// IOTimeout bounds the Hello's arrival after a connect and every
 	// reply's write: a sidecar that does not read its replies is dropped.
 	IOTimeout time.Duration
@@ -71,6 +76,7 @@ const (
 	DefaultSlotBytes     = machine.DefaultSlotBytes
 	DefaultPodShare      = 0.125
 	DefaultMaxPods       = 16
+	DefaultConnsPerPod   = 2
 	DefaultMaxNamespaces = 64
 	DefaultWindowSlots   = 64
 	DefaultIOTimeout     = 2 * time.Second
@@ -81,6 +87,18 @@ const (
 	SlotHeadroom = 4096
 	// SocketName is the socket's name in Dir.
 	SocketName = "node.sock"
+)
+
+// Pod identities (--pod-identity).
+const (
+	// IdentityNetNS: a pod is a network namespace, as Kubernetes makes one
+	// per pod; the kernel reports a connection's (SO_NETNS_COOKIE).
+	IdentityNetNS = "netns"
+	// IdentityDeclared: a pod is the name its sidecar declares (for pods
+	// that share the node's network namespace, hostNetwork, and trust
+	// each other).
+	IdentityDeclared   = "declared"
+	DefaultPodIdentity = IdentityNetNS
 )
 
 // EnsureDefaults fills zero fields.
@@ -102,6 +120,12 @@ func (c *ServerConfig) EnsureDefaults() {
 	}
 	if c.MaxPods == 0 {
 		c.MaxPods = DefaultMaxPods
+	}
+	if c.ConnsPerPod == 0 {
+		c.ConnsPerPod = DefaultConnsPerPod
+	}
+	if c.PodIdentity == "" {
+		c.PodIdentity = DefaultPodIdentity
 	}
 	if c.MaxNamespaces == 0 {
 		c.MaxNamespaces = DefaultMaxNamespaces
@@ -137,6 +161,12 @@ func (c *ServerConfig) Validate() error {
 	}
 	if c.MaxPods < 1 || c.MaxPods > 1024 {
 		bad("max-pods", "%d: 1 to 1024", c.MaxPods)
+	}
+	if c.ConnsPerPod < 1 || c.ConnsPerPod > c.MaxPods {
+		bad("conns-per-pod", "%d: 1 to --max-pods (%d)", c.ConnsPerPod, c.MaxPods)
+	}
+	if c.PodIdentity != IdentityNetNS && c.PodIdentity != IdentityDeclared {
+		bad("pod-identity", "%q: %s or %s", c.PodIdentity, IdentityNetNS, IdentityDeclared)
 	}
 	if c.MaxNamespaces < 1 || c.MaxNamespaces > 4096 {
 		bad("max-namespaces", "%d: 1 to 4096", c.MaxNamespaces)
@@ -182,6 +212,7 @@ type Server struct {
 // ServerStats are the node's counts (atomics).
 type ServerStats struct {
 	Attaches, AttachRefused                 atomic.Uint64
+	AttachPodLimit, AttachRenamed           atomic.Uint64 // attaches refused past --conns-per-pod; attaches under another name than the pod's first
 	Lookups, LookupBlocks, LookupHits       atomic.Uint64
 	GetItems, GetHits                       atomic.Uint64
 	PutItems, PutStored, PutExists, PutFull atomic.Uint64
@@ -243,8 +274,14 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	} else {
 		os.Chmod(cfg.Socket, 0o600)
 	}
+	if cfg.PodIdentity == IdentityNetNS {
+		if _, err := sys.NetNSCookie(s.ln); err != nil {
+			s.closeResources()
+			return nil, fmt.Errorf("--pod-identity %s needs Linux 5.14 or later, whose sockets report their network namespace: %w; on an older kernel use --pod-identity %s (docs/architecture.md, \"The node tier\")", IdentityNetNS, err, IdentityDeclared)
+		}
+	}
 	log.Info().Str("socket", cfg.Socket).Uint64("pool_bytes", slots*s.stride).Uint64("slots", slots).Uint64("slot_bytes", cfg.SlotBytes).
-		Int("pod_share_slots", max(share, 1)).Int("max_pods", cfg.MaxPods).Int("window_slots", cfg.WindowSlots).Msg("node tier ready")
+		Int("pod_share_slots", max(share, 1)).Int("max_pods", cfg.MaxPods).Int("conns_per_pod", cfg.ConnsPerPod).Str("pod_identity", cfg.PodIdentity).Int("window_slots", cfg.WindowSlots).Msg("node tier ready")
 	return s, nil
 }
 
@@ -271,7 +308,8 @@ func (s *Server) Conns() int {
 	return len(s.conns)
 }
 
-// OwnerUsed is the slots charged to the pod name (tests, inspection).
+// OwnerUsed is the slots charged to the pod whose identity is name: the
+// declared name, or NetNSIdentity of the pod's cookie (tests, inspection).
 func (s *Server) OwnerUsed(name string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -280,6 +318,10 @@ func (s *Server) OwnerUsed(name string) int {
 	}
 	return 0
 }
+
+// NetNSIdentity is the identity of the pod in the network namespace of
+// cookie, under --pod-identity netns.
+func NetNSIdentity(cookie uint64) string { return "netns:" + strconv.FormatUint(cookie, 10) }
 
 // ShareSlots is the slots one pod may hold.
 func (s *Server) ShareSlots() int { return s.idx.share }
@@ -444,10 +486,26 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		defer c.podPool.Close()
 	}
 	c.pod = hello.Pod
+	id := c.pod
+	if s.cfg.PodIdentity == IdentityNetNS {
+		cookie, err := sys.NetNSCookie(sock)
+		if err != nil {
+			refuse(wire.Denied, "its network namespace: "+err.Error())
+			return
+		}
+		id = NetNSIdentity(cookie)
+	}
 	s.mu.Lock()
 	if len(s.conns) >= s.cfg.MaxPods {
 		s.mu.Unlock()
 		refuse(wire.Limit, fmt.Sprintf("%d connections already (--max-pods)", s.cfg.MaxPods))
+		return
+	}
+	if o := s.idx.owners[id]; o != nil && o.conns >= s.cfg.ConnsPerPod && s.liveConns(o) >= s.cfg.ConnsPerPod {
+		n := o.conns
+		s.mu.Unlock()
+		s.met.AttachPodLimit.Add(1)
+		refuse(wire.Limit, fmt.Sprintf("pod %s (declaring %q) has %d connections already (--conns-per-pod); under --pod-identity %s, pods that share the node's network namespace (hostNetwork) count as one", id, c.pod, n, IdentityNetNS))
 		return
 	}
 	select {
@@ -457,8 +515,19 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	default:
 	}
 	s.conns[c] = struct{}{}
-	c.owner = s.idx.attach(c.pod)
+	c.owner = s.idx.attach(id)
+	if c.owner.declared == "" {
+		c.owner.declared = c.pod
+	}
+	first := c.owner.declared
 	s.mu.Unlock()
+	if first != c.pod {
+		// Another name from the same pod: a sidecar renamed, or pods in
+		// one network namespace (hostNetwork), which share a share.
+		s.met.AttachRenamed.Add(1)
+		s.log.Warn().Str("pod", c.pod).Str("identity", id).Str("first_declared", first).
+			Msg("a sidecar declared another pod name than its pod's first: both are charged to one share (pods in the node's network namespace count as one under --pod-identity netns)")
+	}
 	defer func() {
 		s.mu.Lock()
 		delete(s.conns, c)
@@ -479,7 +548,7 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		return
 	}
 	s.met.Attaches.Add(1)
-	s.log.Info().Str("pod", c.pod).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
+	s.log.Info().Str("pod", c.pod).Str("identity", id).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
 	defer s.log.Info().Str("pod", c.pod).Msg("sidecar detached")
 	sock.SetReadDeadline(time.Time{})
 	for {
@@ -505,6 +574,19 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 			return
 		}
 	}
+}
+
+// liveConns counts o's connections whose peer has not closed: one closed
+// (a sidecar that restarted) whose goroutine has not yet seen the end does
+// not hold a place. The caller holds s.mu.
+func (s *Server) liveConns(o *owner) int {
+	n := 0
+	for c := range s.conns {
+		if c.owner == o && !sys.PeerClosed(c.sock) {
+			n++
+		}
+	}
+	return n
 }
 
 // reply writes one message within the write deadline.

@@ -72,6 +72,9 @@ class NodeProcess:
             binary, "node", "--dir", os.path.dirname(self.sock), "--metrics.addr", self.metrics,
             "--pool.bytes", "64MiB", "--pool.slot-bytes", "32KiB", "--pool.reserve=false", "--pod-share", "0.5",
             "--window-slots", "512",
+            # Both engines' sidecars run in this network namespace: each is
+            # the pod its --node.pod names.
+            "--pod-identity", "declared",
         ]  # fmt: skip
         self._start()
 
