@@ -47,7 +47,7 @@ func l2Flags() []cli.Flag {
 func nodeFlags() []cli.Flag {
 	return []cli.Flag{
 		&cli.StringFlag{Name: "node.socket", Usage: "node tier, one for every sidecar of the node: the socket of the node's `ringside node` process (e.g. /run/ringside-node/node.sock, a host directory only ringside containers mount); empty: no node tier. Beneath the pool and above Redis: docs/architecture.md, \"The node tier\"", EnvVars: env("node.socket")},
-		&cli.StringFlag{Name: "node.pod", Usage: "name this sidecar's writes to the node tier are charged to (its share of the node pool; declared, not verified); empty: the host name, the pod's name in Kubernetes", EnvVars: env("node.pod")},
+		&cli.StringFlag{Name: "node.pod", Usage: "this sidecar's pod name, as the node tier logs it; the node charges its writes to its pod's network namespace, or to this name where the node runs with --pod-identity declared (not verified); empty: the host name, the pod's name in Kubernetes", EnvVars: env("node.pod")},
 		&cli.DurationFlag{Name: "node.lookup-timeout", Value: node.DefaultLookupTimeout, Usage: "a lookup of the node tier not answered by then is a miss", EnvVars: env("node.lookup-timeout")},
 		&cli.DurationFlag{Name: "node.io-timeout", Value: node.DefaultClientIO, Usage: "bound on a fetch from and a write to the node tier (and on attaching)", EnvVars: env("node.io-timeout")},
 		&cli.IntFlag{Name: "node.writers", Value: node.DefaultWriters, Usage: "goroutines writing to the node tier", EnvVars: env("node.writers")},
