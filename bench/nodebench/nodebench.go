@@ -379,10 +379,10 @@ func measure(ctx context.Context, cfg Config, bs int) (Row, error) {
 }
 
 // copyCRCBlocks is a fetch's work without its messages, on one thread:
-// each block copied into dst with its CRC32C (the node's l2.CopyCRC).
+// each block copied into dst with its CRC32C (the node's l2.CopyOutCRC).
 func copyCRCBlocks(dst, src []byte, bs int) {
 	for off := 0; off < len(src); off += bs {
-		l2.CopyCRC(dst[off:off+bs], src[off:off+bs])
+		l2.CopyOutCRC(dst[off:off+bs], src[off:off+bs])
 	}
 }
 

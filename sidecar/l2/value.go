@@ -6,6 +6,7 @@ import (
 	"hash/crc32"
 	"strconv"
 
+	"github.com/ringside-kv/ringside/internal/memcopy"
 	"github.com/ringside-kv/ringside/sidecar/machine"
 )
 
@@ -106,6 +107,25 @@ func CopyCRC(dst, src []byte) uint32 {
 		e := min(off+piece, len(src))
 		copy(dst[off:e], src[off:e])
 		crc = crc32.Update(crc, castagnoli, dst[off:e])
+	}
+	return crc
+}
+
+// CopyOutCRC copies src into dst (len(dst) >= len(src)) and returns the
+// CRC32C of src, in one pass of 16 KiB pieces: each piece is streamed into
+// dst (memcopy.Stream: the destination's lines are not read into the cache
+// first, as a plain copy's stores read them) and then checksummed from
+// src, which the copy has just brought into the first-level cache. For a
+// destination this process does not read again and a src nobody writes
+// meanwhile (the node tier's pinned slot, copied into a pod's pool); where
+// another process may write src, CopyCRC checksums this process's copy.
+func CopyOutCRC(dst, src []byte) uint32 {
+	const piece = 16 << 10
+	var crc uint32
+	for off := 0; off < len(src); off += piece {
+		e := min(off+piece, len(src))
+		memcopy.Stream(dst[off:e], src[off:e])
+		crc = crc32.Update(crc, castagnoli, src[off:e])
 	}
 	return crc
 }

@@ -771,7 +771,8 @@ func (c *srvConn) fetchValid(ns wire.NS, items []wire.FetchItem) bool {
 }
 
 // fetch copies a value's payload from the pool into the pod's pool at the
-// item's offset, checksumming what it writes in the same pass, and
+// item's offset, checksumming it in the same pass (the slot is pinned:
+// nothing writes it meanwhile), and
 // returns the value's header with that checksum: the sidecar checks the
 // two. A payload larger than the item allows is not copied (NotFound:
 // another block size); nor is one whose destination is not all in memory
@@ -819,8 +820,9 @@ func (c *srvConn) fetch(ns wire.NS, it *wire.FetchItem) wire.FetchReplyItem {
 	return r
 }
 
-// copyFaultSafe is l2.CopyCRC, false if dst faulted under it (a pod's
-// pool truncated, or on a full mount).
+// copyFaultSafe is l2.CopyOutCRC (the node never reads a pod's pool
+// back), false if dst faulted under it (a pod's pool truncated, or on a
+// full mount).
 func copyFaultSafe(dst, src []byte) (crc uint32, ok bool) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
@@ -831,7 +833,7 @@ func copyFaultSafe(dst, src []byte) (crc uint32, ok bool) {
 			ok = false
 		}
 	}()
-	return l2.CopyCRC(dst, src), true
+	return l2.CopyOutCRC(dst, src), true
 }
 
 // key is the index's key of rank's value of digest in ns.
