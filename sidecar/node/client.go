@@ -851,7 +851,7 @@ func (c *Client) fetchResults(f machine.L2Fetch, first, end int, items []wire.Fe
 			}
 			// The header as the node holds it, against the block asked
 			// for; the payload's length against what was allowed; the
-			// checksum the node computed over what it wrote against the
+			// checksum the node computed over what it copied against the
 			// header's.
 			n, crc, why := l2.CheckHead(ir.Header[:], f.NS, b.Digest, r, length, min(f.MaxLength, it.Max))
 			switch {
