@@ -211,9 +211,11 @@ type L2State struct {
 
 // NodeState is the node tier's client in /debug/state.
 type NodeState struct {
-	Socket    string            `json:"socket"`
-	Pod       string            `json:"pod"`
-	Connected bool              `json:"connected"`
+	Socket    string `json:"socket"`
+	Pod       string `json:"pod"`
+	Connected bool   `json:"connected"`
+	// LastError is why the latest attach failed ("" once attached).
+	LastError string            `json:"last_error,omitempty"`
 	Epoch     uint64            `json:"epoch"`
 	Counts    map[string]uint64 `json:"counts"`
 }
@@ -246,7 +248,7 @@ func (s *Server) l2State(c machine.L2Counters, evictedUnmarked uint64) *L2State 
 	}
 	if s.node != nil {
 		nc := s.node.Config()
-		st.Node = &NodeState{Socket: nc.Socket, Pod: nc.Pod, Connected: s.node.Connected(), Epoch: s.node.Epoch(), Counts: nodeCounts(s.node.Stats(), &s.nodeEv.met)}
+		st.Node = &NodeState{Socket: nc.Socket, Pod: nc.Pod, Connected: s.node.Connected(), LastError: s.node.LastError(), Epoch: s.node.Epoch(), Counts: nodeCounts(s.node.Stats(), &s.nodeEv.met)}
 	}
 	return st
 }

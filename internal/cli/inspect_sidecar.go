@@ -65,6 +65,9 @@ func init() {
 						k["writes_stored"], k["writes_held_already"], k["writes_refused"], k["writes_failed"], k["timeouts"], k["attaches"])
 					fmt.Fprintf(w, "  KV events: described %d (dropped %d)  node log: stored %d, removed %d, dropped %d, rebuilds %d, read failures %d\n",
 						k["described"], k["describe_dropped"], k["events_stored"], k["events_removed"], k["events_dropped"], k["events_rebuilds"], k["events_read_failures"])
+					if n.LastError != "" {
+						fmt.Fprintf(w, "  not attached: %s\n", n.LastError)
+					}
 				}
 				if cl := l.Client; cl != nil {
 					fmt.Fprintf(w, "l2: %s %v connected %v tls %v prefix %q ttl %s\n", l.Mode, l.Addrs, l.Connected, l.TLS, l.Prefix, l.TTL)

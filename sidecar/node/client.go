@@ -121,6 +121,7 @@ type Client struct {
 	met       ClientStats
 	cur       atomic.Pointer[cliConn]
 	epoch     atomic.Uint64
+	lastErr   atomic.Pointer[string] // why the last attach failed (nil: it did not)
 	writes    chan *writeJob
 	inflight  chan struct{}
 	stop      chan struct{}
@@ -198,6 +199,15 @@ func (c *Client) Connected() bool {
 	return cc != nil && !cc.isDead()
 }
 
+// LastError is why the latest attempt to attach failed ("" once attached,
+// and before any attempt): what an operator reads in /debug/state.
+func (c *Client) LastError() string {
+	if p := c.lastErr.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
 // Epoch is the attached node process's epoch (0: never attached).
 func (c *Client) Epoch() uint64 { return c.epoch.Load() }
 
@@ -260,6 +270,7 @@ func (c *Client) connector() {
 				c.log.Warn().Msg("the node tier restarted: its blocks are gone")
 			}
 			c.cur.Store(cc)
+			c.lastErr.Store(nil)
 			c.met.Attaches.Add(1)
 			c.log.Info().Str("socket", c.cfg.Socket).Str("pod", c.cfg.Pod).Int("window_slots", cc.nslots).Msg("node tier attached")
 			delay, warned = 50*time.Millisecond, false
@@ -277,6 +288,8 @@ func (c *Client) connector() {
 			c.log.Warn().Msg("node tier connection ended: lookups miss and writes are refused until it is back")
 			continue
 		}
+		why := err.Error()
+		c.lastErr.Store(&why)
 		if !warned {
 			c.log.Warn().Err(err).Str("socket", c.cfg.Socket).Msg("node tier unreachable: lookups miss and writes are refused until it answers")
 			warned = true

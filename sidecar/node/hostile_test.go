@@ -3,6 +3,7 @@ package node
 import (
 	"encoding/binary"
 	"net"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -539,4 +540,28 @@ func TestPodIdentityNetNS(t *testing.T) {
 	}
 	c.Close()
 	waitFor(t, "the closed connections detached", func() bool { return s.Conns() == 1 })
+}
+
+// TestPodLimitTold: a sidecar refused for its pod's --conns-per-pod says
+// why in its state (what /debug/state shows an operator), and attaches
+// once its pod's other connection has gone.
+func TestPodLimitTold(t *testing.T) {
+	s := startServer(t, func(c *ServerConfig) { c.PodIdentity = IdentityNetNS; c.ConnsPerPod = 1 })
+	first := newTestClient(t, s.Socket(), "pod-a")
+	c, err := NewClient(ClientConfig{Socket: s.Socket(), Pod: "pod-b", LookupTimeout: time.Second, IOTimeout: time.Second}, testPool(t, 32*testSlot), testSlot, testLog(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitFor(t, "the refusal told", func() bool { return strings.Contains(c.LastError(), "--conns-per-pod") })
+	if c.Connected() || !strings.Contains(c.LastError(), "hostNetwork") {
+		t.Fatalf("connected %v, last error %q", c.Connected(), c.LastError())
+	}
+	first.Close()
+	if !c.WaitConnected(10 * time.Second) {
+		t.Fatalf("not attached after the pod's other connection closed: %q", c.LastError())
+	}
+	if c.LastError() != "" {
+		t.Fatalf("attached, last error %q", c.LastError())
+	}
 }
