@@ -1,13 +1,17 @@
 package node
 
 import (
+	"context"
 	"encoding/binary"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/rs/zerolog"
 
 	"github.com/ringside-kv/ringside/internal/shm"
 	"github.com/ringside-kv/ringside/internal/sys"
@@ -563,5 +567,59 @@ func TestPodLimitTold(t *testing.T) {
 	}
 	if c.LastError() != "" {
 		t.Fatalf("attached, last error %q", c.LastError())
+	}
+}
+
+// lineCount counts the lines written to it, safely from many goroutines.
+type lineCount struct {
+	mu    sync.Mutex
+	lines int
+}
+
+func (w *lineCount) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	w.lines += strings.Count(string(p), "\n")
+	w.mu.Unlock()
+	return len(p), nil
+}
+
+// TestConnLogSampled: a sidecar that attaches again and again, refused,
+// cannot flood the node's log: past a burst of 50 lines a second the
+// node logs one refusal in 1,000, and counts every one.
+func TestConnLogSampled(t *testing.T) {
+	w := &lineCount{}
+	log := zerolog.New(w)
+	srv, err := NewServer(ServerConfig{Dir: t.TempDir(), PoolBytes: 16 * (testSlot + SlotHeadroom), SlotBytes: testSlot}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { srv.Serve(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	const n = 2000
+	t0 := time.Now()
+	for i := 0; i < n; i++ {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: srv.Socket(), Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := wire.Message(wire.TypeHello, 1, wire.Hello{Pod: "flood"}.Append)
+		m[4] = 9 // another version: refused
+		c.Write(m)
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		c.Read(make([]byte, 256))
+		c.Close()
+	}
+	seconds := int(time.Since(t0)/time.Second) + 1
+	waitFor(t, "every refusal counted", func() bool { return srv.Stats().AttachRefused.Load() == n })
+	w.mu.Lock()
+	lines := w.lines
+	w.mu.Unlock()
+	t.Logf("%d refusals over at most %d s: %d log lines", n, seconds, lines)
+	// The burst in each second the flood lasted, one in 1,000 past it, and
+	// the server's own start line.
+	if most := 50*seconds + n/1000 + 2; lines > most || lines < 50 {
+		t.Fatalf("%d refusals over %d s wrote %d log lines, want 50 to %d", n, seconds, lines, most)
 	}
 }

@@ -185,8 +185,12 @@ func (c *ServerConfig) Validate() error {
 
 // Server is a running node tier.
 type Server struct {
-	cfg    ServerConfig
-	log    zerolog.Logger
+	cfg ServerConfig
+	log zerolog.Logger
+	// clog logs what connections do. Sidecars connect at will, a hostile
+	// one as fast as it can, so it is sampled: 50 lines a second, then one
+	// in 1,000 (the counters count every event).
+	clog   zerolog.Logger
 	pool   *shm.Mapping
 	stride uint64
 	epoch  uint64
@@ -243,7 +247,7 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--dir %s: another node process holds it: %w", cfg.Dir, err)
 	}
-	s := &Server{cfg: cfg, log: log, stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{}), done: make(chan struct{})}
+	s := &Server{cfg: cfg, log: log, clog: log.Sample(&zerolog.BurstSampler{Burst: 50, Period: time.Second, NextSampler: &zerolog.BasicSampler{N: 1000}}), stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{}), done: make(chan struct{})}
 	slots := cfg.PoolBytes / s.stride
 	s.pool, err = shm.CreateMemfd("ringside-node-pool", int(slots*s.stride), cfg.Reserve)
 	if err != nil {
@@ -439,7 +443,7 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	h, body, err := wire.DecodeHeader(buf[:n])
 	refuse := func(st wire.Status, why string) {
 		s.met.AttachRefused.Add(1)
-		s.log.Warn().Str("status", st.String()).Msg("attach refused: " + why)
+		s.clog.Warn().Str("status", st.String()).Msg("attach refused: " + why)
 		c.reply(wire.TypeHello|wire.ReplyBit, h.ID, wire.HelloReply{Status: st}.Append, nil)
 	}
 	if errors.Is(err, wire.ErrVersion) {
@@ -525,7 +529,7 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		// Another name from the same pod: a sidecar renamed, or pods in
 		// one network namespace (hostNetwork), which share a share.
 		s.met.AttachRenamed.Add(1)
-		s.log.Warn().Str("pod", c.pod).Str("identity", id).Str("first_declared", first).
+		s.clog.Warn().Str("pod", c.pod).Str("identity", id).Str("first_declared", first).
 			Msg("a sidecar declared another pod name than its pod's first: both are charged to one share (pods in the node's network namespace count as one under --pod-identity netns)")
 	}
 	defer func() {
@@ -548,8 +552,8 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		return
 	}
 	s.met.Attaches.Add(1)
-	s.log.Info().Str("pod", c.pod).Str("identity", id).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
-	defer s.log.Info().Str("pod", c.pod).Msg("sidecar detached")
+	s.clog.Info().Str("pod", c.pod).Str("identity", id).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
+	defer s.clog.Info().Str("pod", c.pod).Msg("sidecar detached")
 	sock.SetReadDeadline(time.Time{})
 	for {
 		n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
@@ -559,18 +563,18 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 		}
 		if trunc || len(fds) > 0 {
 			s.met.Dropped.Add(1)
-			s.log.Warn().Str("pod", c.pod).Msg("dropped: a request over 64 KiB or carrying descriptors")
+			s.clog.Warn().Str("pod", c.pod).Msg("dropped: a request over 64 KiB or carrying descriptors")
 			return
 		}
 		h, body, err := wire.DecodeHeader(buf[:n])
 		if err != nil {
 			s.met.Dropped.Add(1)
-			s.log.Warn().Str("pod", c.pod).Err(err).Msg("dropped: a bad header")
+			s.clog.Warn().Str("pod", c.pod).Err(err).Msg("dropped: a bad header")
 			return
 		}
 		if err := c.handle(h, body); err != nil {
 			s.met.Dropped.Add(1)
-			s.log.Warn().Str("pod", c.pod).Err(err).Msg("dropped: its reply could not be written (it does not read)")
+			s.clog.Warn().Str("pod", c.pod).Err(err).Msg("dropped: its reply could not be written (it does not read)")
 			return
 		}
 	}
