@@ -208,6 +208,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzEventsReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzFetch$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
 	$(GO) test -run '^$$' -fuzz '^FuzzFetchReply$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/wire/
+	$(GO) test -run '^$$' -fuzz '^FuzzStream$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./internal/memcopy/
 	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $(FUZZTIME) -tags $(GOTAGS) ./sidecar/node/
 
 # The reliability soak (not part of make test): three engine processes replay

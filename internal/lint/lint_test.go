@@ -116,13 +116,13 @@ func TestCgoOnlyInGPUInternal(t *testing.T) {
 // test repeats so that `go test` enforces it without golangci-lint). Test
 // files may use them.
 var fencedImports = map[string]string{
-	"unsafe":                    "unsafe is fenced in internal/shm, internal/sys and gpu/internal",
+	"unsafe":                    "unsafe is fenced in internal/shm, internal/sys, internal/memcopy and gpu/internal",
 	"golang.org/x/sys/unix":     "raw system calls are fenced in internal/shm, internal/sys and gpu/internal",
 	"github.com/edsrzf/mmap-go": "mmap is fenced in internal/shm",
 }
 
 // fencedDirs may import them.
-var fencedDirs = []string{"internal/shm", "internal/sys", "gpu/internal"}
+var fencedDirs = []string{"internal/shm", "internal/sys", "internal/memcopy", "gpu/internal"}
 
 // fencedExceptions are files outside fencedDirs allowed one fenced import,
 // each with its reason. None today.
