@@ -2,9 +2,11 @@ package l2
 
 import (
 	"bytes"
+	"fmt"
 	"hash/crc32"
 	"math/rand/v2"
 	"testing"
+	"time"
 )
 
 // TestCopyCRC: both copies leave dst equal to src, touch nothing past it,
@@ -31,6 +33,49 @@ func TestCopyCRC(t *testing.T) {
 					t.Fatalf("%s, %d bytes at +%d: wrote outside dst", name, n, off)
 				}
 			}
+		}
+	}
+}
+
+// BenchmarkCopyThenLoad: a fetch's copy into a pool and, right after, the
+// load of the same bytes out of it (as the sidecar then copies a fetched
+// block into the engine), for 64 blocks at a time cycling through 128 MiB:
+// CopyCRC (plain stores, the checksum from the destination) against
+// CopyOutCRC (streaming stores, which leave the destination out of the
+// cache, the checksum from the source). ns/op covers both steps; the
+// "fetch-ns" and "load-ns" metrics split them. `make bench` does not run
+// it; docs/benchmarks.md has its figures.
+func BenchmarkCopyThenLoad(b *testing.B) {
+	const ws, per = 128 << 20, 64
+	src, pool, engine := make([]byte, ws), make([]byte, ws), make([]byte, ws)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	copy(pool, src)
+	copy(engine, src)
+	for _, bs := range []int{192 << 10, 2 << 20} {
+		group := per * bs
+		groups := ws / group
+		for _, c := range []struct {
+			name string
+			f    func(dst, src []byte) uint32
+		}{{"CopyCRC", CopyCRC}, {"CopyOutCRC", CopyOutCRC}} {
+			b.Run(fmt.Sprintf("%dKiB/%s", bs>>10, c.name), func(b *testing.B) {
+				b.SetBytes(int64(group))
+				var fetch, load time.Duration
+				for i := 0; i < b.N; i++ {
+					o := (i * 7 % groups) * group
+					t0 := time.Now()
+					for k := 0; k < per; k++ {
+						c.f(pool[o+k*bs:o+(k+1)*bs], src[o+k*bs:o+(k+1)*bs])
+					}
+					t1 := time.Now()
+					copy(engine[o:o+group], pool[o:o+group])
+					fetch, load = fetch+t1.Sub(t0), load+time.Since(t1)
+				}
+				b.ReportMetric(float64(fetch.Nanoseconds())/float64(b.N), "fetch-ns/op")
+				b.ReportMetric(float64(load.Nanoseconds())/float64(b.N), "load-ns/op")
+			})
 		}
 	}
 }
