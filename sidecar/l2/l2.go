@@ -629,7 +629,7 @@ func (t *Tier) fetchBatch(ctx context.Context, c *redisClient, f machine.L2Fetch
 			// Copied and checksummed in one pass; a payload whose checksum
 			// does not match leaves garbage in a slot reserved for this
 			// block alone, which the Machine then frees unseen.
-			if why == "" && CopyCRC(t.pool[off:off+uint64(len(p))], p) != crc {
+			if why == "" && CopyOutCRC(t.pool[off:off+uint64(len(p))], p) != crc {
 				why = RejectChecksum
 			}
 			if why != "" {

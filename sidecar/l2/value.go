@@ -116,9 +116,11 @@ func CopyCRC(dst, src []byte) uint32 {
 // dst (memcopy.Stream: the destination's lines are not read into the cache
 // first, as a plain copy's stores read them) and then checksummed from
 // src, which the copy has just brought into the first-level cache. For a
-// destination this process does not read again and a src nobody writes
-// meanwhile (the node tier's pinned slot, copied into a pod's pool); where
-// another process may write src, CopyCRC checksums this process's copy.
+// destination whose next reader does not need it in this CPU's cache (a
+// pool slot, which a load copies out later: BenchmarkCopyThenLoad) and a
+// src nobody writes meanwhile (the node tier's pinned slot, a Redis
+// reply); where another process may write src, CopyCRC checksums this
+// process's copy.
 func CopyOutCRC(dst, src []byte) uint32 {
 	const piece = 16 << 10
 	var crc uint32
