@@ -3,7 +3,11 @@ package node
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"net"
+	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -622,4 +626,121 @@ func TestConnLogSampled(t *testing.T) {
 	if most := 50*seconds + n/1000 + 2; lines > most || lines < 50 {
 		t.Fatalf("%d refusals over %d s wrote %d log lines, want 50 to %d", n, seconds, lines, most)
 	}
+}
+
+// TestPendingBounded: connections that say nothing hold a goroutine and a
+// buffer each until --io-timeout, so one pod may have only --conns-per-pod
+// of them at once: the rest are closed as they arrive, and once the silent
+// ones are gone the pod attaches.
+func TestPendingBounded(t *testing.T) {
+	s := startServer(t, func(c *ServerConfig) { c.PodIdentity = IdentityNetNS; c.ConnsPerPod = 2; c.IOTimeout = time.Minute })
+	var mute []*net.UnixConn
+	for i := 0; i < 40; i++ {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Socket(), Net: "unixpacket"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		mute = append(mute, c)
+	}
+	waitFor(t, "38 of 40 silent connections closed at once", func() bool { return s.Stats().PendingRefused.Load() == 38 })
+	open := 0
+	for _, c := range mute {
+		if !sys.PeerClosed(c) {
+			open++
+		}
+	}
+	if open != 2 {
+		t.Fatalf("%d silent connections kept open, want 2 (--conns-per-pod)", open)
+	}
+	// A sidecar of the same pod meanwhile: closed unanswered.
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Socket(), Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	c.Write(wire.Message(wire.TypeHello, 1, wire.Hello{Pod: "pod-a"}.Append))
+	if n, err := c.Read(make([]byte, 256)); n != 0 || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("an attach past the pod's silent connections: %d bytes, %v", n, err)
+	}
+	c.Close()
+	for _, c := range mute {
+		c.Close()
+	}
+	waitFor(t, "the silent connections gone", func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.pendingAll == 0
+	})
+	if _, st := dialHello(t, s.Socket(), "pod-a"); st != wire.OK {
+		t.Fatalf("attach once the silent connections closed: %v", st)
+	}
+}
+
+// emfileChild, set, makes TestAcceptOutOfDescriptors the child that runs
+// out of descriptors.
+const emfileChild = "RS_NODE_TEST_EMFILE"
+
+// TestAcceptOutOfDescriptors: a node out of descriptors (a flood of
+// connections; here a child process whose limit is its open descriptors
+// plus a few) fails accept(2) with EMFILE; it retries and serves on, and
+// a sidecar attaches once descriptors are free again. It used to shut the
+// tier down.
+func TestAcceptOutOfDescriptors(t *testing.T) {
+	if os.Getenv(emfileChild) == "" {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestAcceptOutOfDescriptors$", "-test.v")
+		cmd.Env = append(os.Environ(), emfileChild+"=1")
+		out, err := cmd.CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "accept errors:") {
+			t.Fatalf("the child: %v\n%s", err, out)
+		}
+		for _, l := range strings.Split(string(out), "\n") {
+			if strings.Contains(l, "accept errors:") {
+				t.Log(strings.TrimSpace(l))
+			}
+		}
+		return
+	}
+	s := startServer(t, func(c *ServerConfig) { c.MaxPods = 1024; c.IOTimeout = time.Minute })
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	low := lim
+	low.Cur = uint64(len(fds) + 16)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	var conns []*net.UnixConn
+	for s.Stats().AcceptErrors.Load() == 0 && len(conns) < 64 {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: s.Socket(), Net: "unixpacket"})
+		if err != nil {
+			time.Sleep(time.Millisecond) // our own socket(2) out of descriptors: let the node try
+			continue
+		}
+		conns = append(conns, c)
+	}
+	if s.Stats().AcceptErrors.Load() == 0 {
+		t.Fatal("the node never ran out of descriptors")
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-s.Done():
+		t.Fatal("the node stopped")
+	default:
+	}
+	c := newTestClient(t, s.Socket(), "pod-a")
+	if !c.Connected() {
+		t.Fatal("not attached")
+	}
+	fmt.Printf("accept errors: %d, the node serves on\n", s.Stats().AcceptErrors.Load())
 }

@@ -21,6 +21,8 @@ func (s *Server) Handler() http.Handler {
 	counter("attaches_total", "Sidecars attached.", &m.Attaches)
 	counter("attaches_refused_total", "Attaches refused: no Hello in time, a bad one, a uid not allowed, too many pods, another version.", &m.AttachRefused)
 	counter("attaches_refused_pod_limit_total", "Attaches refused because their pod had --conns-per-pod connections already (counted in attaches_refused_total too).", &m.AttachPodLimit)
+	counter("connections_refused_pending_total", "Connections closed at once: their pod had --conns-per-pod connections without a Hello yet, or the node twice --max-pods (counted in attaches_refused_total too).", &m.PendingRefused)
+	counter("accept_errors_total", "Connections the node could not accept (out of descriptors or memory): it retries, backing off to 1 s.", &m.AcceptErrors)
 	counter("attaches_renamed_total", "Attaches declaring another pod name than their pod's first (one network namespace under --pod-identity netns): charged to one share.", &m.AttachRenamed)
 	counter("lookups_total", "Lookups served.", &m.Lookups)
 	counter("lookup_blocks_total", "Blocks lookups asked about.", &m.LookupBlocks)

@@ -197,10 +197,16 @@ type Server struct {
 	ln     *net.UnixListener
 	lock   *sys.FileLock
 
-	mu    sync.Mutex // guards idx, ev and conns
+	mu    sync.Mutex // guards idx, ev, conns and pending
 	idx   *index
 	ev    *events
 	conns map[*srvConn]struct{}
+	// pending counts connections not yet past their Hello, by the
+	// network namespace they came from, and all together (pendingAll):
+	// each holds a goroutine and a message buffer until its Hello or
+	// --io-timeout, so a sidecar connecting in a loop must not hold many.
+	pending    map[uint64]int
+	pendingAll int
 
 	met ServerStats
 	// beforeCopy, when set (tests), runs in a Fetch after the value is
@@ -216,6 +222,7 @@ type Server struct {
 // ServerStats are the node's counts (atomics).
 type ServerStats struct {
 	Attaches, AttachRefused                 atomic.Uint64
+	PendingRefused, AcceptErrors            atomic.Uint64 // connections closed at once: their pod, or the node, had too many without a Hello; accept(2) failures (out of descriptors), retried
 	AttachPodLimit, AttachRenamed           atomic.Uint64 // attaches refused past --conns-per-pod; attaches under another name than the pod's first
 	Lookups, LookupBlocks, LookupHits       atomic.Uint64
 	GetItems, GetHits                       atomic.Uint64
@@ -247,7 +254,7 @@ func NewServer(cfg ServerConfig, log zerolog.Logger) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--dir %s: another node process holds it: %w", cfg.Dir, err)
 	}
-	s := &Server{cfg: cfg, log: log, clog: log.Sample(&zerolog.BurstSampler{Burst: 50, Period: time.Second, NextSampler: &zerolog.BasicSampler{N: 1000}}), stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, stop: make(chan struct{}), done: make(chan struct{})}
+	s := &Server{cfg: cfg, log: log, clog: log.Sample(&zerolog.BurstSampler{Burst: 50, Period: time.Second, NextSampler: &zerolog.BasicSampler{N: 1000}}), stride: cfg.Stride(), lock: lock, conns: map[*srvConn]struct{}{}, pending: map[uint64]int{}, stop: make(chan struct{}), done: make(chan struct{})}
 	slots := cfg.PoolBytes / s.stride
 	s.pool, err = shm.CreateMemfd("ringside-node-pool", int(slots*s.stride), cfg.Reserve)
 	if err != nil {
@@ -348,21 +355,46 @@ func (s *Server) Serve(ctx context.Context) error {
 		}
 	}()
 	var err error
+	var delay time.Duration
+accept:
 	for {
 		c, aerr := s.ln.AcceptUnix()
 		if aerr != nil {
 			select {
 			case <-s.stop:
+				break accept
 			default:
+			}
+			if errors.Is(aerr, net.ErrClosed) {
 				err = aerr
 				s.Shutdown()
+				break
 			}
-			break
+			// Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS): a
+			// flood of connections must not end the tier. Retry, backing
+			// off as net/http does.
+			s.met.AcceptErrors.Add(1)
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			s.clog.Warn().Err(aerr).Dur("retry_in", delay).Msg("accept failed")
+			select {
+			case <-s.stop:
+				break accept
+			case <-time.After(delay):
+			}
+			continue
+		}
+		delay = 0
+		cookie, cerr := sys.NetNSCookie(c)
+		if !s.admitPending(cookie) {
+			s.met.AttachRefused.Add(1)
+			s.met.PendingRefused.Add(1)
+			c.Close()
+			continue
 		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.serveConn(c)
+			s.serveConn(c, cookie, cerr)
 		}()
 	}
 	s.wg.Wait()
@@ -370,6 +402,34 @@ func (s *Server) Serve(ctx context.Context) error {
 	s.log.Info().Msg("node tier stopped")
 	close(s.done)
 	return err
+}
+
+// admitPending counts a new connection from the network namespace cookie
+// as pending, unless that namespace has --conns-per-pod pending already
+// (under --pod-identity declared, where pods may share one: --max-pods),
+// or the node twice --max-pods.
+func (s *Server) admitPending(cookie uint64) bool {
+	per := s.cfg.ConnsPerPod
+	if s.cfg.PodIdentity == IdentityDeclared {
+		per = s.cfg.MaxPods
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending[cookie] >= per || s.pendingAll >= 2*s.cfg.MaxPods {
+		return false
+	}
+	s.pending[cookie]++
+	s.pendingAll++
+	return true
+}
+
+func (s *Server) donePending(cookie uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending[cookie]--; s.pending[cookie] == 0 {
+		delete(s.pending, cookie)
+	}
+	s.pendingAll--
 }
 
 // Done is closed once Serve has returned everything it held (the pool, the
@@ -429,8 +489,18 @@ type srvConn struct {
 }
 
 // serveConn runs one connection: the Hello, then requests in order.
-func (s *Server) serveConn(sock *net.UnixConn) {
+// cookie is its network namespace's (cerr: the kernel did not say), which
+// admitPending counted as pending until the Hello is done.
+func (s *Server) serveConn(sock *net.UnixConn, cookie uint64, cerr error) {
 	defer sock.Close()
+	pending := true
+	donePending := func() {
+		if pending {
+			pending = false
+			s.donePending(cookie)
+		}
+	}
+	defer donePending()
 	c := &srvConn{s: s, sock: sock, ns: map[[16]byte]wire.NS{}}
 	buf := make([]byte, wire.MaxMessage+1)
 	sock.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
@@ -492,9 +562,8 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	c.pod = hello.Pod
 	id := c.pod
 	if s.cfg.PodIdentity == IdentityNetNS {
-		cookie, err := sys.NetNSCookie(sock)
-		if err != nil {
-			refuse(wire.Denied, "its network namespace: "+err.Error())
+		if cerr != nil {
+			refuse(wire.Denied, "its network namespace: "+cerr.Error())
 			return
 		}
 		id = NetNSIdentity(cookie)
@@ -555,6 +624,7 @@ func (s *Server) serveConn(sock *net.UnixConn) {
 	s.clog.Info().Str("pod", c.pod).Str("identity", id).Int("pid", cred.PID).Uint32("uid", cred.UID).Msg("sidecar attached")
 	defer s.clog.Info().Str("pod", c.pod).Msg("sidecar detached")
 	sock.SetReadDeadline(time.Time{})
+	donePending()
 	for {
 		n, fds, trunc, err := sys.ReadFDs(sock, buf, 1)
 		sys.CloseFDs(fds)
