@@ -754,8 +754,8 @@ func TestNodeTierNamespacesAttacks(t *testing.T) {
 // pool full under name after name; pod A's blocks, stored first, stay,
 // and pod B's sidecar restarts and attaches meanwhile.
 func TestNodeTierNamespacesPodIdentity(t *testing.T) {
-	row := record(t, "Isolation", "from pods in network, mount and PID namespaces of their own: a hostile client (no sidecar) opens 20 connections to the node, each declaring another pod name, and holds them while pod B's sidecar restarts; then, under 6 new names one after the other, it writes 384 well-formed blocks (1.5 times the pool) of a namespace of its own, after pod A stored 32",
-		"the node attaches 2 of the 20 (--conns-per-pod) and refuses 18 (status 7); B's restarted sidecar attaches while they are held; every hostile block is charged to the hostile pod's one share (a quarter of the pool), so B then loads each of A's 8 prompts whole and byte-exact, and the node counts 3 pods", "")
+	row := record(t, "Isolation", "from pods in network, mount and PID namespaces of their own: a hostile client (no sidecar) opens 20 connections to the node, each declaring another pod name, and holds them while pod B's sidecar restarts; then 200 connections that never say Hello, held while B's sidecar restarts again; then, under 6 new names one after the other, it writes 384 well-formed blocks (1.5 times the pool) of a namespace of its own, after pod A stored 32",
+		"the node attaches 2 of the 20 (--conns-per-pod) and refuses 18 (status 7); B's restarted sidecar attaches while they are held; the node closes 198 of the 200 silent connections as they arrive and B attaches again meanwhile; every hostile block is charged to the hostile pod's one share (a quarter of the pool), so B then loads each of A's 8 prompts whole and byte-exact, and the node counts 3 pods", "")
 	np, nm, a, b := nsTier(t, "--pod-share", "0.25")
 	const n, prompts = 4, 8
 	for i := 0; i < prompts; i++ {
@@ -781,6 +781,33 @@ func TestNodeTierNamespacesPodIdentity(t *testing.T) {
 	b.sc.waitNode("re-attached with the hostile connections held", func(s nodeState) bool { return s.Connected && s.Counts["attaches"] >= 1 })
 	row.add("20 connections under 20 names: %d attached, refused: %v; B's sidecar restarted and attached (attaches before: %d)", hold.Got, hold.Statuses, attaches)
 	h.do(podCmd{Op: "unhold"}, 10*time.Second)
+
+	// 200 connections that never say Hello: each would hold a goroutine
+	// and a buffer until --io-timeout.
+	refused0 := nodeMetric(nm, "connections_refused_pending_total")
+	if rep := h.do(podCmd{Op: "mutes", Sock: np.sock, Names: 200}, 20*time.Second); rep.Err != "" {
+		t.Fatal(rep.Err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for nodeMetric(nm, "connections_refused_pending_total")-refused0 < 198 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the node closed %v of 200 silent connections at once, want 198", nodeMetric(nm, "connections_refused_pending_total")-refused0)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if rep := h.do(podCmd{Op: "mutecount"}, 10*time.Second); rep.Got != 2 {
+		t.Fatalf("%d silent connections of the hostile pod open, want 2", rep.Got)
+	}
+	attached := b.sc.nodeState().Counts["attaches"]
+	if rep := b.do(podCmd{Op: "kill"}, 15*time.Second); rep.Err != "" {
+		t.Fatal(rep.Err)
+	}
+	if rep := b.do(podCmd{Op: "restart"}, 30*time.Second); rep.Err != "" {
+		t.Fatal(rep.Err)
+	}
+	b.sc.waitNode("re-attached with the silent connections held", func(s nodeState) bool { return s.Connected && s.Counts["attaches"] >= 1 })
+	h.do(podCmd{Op: "unmute"}, 10*time.Second)
+	row.add("200 silent connections: %v closed as they arrived, 2 held; B's sidecar restarted and attached meanwhile (attaches before: %d)", nodeMetric(nm, "connections_refused_pending_total")-refused0, attached)
 
 	ren := h.do(podCmd{Op: "renames", Sock: np.sock, Names: 6, Blocks: 64}, 60*time.Second)
 	if ren.Err != "" || ren.Stored != 6*64 {
@@ -1020,6 +1047,7 @@ func podMain(name string, args []string) int {
 	in := bufio.NewScanner(os.Stdin)
 	var st *stall
 	var held []*rawNode
+	var mutes []*net.UnixConn
 	for in.Scan() {
 		var c podCmd
 		if err := json.Unmarshal(in.Bytes(), &c); err != nil {
@@ -1131,6 +1159,28 @@ func podMain(name string, args []string) int {
 				r.close()
 			}
 			held = nil
+		case "mutes":
+			// Names connections that never say Hello, held open; Got
+			// counts those the node has not closed.
+			for i := 0; i < c.Names; i++ {
+				m, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: c.Sock, Net: "unixpacket"})
+				if err != nil {
+					rep.Err = err.Error()
+					break
+				}
+				mutes = append(mutes, m)
+			}
+		case "mutecount":
+			for _, m := range mutes {
+				if !sys.PeerClosed(m) {
+					rep.Got++
+				}
+			}
+		case "unmute":
+			for _, m := range mutes {
+				m.Close()
+			}
+			mutes = nil
 		case "renames":
 			rep = renames(c)
 		case "stall":
