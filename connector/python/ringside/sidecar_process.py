@@ -35,6 +35,29 @@ BASE = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _given: set[int] = set()
 
 
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP pid and return once every one of its threads is stopped
+    (state T in /proc/PID/task/*/stat). The signal is asynchronous: each
+    thread stops only when it next handles it, so without the wait a
+    thread may still run, and answer a request, after kill() returns; the
+    main thread's state alone does not say the others have stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir("/proc/%d/task" % pid):
+            try:
+                with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that exited meanwhile
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("process %d did not stop within %.0f s: thread states %s" % (pid, timeout, states))
+        time.sleep(0.001)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to, for a process
     started next to bind. It is below the kernel's ephemeral range (or above

@@ -20,23 +20,13 @@ from conftest import child_env
 from ringside import schema as S
 from ringside.client import RingsideError, RingsideTimeout, RingsideUnavailable, Session
 from ringside.schema import State, Status
+from ringside.sidecar_process import stop_process
 
 pytestmark = pytest.mark.skipif(
     shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
 )
 
 SLOT = 4096
-
-
-def wait_stopped(pid, timeout=5):
-    """SIGSTOP is asynchronous: wait until the process is in state T."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with open("/proc/%d/stat" % pid) as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        assert time.monotonic() < deadline, "process %d did not stop" % pid
-        time.sleep(0.001)
 
 
 def digests(seed, n):
@@ -417,9 +407,8 @@ def test_sidecar_killed_mid_session(sidecar):
 def test_sidecar_stopped_then_continued(sidecar):
     c = sidecar.attach(timeout=0.3)
     assert c.ping(1) == 1
-    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    stop_process(sidecar.proc.pid)
     try:
-        wait_stopped(sidecar.proc.pid)
         t = time.monotonic()
         with pytest.raises(RingsideTimeout):
             c.ping(2)

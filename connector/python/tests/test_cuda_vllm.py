@@ -32,6 +32,7 @@ from ringside import schema as S
 from ringside.plugin import cudaipc
 from ringside.plugin.config import VLLM, Config
 from ringside.plugin.region import from_block_tensors
+from ringside.sidecar_process import stop_process
 from ringside.vllm.metadata import LoadSpec, RingsideConnectorMetadata
 from ringside.vllm.worker import REGION_ID, WorkerSide
 
@@ -328,7 +329,7 @@ def test_an_unconfirmed_detach_keeps_the_old_store_event(sim, start_sidecar, lib
     w = worker(sc.sock)
     w.register_kv_caches(fa_layers(sim, 4))
     ev = w.store_event
-    os.kill(sc.proc.pid, signal.SIGSTOP)
+    stop_process(sc.proc.pid)
     try:
         w._release_region()  # what a second register_kv_caches starts with
         assert ev.event is not None, "the old store event was destroyed without the sidecar's word"
@@ -543,7 +544,7 @@ def test_a_load_past_its_timeout_is_reported_once_the_sidecar_ended_its_session(
         ws.start_load_kv(meta)
         assert ws.get_finished(set()) == (None, None)  # queued behind the store
         time.sleep(0.6)  # past load_timeout
-        os.kill(sc.proc.pid, signal.SIGSTOP)
+        stop_process(sc.proc.pid)
         try:
             for _ in range(10):
                 _, recving = ws.get_finished(set(), RingsideConnectorMetadata())

@@ -33,6 +33,7 @@ except Exception as e:  # noqa: BLE001 - ImportError, or a module that fails at 
 
 from ringside import sglang as rs  # noqa: E402
 from ringside.client import Session  # noqa: E402
+from ringside.sidecar_process import stop_process  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     shutil.which("go") is None, reason="the Go toolchain (go) is not on PATH: cannot build the ringside sidecar"
@@ -355,7 +356,7 @@ def test_sidecar_killed_mid_call(sidecar, backends):
     t = threading.Thread(target=call)
     t.start()
     assert ready.wait(30)
-    sidecar.proc.send_signal(signal.SIGSTOP)  # the call is in flight when it dies
+    stop_process(sidecar.proc.pid)  # the call is in flight when it dies
     go.set()
     time.sleep(0.3)
     sidecar.proc.send_signal(signal.SIGKILL)

@@ -18,6 +18,7 @@ import vllm_harness as H  # skips this module where vLLM is not importable
 
 from ringside import schema as S
 from ringside.plugin.config import ConfigError
+from ringside.sidecar_process import stop_process
 from ringside.vllm import RingsideConnector
 from ringside.vllm.loads import Load, LoadState
 
@@ -294,16 +295,6 @@ def test_resumed_request_is_looked_up_again(sc):
     assert 0 < eng.wstats["loaded_blocks"] <= st["hit_blocks"] and eng.wstats["load_error_blocks"] == 0
 
 
-def wait_stopped(pid):
-    deadline = time.monotonic() + 5
-    while True:
-        with open("/proc/%d/stat" % pid) as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-
-
 def wait_pool(sc, eng, key, want, timeout=20.0):
     """Step eng until the sidecar's pool counter key is want: bounded by
     wall time, not by a number of steps (a loaded machine takes longer to
@@ -345,9 +336,8 @@ def test_request_finished_while_acquire_in_flight(sc):
     free0 = eng.sched.kv_cache_manager.block_pool.get_num_free_blocks()
     (r,) = shared_prompts("x", n=1)
     eng.add(r)
-    os.kill(sc.proc.pid, signal.SIGSTOP)
+    stop_process(sc.proc.pid)
     try:
-        wait_stopped(sc.proc.pid)
         eng.step()
         assert r.status == H.RequestStatus.WAITING_FOR_REMOTE_KVS
         assert eng.sside.loads.waiting, "the acquire was answered by a stopped sidecar?"
@@ -379,8 +369,7 @@ def test_request_finished_while_load_in_flight(sc):
 
     def freeze(so, meta):
         if meta.loads:
-            os.kill(sc.proc.pid, signal.SIGSTOP)
-            wait_stopped(sc.proc.pid)
+            stop_process(sc.proc.pid)
 
     try:
         deadline = time.monotonic() + 10
@@ -499,8 +488,7 @@ def test_held_request_released_when_its_store_ends(sc, end):
         if end == "refused":  # a page the region does not have: the sidecar refuses the store
             meta.store_block_ids[-1] = 1 << 20
         eng.worker.connector_worker._finish_saves()  # the earlier stores are answered: only this one waits
-        os.kill(sc.proc.pid, signal.SIGSTOP)
-        wait_stopped(sc.proc.pid)
+        stop_process(sc.proc.pid)
         sent.append(time.monotonic())
 
     sent: list = []  # when the store was sent (just after)
@@ -566,8 +554,7 @@ def test_store_timeout_releases_blocks_after_the_detach(sc):
     def freeze(so, meta):
         if meta.store_req_ids and eng.steps > 0:
             eng.worker.connector_worker._finish_saves()  # the earlier stores are answered: only this one waits
-            os.kill(sc.proc.pid, signal.SIGSTOP)
-            wait_stopped(sc.proc.pid)
+            stop_process(sc.proc.pid)
 
     stopped = True
     try:
